@@ -1,0 +1,1 @@
+"""megamoe runtime: DeepGEMM MegaMoE layer, kernel-layout contract and numerics."""
