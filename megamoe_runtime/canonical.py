@@ -1,0 +1,158 @@
+"""Canonical per-expert tensors: what every reader yields and layout consumes.
+
+Readers translate a checkpoint's names and conventions into these, in the
+checkpoint's own encoding (no repacking), so `layout` never parses names and
+readers never pack. `validate` is the single place that says what shape and
+dtype each role has for each row.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError, MegaMoEError, ScaleError
+from .formats import Row, get_row
+
+__all__ = ["ProjectionTensors", "ExpertTensors", "ROLES", "expected_shapes"]
+
+ROLES = ("gate", "up", "down")
+
+
+def expected_shapes(row: "Row | str", hidden: int, intermediate: int, role: str) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(weight shape, scale shape or None) of one projection in canonical encoding.
+
+    gate/up are [I, H] (out, in); down is [H, I]. Packed E2M1 halves the in dim.
+    """
+    row = get_row(row)
+    if role in ("gate", "up"):
+        out, k = intermediate, hidden
+    elif role == "down":
+        out, k = hidden, intermediate
+    else:
+        raise CheckpointError(f"unknown projection role {role!r}; valid: {', '.join(ROLES)}")
+    w = (out, row.weight.stored_cols(k))
+    s = (out, row.weight.scale_groups(k)) if row.has_scales else None
+    return w, s
+
+
+def _finite_pos(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@dataclass
+class ProjectionTensors:
+    """One projection (gate, up or down) of one expert, in checkpoint encoding.
+
+    weight: mxfp4/nvfp4 uint8 packed [out, in/2] (element 2j in the low
+    nibble); mxfp8 float8_e4m3fn [out, in]; bf16 bfloat16 [out, in].
+    scale: mx uint8 UE8M0 [out, in/32]; nvfp4 float8_e4m3fn [out, in/16]; bf16 None.
+    global_scale: nvfp4 dequant multiplier (ModelOpt weight_scale_2; CT's
+    reciprocal already inverted). input_scale: nvfp4 activation scale multiplier.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    global_scale: float | None = None
+    input_scale: float | None = None
+
+    def validate(
+        self,
+        row: "Row | str",
+        hidden: int,
+        intermediate: int,
+        role: str,
+        where: str,
+        error: type[MegaMoEError] = CheckpointError,
+    ) -> None:
+        """Raise `error` (CheckpointError by default; layout passes LayoutError)
+        naming `where` unless dtype and shape match the row's canonical encoding.
+        Bad scalar values raise ScaleError."""
+        row = get_row(row)
+        wshape, sshape = expected_shapes(row, hidden, intermediate, role)
+        wdt = row.weight.checkpoint_dtype
+        if not isinstance(self.weight, torch.Tensor):
+            raise error(f"{where}: weight is {type(self.weight).__name__}, expected a tensor")
+        if self.weight.dtype != wdt:
+            raise error(
+                f"{where}: weight dtype {self.weight.dtype} does not match row {row.name} "
+                f"(expected {wdt}{'; view int8 bytes as uint8' if wdt == torch.uint8 else ''})"
+            )
+        if tuple(self.weight.shape) != wshape:
+            raise error(
+                f"{where}: weight shape {list(self.weight.shape)} != expected {list(wshape)} "
+                f"for {role} of row {row.name} with hidden={hidden}, intermediate={intermediate}"
+            )
+        if sshape is None:
+            if self.scale is not None:
+                raise error(f"{where}: row {row.name} has no scales, but a scale {list(self.scale.shape)} was given")
+        else:
+            sdt = row.weight.scale_checkpoint_dtype
+            if self.scale is None:
+                raise error(f"{where}: row {row.name} needs a scale {list(sshape)} {sdt}, got None")
+            if self.scale.dtype != sdt:
+                raise error(f"{where}: scale dtype {self.scale.dtype} does not match row {row.name} (expected {sdt})")
+            if tuple(self.scale.shape) != sshape:
+                raise error(
+                    f"{where}: scale shape {list(self.scale.shape)} != expected {list(sshape)} "
+                    f"for {role} of row {row.name} (group {row.weight.scale_group} along K)"
+                )
+        if row.weight.has_global_scale:
+            for label in ("global_scale", "input_scale"):
+                v = getattr(self, label)
+                if v is not None and not _finite_pos(v):
+                    raise ScaleError(f"{where}: {label}={v!r} must be a finite float > 0")
+        else:
+            for label in ("global_scale", "input_scale"):
+                if getattr(self, label) is not None:
+                    raise error(f"{where}: row {row.name} has no {label}, got {getattr(self, label)!r}")
+
+    def dequantize(self, row: "Row | str") -> torch.Tensor:
+        """float32 [out, in]. nvfp4 multiplies by global_scale (1.0 if None,
+        e.g. after unpacking kernel bytes, which carry no globals)."""
+        from . import codecs  # late: codecs is written alongside this module
+
+        row = get_row(row)
+        w = row.weight
+        if w.element == "bf16":
+            return self.weight.float()
+        if w.scale_encoding == "ue8m0":
+            return codecs.dequantize_mx(self.weight, self.scale, w.element)
+        g = 1.0 if self.global_scale is None else float(self.global_scale)
+        return codecs.dequantize_nvfp4(self.weight, self.scale, g)
+
+
+@dataclass
+class ExpertTensors:
+    """gate (w1), up (w3), down (w2) of one expert."""
+
+    gate: ProjectionTensors
+    up: ProjectionTensors
+    down: ProjectionTensors
+
+    def projections(self) -> tuple[tuple[str, ProjectionTensors], ...]:
+        return (("gate", self.gate), ("up", self.up), ("down", self.down))
+
+    def infer_sizes(self, row: "Row | str") -> tuple[int, int]:
+        """(hidden, intermediate) from the down weight [H, I or I/2]."""
+        row = get_row(row)
+        h, iw = self.down.weight.shape[-2:]
+        return int(h), int(iw) * (2 if row.weight.elements_per_byte == 2 else 1)
+
+    def validate(
+        self,
+        row: "Row | str",
+        hidden: int,
+        intermediate: int,
+        where: str,
+        error: type[MegaMoEError] = CheckpointError,
+    ) -> None:
+        for role, p in self.projections():
+            if not isinstance(p, ProjectionTensors):
+                raise error(f"{where}.{role}: expected ProjectionTensors, got {type(p).__name__}")
+            p.validate(row, hidden, intermediate, role, f"{where}.{role}", error)
+
+    def dequantize(self, row: "Row | str") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, H], up [I, H], down [H, I]) float32, global scales applied."""
+        return self.gate.dequantize(row), self.up.dequantize(row), self.down.dequantize(row)

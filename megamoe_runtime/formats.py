@@ -1,0 +1,536 @@
+"""The feature matrix (REFERENCE.md §2) as data, and layer-spec validation.
+
+Every other module asks this one what a row is (element type, scale group,
+kernel dtype, entry point, size rules) instead of hard-coding it, so adding or
+correcting a row is a one-place change. Specs are frozen dataclasses validated
+at construction: an invalid spec cannot exist, and the error says which rule
+failed, with the values and what would be valid.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .errors import FormatError, LayerSpecError
+
+__all__ = [
+    "WeightSpec",
+    "Row",
+    "ROWS",
+    "get_row",
+    "SHARED_PRECISIONS",
+    "ACTIVATION_KINDS",
+    "MAX_TOPK_SLOTS",
+    "ActivationSpec",
+    "SharedSpec",
+    "LayerSpec",
+    "nearest_multiples",
+]
+
+#: DeepGEMM's combine has at most 32 slots per token: top-k routed + 1 shared.
+MAX_TOPK_SLOTS = 32
+ACTIVATION_KINDS = ("swiglu", "situ")
+#: Shared-expert precisions the kernels can fuse (2-D tensors, REFERENCE §2).
+SHARED_PRECISIONS = ("mxfp8", "bf16")
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """'256 or 384' for (300, 128): the valid sizes around an invalid one."""
+    lo = (value // multiple) * multiple
+    hi = lo + multiple
+    if lo <= 0:
+        return str(hi)
+    return f"{lo} or {hi}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How one row stores a routed weight and its scale factors.
+
+    elements_per_byte: 2 for packed E2M1, 1 for E4M3, 0 for bf16 (2 bytes per
+    element). scale_group: elements along K sharing one scale byte (32 for
+    UE8M0, 16 for NVFP4's E4M3), None without scales.
+    """
+
+    element: str  # "e2m1" | "e4m3" | "bf16"
+    elements_per_byte: int
+    kernel_dtype: torch.dtype
+    scale_group: int | None
+    scale_encoding: str | None  # "ue8m0" | "e4m3" | None
+    has_global_scale: bool
+
+    def __post_init__(self) -> None:
+        if self.element not in ("e2m1", "e4m3", "bf16"):
+            raise FormatError(f"WeightSpec.element={self.element!r}; valid: 'e2m1', 'e4m3', 'bf16'")
+        expected = {"e2m1": 2, "e4m3": 1, "bf16": 0}[self.element]
+        if self.elements_per_byte != expected:
+            raise FormatError(
+                f"WeightSpec({self.element}).elements_per_byte={self.elements_per_byte}; must be {expected}"
+            )
+        if (self.scale_group is None) != (self.scale_encoding is None):
+            raise FormatError("WeightSpec: scale_group and scale_encoding must both be set or both be None")
+        if self.scale_encoding not in (None, "ue8m0", "e4m3"):
+            raise FormatError(f"WeightSpec.scale_encoding={self.scale_encoding!r}; valid: 'ue8m0', 'e4m3', None")
+
+    @property
+    def has_scales(self) -> bool:
+        return self.scale_group is not None
+
+    @property
+    def scale_k_per_int32(self) -> int | None:
+        """Elements of K covered by one packed int32 (4 scale bytes): 128 MX, 64 NVFP4."""
+        return None if self.scale_group is None else 4 * self.scale_group
+
+    @property
+    def checkpoint_dtype(self) -> torch.dtype:
+        """dtype of the weight in checkpoint (canonical) encoding."""
+        return {"e2m1": torch.uint8, "e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}[self.element]
+
+    @property
+    def scale_checkpoint_dtype(self) -> torch.dtype | None:
+        """dtype of the scale in canonical encoding: uint8 (UE8M0) or float8_e4m3fn."""
+        if self.scale_encoding is None:
+            return None
+        return torch.uint8 if self.scale_encoding == "ue8m0" else torch.float8_e4m3fn
+
+    def stored_cols(self, k: int) -> int:
+        """Columns of a weight row holding k elements (k/2 for packed E2M1)."""
+        return k // 2 if self.elements_per_byte == 2 else k
+
+    def scale_groups(self, k: int) -> int:
+        """Scale bytes per row for a reduction dim of k elements (0 without scales)."""
+        return 0 if self.scale_group is None else k // self.scale_group
+
+    def scale_ints(self, k: int) -> int:
+        """P: packed int32 columns per row, ceil(k / (4 * group)) (0 without scales)."""
+        if self.scale_group is None:
+            return 0
+        return -(-k // (4 * self.scale_group))
+
+
+E2M1_UE8M0 = WeightSpec("e2m1", 2, torch.int8, 32, "ue8m0", False)
+E4M3_UE8M0 = WeightSpec("e4m3", 1, torch.float8_e4m3fn, 32, "ue8m0", False)
+E2M1_E4M3 = WeightSpec("e2m1", 2, torch.int8, 16, "e4m3", True)
+BF16 = WeightSpec("bf16", 0, torch.bfloat16, None, None, False)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One column of the feature matrix: a routed-weight format and what the
+    kernels allow with it.
+
+    entry_points: DeepGEMM function names that run this row, over all API
+    flavours; api_flavours maps flavour -> entry point for the backend.
+    fusable_shared: shared-expert precisions the kernel can run in the same
+    launch; any other shared expert has to run outside the mega kernel.
+    topk_weight_stage: 'l1' = the routing weight multiplies the activation
+    before requantisation (mx rows, bf16); 'l2' = after the L2 GEMM (nvfp4).
+    """
+
+    name: str
+    mma_type: str
+    entry_points: tuple[str, ...]
+    weight: WeightSpec
+    dispatch: str  # "mxfp8" | "nvfp4" | "bf16"
+    fusable_shared: tuple[str, ...]
+    activations: frozenset
+    hidden_multiple: int
+    intermediate_multiple: int
+    topk_weight_stage: str  # "l1" | "l2"
+    api_flavours: tuple[tuple[str, str], ...] = field(default=())
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mma_type not in ("fp8xfp4", "fp8xfp8", "fp4xfp4", "bf16xbf16"):
+            raise FormatError(f"Row {self.name}: unknown mma_type {self.mma_type!r}")
+        if self.dispatch not in ("mxfp8", "nvfp4", "bf16"):
+            raise FormatError(f"Row {self.name}: unknown dispatch {self.dispatch!r}")
+        if self.topk_weight_stage not in ("l1", "l2"):
+            raise FormatError(f"Row {self.name}: topk_weight_stage must be 'l1' or 'l2'")
+        bad = [p for p in self.fusable_shared if p not in SHARED_PRECISIONS]
+        if bad:
+            raise FormatError(f"Row {self.name}: unknown shared precisions {bad}")
+        bad = [a for a in self.activations if a not in ACTIVATION_KINDS]
+        if bad:
+            raise FormatError(f"Row {self.name}: unknown activations {bad}")
+        for flavour, ep in self.api_flavours:
+            if ep not in self.entry_points:
+                raise FormatError(f"Row {self.name}: flavour {flavour} names {ep}, not in entry_points")
+
+    @property
+    def has_scales(self) -> bool:
+        return self.weight.has_scales
+
+    def entry_point(self, flavour: str) -> str:
+        """DeepGEMM function name for an API flavour ('dg', 'dgv', 'dgz', ...)."""
+        for f, ep in self.api_flavours:
+            if f == flavour:
+                return ep
+        valid = ", ".join(f for f, _ in self.api_flavours)
+        raise FormatError(f"row {self.name} has no entry point for API flavour {flavour!r}; valid: {valid}")
+
+    def can_fuse_shared(self, precision: str) -> tuple[bool, str]:
+        """(True, '') if a shared expert of this precision can run inside the
+        mega kernel; else (False, why), and the shared expert runs outside."""
+        if precision not in SHARED_PRECISIONS:
+            return False, (
+                f"shared precision {precision!r} is unknown; valid: {', '.join(SHARED_PRECISIONS)}"
+            )
+        if precision in self.fusable_shared:
+            return True, ""
+        if not self.fusable_shared:
+            return False, f"row {self.name} cannot fuse shared experts; run the shared expert outside"
+        return False, (
+            f"row {self.name} fuses only {', '.join(self.fusable_shared)} shared experts, not {precision}; "
+            f"convert the shared expert to one of those or run it outside (shared=None)"
+        )
+
+    def check_sizes(self, hidden: int, intermediate: int, where: str = "") -> None:
+        """Raise LayerSpecError unless H and I satisfy this row's size rules."""
+        pre = f"{where}: " if where else ""
+        for label, v, m in (
+            ("hidden", hidden, self.hidden_multiple),
+            ("intermediate", intermediate, self.intermediate_multiple),
+        ):
+            if not _is_int(v) or v <= 0:
+                raise LayerSpecError(f"{pre}{label}={v!r} must be a positive int")
+            if v % m:
+                raise LayerSpecError(
+                    f"{pre}{label}={v} is not a multiple of {m} required by row {self.name}; "
+                    f"nearest valid: {nearest_multiples(v, m)}"
+                )
+
+
+ROWS: dict[str, Row] = {
+    "mxfp4": Row(
+        name="mxfp4",
+        mma_type="fp8xfp4",
+        entry_points=("fp8_fp4_mega_moe",),
+        weight=E2M1_UE8M0,
+        dispatch="mxfp8",
+        fusable_shared=("mxfp8",),
+        activations=frozenset({"swiglu", "situ"}),
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l1",
+        api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgv", "fp8_fp4_mega_moe")),
+        notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
+    ),
+    "mxfp8": Row(
+        name="mxfp8",
+        mma_type="fp8xfp8",
+        entry_points=("fp8_fp4_mega_moe", "fp8_fp8_mega_moe"),
+        weight=E4M3_UE8M0,
+        dispatch="mxfp8",
+        fusable_shared=("mxfp8",),
+        activations=frozenset({"swiglu", "situ"}),
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l1",
+        api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgz", "fp8_fp8_mega_moe")),
+        notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
+    ),
+    "nvfp4": Row(
+        name="nvfp4",
+        mma_type="fp4xfp4",
+        entry_points=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
+        weight=E2M1_E4M3,
+        dispatch="nvfp4",
+        fusable_shared=("mxfp8", "bf16"),
+        activations=frozenset({"swiglu"}),
+        # DGv's nvfp4_mega_moe needs H, I % 128. Newer DG's fp4_fp4_mega_moe
+        # needs H, I % 512 (its kernel asserts 256) and S*I_s % 128: the
+        # deepgemm backend checks that stricter rule for that flavour; the
+        # format itself only needs the DGv rule.
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l2",
+        api_flavours=(("dg", "fp4_fp4_mega_moe"), ("dgv", "nvfp4_mega_moe")),
+        notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
+    ),
+    "bf16": Row(
+        name="bf16",
+        mma_type="bf16xbf16",
+        entry_points=("bf16_mega_moe",),
+        weight=BF16,
+        dispatch="bf16",
+        fusable_shared=("bf16",),
+        activations=frozenset({"swiglu"}),
+        # The layout alone needs I % 8 (interleave). We pick H, I % 128 as
+        # vLLM's backend factory asks, so a converted bf16 checkpoint is
+        # accepted by every consumer.
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l1",
+        api_flavours=(("dg", "bf16_mega_moe"), ("dgv", "bf16_mega_moe")),
+        notes="DG-main on",
+    ),
+}
+
+
+def get_row(name: "str | Row") -> Row:
+    """Row by name (a Row passes through). FormatError lists valid names."""
+    if isinstance(name, Row):
+        return name
+    try:
+        return ROWS[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown row {name!r}; valid rows: {', '.join(ROWS)}") from None
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """The L1 epilogue activation.
+
+    swiglu: g*sigmoid(alpha*g)*(u+beta) with optional clamp (g <= c, |u| <= c);
+    situ: sigmoid(g)*sb*tanh(g/sb)*slb*tanh(u/slb), no clamp, betas finite > 0.
+    """
+
+    kind: str = "swiglu"
+    clamp: float | None = None
+    alpha: float = 1.0
+    beta: float = 0.0
+    situ_beta: float | None = None
+    situ_linear_beta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATION_KINDS:
+            raise LayerSpecError(f"activation kind={self.kind!r}; valid: {', '.join(ACTIVATION_KINDS)}")
+        if self.clamp is not None:
+            if not _is_real(self.clamp) or not math.isfinite(self.clamp) or self.clamp < 0:
+                raise LayerSpecError(
+                    f"activation clamp={self.clamp!r} must be a finite number >= 0, or None for no clamp"
+                )
+        for label, v in (("alpha", self.alpha), ("beta", self.beta)):
+            if not _is_real(v) or not math.isfinite(v):
+                raise LayerSpecError(f"activation {label}={v!r} must be a finite number")
+        if self.alpha <= 0:
+            raise LayerSpecError(f"activation alpha={self.alpha} must be > 0 (1.0 is plain SwiGLU)")
+        if self.kind == "swiglu":
+            if self.situ_beta is not None or self.situ_linear_beta is not None:
+                raise LayerSpecError(
+                    f"swiglu forbids situ betas (got situ_beta={self.situ_beta!r}, "
+                    f"situ_linear_beta={self.situ_linear_beta!r}); set both to None or use kind='situ'"
+                )
+        else:
+            if self.clamp is not None:
+                raise LayerSpecError(
+                    f"situ takes no clamp (got clamp={self.clamp!r}); set clamp=None or use kind='swiglu'"
+                )
+            if self.alpha != 1.0 or self.beta != 0.0:
+                raise LayerSpecError(
+                    f"situ has no alpha/beta (got alpha={self.alpha}, beta={self.beta}); "
+                    "leave them at 1.0/0.0 and set situ_beta, situ_linear_beta"
+                )
+            for label, v in (("situ_beta", self.situ_beta), ("situ_linear_beta", self.situ_linear_beta)):
+                if v is None or not _is_real(v) or not math.isfinite(v) or v <= 0:
+                    raise LayerSpecError(f"situ requires {label} finite > 0, got {v!r}")
+
+    @property
+    def is_plain_swiglu(self) -> bool:
+        return self.kind == "swiglu" and self.alpha == 1.0 and self.beta == 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "clamp": self.clamp,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "situ_beta": self.situ_beta,
+            "situ_linear_beta": self.situ_linear_beta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ActivationSpec":
+        _check_keys(d, cls, "activation")
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class SharedSpec:
+    """S shared experts of width I_s, folded into one of width S*I_s."""
+
+    precision: str
+    num_shared: int
+    intermediate: int
+
+    def __post_init__(self) -> None:
+        if self.precision not in SHARED_PRECISIONS:
+            raise LayerSpecError(
+                f"shared precision={self.precision!r}; valid: {', '.join(SHARED_PRECISIONS)}"
+                " (any other shared expert runs outside the kernel: shared=None)"
+            )
+        if not _is_int(self.num_shared) or self.num_shared < 1:
+            raise LayerSpecError(f"shared num_shared={self.num_shared!r} must be an int >= 1")
+        if not _is_int(self.intermediate) or self.intermediate <= 0:
+            raise LayerSpecError(f"shared intermediate={self.intermediate!r} must be a positive int")
+        # K-stacking the L2 scale bytes needs whole scale groups per expert,
+        # and the folded L1 (2*S*I_s rows) goes through UTCCP in 128-row blocks.
+        if self.precision == "mxfp8" and self.intermediate % 32:
+            raise LayerSpecError(
+                f"shared intermediate={self.intermediate} is not a multiple of 32 (mxfp8 scale group); "
+                f"nearest valid: {nearest_multiples(self.intermediate, 32)}"
+            )
+        if self.intermediate % 8:
+            raise LayerSpecError(
+                f"shared intermediate={self.intermediate} is not a multiple of 8 (gate/up interleave); "
+                f"nearest valid: {nearest_multiples(self.intermediate, 8)}"
+            )
+        if self.folded_intermediate % 128:
+            raise LayerSpecError(
+                f"shared num_shared*intermediate={self.num_shared}*{self.intermediate}="
+                f"{self.folded_intermediate} is not a multiple of 128 required for the folded shared expert; "
+                f"nearest valid: {nearest_multiples(self.folded_intermediate, 128)}"
+            )
+
+    @property
+    def folded_intermediate(self) -> int:
+        return self.num_shared * self.intermediate
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "num_shared": self.num_shared, "intermediate": self.intermediate}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SharedSpec":
+        _check_keys(d, cls, "shared")
+        return cls(**dict(d))
+
+
+def _check_keys(d: Any, cls: type, what: str) -> None:
+    if not isinstance(d, Mapping):
+        raise LayerSpecError(f"{what}: expected a mapping, got {type(d).__name__}")
+    valid = set(cls.__dataclass_fields__)
+    unknown = sorted(set(d) - valid)
+    if unknown:
+        raise LayerSpecError(f"{what}: unknown keys {unknown}; valid keys: {sorted(valid)}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything that fixes one MoE layer's kernel shapes and numerics."""
+
+    row: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    activation: ActivationSpec = field(default_factory=ActivationSpec)
+    ep_rank: int = 0
+    ep_size: int = 1
+    shared: SharedSpec | None = None
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.row not in ROWS:
+            raise LayerSpecError(f"row={self.row!r} is unknown; valid rows: {', '.join(ROWS)}")
+        row = ROWS[self.row]
+        if not isinstance(self.activation, ActivationSpec):
+            raise LayerSpecError(
+                f"activation must be an ActivationSpec, got {type(self.activation).__name__}"
+            )
+        if self.shared is not None and not isinstance(self.shared, SharedSpec):
+            raise LayerSpecError(f"shared must be a SharedSpec or None, got {type(self.shared).__name__}")
+        for label in ("num_experts", "top_k", "ep_size"):
+            v = getattr(self, label)
+            if not _is_int(v) or v < 1:
+                raise LayerSpecError(f"{label}={v!r} must be an int >= 1")
+        if not _is_int(self.ep_rank):
+            raise LayerSpecError(f"ep_rank={self.ep_rank!r} must be an int")
+        row.check_sizes(self.hidden, self.intermediate)
+        if self.num_experts % self.ep_size:
+            divs = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise LayerSpecError(
+                f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}; "
+                f"valid ep_size: {divs[:16]}{' ...' if len(divs) > 16 else ''}"
+            )
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise LayerSpecError(f"ep_rank={self.ep_rank} out of range for ep_size={self.ep_size}; valid: 0..{self.ep_size - 1}")
+        if self.top_k > MAX_TOPK_SLOTS:
+            raise LayerSpecError(f"top_k={self.top_k} exceeds the kernel limit {MAX_TOPK_SLOTS}; valid: 1..{MAX_TOPK_SLOTS}")
+        if self.top_k > self.num_experts:
+            raise LayerSpecError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}; valid: 1..{min(self.num_experts, MAX_TOPK_SLOTS)}"
+            )
+        if self.shared is not None and self.top_k + 1 > MAX_TOPK_SLOTS:
+            raise LayerSpecError(
+                f"top_k={self.top_k} plus 1 fused shared slot exceeds {MAX_TOPK_SLOTS}; "
+                f"valid: top_k <= {MAX_TOPK_SLOTS - 1} with a fused shared expert, or shared=None"
+            )
+        rsf = self.routed_scaling_factor
+        if not _is_real(rsf) or not math.isfinite(rsf) or rsf <= 0:
+            raise LayerSpecError(f"routed_scaling_factor={rsf!r} must be a finite number > 0")
+        if self.activation.kind not in row.activations:
+            raise LayerSpecError(
+                f"activation {self.activation.kind!r} is not supported by row {row.name}; "
+                f"valid: {', '.join(sorted(row.activations))}"
+            )
+        if self.shared is not None:
+            ok, reason = row.can_fuse_shared(self.shared.precision)
+            if not ok:
+                raise LayerSpecError(f"shared expert cannot be fused: {reason}")
+
+    @property
+    def row_spec(self) -> Row:
+        return ROWS[self.row]
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def local_experts(self) -> range:
+        n = self.experts_per_rank
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+    def with_rank(self, ep_rank: int, ep_size: int | None = None) -> "LayerSpec":
+        """The same layer as seen by another EP rank (validated again)."""
+        d = self.to_dict()
+        d["ep_rank"] = ep_rank
+        if ep_size is not None:
+            d["ep_size"] = ep_size
+        return LayerSpec.from_dict(d)
+
+    def to_dict(self) -> dict:
+        """JSON-safe dict (ints, floats, strings, None, nested dicts)."""
+        return {
+            "row": self.row,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "activation": self.activation.to_dict(),
+            "ep_rank": self.ep_rank,
+            "ep_size": self.ep_size,
+            "shared": None if self.shared is None else self.shared.to_dict(),
+            "routed_scaling_factor": float(self.routed_scaling_factor),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LayerSpec":
+        _check_keys(d, cls, "layer spec")
+        kw = dict(d)
+        missing = [k for k in ("row", "hidden", "intermediate", "num_experts", "top_k") if k not in kw]
+        if missing:
+            raise LayerSpecError(f"layer spec: missing keys {missing}")
+        if "activation" in kw and not isinstance(kw["activation"], ActivationSpec):
+            kw["activation"] = ActivationSpec.from_dict(kw["activation"])
+        if kw.get("shared") is not None and not isinstance(kw["shared"], SharedSpec):
+            kw["shared"] = SharedSpec.from_dict(kw["shared"])
+        return cls(**kw)

@@ -1,0 +1,681 @@
+"""Checkpoint encoding <-> DeepGEMM MegaMoE kernel layout, both directions.
+
+This is the only packing code in the project: the converter, the runtime's
+raw (vLLM-style) weight loader and the inverse used by `verify` all call the
+primitives below, so there is exactly one definition of where every byte goes.
+
+What the kernels read (REFERENCE.md §3), per routed expert stack
+(`[E_l, ...]`) or 2-D shared expert (no expert dim):
+
+* ``l1_weight [.., 2I, Dw]``: gate rows and up rows interleaved in groups of 8,
+  ``gate n -> 16*(n//8) + n%8``, ``up m -> 16*(m//8) + 8 + m%8`` (`interleave_row`).
+* ``l2_weight [.., H, Iw]``: unchanged.
+* Scales (not bf16): per-group bytes packed four to an int32 (byte j of int p
+  = group 4p+j), exposed as an MN-major kernel view ``[.., MN, P]`` with
+  strides ``(P*MN, 1, MN)`` over a contiguous *physical* ``[.., P, MN]``, and
+  rows permuted in 128-row blocks for UTCCP: logical row r is stored at
+  ``(r & ~127) + (r%32)*4 + (r//32)%4`` (`utccp_row`). L1 scales are
+  interleaved first, then UTCCP-permuted; L2 scales are UTCCP-permuted only.
+
+Why strided views and not index tensors: each primitive is ONE ``copy_`` from
+a source in checkpoint encoding into a strided view of the destination (or
+out of it, for the readers). No index tensor, no full-size temporary, no
+reallocation: the destination can be a slice of live, CUDA-graph-captured
+storage, and a meta-tensor dry run sees exactly the writes a real load does.
+
+Derivation of the L1 scale view. Write the gate/up source row as
+``n = 64b + 16j + 8q + m`` (j<4, q<2, m<8) and half h (0 gate, 1 up). Then
+``il(n) = 128b + 32j + 16q + 8h + m`` and ``utccp(il) = 128b + 64q + 32h + 4m + j``.
+So the physical ``[P, 2I]`` viewed as ``[P, 2I/128, 2, 2, 8, 4]`` = (p, b, q, h, m, j),
+with h selected and permuted to (b, j, q, m, p), lines up element for element
+with the packed source ``[I, P]`` viewed as ``[I/64, 4, 2, 8, P]``.
+L2 scale: source row ``r = 128b + 32j + i`` is stored at ``128b + 4i + j``, so
+the physical ``[P, H]`` viewed ``[P, H/128, 32, 4]`` = (p, b, i, j) permuted to
+(b, j, i, p) lines up with the source ``[H, P]`` viewed ``[H/128, 4, 32, P]``.
+L1 weight: ``dst.view(2I/16, 2, 8, Dw)[:, h]`` lines up with ``src.view(I/8, 8, Dw)``.
+
+All primitives act on the last two dims and accept matching leading dims, so
+the same call writes one expert (``kt.l1_weight[e]``), a 2-D shared expert,
+or a whole stack at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from .canonical import ExpertTensors, ProjectionTensors
+from .errors import LayoutError
+from .formats import Row, get_row, nearest_multiples
+
+__all__ = [
+    "interleave_row",
+    "deinterleave_row",
+    "utccp_row",
+    "utccp_inverse_row",
+    "l1_scale_row",
+    "l2_scale_row",
+    "KernelTensors",
+    "allocate_kernel_tensors",
+    "allocate_scale",
+    "physical",
+    "kernel_view_from_physical",
+    "check_kernel_strides",
+    "check_kernel_tensors",
+    "kernel_shapes",
+    "write_l1_weight",
+    "write_l1_scale",
+    "write_l2_weight",
+    "write_l2_scale",
+    "read_l1_weight",
+    "read_l1_scale",
+    "read_l2_weight",
+    "read_l2_scale",
+    "write_expert",
+    "read_expert",
+    "pack_expert_stack",
+    "unpack_expert_stack",
+    "pack_shared",
+    "unpack_shared",
+    "fold_shared",
+    "split_shared",
+]
+
+UTCCP_BLOCK = 128
+INTERLEAVE = 8
+
+
+def _codecs():
+    # Imported lazily: codecs is written alongside this module and its import
+    # must not be a hard dependency of merely importing layout.
+    from . import codecs
+
+    return codecs
+
+
+# --------------------------------------------------------------------------- index maps
+
+
+def interleave_row(n: int, intermediate: int) -> int:
+    """Kernel row of logical L1 row n (n < I gate, else up row n - I)."""
+    I = intermediate
+    if not 0 <= n < 2 * I:
+        raise LayoutError(f"interleave_row: n={n} out of range [0, {2 * I})")
+    if n < I:
+        return 16 * (n // 8) + n % 8
+    m = n - I
+    return 16 * (m // 8) + 8 + m % 8
+
+
+def deinterleave_row(r: int, intermediate: int) -> int:
+    """Inverse of `interleave_row`: logical L1 row stored at kernel row r."""
+    I = intermediate
+    if not 0 <= r < 2 * I:
+        raise LayoutError(f"deinterleave_row: r={r} out of range [0, {2 * I})")
+    blk, rem = divmod(r, 16)
+    half, m = divmod(rem, 8)
+    return half * I + 8 * blk + m
+
+
+def utccp_row(r: int) -> int:
+    """Physical position of logical scale row r: 128-row blocks viewed (4, 32), transposed."""
+    return (r & ~127) + (r % 32) * 4 + (r // 32) % 4
+
+
+def utccp_inverse_row(s: int) -> int:
+    """Logical scale row stored at position s (inverse of `utccp_row`)."""
+    base, rem = s & ~127, s % 128
+    c, a = divmod(rem, 4)
+    return base + 32 * a + c
+
+
+def l1_scale_row(n: int, intermediate: int) -> int:
+    """Where the scale of logical L1 row n lives: utccp(interleave(n))."""
+    return utccp_row(interleave_row(n, intermediate))
+
+
+def l2_scale_row(r: int) -> int:
+    return utccp_row(r)
+
+
+# --------------------------------------------------------------------------- kernel tensors
+
+
+@dataclass
+class KernelTensors:
+    """The four kernel-layout tensors of one routed stack ([E_l, ...]) or one
+    2-D shared expert. Scales are MN-major kernel views (None for bf16)."""
+
+    l1_weight: torch.Tensor
+    l1_scale: torch.Tensor | None
+    l2_weight: torch.Tensor
+    l2_scale: torch.Tensor | None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """role -> tensor, scales omitted when absent (bf16)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def is_stack(self) -> bool:
+        return self.l1_weight.dim() == 3
+
+    @property
+    def num_experts(self) -> int | None:
+        return int(self.l1_weight.shape[0]) if self.is_stack else None
+
+    @property
+    def hidden(self) -> int:
+        return int(self.l2_weight.shape[-2])
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.l1_weight.shape[-2]) // 2
+
+    def expert(self, e: int) -> "KernelTensors":
+        """Views of expert e of a stack (2-D, writes go to the stack)."""
+        if not self.is_stack:
+            raise LayoutError("KernelTensors.expert: not an expert stack")
+        return KernelTensors(*(None if t is None else t[e] for t in
+                               (self.l1_weight, self.l1_scale, self.l2_weight, self.l2_scale)))
+
+
+def _align4(x: int) -> int:
+    return (x + 3) // 4 * 4
+
+
+def allocate_scale(lead: tuple[int, ...], mn: int, p: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Zeroed int32 kernel view [*lead, mn, p] over a contiguous physical [*lead, p, mn]."""
+    if mn % 4:
+        raise LayoutError(f"scale MN={mn} must be a multiple of 4 (TMA alignment)")
+    return torch.zeros((*lead, p, mn), dtype=torch.int32, device=device).transpose(-1, -2)
+
+
+def kernel_shapes(row: "Row | str", num_experts: int | None, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """role -> kernel shape (scales: logical [.., MN, P])."""
+    row = get_row(row)
+    w = row.weight
+    lead = () if num_experts is None else (num_experts,)
+    out = {
+        "l1_weight": (*lead, 2 * intermediate, w.stored_cols(hidden)),
+        "l2_weight": (*lead, hidden, w.stored_cols(intermediate)),
+    }
+    if w.has_scales:
+        out["l1_scale"] = (*lead, 2 * intermediate, w.scale_ints(hidden))
+        out["l2_scale"] = (*lead, hidden, w.scale_ints(intermediate))
+    return out
+
+
+def _check_layout_sizes(row: Row, hidden: int, intermediate: int, where: str) -> None:
+    w = row.weight
+    for label, v in (("hidden", hidden), ("intermediate", intermediate)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise LayoutError(f"{where}: {label}={v!r} must be a positive int")
+    if intermediate % INTERLEAVE:
+        raise LayoutError(
+            f"{where}: intermediate={intermediate} must be a multiple of 8 for the gate/up interleave; "
+            f"nearest valid: {nearest_multiples(intermediate, 8)}"
+        )
+    if w.has_scales:
+        if (2 * intermediate) % UTCCP_BLOCK:
+            raise LayoutError(
+                f"{where}: UTCCP needs 2*intermediate to be a multiple of 128 (got intermediate={intermediate}; "
+                f"nearest valid: {nearest_multiples(intermediate, 64)})"
+            )
+        if hidden % UTCCP_BLOCK:
+            raise LayoutError(
+                f"{where}: UTCCP needs hidden to be a multiple of 128 (got hidden={hidden}; "
+                f"nearest valid: {nearest_multiples(hidden, 128)})"
+            )
+        g = w.scale_group
+        if hidden % g or intermediate % g:
+            raise LayoutError(
+                f"{where}: hidden={hidden} and intermediate={intermediate} must be multiples of the "
+                f"scale group {g} of row {row.name}"
+            )
+
+
+def allocate_kernel_tensors(
+    row: "Row | str",
+    E_l: int | None,
+    H: int,
+    I: int,
+    device: torch.device | str | None = None,
+) -> KernelTensors:
+    """Zeroed kernel tensors for E_l experts (E_l=None: one 2-D shared expert).
+
+    Allocated once; loaders then `copy_` into them, so storage is never rebound.
+    """
+    row = get_row(row)
+    _check_layout_sizes(row, H, I, f"allocate_kernel_tensors(row={row.name})")
+    shapes = kernel_shapes(row, E_l, H, I)
+    dt = row.weight.kernel_dtype
+    lead = () if E_l is None else (E_l,)
+    l1w = torch.zeros(shapes["l1_weight"], dtype=dt, device=device)
+    l2w = torch.zeros(shapes["l2_weight"], dtype=dt, device=device)
+    l1s = l2s = None
+    if row.has_scales:
+        l1s = allocate_scale(lead, 2 * I, shapes["l1_scale"][-1], device)
+        l2s = allocate_scale(lead, H, shapes["l2_scale"][-1], device)
+    return KernelTensors(l1w, l1s, l2w, l2s)
+
+
+def physical(sf: torch.Tensor) -> torch.Tensor:
+    """The contiguous physical [.., P, MN] base of an MN-major kernel view.
+
+    This is what goes to disk (safetensors stores contiguous tensors only).
+    """
+    p = sf.transpose(-1, -2)
+    if not p.is_contiguous():
+        raise LayoutError(
+            f"physical: scale view {list(sf.shape)} with strides {list(sf.stride())} is not MN-major "
+            f"over a contiguous base"
+        )
+    return p
+
+
+def kernel_view_from_physical(phys: torch.Tensor) -> torch.Tensor:
+    """MN-major kernel view [.., MN, P] of a contiguous physical [.., P, MN] (no copy)."""
+    if not phys.is_contiguous():
+        raise LayoutError(
+            f"kernel_view_from_physical: physical tensor {list(phys.shape)} must be contiguous "
+            f"(strides {list(phys.stride())})"
+        )
+    return phys.transpose(-1, -2)
+
+
+def check_kernel_strides(t: torch.Tensor, name: str) -> None:
+    """DeepGEMM's check_sf_layout rule for a packed scale kernel view.
+
+    int32; stride(-2) == 1; stride(-1) == align(MN, 4); for 3-D,
+    stride(-3) == stride(-1) * size(-1).
+    """
+    if t.dtype != torch.int32:
+        raise LayoutError(f"{name}: scale dtype {t.dtype}, expected torch.int32 (packed bytes)")
+    if t.dim() not in (2, 3):
+        raise LayoutError(f"{name}: scale must be 2-D or 3-D, got shape {list(t.shape)}")
+    mn, p = t.shape[-2], t.shape[-1]
+    a = _align4(mn)
+    s = t.stride()
+    if s[-2] != 1 or s[-1] != a or (t.dim() == 3 and s[-3] != s[-1] * p):
+        want = (a * p, 1, a) if t.dim() == 3 else (1, a)
+        raise LayoutError(
+            f"{name}: shape {list(t.shape)} has strides {list(s)}; DeepGEMM needs MN-major TMA-aligned "
+            f"strides {list(want)} (use allocate_scale / kernel_view_from_physical)"
+        )
+
+
+def check_kernel_tensors(
+    row: "Row | str", kt: KernelTensors, E_l: int | None, H: int, I: int, where: str = "kernel tensors"
+) -> None:
+    """Shapes, dtypes and scale strides of `kt` against (row, E_l, H, I)."""
+    row = get_row(row)
+    shapes = kernel_shapes(row, E_l, H, I)
+    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        t = getattr(kt, role)
+        if role not in shapes:
+            if t is not None:
+                raise LayoutError(f"{where}.{role}: row {row.name} has no scales, got {list(t.shape)}")
+            continue
+        if t is None:
+            raise LayoutError(f"{where}.{role}: missing (row {row.name} needs {list(shapes[role])})")
+        if tuple(t.shape) != shapes[role]:
+            raise LayoutError(f"{where}.{role}: shape {list(t.shape)} != expected {list(shapes[role])}")
+        if role.endswith("scale"):
+            check_kernel_strides(t, f"{where}.{role}")
+        elif t.dtype != row.weight.kernel_dtype:
+            raise LayoutError(f"{where}.{role}: dtype {t.dtype} != {row.weight.kernel_dtype} for row {row.name}")
+
+
+# --------------------------------------------------------------------------- source coercion
+
+_BYTE_LIKE = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+_SCALE_BYTE_DTYPES = tuple(
+    d for d in (torch.uint8, torch.int8, torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", None)) if d is not None
+)
+
+
+def _as_kernel_dtype(src: torch.Tensor, kdtype: torch.dtype, where: str) -> torch.Tensor:
+    """Reinterpret (never convert) checkpoint bytes as the kernel dtype."""
+    if src.dtype == kdtype:
+        return src
+    if kdtype == torch.int8 and src.dtype == torch.uint8:
+        return src.view(torch.int8)
+    if kdtype == torch.float8_e4m3fn and src.dtype in (torch.uint8, torch.int8):
+        return src.view(kdtype)
+    raise LayoutError(f"{where}: source dtype {src.dtype} cannot be stored as kernel dtype {kdtype}")
+
+
+def _checkpoint_dtype(kdtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if kdtype == torch.int8 else kdtype
+
+
+def _check_half(half: int, where: str) -> None:
+    if half not in (0, 1):
+        raise LayoutError(f"{where}: half={half!r}; valid: 0 (gate, w1) or 1 (up, w3)")
+
+
+def _expect_shape(t: torch.Tensor, shape: tuple[int, ...], where: str, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise LayoutError(f"{where}: {what} shape {list(t.shape)} != expected {list(shape)}")
+
+
+def _packed_scale(src: torch.Tensor, p: int, where: str) -> torch.Tensor:
+    """Per-group scale bytes [.., rows, G] -> int32 [.., rows, P]; int32 passes through."""
+    if src.dtype == torch.int32:
+        if src.shape[-1] != p:
+            raise LayoutError(f"{where}: packed int32 scale has {src.shape[-1]} columns, expected P={p}")
+        return src
+    if src.dtype not in _SCALE_BYTE_DTYPES:
+        raise LayoutError(
+            f"{where}: scale source dtype {src.dtype}; expected per-group bytes "
+            f"(uint8 / float8_e4m3fn / float8_e8m0fnu) or packed int32"
+        )
+    g = src.shape[-1]
+    if -(-g // 4) != p:
+        raise LayoutError(f"{where}: {g} scale groups per row pack to {-(-g // 4)} int32, expected P={p}")
+    return _codecs().pack_bytes_int32(src.view(torch.uint8))
+
+
+def _check_scale_dst(kv: torch.Tensor, where: str) -> None:
+    if kv.dtype != torch.int32:
+        raise LayoutError(f"{where}: destination scale dtype {kv.dtype}, expected torch.int32 kernel view")
+    if kv.dim() < 2:
+        raise LayoutError(f"{where}: destination scale must be at least 2-D, got {list(kv.shape)}")
+
+
+# --------------------------------------------------------------------------- views
+
+
+def _l1_weight_view(dst: torch.Tensor, half: int) -> torch.Tensor:
+    n2 = dst.shape[-2]
+    return dst.unflatten(-2, (n2 // 16, 2, 8)).select(-3, half)  # [.., I/8, 8, Dw]
+
+
+def _l1_scale_view(kv: torch.Tensor, half: int) -> torch.Tensor:
+    n2 = kv.shape[-2]
+    v = kv.transpose(-1, -2).unflatten(-1, (n2 // 128, 2, 2, 8, 4))  # (.., p, b, q, h, m, j)
+    v = v.select(-3, half)  # (.., p, b, q, m, j)
+    nd = v.dim()
+    lead = list(range(nd - 5))
+    return v.permute(*lead, nd - 4, nd - 1, nd - 3, nd - 2, nd - 5)  # (.., b, j, q, m, p)
+
+
+def _l2_scale_view(kv: torch.Tensor) -> torch.Tensor:
+    h = kv.shape[-2]
+    v = kv.transpose(-1, -2).unflatten(-1, (h // 128, 32, 4))  # (.., p, b, i, j)
+    nd = v.dim()
+    lead = list(range(nd - 4))
+    return v.permute(*lead, nd - 3, nd - 1, nd - 2, nd - 4)  # (.., b, j, i, p)
+
+
+# --------------------------------------------------------------------------- write primitives
+
+
+def write_l1_weight(l1_weight_e: torch.Tensor, src: torch.Tensor, half: int, *, where: str = "l1_weight") -> None:
+    """Copy gate (half=0) or up (half=1) rows [.., I, Dw] into kernel rows [.., 2I, Dw], interleaved by 8."""
+    _check_half(half, where)
+    n2, dw = l1_weight_e.shape[-2:]
+    if n2 % 16:
+        raise LayoutError(f"{where}: 2I={n2} must be a multiple of 16 (interleave by 8)")
+    src = _as_kernel_dtype(src, l1_weight_e.dtype, where)
+    _expect_shape(src, (*l1_weight_e.shape[:-2], n2 // 2, dw), where, "source")
+    _l1_weight_view(l1_weight_e, half).copy_(src.unflatten(-2, (n2 // 16, 8)))
+
+
+def write_l1_scale(l1_scale_e: torch.Tensor, src_bytes: torch.Tensor, half: int, *, where: str = "l1_scale") -> None:
+    """Copy gate/up scale bytes [.., I, G] (or packed int32 [.., I, P]) into the
+    L1 scale kernel view [.., 2I, P]: pack, interleave, UTCCP in one copy_."""
+    _check_half(half, where)
+    _check_scale_dst(l1_scale_e, where)
+    n2, p = l1_scale_e.shape[-2:]
+    if n2 % 128:
+        raise LayoutError(f"{where}: 2I={n2} must be a multiple of 128 for UTCCP")
+    src = _packed_scale(src_bytes, p, where)
+    _expect_shape(src, (*l1_scale_e.shape[:-2], n2 // 2, p), where, "packed source")
+    _l1_scale_view(l1_scale_e, half).copy_(src.unflatten(-2, (n2 // 128, 4, 2, 8)))
+
+
+def write_l2_weight(l2_weight_e: torch.Tensor, src: torch.Tensor, *, where: str = "l2_weight") -> None:
+    """Copy down weight [.., H, Iw] unchanged (bytes reinterpreted as the kernel dtype)."""
+    src = _as_kernel_dtype(src, l2_weight_e.dtype, where)
+    _expect_shape(src, tuple(l2_weight_e.shape), where, "source")
+    l2_weight_e.copy_(src)
+
+
+def write_l2_scale(l2_scale_e: torch.Tensor, src_bytes: torch.Tensor, *, where: str = "l2_scale") -> None:
+    """Copy down scale bytes [.., H, G] into the L2 scale kernel view [.., H, P]: pack + UTCCP."""
+    _check_scale_dst(l2_scale_e, where)
+    h, p = l2_scale_e.shape[-2:]
+    if h % 128:
+        raise LayoutError(f"{where}: H={h} must be a multiple of 128 for UTCCP")
+    src = _packed_scale(src_bytes, p, where)
+    _expect_shape(src, tuple(l2_scale_e.shape), where, "packed source")
+    _l2_scale_view(l2_scale_e).copy_(src.unflatten(-2, (h // 128, 4, 32)))
+
+
+# --------------------------------------------------------------------------- read primitives
+
+
+def read_l1_weight(l1_weight_e: torch.Tensor, half: int, *, where: str = "l1_weight") -> torch.Tensor:
+    """Gate (0) or up (1) rows [.., I, Dw] in checkpoint encoding (e2m1 as uint8)."""
+    _check_half(half, where)
+    n2, dw = l1_weight_e.shape[-2:]
+    if n2 % 16:
+        raise LayoutError(f"{where}: 2I={n2} must be a multiple of 16")
+    out = torch.empty((*l1_weight_e.shape[:-2], n2 // 2, dw), dtype=l1_weight_e.dtype, device=l1_weight_e.device)
+    out.unflatten(-2, (n2 // 16, 8)).copy_(_l1_weight_view(l1_weight_e, half))
+    return out.view(_checkpoint_dtype(l1_weight_e.dtype))
+
+
+def read_l1_scale_packed(l1_scale_e: torch.Tensor, half: int, *, where: str = "l1_scale") -> torch.Tensor:
+    """Gate/up packed int32 [.., I, P], row-major, in checkpoint row order."""
+    _check_half(half, where)
+    _check_scale_dst(l1_scale_e, where)
+    n2, p = l1_scale_e.shape[-2:]
+    if n2 % 128:
+        raise LayoutError(f"{where}: 2I={n2} must be a multiple of 128 for UTCCP")
+    out = torch.empty((*l1_scale_e.shape[:-2], n2 // 2, p), dtype=torch.int32, device=l1_scale_e.device)
+    out.unflatten(-2, (n2 // 128, 4, 2, 8)).copy_(_l1_scale_view(l1_scale_e, half))
+    return out
+
+
+def read_l1_scale(
+    l1_scale_e: torch.Tensor, half: int, num_groups: int | None = None, *, where: str = "l1_scale"
+) -> torch.Tensor:
+    """Gate/up scale bytes uint8 [.., I, num_groups] (default 4*P)."""
+    packed = read_l1_scale_packed(l1_scale_e, half, where=where)
+    return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
+
+
+def read_l2_weight(l2_weight_e: torch.Tensor, *, where: str = "l2_weight") -> torch.Tensor:
+    """Down weight [.., H, Iw] in checkpoint encoding (a copy)."""
+    return l2_weight_e.clone(memory_format=torch.contiguous_format).view(_checkpoint_dtype(l2_weight_e.dtype))
+
+
+def read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -> torch.Tensor:
+    """Down packed int32 [.., H, P], row-major, in checkpoint row order."""
+    _check_scale_dst(l2_scale_e, where)
+    h, p = l2_scale_e.shape[-2:]
+    if h % 128:
+        raise LayoutError(f"{where}: H={h} must be a multiple of 128 for UTCCP")
+    out = torch.empty(tuple(l2_scale_e.shape), dtype=torch.int32, device=l2_scale_e.device)
+    out.unflatten(-2, (h // 128, 4, 32)).copy_(_l2_scale_view(l2_scale_e))
+    return out
+
+
+def read_l2_scale(l2_scale_e: torch.Tensor, num_groups: int | None = None, *, where: str = "l2_scale") -> torch.Tensor:
+    """Down scale bytes uint8 [.., H, num_groups] (default 4*P)."""
+    packed = read_l2_scale_packed(l2_scale_e, where=where)
+    return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def write_expert(row: "Row | str", kt: KernelTensors, e: int | None, expert: ExpertTensors, *, where: str = "expert") -> None:
+    """Write one expert's canonical tensors into slot e of a stack (e=None: 2-D kt)."""
+    row = get_row(row)
+
+    def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if (t is None or e is None) else t[e]
+
+    write_l1_weight(sel(kt.l1_weight), expert.gate.weight, 0, where=f"{where}.gate.weight")
+    write_l1_weight(sel(kt.l1_weight), expert.up.weight, 1, where=f"{where}.up.weight")
+    write_l2_weight(sel(kt.l2_weight), expert.down.weight, where=f"{where}.down.weight")
+    if row.has_scales:
+        write_l1_scale(sel(kt.l1_scale), expert.gate.scale, 0, where=f"{where}.gate.scale")
+        write_l1_scale(sel(kt.l1_scale), expert.up.scale, 1, where=f"{where}.up.scale")
+        write_l2_scale(sel(kt.l2_scale), expert.down.scale, where=f"{where}.down.scale")
+
+
+def read_expert(row: "Row | str", kt: KernelTensors, e: int | None, *, where: str = "expert") -> ExpertTensors:
+    """Canonical tensors of slot e (e=None: 2-D kt); global/input scales are None."""
+    row = get_row(row)
+    w = row.weight
+
+    def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if (t is None or e is None) else t[e]
+
+    H, I = kt.hidden, kt.intermediate
+    gate_w = read_l1_weight(sel(kt.l1_weight), 0, where=f"{where}.gate.weight")
+    up_w = read_l1_weight(sel(kt.l1_weight), 1, where=f"{where}.up.weight")
+    down_w = read_l2_weight(sel(kt.l2_weight), where=f"{where}.down.weight")
+    gate_s = up_s = down_s = None
+    if row.has_scales:
+        sdt = w.scale_checkpoint_dtype
+        gate_s = read_l1_scale(sel(kt.l1_scale), 0, w.scale_groups(H), where=f"{where}.gate.scale").view(sdt)
+        up_s = read_l1_scale(sel(kt.l1_scale), 1, w.scale_groups(H), where=f"{where}.up.scale").view(sdt)
+        down_s = read_l2_scale(sel(kt.l2_scale), w.scale_groups(I), where=f"{where}.down.scale").view(sdt)
+    return ExpertTensors(
+        ProjectionTensors(gate_w, gate_s), ProjectionTensors(up_w, up_s), ProjectionTensors(down_w, down_s)
+    )
+
+
+def pack_expert_stack(
+    row: "Row | str",
+    experts: Sequence[ExpertTensors],
+    *,
+    device: torch.device | str | None = None,
+    out: KernelTensors | None = None,
+) -> KernelTensors:
+    """Canonical experts -> kernel tensors [E_l, ...] (into `out` if given).
+
+    Global / input scales are not carried: they are per-expert scalars the
+    caller stores separately (l1_alpha, l2_global_scale, manifest scalars).
+    """
+    row = get_row(row)
+    if len(experts) == 0:
+        raise LayoutError("pack_expert_stack: no experts given")
+    H, I = experts[0].infer_sizes(row)
+    for i, ex in enumerate(experts):
+        ex.validate(row, H, I, f"expert {i}", error=LayoutError)
+    if out is None:
+        out = allocate_kernel_tensors(row, len(experts), H, I, device)
+    else:
+        check_kernel_tensors(row, out, len(experts), H, I, "pack_expert_stack(out)")
+    for i, ex in enumerate(experts):
+        write_expert(row, out, i, ex, where=f"expert {i}")
+    return out
+
+
+def unpack_expert_stack(row: "Row | str", kt: KernelTensors) -> list[ExpertTensors]:
+    """Exact inverse of `pack_expert_stack` (bytes only; global scales None)."""
+    row = get_row(row)
+    if not kt.is_stack:
+        raise LayoutError("unpack_expert_stack: expected 3-D expert stacks; use unpack_shared for 2-D")
+    check_kernel_tensors(row, kt, kt.num_experts, kt.hidden, kt.intermediate, "unpack_expert_stack")
+    return [read_expert(row, kt, e, where=f"expert {e}") for e in range(kt.num_experts)]
+
+
+# --------------------------------------------------------------------------- shared experts
+
+
+def _shared_row(row_or_precision: "Row | str") -> Row:
+    # Shared precisions ('mxfp8', 'bf16') are also row names; any row's 2-D
+    # layout works the same way, so every row is accepted.
+    return get_row(row_or_precision)
+
+
+def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
+
+
+def fold_shared(row: "Row | str", experts: "ExpertTensors | Sequence[ExpertTensors]") -> ExpertTensors:
+    """S shared experts of width I_s -> one canonical expert of width S*I_s:
+    gate and up stacked along N (rows), down stacked along K (columns, scale
+    bytes too). A no-op for S=1; otherwise a temporary of shared size only."""
+    row = _shared_row(row)
+    exs = [experts] if isinstance(experts, ExpertTensors) else list(experts)
+    if not exs:
+        raise LayoutError("fold_shared: no shared experts given")
+    H, I_s = exs[0].infer_sizes(row)
+    for i, ex in enumerate(exs):
+        ex.validate(row, H, I_s, f"shared expert {i}", error=LayoutError)
+    if len(exs) == 1:
+        return exs[0]
+    has_s = row.has_scales
+
+    def proj(role: str, dim: int) -> ProjectionTensors:
+        ps = [getattr(ex, role) for ex in exs]
+        return ProjectionTensors(
+            _cat([p.weight for p in ps], dim), _cat([p.scale for p in ps], dim) if has_s else None
+        )
+
+    return ExpertTensors(proj("gate", 0), proj("up", 0), proj("down", -1))
+
+
+def split_shared(row: "Row | str", folded: ExpertTensors, num_shared: int) -> list[ExpertTensors]:
+    """Inverse of `fold_shared`."""
+    row = _shared_row(row)
+    if num_shared == 1:
+        return [folded]
+    H, I = folded.infer_sizes(row)
+    if I % num_shared:
+        raise LayoutError(f"split_shared: folded width {I} is not divisible by num_shared={num_shared}")
+    I_s = I // num_shared
+    w = row.weight
+    out = []
+    for s in range(num_shared):
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[s * I_s:(s + 1) * I_s].contiguous()
+
+        wc = w.stored_cols(I_s)
+        gc = w.scale_groups(I_s)
+        dw = folded.down.weight[:, s * wc:(s + 1) * wc].contiguous()
+        ds = None if folded.down.scale is None else folded.down.scale[:, s * gc:(s + 1) * gc].contiguous()
+        out.append(ExpertTensors(
+            ProjectionTensors(rows(folded.gate.weight), rows(folded.gate.scale)),
+            ProjectionTensors(rows(folded.up.weight), rows(folded.up.scale)),
+            ProjectionTensors(dw, ds),
+        ))
+    return out
+
+
+def pack_shared(
+    row_or_precision: "Row | str",
+    experts: "ExpertTensors | Sequence[ExpertTensors]",
+    *,
+    device: torch.device | str | None = None,
+    out: KernelTensors | None = None,
+) -> KernelTensors:
+    """S shared experts -> 2-D kernel tensors: l1 [2*S*I_s, Dw], l2 [H, S*I_s(/2)],
+    scales 2-D MN-major views [N, P] with strides (1, N)."""
+    row = _shared_row(row_or_precision)
+    folded = fold_shared(row, experts)
+    H, I = folded.infer_sizes(row)
+    if out is None:
+        out = allocate_kernel_tensors(row, None, H, I, device)
+    else:
+        check_kernel_tensors(row, out, None, H, I, "pack_shared(out)")
+    write_expert(row, out, None, folded, where="shared expert")
+    return out
+
+
+def unpack_shared(row_or_precision: "Row | str", kt: KernelTensors, num_shared: int = 1) -> list[ExpertTensors]:
+    """Exact inverse of `pack_shared`."""
+    row = _shared_row(row_or_precision)
+    if kt.is_stack:
+        raise LayoutError("unpack_shared: expected 2-D shared tensors; use unpack_expert_stack for 3-D")
+    check_kernel_tensors(row, kt, None, kt.hidden, kt.intermediate, "unpack_shared")
+    return split_shared(row, read_expert(row, kt, None, where="shared expert"), num_shared)
