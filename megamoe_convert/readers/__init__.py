@@ -1,0 +1,139 @@
+"""Reader registry and format detection.
+
+``detect_reader(source, format=None, quantize=None)`` picks the reader for a
+checkpoint: from ``format`` when given (a registered name or an alias), else
+from ``hf_quant_config.json`` / ``config.json`` ``quantization_config``
+(each reader's ``detect``), in registration order: ModelOpt, Quark,
+compressed-tensors, DeepSeek-V4, unquantized. Known-but-unsupported variants
+(ModelOpt W4A8, CT float-quantized, DeepSeek-V3 FP8, ...) get a FormatError
+saying what was found, why it cannot be read, and what can.
+
+Decisions shared by every reader:
+
+* Routed experts excluded from quantization (stored BF16 while the other
+  experts are quantized, usually via the ignore/exclude list) are refused
+  with a FormatError naming the layer and tensor: a MegaMoE layer has one
+  weight format for all its experts, and re-quantizing experts the producer
+  deliberately kept in high precision would silently change the model.
+* Shared experts may be in a different encoding from the routed ones
+  (excluded -> ``SharedInfo.encoding == "bf16"``); readers report it and the
+  writer converts them to the row's fusable shared precision.
+* ``quantize=`` is accepted only for unquantized checkpoints (no stacking of
+  a second quantization on a first).
+"""
+
+from __future__ import annotations
+
+from megamoe_runtime.errors import FormatError
+
+from .base import (
+    CheckpointReader,
+    ExpertScalars,
+    ModelFacts,
+    MoELayerInfo,
+    SharedInfo,
+    register_reader,
+    registered_readers,
+)
+
+# registration order = detection order
+from . import modelopt as _modelopt  # noqa: F401,E402
+from . import quark as _quark  # noqa: F401,E402
+from . import compressed_tensors as _ct  # noqa: F401,E402
+from . import deepseek_v4 as _dsv4  # noqa: F401,E402
+from . import unquantized as _unq  # noqa: F401,E402
+
+__all__ = [
+    "CheckpointReader",
+    "ExpertScalars",
+    "ModelFacts",
+    "MoELayerInfo",
+    "SharedInfo",
+    "register_reader",
+    "available_formats",
+    "format_descriptions",
+    "detect_reader",
+    "describe_quant_config",
+]
+
+ALIASES = {
+    "bf16": "unquantized",
+    "fp16": "unquantized",
+    "fp32": "unquantized",
+    "compressed-tensors-nvfp4": "ct-nvfp4",
+    "compressed-tensors-mxfp4": "ct-mxfp4",
+    "compressed-tensors-mxfp8": "ct-mxfp8",
+    "nvfp4-pack-quantized": "ct-nvfp4",
+    "mxfp4-pack-quantized": "ct-mxfp4",
+    "mxfp8-quantized": "ct-mxfp8",
+    "deepseek-v4-fp4": "deepseek-v4",
+    "dsv4": "deepseek-v4",
+}
+
+
+def available_formats() -> list[str]:
+    """Registered reader format names, in detection order."""
+    return list(registered_readers())
+
+
+def format_descriptions() -> dict[str, str]:
+    return {name: cls.description for name, cls in registered_readers().items()}
+
+
+def describe_quant_config(source) -> str:
+    """One line saying what the checkpoint's quantization config declares."""
+    parts = []
+    hq = source.hf_quant_config
+    if isinstance(hq, dict):
+        prod = (hq.get("producer") or {}).get("name")
+        algo = (hq.get("quantization") or {}).get("quant_algo")
+        parts.append(f"hf_quant_config.json producer={prod!r} quant_algo={algo!r}")
+    cq = source.config_quant_config
+    if isinstance(cq, dict):
+        keys = {k: cq.get(k) for k in ("quant_method", "quant_algo", "format", "fmt", "scale_fmt") if k in cq}
+        parts.append("config.json quantization_config " + " ".join(f"{k}={v!r}" for k, v in keys.items()))
+    return "; ".join(parts) if parts else "no quantization config (hf_quant_config.json / quantization_config)"
+
+
+def _resolve_name(format: str) -> type[CheckpointReader]:
+    regs = registered_readers()
+    name = ALIASES.get(format.lower(), format.lower())
+    if name not in regs:
+        raise FormatError(
+            f"unknown format {format!r}; valid: {', '.join(regs)} (aliases: {', '.join(sorted(ALIASES))})"
+        )
+    return regs[name]
+
+
+def detect_reader(source, format: str | None = None, quantize: str | None = None) -> CheckpointReader:
+    """The reader for ``source``: forced by ``format`` or detected.
+
+    ``quantize`` ("mxfp4" | "mxfp8" | "nvfp4") applies only to unquantized
+    checkpoints; on an already-quantized one it is refused rather than
+    silently stacking a second quantization on the first.
+    """
+    regs = registered_readers()
+    if format is not None:
+        cls = _resolve_name(format)
+    else:
+        for c in regs.values():
+            reason = getattr(c, "unsupported_reason", None)
+            msg = reason(source) if reason is not None else None
+            if msg:
+                raise FormatError(f"{source.id}: {msg}")
+        hits = [c for c in regs.values() if c.detect(source)]
+        if not hits:
+            raise FormatError(
+                f"{source.id}: cannot tell the checkpoint format ({describe_quant_config(source)}). "
+                f"Supported: {', '.join(f'{n} ({c.description})' for n, c in regs.items())}. "
+                "Pass format= (--format) to force one."
+            )
+        cls = hits[0]
+    if cls is _unq.UnquantizedReader:
+        return cls(source, quantize=quantize)
+    if quantize is not None:
+        raise FormatError(
+            f"{source.id}: quantize={quantize!r} applies to unquantized (BF16/FP16/FP32) checkpoints only; this "
+            f"checkpoint is {cls.format_name} and is converted as-is to the {cls.row or 'its'} row"
+        )
+    return cls(source)

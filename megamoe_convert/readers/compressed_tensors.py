@@ -1,0 +1,146 @@
+"""compressed-tensors (llm-compressor) exports: nvfp4-pack-quantized,
+mxfp4-pack-quantized, mxfp8-quantized.
+
+Detected from ``config.json`` ``quantization_config`` with ``quant_method ==
+"compressed-tensors"`` and its ``format`` (for ``mixed-precision``, the
+formats of the ``config_groups``). REFERENCE.md section 6.
+
+Per expert projection module:
+
+* nvfp4: ``weight_packed`` U8 ``[out, in/2]`` (byte-identical to ModelOpt's
+  ``weight``), ``weight_scale`` F8_E4M3 ``[out, in/16]``, ``weight_global_scale``
+  F32 ``[1]`` and optional ``input_global_scale`` F32 ``[1]``. Both globals are
+  **divisors** (``global = 6*448/amax``): the reader returns their reciprocals,
+  so canonical scales are multipliers like ModelOpt's (fp32 reciprocals are
+  within 1 ulp of the ModelOpt value, not bit-identical).
+* mxfp4: ``weight_packed`` U8 + ``weight_scale`` U8 ``[out, in/32]``.
+* mxfp8: ``weight`` F8_E4M3 + ``weight_scale`` U8 ``[out, in/32]``.
+
+``weight_shape`` (kept by some packed compressors) is consumed and ignored.
+Refused with the reason: float-quantized (FP8 per-tensor/channel/block),
+pack-quantized / int-quantized (INT4/INT8, e.g. Kimi-K2-Thinking),
+naive-quantized, sparse formats, and mixed-precision whose groups use
+different formats for the experts.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .base import register_reader
+from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
+
+SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}
+WHY_NOT = {
+    "float-quantized": "FP8 (per-tensor, per-channel or 128x128 block with float scales) is not one of the "
+    "MegaMoE rows; re-quantizing to MXFP8 would be lossy",
+    "pack-quantized": "INT4/INT8 packed weights are not one of the MegaMoE rows",
+    "int-quantized": "INT8 weights are not one of the MegaMoE rows",
+    "naive-quantized": "naive (unpacked integer) quantization is not one of the MegaMoE rows",
+    "marlin-24": "2:4 sparse Marlin weights are not one of the MegaMoE rows",
+    "sparse-bitmask": "sparse weights are not one of the MegaMoE rows",
+    "sparse-24-bitmask": "sparse weights are not one of the MegaMoE rows",
+}
+
+
+def ct_format(source) -> str | None:
+    """The experts' compressed-tensors format string, or None if not CT."""
+    qc = quant_config_of(source)
+    if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return None
+    fmt = str(qc.get("format") or "")
+    if fmt in ("mixed-precision", ""):
+        groups = qc.get("config_groups") or {}
+        fmts = sorted({str(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")})
+        supported = [f for f in fmts if f in SUPPORTED]
+        if len(supported) == 1:
+            return supported[0]
+        if len(fmts) == 1:
+            return fmts[0]
+        if fmts:
+            return "mixed-precision:" + ",".join(fmts)
+    if fmt == "dense":
+        # "dense" with quantization groups: weights were saved uncompressed (fake-quant); refuse below
+        return "dense"
+    return fmt or None
+
+
+class _CTReader(SchemeReader):
+    ct_format: ClassVar[str] = ""
+
+    def __init__(self, source) -> None:
+        super().__init__(source)
+        self._ignore_patterns = ignore_list(quant_config_of(source), "ignore")
+
+    @classmethod
+    def detect(cls, source) -> bool:
+        return ct_format(source) == cls.ct_format
+
+    @classmethod
+    def unsupported_reason(cls, source) -> str | None:
+        fmt = ct_format(source)
+        if fmt is None or fmt in SUPPORTED:
+            return None
+        if fmt.startswith("mixed-precision:"):
+            why = f"its config groups use several formats ({fmt.split(':', 1)[1]}) and the experts' one is ambiguous"
+        elif fmt == "dense":
+            why = "format 'dense' means the weights were saved uncompressed (fake-quantized)"
+        else:
+            why = WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
+        return (
+            f"compressed-tensors format {fmt!r} is not supported: {why}. "
+            f"Supported compressed-tensors formats: {', '.join(SUPPORTED)}"
+        )
+
+
+@register_reader
+class CTNVFP4Reader(_CTReader):
+    format_name = "ct-nvfp4"
+    row = "nvfp4"
+    ct_format = "nvfp4-pack-quantized"
+    description = "compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, 1/weight_global_scale)"
+    scheme = Scheme(
+        name="compressed-tensors NVFP4",
+        encoding="nvfp4",
+        params=(
+            Param("weight", ("weight_packed",), ("U8", "I8")),
+            Param("scale", ("weight_scale",), ("F8_E4M3",)),
+            Param("global", ("weight_global_scale",), ("F32",), invert=True),
+            Param("input", ("input_global_scale",), ("F32",), required=False, invert=True),
+        ),
+        ignored=("weight_shape",),
+    )
+
+
+@register_reader
+class CTMXFP4Reader(_CTReader):
+    format_name = "ct-mxfp4"
+    row = "mxfp4"
+    ct_format = "mxfp4-pack-quantized"
+    description = "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale E8M0/32)"
+    scheme = Scheme(
+        name="compressed-tensors MXFP4",
+        encoding="mxfp4",
+        params=(
+            Param("weight", ("weight_packed",), ("U8", "I8")),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+        ignored=("weight_shape",),
+    )
+
+
+@register_reader
+class CTMXFP8Reader(_CTReader):
+    format_name = "ct-mxfp8"
+    row = "mxfp8"
+    ct_format = "mxfp8-quantized"
+    description = "compressed-tensors mxfp8-quantized (weight E4M3, weight_scale E8M0/32)"
+    scheme = Scheme(
+        name="compressed-tensors MXFP8",
+        encoding="mxfp8",
+        params=(
+            Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+        ignored=("weight_shape",),
+    )

@@ -1,0 +1,181 @@
+"""NVIDIA ModelOpt (nvidia-modelopt) unified HF exports: NVFP4, MXFP4, MXFP8.
+
+Detected from ``hf_quant_config.json`` (``producer.name == "modelopt"``,
+``quantization.quant_algo``) or ``config.json`` ``quantization_config``
+(``quant_method == "modelopt"``, ``quant_algo``). REFERENCE.md section 6.
+
+Per expert projection module:
+
+* NVFP4: ``weight`` U8 ``[out, in/2]``, ``weight_scale`` F8_E4M3 ``[out, in/16]``,
+  ``weight_scale_2`` F32 scalar (a dequant *multiplier*), ``input_scale`` F32
+  scalar (optional: only when the input was calibrated);
+* MXFP4: ``weight`` U8 ``[out, in/2]``, ``weight_scale`` U8 (E8M0) ``[out, in/32]``;
+* MXFP8: ``weight`` F8_E4M3 ``[out, in]``, ``weight_scale`` U8 ``[out, in/32]``.
+
+Refused, with the reason: W4A8_* (per-tensor FP8 activations with calibrated
+input scales: the kernels quantize activations to MXFP8/NVFP4 themselves, so
+the producer's activation recipe would be silently replaced), W4A16_NVFP4
+(weight-only: activations would drop from 16 to 4 bits), *_AWQ (per-channel
+``pre_quant_scale`` has no slot), NVFP4_SVDQUANT (low-rank branches), FP8*,
+INT4/INT8, and MIXED_PRECISION whose routed experts use different algorithms.
+MIXED_PRECISION with one supported algorithm for every routed expert is read
+as that algorithm.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from megamoe_runtime.errors import FormatError
+
+from .base import register_reader
+from .common import BF16_SCHEME, Param, Scheme, SchemeReader, ignore_list
+from .naming import EXPERT_RE
+
+SUPPORTED = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "MXFP8": "mxfp8"}
+WHY_NOT = {
+    "W4A8_AWQ": "INT4 AWQ weights with FP8 activations are not an MX/NV FP4 format and carry pre_quant_scale",
+    "W4A8_NVFP4_FP8": "its calibrated per-tensor FP8 activation scales have no slot (the NVFP4 kernels quantize "
+    "activations to NVFP4 themselves)",
+    "W4A8_MXFP4_FP8": "its calibrated per-tensor FP8 activation scales have no slot (the MXFP4 kernel quantizes "
+    "activations to MXFP8 per 32 itself), so the producer's activation recipe would be silently replaced",
+    "W4A16_NVFP4": "it is weight-only; the NVFP4 kernels also quantize activations to 4 bits",
+    "NVFP4_AWQ": "its per-channel pre_quant_scale (AWQ smoothing) has no slot in the kernels",
+    "NVFP4_SVDQUANT": "its low-rank correction branches have no slot in the kernels",
+    "FP8": "per-tensor FP8 is not one of the MegaMoE rows (mxfp4, mxfp8, nvfp4, bf16)",
+    "FP8_PB_WO": "block FP8 weight-only is not one of the MegaMoE rows",
+    "FP8_PB_REAL": "block FP8 is not one of the MegaMoE rows",
+    "FP8_PC_PT": "per-channel FP8 is not one of the MegaMoE rows",
+    "INT4_AWQ": "INT4 is not one of the MegaMoE rows",
+    "INT8_SQ": "INT8 is not one of the MegaMoE rows",
+    "INT8_WO": "INT8 is not one of the MegaMoE rows",
+}
+
+
+def modelopt_quant(source) -> dict[str, Any] | None:
+    """``{"algo": str|None, "exclude": [...], "layers": {...}}`` when the
+    checkpoint is a ModelOpt export, else None."""
+    hq = source.hf_quant_config
+    if isinstance(hq, dict) and str((hq.get("producer") or {}).get("name", "")).lower() == "modelopt":
+        q = hq.get("quantization") or {}
+        return {
+            "algo": q.get("quant_algo"),
+            "exclude": list(q.get("exclude_modules") or []),
+            "layers": q.get("quantized_layers") or {},
+        }
+    cq = source.config_quant_config
+    if isinstance(cq, dict) and str(cq.get("quant_method", "")).lower() == "modelopt":
+        q = cq.get("quantization") if isinstance(cq.get("quantization"), dict) else cq
+        return {
+            "algo": q.get("quant_algo"),
+            "exclude": list(ignore_list(q, "exclude_modules", "ignore")),
+            "layers": q.get("quantized_layers") or {},
+        }
+    return None
+
+
+def effective_algo(source) -> str | None:
+    """The routed experts' quant_algo (upper case); MIXED_PRECISION resolved
+    over the expert modules; FormatError when experts disagree."""
+    mq = modelopt_quant(source)
+    if mq is None:
+        return None
+    algo = str(mq["algo"] or "").upper()
+    if algo != "MIXED_PRECISION":
+        return algo
+    layers: dict[str, Any] = mq["layers"]
+    algos: dict[str, list[str]] = {}
+    for mod, spec in layers.items():
+        if EXPERT_RE.match(mod + ".weight"):
+            a = str((spec or {}).get("quant_algo", "")).upper()
+            algos.setdefault(a, []).append(mod)
+    if not algos:
+        raise FormatError(
+            f"{source.id}: ModelOpt MIXED_PRECISION export lists no routed-expert modules in quantized_layers; "
+            "the experts' format cannot be determined (the experts may be unquantized)"
+        )
+    if len(algos) > 1:
+        detail = "; ".join(f"{a}: {len(m)} modules (e.g. {m[0]})" for a, m in sorted(algos.items()))
+        raise FormatError(
+            f"{source.id}: ModelOpt MIXED_PRECISION export quantizes routed experts with different algorithms "
+            f"({detail}); a MegaMoE layer needs one format for all experts"
+        )
+    return next(iter(algos))
+
+
+class _ModelOptReader(SchemeReader):
+    algo: ClassVar[str] = ""
+
+    def __init__(self, source) -> None:
+        super().__init__(source)
+        mq = modelopt_quant(source) or {}
+        self._ignore_patterns = tuple(mq.get("exclude") or ())
+
+    @classmethod
+    def detect(cls, source) -> bool:
+        return modelopt_quant(source) is not None and effective_algo(source) == cls.algo
+
+    @classmethod
+    def unsupported_reason(cls, source) -> str | None:
+        mq = modelopt_quant(source)
+        if mq is None:
+            return None
+        algo = effective_algo(source)
+        if algo in SUPPORTED or algo in ("", "NONE"):
+            return None  # no weight quantization (e.g. FP8 KV cache only): the unquantized reader takes it
+        why = WHY_NOT.get(algo or "", "it is not one of the formats this converter reads")
+        return (
+            f"ModelOpt quant_algo {algo or mq['algo']!r} is not supported: {why}. "
+            f"Supported ModelOpt algorithms: {', '.join(SUPPORTED)}"
+        )
+
+
+@register_reader
+class ModelOptNVFP4Reader(_ModelOptReader):
+    format_name = "modelopt-nvfp4"
+    row = "nvfp4"
+    algo = "NVFP4"
+    description = "ModelOpt NVFP4 (weight U8, weight_scale E4M3/16, weight_scale_2, input_scale)"
+    scheme = Scheme(
+        name="ModelOpt NVFP4",
+        encoding="nvfp4",
+        params=(
+            Param("weight", ("weight",), ("U8",)),
+            Param("scale", ("weight_scale",), ("F8_E4M3",)),
+            Param("global", ("weight_scale_2",), ("F32",)),
+            Param("input", ("input_scale",), ("F32",), required=False),
+        ),
+    )
+
+
+@register_reader
+class ModelOptMXFP4Reader(_ModelOptReader):
+    format_name = "modelopt-mxfp4"
+    row = "mxfp4"
+    algo = "MXFP4"
+    description = "ModelOpt MXFP4 (weight U8 packed E2M1, weight_scale E8M0/32)"
+    scheme = Scheme(
+        name="ModelOpt MXFP4",
+        encoding="mxfp4",
+        params=(
+            Param("weight", ("weight",), ("U8", "I8")),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+    )
+
+
+@register_reader
+class ModelOptMXFP8Reader(_ModelOptReader):
+    format_name = "modelopt-mxfp8"
+    row = "mxfp8"
+    algo = "MXFP8"
+    description = "ModelOpt MXFP8 (weight E4M3, weight_scale E8M0/32)"
+    scheme = Scheme(
+        name="ModelOpt MXFP8",
+        encoding="mxfp8",
+        params=(
+            Param("weight", ("weight",), ("F8_E4M3",)),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+    )

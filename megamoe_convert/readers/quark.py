@@ -1,0 +1,171 @@
+"""AMD Quark (amd-quark) HF exports: MXFP4, NVFP4 (two-stage), MXFP8.
+
+Detected from ``config.json`` ``quantization_config`` with ``quant_method ==
+"quark"``; the weight spec is ``global_quant_config.weight`` unless a
+``layer_quant_config`` / ``layer_type_quant_config`` entry overrides it for
+the experts (REFERENCE.md section 6, "Quark"). A spec is a dict
+(``dtype``, ``qscheme``, ``group_size``, ``scale_format``, ...) or, for a
+two-stage quantizer, a list of dicts.
+
+* MXFP4: ``dtype: fp4`` per_group 32 with e8m0 scales (or legacy ``dtype: mx``
+  with ``mx_element_dtype: fp4``): ``weight`` U8 ``[out, in/2]`` +
+  ``weight_scale`` U8 ``[out, in/32]``.
+* NVFP4: list ``[fp4 per_group 16 (e4m3 scale), fp8 per_tensor]``:
+  ``weight``, ``weight_scale`` F8_E4M3, ``weight_scale_2`` F32 (multiplier) and
+  ``input_scale_2`` F32 (the activation's per-tensor stage; Quark writes no
+  ``input_scale`` for it).
+* MXFP8: ``dtype: fp8_e4m3`` per_group 32 with e8m0 scales: ``weight`` F8_E4M3
+  + ``weight_scale`` U8, per row or per block of R rows (vLLM reports
+  ``per_block [R, 32]``), expanded exactly to per-row scales.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any, ClassVar
+
+from .base import register_reader
+from .common import Param, Scheme, SchemeReader, quant_config_of
+from .naming import EXPERT_RE
+
+
+def _norm_dtype(d: Any) -> str:
+    return str(d or "").lower().replace("-", "_")
+
+
+def classify_spec(spec: Any) -> tuple[str | None, str]:
+    """(row or None, human description) of a Quark weight spec."""
+    if isinstance(spec, list):
+        if not spec:
+            return None, "empty spec list"
+        first = spec[0] or {}
+        d = _norm_dtype(first.get("dtype"))
+        gs = first.get("group_size")
+        sf = _norm_dtype(first.get("scale_format"))
+        stages = ", ".join(f"{_norm_dtype(s.get('dtype'))}/{s.get('qscheme')}" for s in spec if isinstance(s, dict))
+        if d == "fp4" and gs == 16 and len(spec) == 2:
+            return "nvfp4", f"two-stage [{stages}] (NVFP4)"
+        if len(spec) == 1:
+            return classify_spec(first)
+        return None, f"multi-stage spec [{stages}]"
+    if not isinstance(spec, dict):
+        return None, f"weight spec {spec!r}"
+    d = _norm_dtype(spec.get("dtype"))
+    gs = spec.get("group_size")
+    qs = spec.get("qscheme")
+    sf = _norm_dtype(spec.get("scale_format"))
+    if d == "mx":
+        el = _norm_dtype(spec.get("mx_element_dtype"))
+        if el == "fp4":
+            return "mxfp4", "legacy dtype mx/fp4 (MXFP4)"
+        if el in ("fp8_e4m3", "fp8"):
+            return "mxfp8", "legacy dtype mx/fp8_e4m3 (MXFP8)"
+        return None, f"legacy dtype mx with element {el}"
+    if d == "fp4" and gs == 32 and sf in ("e8m0", ""):
+        return "mxfp4", "fp4 per_group 32 e8m0 (MXFP4)"
+    if d == "fp4" and gs == 16:
+        return None, "single-stage fp4 per_group 16 (NVFP4 without its per-tensor stage)"
+    if d in ("fp8_e4m3",) and gs == 32 and sf == "e8m0":
+        return "mxfp8", "fp8_e4m3 per_group 32 e8m0 (MXFP8)"
+    return None, f"dtype {d or '?'} qscheme {qs or '?'} group_size {gs} scale_format {sf or '?'}"
+
+
+def _expert_spec(qc: dict, source) -> tuple[Any, str]:
+    """The weight spec that applies to routed experts, and where it came from."""
+    layer_cfg = qc.get("layer_quant_config") or {}
+    expert_mods = [n[: n.rfind(".")] for n in source.tensor_names() if EXPERT_RE.match(n)]
+    sample = expert_mods[0] if expert_mods else None
+    if sample is not None:
+        for pat, cfg in layer_cfg.items():
+            if fnmatchcase(sample, pat) and isinstance(cfg, dict) and "weight" in cfg:
+                return cfg["weight"], f"layer_quant_config[{pat!r}]"
+    type_cfg = qc.get("layer_type_quant_config") or {}
+    for key in ("Linear", "nn.Linear", "torch.nn.Linear"):
+        cfg = type_cfg.get(key)
+        if isinstance(cfg, dict) and "weight" in cfg:
+            return cfg["weight"], f"layer_type_quant_config[{key!r}]"
+    g = qc.get("global_quant_config") or {}
+    return g.get("weight"), "global_quant_config"
+
+
+def quark_row(source) -> tuple[str | None, str] | None:
+    qc = quant_config_of(source)
+    if str(qc.get("quant_method", "")).lower() != "quark":
+        return None
+    spec, where = _expert_spec(qc, source)
+    row, desc = classify_spec(spec)
+    return row, f"{where}.weight = {desc}"
+
+
+class _QuarkReader(SchemeReader):
+    quark_row: ClassVar[str] = ""
+
+    def __init__(self, source) -> None:
+        super().__init__(source)
+        self._ignore_patterns = tuple(str(x) for x in (quant_config_of(source).get("exclude") or ()))
+
+    @classmethod
+    def detect(cls, source) -> bool:
+        r = quark_row(source)
+        return r is not None and r[0] == cls.quark_row
+
+    @classmethod
+    def unsupported_reason(cls, source) -> str | None:
+        r = quark_row(source)
+        if r is None or r[0] is not None:
+            return None
+        return (
+            f"Quark export with {r[1]} is not supported. Supported Quark weight specs: fp4 per_group 32 e8m0 "
+            "(MXFP4), [fp4 per_group 16, fp8 per_tensor] (NVFP4), fp8_e4m3 per_group 32 e8m0 (MXFP8)"
+        )
+
+
+@register_reader
+class QuarkMXFP4Reader(_QuarkReader):
+    format_name = "quark-mxfp4"
+    row = "mxfp4"
+    quark_row = "mxfp4"
+    description = "Quark MXFP4 (weight U8 packed E2M1, weight_scale E8M0/32)"
+    scheme = Scheme(
+        name="Quark MXFP4",
+        encoding="mxfp4",
+        params=(
+            Param("weight", ("weight",), ("U8", "I8")),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+    )
+
+
+@register_reader
+class QuarkNVFP4Reader(_QuarkReader):
+    format_name = "quark-nvfp4"
+    row = "nvfp4"
+    quark_row = "nvfp4"
+    description = "Quark NVFP4 (weight, weight_scale E4M3/16, weight_scale_2, input_scale_2)"
+    scheme = Scheme(
+        name="Quark NVFP4",
+        encoding="nvfp4",
+        params=(
+            Param("weight", ("weight",), ("U8", "I8")),
+            Param("scale", ("weight_scale",), ("F8_E4M3",)),
+            Param("global", ("weight_scale_2",), ("F32",)),
+            Param("input", ("input_scale_2", "input_scale"), ("F32",), required=False),
+        ),
+    )
+
+
+@register_reader
+class QuarkMXFP8Reader(_QuarkReader):
+    format_name = "quark-mxfp8"
+    row = "mxfp8"
+    quark_row = "mxfp8"
+    description = "Quark MXFP8 (weight E4M3, weight_scale E8M0/32, per row or per block of rows)"
+    scheme = Scheme(
+        name="Quark MXFP8",
+        encoding="mxfp8",
+        params=(
+            Param("weight", ("weight",), ("F8_E4M3",)),
+            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+        blocked_scales=True,
+    )

@@ -1,0 +1,126 @@
+"""Unquantized checkpoints (BF16 / FP16 / FP32 experts).
+
+Without ``quantize`` the experts map onto the ``bf16`` row: BF16 is copied,
+FP16 / FP32 are cast to BF16 (round-to-nearest-even, what any BF16 serving
+path does). With ``quantize="mxfp4" | "mxfp8" | "nvfp4"`` the experts are
+quantized from their stored precision (FP32 is not rounded to BF16 first)
+with the reference quantizers of ``megamoe_runtime.codecs``:
+
+* mxfp4: ``quantize_mxfp4`` (RCEIL UE8M0 scale, E2M1 ties to even);
+* mxfp8: ``quantize_mxfp8`` (DeepGEMM's UE8M0 cast, bit-exact);
+* nvfp4: ``quantize_nvfp4_weight`` (ModelOpt's convention, global =
+  amax/2688), with **gate and up quantized together** so they share one
+  ``weight_scale_2`` as ModelOpt >= 0.47 exports do (the w1/w3 agreement
+  rule of REFERENCE.md section 7 then holds by construction). There is no
+  calibration data, so ``input_scale`` is None for every projection: the
+  runtime must use per-token dispatch scales, and the static L2 activation
+  scale ``a2`` is not available from such a checkpoint.
+
+Per-expert names (``gate_proj/up_proj/down_proj``, ``w1/w3/w2``) and
+transformers >= 5 fused 3-D experts (``experts.gate_up_proj [E, 2I, H]``,
+gate half first, ``experts.down_proj [E, H, I]``) are both read; a fused
+expert is read with one slice per expert, never the whole 3-D tensor.
+Shared experts stay BF16 (``SharedInfo.encoding == "bf16"``); the writer
+converts them to the row's fusable shared precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe_runtime import codecs
+from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.errors import FormatError
+
+from .base import ExpertScalars, register_reader
+from .common import BF16_SCHEME, SchemeReader, quant_config_of
+from . import naming
+
+QUANTIZE_ROWS = ("mxfp4", "mxfp8", "nvfp4")
+
+
+def _no_quant(source) -> bool:
+    from .modelopt import effective_algo, modelopt_quant
+
+    if modelopt_quant(source) is not None:
+        # ModelOpt export that quantized nothing but the KV cache: weights are plain
+        return effective_algo(source) in ("", "NONE")
+    qc = quant_config_of(source)
+    if not qc:
+        return True
+    # gpt-oss-like configs that only list modules_to_not_convert are still quantized
+    return not (qc.get("quant_method") or qc.get("quant_algo") or qc.get("producer") or qc.get("quantization"))
+
+
+@register_reader
+class UnquantizedReader(SchemeReader):
+    format_name = "unquantized"
+    row = "bf16"
+    description = "BF16/FP16/FP32 experts -> bf16 row, or quantize= mxfp4|mxfp8|nvfp4 with the reference quantizers"
+    scheme = BF16_SCHEME
+    shared_schemes = (BF16_SCHEME,)
+    reads_fused = True
+
+    def __init__(self, source, quantize: str | None = None) -> None:
+        super().__init__(source)
+        if quantize is not None and quantize not in QUANTIZE_ROWS and quantize != "bf16":
+            raise FormatError(f"quantize={quantize!r}; valid: {', '.join(QUANTIZE_ROWS)} (or None for the bf16 row)")
+        self.quantize = None if quantize in (None, "bf16") else quantize
+        self.row = self.quantize or "bf16"
+
+    @classmethod
+    def detect(cls, source) -> bool:
+        return _no_quant(source)
+
+    # -- reading -------------------------------------------------------------
+    def _raw(self, layer_index: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        info, ln, res = self._entry(layer_index)
+        if "_fused" in res:
+            gname, dname = res["_fused"]
+            gu = self.source.get_slice(gname)[expert : expert + 1][0]
+            dn = self.source.get_slice(dname)[expert : expert + 1][0]
+            I = info.intermediate
+            return gu[:I], gu[I:], dn
+        return tuple(self.source.get_tensor(res[(expert, r)].names["weight"]) for r in naming.ROLES)  # type: ignore[return-value]
+
+    def read_expert(self, layer_index: int, expert: int) -> ExpertTensors:
+        info = self.layer(layer_index)
+        if not 0 <= expert < info.num_experts:
+            return super().read_expert(layer_index, expert)  # raises the range error
+        gate, up, down = self._raw(layer_index, expert)
+        where = f"{self.source.id}: layer {layer_index} expert {expert}"
+        et = self._encode(gate, up, down)
+        et.validate(self.row, info.hidden, info.intermediate, where)
+        return et
+
+    def _encode(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
+        q = self.quantize
+        if q is None:
+            return ExpertTensors(
+                *(ProjectionTensors(t.to(torch.bfloat16).contiguous()) for t in (gate, up, down))
+            )
+        if q == "mxfp8":
+            return ExpertTensors(*(ProjectionTensors(*codecs.quantize_mxfp8(t)) for t in (gate, up, down)))
+        if q == "mxfp4":
+            return ExpertTensors(*(ProjectionTensors(*codecs.quantize_mxfp4(t)) for t in (gate, up, down)))
+        # nvfp4: gate and up share one global scale
+        I = gate.shape[0]
+        p13, s13, g13 = codecs.quantize_nvfp4_weight(torch.cat([gate.float(), up.float()], 0))
+        p2, s2, g2 = codecs.quantize_nvfp4_weight(down)
+        return ExpertTensors(
+            gate=ProjectionTensors(p13[:I].contiguous(), s13[:I].contiguous(), g13, None),
+            up=ProjectionTensors(p13[I:].contiguous(), s13[I:].contiguous(), g13, None),
+            down=ProjectionTensors(p2, s2, g2, None),
+        )
+
+    def read_expert_scalars(self, layer_index: int, expert: int) -> ExpertScalars:
+        if self.quantize != "nvfp4":
+            return ExpertScalars()
+        et = self.read_expert(layer_index, expert)
+        return ExpertScalars(
+            gate_global=et.gate.global_scale, up_global=et.up.global_scale, down_global=et.down.global_scale
+        )
+
+    def __repr__(self) -> str:
+        q = f" quantize={self.quantize}" if self.quantize else ""
+        return f"<UnquantizedReader row={self.row}{q} source={self.source.id}>"

@@ -1,0 +1,620 @@
+"""Checkpoint sources: a local folder or a Hugging Face hub repo, read lazily.
+
+``open_source(src, revision)`` resolves ``src`` to a folder (a hub id goes
+through ``huggingface_hub.snapshot_download``, which honours the cache and
+``HF_HUB_OFFLINE``), validates every safetensors header *before* any tensor is
+read (REFERENCE.md section 9), and returns a :class:`CheckpointSource` that
+hands out tensors one at a time through ``safe_open`` handles kept open for
+the life of the source. Nothing is loaded eagerly, so memory stays bounded by
+what the caller holds (about one MoE layer's experts for the converter).
+
+Why validate headers ourselves: a truncated download or a garbage file makes
+``safe_open`` fail with a message that does not name the file, or (worse)
+only when the damaged tensor is finally read, after output has been written.
+Checking the header tiling and the file length up front catches both at open
+time with an error naming the file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megamoe_runtime.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000
+
+#: what a hub snapshot needs for conversion: weights, configs, tokenizer files
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "tokenizer*",
+    "*.model",
+    "*.txt",
+    "*.tiktoken",
+    "*.jinja",
+    "*.py",
+]
+#: sub-folders of some repos holding a second copy of the weights
+HUB_IGNORE_PATTERNS = ["original/*", "metal/*", "*/original/*"]
+
+#: safetensors dtype string -> (bits per element, torch dtype or None when torch lacks it)
+ST_DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
+    "BOOL": (8, torch.bool),
+    "U8": (8, torch.uint8),
+    "I8": (8, torch.int8),
+    "I16": (16, torch.int16),
+    "U16": (16, getattr(torch, "uint16", None)),
+    "I32": (32, torch.int32),
+    "U32": (32, getattr(torch, "uint32", None)),
+    "I64": (64, torch.int64),
+    "U64": (64, getattr(torch, "uint64", None)),
+    "F16": (16, torch.float16),
+    "BF16": (16, torch.bfloat16),
+    "F32": (32, torch.float32),
+    "F64": (64, torch.float64),
+    "C64": (64, torch.complex64),
+    "F8_E4M3": (8, torch.float8_e4m3fn),
+    "F8_E5M2": (8, torch.float8_e5m2),
+    "F8_E8M0": (8, getattr(torch, "float8_e8m0fnu", None)),
+    "F8_E4M3FNUZ": (8, getattr(torch, "float8_e4m3fnuz", None)),
+    "F8_E5M2FNUZ": (8, getattr(torch, "float8_e5m2fnuz", None)),
+    "F4": (4, getattr(torch, "float4_e2m1fn_x2", None)),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
+}
+
+#: files never copied as "extra" files (weights, indexes, our own outputs)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
+_NOT_EXTRA = {INDEX_NAME, "megamoe.json", "pytorch_model.bin.index.json"}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_TRUTHY = {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One tensor's header entry (validated)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    path: Path
+    header_len: int
+    file_size: int
+    tensors: dict[str, TensorHeader]
+    metadata: dict[str, str]
+    header_sha256: str
+
+
+def read_safetensors_header(path: str | Path) -> FileHeader:
+    """Read and validate one safetensors header; CheckpointError naming the file
+    on any defect (truncation, oversize or non-JSON header, bad dtype or shape,
+    gaps or overlaps in the data offsets, size mismatch)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file ({size} bytes; at least the 8-byte header length is needed)"
+                )
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{path}: header length {n} exceeds the safetensors limit {MAX_HEADER_BYTES} "
+                    "(not a safetensors file, or a corrupted one)"
+                )
+            if 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file: header says {n} header bytes but the file has only "
+                    f"{size - 8} after the length field"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid UTF-8 JSON ({e}); the file is corrupted") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is a {type(header).__name__}, expected a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings, found {metadata!r:.200}")
+    tensors: dict[str, TensorHeader] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{path}: header entry {name!r} lacks dtype/shape/data_offsets: {entry!r:.200}")
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}; known: {sorted(ST_DTYPES)}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)):
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
+        begin, end = offs
+        bits = ST_DTYPES[dtype][0]
+        expected = math.ceil(math.prod(shape) * bits / 8)
+        if end < begin or end - begin != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes [{begin}, {end}) "
+                f"but needs {expected}"
+            )
+        tensors[name] = TensorHeader(name, dtype, tuple(shape), begin, end)
+    pos = 0
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin != pos:
+            what = "gap" if t.begin > pos else "overlap"
+            raise CheckpointError(
+                f"{path}: data offsets do not tile the data: {what} before tensor {t.name!r} "
+                f"(starts at {t.begin}, previous data ends at {pos})"
+            )
+        pos = t.end
+    if size != 8 + n + pos:
+        raise CheckpointError(
+            f"{path}: file is {size} bytes but its header describes {8 + n + pos} "
+            f"(8 + {n} header + {pos} data): "
+            + ("truncated (incomplete download?)" if size < 8 + n + pos else "trailing bytes after the data")
+        )
+    return FileHeader(path, n, size, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
+
+
+class CheckpointSource:
+    """A validated checkpoint folder with lazy, per-tensor access.
+
+    Attributes: ``root`` (folder), ``id`` (hub repo id or the folder path),
+    ``kind`` (``"local" | "hub"``), ``revision`` (requested revision for hub
+    sources; None for local), ``commit`` (resolved snapshot hash for hub
+    sources when known), ``config`` (config.json, ``{}`` when absent),
+    ``quant_config`` (hf_quant_config.json, else config.json's
+    ``quantization_config``, else None).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        id: str | None = None,
+        kind: str = "local",
+        revision: str | None = None,
+        commit: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.id = id or str(self.root)
+        self.kind = kind
+        self.revision = revision
+        self.commit = commit
+        if not self.root.is_dir():
+            raise CheckpointError(f"{self.id}: {self.root} is not a folder")
+        self.config: dict[str, Any] = self._read_json("config.json") or {}
+        hf_quant = self._read_json("hf_quant_config.json")
+        self.hf_quant_config: dict[str, Any] | None = hf_quant
+        cfg_quant = self.config.get("quantization_config")
+        self.config_quant_config: dict[str, Any] | None = cfg_quant if isinstance(cfg_quant, dict) else None
+        self.quant_config: dict[str, Any] | None = hf_quant if hf_quant is not None else self.config_quant_config
+        self._handles: dict[Path, int] = {}
+        self._headers: dict[Path, FileHeader] = {}
+        self._weight_map: dict[str, Path] = {}
+        self._index_files()
+
+    # -- opening / validation ---------------------------------------------------
+    def _read_json(self, name: str) -> dict[str, Any] | None:
+        p = self.root / name
+        if not p.is_file():
+            return None
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{p}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{p}: expected a JSON object, found {type(data).__name__}")
+        return data
+
+    def _index_files(self) -> None:
+        index = self._read_json(INDEX_NAME)
+        if index is not None:
+            wm = index.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CheckpointError(f"{self.root / INDEX_NAME}: no 'weight_map' (tensor -> file) in the index")
+            files = sorted(set(wm.values()))
+            missing = [f for f in files if not (self.root / f).is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"{self.root / INDEX_NAME} names shard(s) missing from {self.root}: {missing}"
+                    + (" (incomplete download?)" if self.kind == "hub" else "")
+                )
+            for f in files:
+                self._headers[self.root / f] = read_safetensors_header(self.root / f)
+            for name, f in wm.items():
+                path = self.root / f
+                if name not in self._headers[path].tensors:
+                    raise CheckpointError(
+                        f"{self.root / INDEX_NAME} maps tensor {name!r} to {path.name}, but {path} has no such tensor"
+                    )
+                self._weight_map[name] = path
+            for path, fh in self._headers.items():
+                extra = sorted(set(fh.tensors) - set(wm))
+                if extra:
+                    raise CheckpointError(
+                        f"{path} holds tensor(s) the index {INDEX_NAME} does not list: {extra[:5]}"
+                        + (f" ... ({len(extra) - 5} more)" if len(extra) > 5 else "")
+                    )
+            return
+        files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise CheckpointError(
+                f"{self.id}: no *.safetensors files and no {INDEX_NAME} in {self.root}"
+                + (" (the snapshot may be incomplete)" if self.kind == "hub" else "")
+            )
+        for path in files:
+            fh = read_safetensors_header(path)
+            self._headers[path] = fh
+            for name in fh.tensors:
+                if name in self._weight_map:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {self._weight_map[name].name} and {path.name} and there is no "
+                        f"{INDEX_NAME} saying which to use"
+                    )
+                self._weight_map[name] = path
+
+    # -- lookups ------------------------------------------------------------------
+    def files(self) -> list[Path]:
+        """The weight files, sorted."""
+        return sorted(self._headers)
+
+    def file_header(self, path: str | Path) -> FileHeader:
+        return self._headers[Path(path)]
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weight_map
+
+    def file_of(self, name: str) -> Path:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"{self.id}: no tensor {name!r} in the checkpoint") from None
+
+    def tensor_header(self, name: str) -> TensorHeader:
+        return self._headers[self.file_of(name)].tensors[name]
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """``(safetensors dtype string, shape)`` from the header, no data read."""
+        t = self.tensor_header(name)
+        return t.dtype, t.shape
+
+    def nbytes(self, name: str) -> int:
+        return self.tensor_header(name).nbytes
+
+    def _fd(self, path: Path) -> int:
+        fd = self._handles.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot open: {e}") from e
+            self._handles[path] = fd
+        return fd
+
+    def _read_bytes(self, path: Path, offset: int, nbytes: int) -> bytearray:
+        """``nbytes`` at data offset ``offset`` of ``path`` with positional reads
+        (no mmap: pages read once are not kept mapped, so RSS stays bounded by
+        what the caller holds)."""
+        fh = self._headers[path]
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        fd = self._fd(path)
+        pos = 8 + fh.header_len + offset
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], pos + got) if hasattr(os, "preadv") else _pread_into(fd, view[got:], pos + got)
+            if n <= 0:
+                raise CheckpointError(
+                    f"{path}: unexpected end of file reading {nbytes} bytes at {pos} (file changed since it was opened?)"
+                )
+            got += n
+        return buf
+
+    def _torch_dtype(self, name: str) -> torch.dtype:
+        t = self.tensor_header(name)
+        dt = ST_DTYPES[t.dtype][1]
+        if dt is None or t.dtype == "F4":
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has dtype {t.dtype}, which this reader cannot represent"
+            )
+        return dt
+
+    def get_slice(self, name: str) -> "LazySlice":
+        """Lazy view: ``get_shape()``, ``get_dtype()`` and ``[...]``, which reads
+        only the rows of the first dimension it selects."""
+        return LazySlice(self, name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, read from disk now (a fresh CPU tensor)."""
+        t = self.tensor_header(name)
+        return self._read_rows(name, 0, t.shape[0] if t.shape else 1)
+
+    def _read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        th = self.tensor_header(name)
+        dtype = self._torch_dtype(name)
+        path = self.file_of(name)
+        shape = th.shape
+        if not shape:
+            row_bytes, rows_shape = th.nbytes, ()
+        else:
+            inner = math.prod(shape[1:])
+            row_bytes = inner * ST_DTYPES[th.dtype][0] // 8
+            rows_shape = (hi - lo, *shape[1:])
+        nbytes = row_bytes * (hi - lo) if shape else th.nbytes
+        if nbytes == 0:
+            return torch.empty(rows_shape, dtype=dtype)
+        buf = self._read_bytes(path, th.begin + (row_bytes * lo if shape else 0), nbytes)
+        return torch.frombuffer(buf, dtype=dtype).reshape(rows_shape)
+
+    # -- identity and pass-through ---------------------------------------------------
+    def content_hash(self, full: bool = False) -> str:
+        """A sha256 identifying the checkpoint's content.
+
+        Per weight file: the LFS sha256 when the file is a hub-cache blob
+        (blob names *are* the content's sha256, free to read), else with
+        ``full=True`` the sha256 of all bytes, else (default, cheap: 16 reads
+        of 4 KiB per file) the sha256 of the header, the size and 16 evenly
+        spaced data samples, which catches any re-export or re-quantization
+        but not a single edited byte between samples (use ``full=True``).
+        Config and other extra files are hashed by content. Deterministic
+        across runs and copies.
+        """
+        h = hashlib.sha256()
+        for path in self.files():
+            h.update(path.name.encode() + b"\0")
+            h.update(_file_digest(path, full, self._headers[path]).encode() + b"\0")
+        for path in self.extra_files():
+            h.update(str(path.relative_to(self.root)).encode() + b"\0")
+            h.update(_sha256_file(path).encode() + b"\0")
+        return h.hexdigest()
+
+    def extra_files(self) -> list[Path]:
+        """Top-level files to copy next to the converted weights: configs,
+        tokenizer, generation config, chat templates, custom code. Excludes
+        weight files of any format, weight indexes and hidden files."""
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if not p.is_file() or p.name.startswith("."):
+                continue
+            if p.name in _NOT_EXTRA or p.name.endswith(_WEIGHT_SUFFIXES):
+                continue
+            out.append(p)
+        return out
+
+    def close(self) -> None:
+        for fd in self._handles.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._handles.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "CheckpointSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"<CheckpointSource {self.kind} {self.id}{rev} files={len(self._headers)} tensors={len(self._weight_map)}>"
+
+
+class LazySlice:
+    """What ``CheckpointSource.get_slice`` returns (the subset of safetensors'
+    slice API the converter uses): indexing reads only the selected rows of
+    the first dimension, then applies the rest of the index in memory."""
+
+    def __init__(self, source: CheckpointSource, name: str) -> None:
+        self._source = source
+        self._name = name
+        self._hdr = source.tensor_header(name)
+
+    def get_shape(self) -> list[int]:
+        return list(self._hdr.shape)
+
+    def get_dtype(self) -> str:
+        return self._hdr.dtype
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        shape = self._hdr.shape
+        if not shape:
+            return self._source.get_tensor(self._name)[key]
+        first, rest = (key[0], key[1:]) if isinstance(key, tuple) and key else (key, ())
+        n = shape[0]
+        if isinstance(first, int):
+            i = first + n if first < 0 else first
+            if not 0 <= i < n:
+                raise IndexError(f"index {first} out of range for {self._name} with {n} rows")
+            t = self._source._read_rows(self._name, i, i + 1)[0]
+            return t[rest] if rest else t
+        if isinstance(first, slice) and first.step in (None, 1):
+            lo, hi, _ = first.indices(n)
+            hi = max(hi, lo)
+            t = self._source._read_rows(self._name, lo, hi)
+            return t[(slice(None), *rest)] if rest else t
+        return self._source.get_tensor(self._name)[key]
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:  # pragma: no cover - platforms without preadv
+    data = os.pread(fd, len(view), pos)
+    view[: len(data)] = data
+    return len(data)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _file_digest(path: Path, full: bool, fh: FileHeader) -> str:
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if _SHA256_HEX.match(target.name) and target.parent.name == "blobs":
+            return "lfs:" + target.name
+    if full:
+        return "sha256:" + _sha256_file(path)
+    # cheap: header + size + 16 data samples of 4 KiB at fixed, evenly spaced offsets
+    h = hashlib.sha256(f"{fh.header_sha256}:{fh.file_size}".encode())
+    data0 = 8 + fh.header_len
+    span = fh.file_size - data0
+    with open(path, "rb") as f:
+        for i in range(_SAMPLES):
+            off = data0 + (span * i) // _SAMPLES
+            f.seek(off)
+            h.update(f.read(min(_SAMPLE_BYTES, fh.file_size - off)))
+    return "sampled:" + h.hexdigest()
+
+
+_SAMPLES = 16
+_SAMPLE_BYTES = 4096
+
+
+def _env_offline() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUTHY:
+        return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover
+        return False
+
+
+def is_hub_id(src: str) -> bool:
+    return bool(_HUB_ID.match(src)) and ".." not in src
+
+
+def open_source(
+    src: str | Path,
+    revision: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+) -> CheckpointSource:
+    """Open a local folder or a hub repo id (``org/name``) as a checkpoint.
+
+    A path that exists is always local (so ``./org/name`` beats the hub).
+    Hub ids are resolved through ``snapshot_download`` with
+    :data:`HUB_ALLOW_PATTERNS`; ``HF_HUB_OFFLINE`` (read at call time as
+    well as at import) or ``local_files_only=True`` restrict it to the cache
+    (``cache_dir`` or ``$HF_HUB_CACHE`` or the library default). Errors name
+    the repo and revision and say what to do.
+    """
+    p = Path(src).expanduser()
+    if p.exists():
+        if revision is not None:
+            raise CheckpointError(f"{src}: --revision {revision!r} applies to hub repos only, and this is a local folder")
+        if not p.is_dir():
+            raise CheckpointError(
+                f"{src}: is a file; give the checkpoint folder (the one holding config.json and the *.safetensors)"
+            )
+        return CheckpointSource(p.resolve(), id=str(p), kind="local")
+    src = str(src)
+    if not is_hub_id(src):
+        raise CheckpointError(
+            f"{src!r} is neither an existing folder nor a hub repo id of the form 'org/name'"
+        )
+    return _open_hub(src, revision, cache_dir=cache_dir, local_files_only=local_files_only)
+
+
+def _open_hub(
+    repo_id: str, revision: str | None, *, cache_dir: str | Path | None, local_files_only: bool | None
+) -> CheckpointSource:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub import errors as hf_errors
+    except ImportError as e:  # pragma: no cover - dependency
+        raise CheckpointError(f"{repo_id}: huggingface_hub is needed to read hub repos ({e})") from e
+    offline = bool(local_files_only) or _env_offline()
+    if cache_dir is None and os.environ.get("HF_HUB_CACHE"):
+        cache_dir = os.environ["HF_HUB_CACHE"]
+    rev = revision or "main"
+    where = f"hub repo {repo_id!r} (revision {rev!r})"
+    cache_note = f"cache {cache_dir}" if cache_dir else "the default hub cache"
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache_dir,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
+            local_files_only=offline,
+        )
+    except hf_errors.RevisionNotFoundError as e:
+        raise CheckpointError(f"{where}: revision {rev!r} does not exist on the hub") from e
+    except (hf_errors.GatedRepoError,) as e:
+        raise CheckpointError(
+            f"{where}: the repo is gated; accept its terms on the hub and log in (`hf auth login` or HF_TOKEN)"
+        ) from e
+    except hf_errors.RepositoryNotFoundError as e:
+        raise CheckpointError(
+            f"{where}: repository not found (or private: log in with `hf auth login` or set HF_TOKEN)"
+        ) from e
+    except getattr(hf_errors, "IncompleteSnapshotError", ()) as e:  # type: ignore[misc]
+        raise CheckpointError(
+            f"{where}: the cached snapshot in {cache_note} is incomplete and the hub cannot be reached: {e}"
+        ) from e
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        if offline:
+            raise CheckpointError(
+                f"{where} is not in {cache_note} and offline mode is on "
+                f"({'local_files_only' if local_files_only else 'HF_HUB_OFFLINE'}); download it once while online "
+                f"(`hf download {repo_id}`) or point HF_HUB_CACHE at a cache that has it"
+            ) from e
+        raise CheckpointError(f"{where}: not cached in {cache_note} and the hub could not be reached: {e}") from e
+    except hf_errors.HfHubHTTPError as e:
+        raise CheckpointError(f"{where}: hub request failed: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"{where}: could not download the snapshot: {e}") from e
+    folder_p = Path(folder)
+    commit = folder_p.name if folder_p.parent.name == "snapshots" else None
+    if not (folder_p / "config.json").is_file():
+        raise CheckpointError(f"{where}: the snapshot at {folder_p} has no config.json (not a transformers model repo?)")
+    return CheckpointSource(folder_p, id=repo_id, kind="hub", revision=rev, commit=commit)
+
+
+def matches_any(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
+    """fnmatch-style matching used for ignore/exclude lists (helper for readers)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

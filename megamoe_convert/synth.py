@@ -1,0 +1,614 @@
+"""Tiny synthetic MoE checkpoints in every source format.
+
+Used by ``megamoe-convert demo``, the tests and the benchmarks, so every part
+of the converter is exercised on the same bytes without downloading
+anything. The files follow the real producers' conventions (names, dtypes,
+shapes, quantization configs; REFERENCE.md section 6) and the experts are
+quantized with the reference quantizers of ``megamoe_runtime.codecs``.
+
+The float weights are a pure function of ``(seed, layer, expert)``
+(:func:`synthetic_expert_weights`), so a test can compare what a reader
+dequantizes against the values that were quantized.
+
+Defects for the bad-input tests are injected by keyword (each takes one
+tuple or a list of tuples): ``missing_expert=(layer, expert)``,
+``nan_scale`` / ``zero_scale`` / ``ff_scale=(layer, expert, role)``,
+``scale_mismatch=(layer, expert)`` (NVFP4: gate and up quantized with their
+own global scales, up scaled by ``mismatch_factor``), ``wrong_shape=(layer,
+expert, role)`` (weight one row short), ``excluded_layer=layer`` (that
+layer's routed experts stored unquantized, listed in the ignore list).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from megamoe_runtime import codecs
+
+FORMATS = (
+    "modelopt-nvfp4",
+    "modelopt-mxfp4",
+    "modelopt-mxfp8",
+    "quark-mxfp4",
+    "quark-nvfp4",
+    "quark-mxfp8",
+    "ct-nvfp4",
+    "ct-mxfp4",
+    "ct-mxfp8",
+    "bf16",
+    "fp16",
+    "fp32",
+    "bf16-fused",
+    "deepseek-v4",
+)
+#: source format -> the row its experts map onto
+ROW_OF = {
+    "modelopt-nvfp4": "nvfp4",
+    "modelopt-mxfp4": "mxfp4",
+    "modelopt-mxfp8": "mxfp8",
+    "quark-mxfp4": "mxfp4",
+    "quark-nvfp4": "nvfp4",
+    "quark-mxfp8": "mxfp8",
+    "ct-nvfp4": "nvfp4",
+    "ct-mxfp4": "mxfp4",
+    "ct-mxfp8": "mxfp8",
+    "bf16": "bf16",
+    "fp16": "bf16",
+    "fp32": "bf16",
+    "bf16-fused": "bf16",
+    "deepseek-v4": "mxfp4",
+}
+ROLES = ("gate", "up", "down")
+_HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_W_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _as_list(v: Any) -> list[tuple]:
+    if v is None:
+        return []
+    if isinstance(v, list):
+        return [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in v]
+    return [tuple(v) if isinstance(v, (tuple, list)) else (v,)]
+
+
+def _gen(seed: int, *key: int) -> torch.Generator:
+    s = seed * 1_000_003
+    for k in key:
+        s = (s * 31 + int(k) + 7) % (2**62)
+    return torch.Generator().manual_seed(s)
+
+
+def synthetic_expert_weights(
+    seed: int, layer: int, expert: int, hidden: int, intermediate: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 (gate [I, H], up [I, H], down [H, I]) of one synthetic expert.
+
+    Magnitudes vary per expert and per row so block scales differ (a test of
+    scale handling, not just of bytes)."""
+    g = _gen(seed, layer, 1000 + expert)
+    amp = 0.02 * (1.0 + 0.25 * (expert % 5))
+    gate = torch.randn(intermediate, hidden, generator=g) * amp
+    up = torch.randn(intermediate, hidden, generator=g) * amp * 0.8
+    down = torch.randn(hidden, intermediate, generator=g) * amp * 1.2
+    row_amp = 1.0 + torch.rand(intermediate, 1, generator=g)
+    return gate * row_amp, up, down
+
+
+def synthetic_shared_weights(
+    seed: int, layer: int, hidden: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(seed, layer, 77)
+    return (
+        torch.randn(width, hidden, generator=g) * 0.03,
+        torch.randn(width, hidden, generator=g) * 0.03,
+        torch.randn(hidden, width, generator=g) * 0.03,
+    )
+
+
+def synthetic_input_scale(seed: int, layer: int, expert: int, role: str) -> float:
+    """The calibrated NVFP4 activation scale (multiplier) written for a projection;
+    gate and up share one (fused input), down varies per expert."""
+    g = _gen(seed, layer, 5000 + expert, 0 if role in ("gate", "up") else 1)
+    amax = 2.0 + 6.0 * float(torch.rand(1, generator=g))
+    return float(torch.tensor(amax / 2688.0, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- encoders
+
+
+def _nvfp4_pair(gate: torch.Tensor, up: torch.Tensor, shared_global: bool):
+    if shared_global:
+        I = gate.shape[0]
+        p, s, g = codecs.quantize_nvfp4_weight(torch.cat([gate, up], 0))
+        return (p[:I].contiguous(), s[:I].contiguous(), g), (p[I:].contiguous(), s[I:].contiguous(), g)
+    return codecs.quantize_nvfp4_weight(gate), codecs.quantize_nvfp4_weight(up)
+
+
+def _fp8_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weight + UE8M0 scale per 128x128 block (DeepSeek-V4 shared / FP8 style)."""
+    out, k = x.shape
+    ro, rk = -(-out // 128), -(-k // 128)
+    pad = torch.zeros(ro * 128, rk * 128)
+    pad[:out, :k] = x
+    blocks = pad.reshape(ro, 128, rk, 128)
+    amax = blocks.abs().amax(dim=(1, 3))
+    e = codecs.ue8m0_ceil_exponent(amax, codecs.E4M3_MAX)
+    inv = torch.pow(2.0, 127.0 - e.to(torch.float32))
+    q = codecs.e4m3_encode(blocks * inv[:, None, :, None]).reshape(ro * 128, rk * 128)[:out, :k].contiguous()
+    return q, e
+
+
+def _scalar(v: float, one_d: bool) -> torch.Tensor:
+    t = torch.tensor(v, dtype=torch.float32)
+    return t.reshape(1) if one_d else t
+
+
+class _Builder:
+    def __init__(self, fmt: str, seed: int, naming: str) -> None:
+        self.fmt = fmt
+        self.seed = seed
+        self.naming = naming
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        assert name not in self.tensors, name
+        self.tensors[name] = t.contiguous()
+
+    def projection(
+        self,
+        module: str,
+        enc: dict[str, Any],
+    ) -> None:
+        for suffix, t in enc.items():
+            self.add(f"{module}.{suffix}", t)
+
+
+def _encode_expert(
+    fmt: str,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    input_scales: dict[str, float],
+    shared_global: bool = True,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """role -> suffix -> tensor, in the format's own names and dtypes."""
+    family, _, kind = fmt.partition("-")
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    if fmt in ("bf16", "fp16", "fp32", "bf16-fused"):
+        dt = {"bf16": torch.bfloat16, "bf16-fused": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt]
+        return {r: {"weight": t.to(dt)} for r, t in zip(ROLES, (gate, up, down))}
+    if fmt == "deepseek-v4":
+        for r, t in zip(ROLES, (gate, up, down)):
+            p, s = codecs.quantize_mxfp4(t)
+            out[r] = {"weight": p.view(torch.int8), "scale": s.view(torch.float8_e8m0fnu)}
+        return out
+    if kind == "nvfp4":
+        (pg, sg, gg), (pu, su, gu) = _nvfp4_pair(gate, up, shared_global)
+        pd, sd, gd = codecs.quantize_nvfp4_weight(down)
+        enc = {"gate": (pg, sg, gg), "up": (pu, su, gu), "down": (pd, sd, gd)}
+        for r, (p, s, g) in enc.items():
+            if family == "modelopt":
+                out[r] = {
+                    "weight": p,
+                    "weight_scale": s,
+                    "weight_scale_2": _scalar(g, False),
+                    "input_scale": _scalar(input_scales[r], False),
+                }
+            elif family == "quark":
+                out[r] = {
+                    "weight": p,
+                    "weight_scale": s,
+                    "weight_scale_2": _scalar(g, False),
+                    "input_scale_2": _scalar(input_scales[r], False),
+                }
+            else:  # ct: divisors
+                out[r] = {
+                    "weight_packed": p,
+                    "weight_scale": s,
+                    "weight_global_scale": _scalar(1.0 / g, True),
+                    "input_global_scale": _scalar(1.0 / input_scales[r], True),
+                }
+        return out
+    if kind == "mxfp4":
+        wname = "weight_packed" if family == "ct" else "weight"
+        for r, t in zip(ROLES, (gate, up, down)):
+            p, s = codecs.quantize_mxfp4(t)
+            out[r] = {wname: p, "weight_scale": s}
+        return out
+    if kind == "mxfp8":
+        for r, t in zip(ROLES, (gate, up, down)):
+            q, s = codecs.quantize_mxfp8(t)
+            out[r] = {"weight": q, "weight_scale": s}
+        return out
+    raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
+
+
+def _quant_config(fmt: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json) for a format."""
+    family, _, kind = fmt.partition("-")
+    if family == "modelopt":
+        algo = kind.upper()
+        hf = {
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quantization": {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": None,
+                "group_size": 16 if kind == "nvfp4" else 32,
+                "exclude_modules": ignore,
+            },
+        }
+        cq = {
+            "quant_method": "modelopt",
+            "quant_algo": algo,
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "ignore": ignore,
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4 if kind != "mxfp8" else 8,
+                        "type": "float",
+                        "group_size": 16 if kind == "nvfp4" else 32,
+                    },
+                }
+            },
+        }
+        return cq, hf
+    if family == "quark":
+        if kind == "nvfp4":
+            weight: Any = [
+                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3",
+                 "is_dynamic": False, "round_method": "half_even"},
+                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
+            ]
+            inp: Any = [
+                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3", "is_dynamic": True},
+                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
+            ]
+        elif kind == "mxfp4":
+            weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
+                      "scale_calculation_mode": "even", "round_method": "half_even", "is_dynamic": False}
+            inp = dict(weight, is_dynamic=True)
+        else:
+            weight = {"dtype": "fp8_e4m3", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
+                      "scale_calculation_mode": "even", "is_dynamic": False}
+            inp = dict(weight, is_dynamic=True)
+        return {
+            "quant_method": "quark",
+            "global_quant_config": {"weight": weight, "input_tensors": inp, "output_tensors": None, "bias": None},
+            "layer_quant_config": {},
+            "layer_type_quant_config": {},
+            "exclude": ignore,
+            "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
+            "version": "0.13",
+        }, None
+    if family == "ct":
+        ct_fmt = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}[kind]
+        if kind == "nvfp4":
+            w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False, "scale_dtype": "float8_e4m3fn"}
+            a = dict(w, dynamic="local")
+        else:
+            w = {"num_bits": 4 if kind == "mxfp4" else 8, "type": "float", "strategy": "group", "group_size": 32,
+                 "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
+            a = dict(w, dynamic=True)
+        return {
+            "quant_method": "compressed-tensors",
+            "format": ct_fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": a,
+                                          "format": ct_fmt}},
+            "ignore": ignore,
+            "quantization_status": "compressed",
+            "version": "0.20.1",
+        }, None
+    if fmt == "deepseek-v4":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }, None
+    return None, None
+
+
+def build_synthetic_checkpoint(
+    path: str | Path,
+    fmt: str,
+    *,
+    num_layers: int = 2,
+    hidden: int = 256,
+    intermediate: int = 128,
+    num_experts: int = 8,
+    top_k: int = 2,
+    shared: int = 0,
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    first_k_dense_replace: int = 0,
+    naming: str = "hf",
+    model_type: str | None = None,
+    routed_scaling_factor: float = 1.0,
+    shared_format: str | None = None,
+    vocab_size: int = 64,
+    extra_config: dict | None = None,
+    missing_expert: Any = None,
+    nan_scale: Any = None,
+    zero_scale: Any = None,
+    ff_scale: Any = None,
+    scale_mismatch: Any = None,
+    mismatch_factor: float = 2.0,
+    wrong_shape: Any = None,
+    excluded_layer: Any = None,
+) -> Path:
+    """Write a tiny MoE checkpoint in source format ``fmt`` to ``path``.
+
+    ``naming``: ``"hf"`` (``model.layers.N.mlp.experts.E.gate_proj``),
+    ``"w123"`` (Mixtral/Kimi ``block_sparse_moe.experts.E.w1``) or
+    ``"fused"`` (transformers >= 5 ``experts.gate_up_proj [E, 2I, H]``;
+    implied by ``fmt="bf16-fused"``); ``deepseek-v4`` always uses its own
+    ``layers.N.ffn.experts.E.w1.{weight,scale}``. ``shared`` = S shared
+    experts of width ``intermediate`` each, stored DeepSeek-style as one MLP
+    of width S*I (``mlp.shared_experts``) in the routed format, or in
+    ``shared_format`` (``"bf16"``: excluded from quantization). Layers below
+    ``first_k_dense_replace`` get a dense MLP instead of experts.
+    ``max_shard_bytes`` splits the tensors into shards with
+    ``model.safetensors.index.json``. Returns the folder.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threading only adds overhead (7x on a loaded 2-core box)
+    try:
+        return _build(path, fmt, **{k: v for k, v in locals().items() if k not in ("path", "fmt", "threads")})
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(
+    path: str | Path,
+    fmt: str,
+    *,
+    num_layers: int,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    top_k: int,
+    shared: int,
+    seed: int,
+    max_shard_bytes: int | None,
+    first_k_dense_replace: int,
+    naming: str,
+    model_type: str | None,
+    routed_scaling_factor: float,
+    shared_format: str | None,
+    vocab_size: int,
+    extra_config: dict | None,
+    missing_expert: Any,
+    nan_scale: Any,
+    zero_scale: Any,
+    ff_scale: Any,
+    scale_mismatch: Any,
+    mismatch_factor: float,
+    wrong_shape: Any,
+    excluded_layer: Any,
+) -> Path:
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if fmt == "bf16-fused":
+        naming = "fused"
+    if naming == "fused" and fmt not in ("bf16", "bf16-fused", "fp16", "fp32"):
+        raise ValueError("fused experts are only written unquantized")
+    v4 = fmt == "deepseek-v4"
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    H, I, E, S = hidden, intermediate, num_experts, shared
+    missing = set(_as_list(missing_expert))
+    nans, zeros, ffs = set(_as_list(nan_scale)), set(_as_list(zero_scale)), set(_as_list(ff_scale))
+    mism = {t[:2] for t in _as_list(scale_mismatch)}
+    wrong = set(_as_list(wrong_shape))
+    excluded = {t[0] for t in _as_list(excluded_layer)}
+    dense_I = 2 * I
+
+    root = "" if v4 else "model."
+    block = "ffn" if v4 else ("block_sparse_moe" if naming == "w123" else "mlp")
+    proj = _W_PROJ if (v4 or naming == "w123") else _HF_PROJ
+    b = _Builder(fmt, seed, naming)
+    g0 = _gen(seed, 999)
+    float_dt = {"fp16": torch.float16, "fp32": torch.float32}.get(fmt, torch.bfloat16)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g0) * 0.02).to(float_dt)
+
+    b.add("embed.weight" if v4 else "model.embed_tokens.weight", rnd(vocab_size, H))
+    ignore: list[str] = ["lm_head"] if not v4 else ["head"]
+    for L in range(num_layers):
+        lp = f"{root}layers.{L}"
+        b.add(f"{lp}.{'attn_norm' if v4 else 'input_layernorm'}.weight", torch.ones(H, dtype=float_dt))
+        b.add(f"{lp}.{'ffn_norm' if v4 else 'post_attention_layernorm'}.weight", torch.ones(H, dtype=float_dt))
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            b.add(f"{lp}.{'attn' if v4 else 'self_attn'}.{p}.weight", rnd(H, H))
+        ignore.append(f"{lp}.{'attn' if v4 else 'self_attn'}*")
+        mp = f"{lp}.{block}"
+        if L < first_k_dense_replace:
+            for r in ROLES:
+                shape = (H, dense_I) if r == "down" else (dense_I, H)
+                b.add(f"{mp}.{proj[r]}.weight", rnd(*shape))
+            ignore.append(f"{mp}.*")
+            continue
+        b.add(f"{mp}.gate.weight", rnd(E, H))
+        ignore.append(f"{mp}.gate")
+        if S or model_type == "deepseek_v3":
+            b.add(f"{mp}.gate.e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        layer_fmt = "bf16" if L in excluded else fmt
+        if L in excluded:
+            ignore.append(f"{mp}.experts*")
+        if naming == "fused":
+            gus, dns = [], []
+            for e in range(E):
+                gt, ut, dt_ = synthetic_expert_weights(seed, L, e, H, I)
+                gus.append(torch.cat([gt, ut], 0))
+                dns.append(dt_)
+            b.add(f"{mp}.experts.gate_up_proj", torch.stack(gus).to(float_dt))
+            b.add(f"{mp}.experts.down_proj", torch.stack(dns).to(float_dt))
+        else:
+            for e in range(E):
+                if (L, e) in missing:
+                    continue
+                gt, ut, dt_ = synthetic_expert_weights(seed, L, e, H, I)
+                if (L, e) in mism:
+                    ut = ut * mismatch_factor
+                ins = {r: synthetic_input_scale(seed, L, e, r) for r in ROLES}
+                enc = _encode_expert(
+                    layer_fmt, gt, ut, dt_, input_scales=ins, shared_global=(L, e) not in mism
+                )
+                for r in ROLES:
+                    d = enc[r]
+                    _inject(d, (L, e, r) in nans, (L, e, r) in zeros, (L, e, r) in ffs)
+                    if (L, e, r) in wrong:
+                        wk = next(k for k in d if k.startswith("weight") and d[k].dim() == 2)
+                        d[wk] = d[wk][:-1]
+                    b.projection(f"{mp}.experts.{e}.{proj[r]}", d)
+        if S:
+            sg, su, sd = synthetic_shared_weights(seed, L, H, S * I)
+            sfmt = shared_format or ("bf16" if naming == "fused" else fmt)
+            if v4 and shared_format is None:
+                for r, t in zip(ROLES, (sg, su, sd)):
+                    q, e8 = _fp8_block128(t)
+                    b.projection(f"{mp}.shared_experts.{proj[r]}", {"weight": q, "scale": e8.view(torch.float8_e8m0fnu)})
+            else:
+                ins = {r: synthetic_input_scale(seed, L, 10_000, r) for r in ROLES}
+                enc = _encode_expert(sfmt, sg, su, sd, input_scales=ins)
+                if sfmt == "bf16" and fmt not in ("bf16", "bf16-fused", "fp16", "fp32"):
+                    ignore.append(f"{mp}.shared_experts*")
+                for r in ROLES:
+                    b.projection(f"{mp}.shared_experts.{proj[r]}", enc[r])
+    b.add("norm.weight" if v4 else "model.norm.weight", torch.ones(H, dtype=float_dt))
+    b.add("head.weight" if v4 else "lm_head.weight", rnd(vocab_size, H))
+
+    # -- config ------------------------------------------------------------------
+    mt = model_type or ("deepseek_v4" if v4 else "deepseek_v3" if (S or first_k_dense_replace) else
+                        "mixtral" if naming == "w123" else "qwen3_moe")
+    cfg: dict[str, Any] = {
+        "architectures": [{"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+                           "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(mt, "AutoModel")],
+        "model_type": mt,
+        "hidden_size": H,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": max(1, H // 64),
+        "num_key_value_heads": max(1, H // 64),
+        "vocab_size": vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": {"fp16": "float16", "fp32": "float32"}.get(fmt, "bfloat16"),
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": True,
+    }
+    if mt == "mixtral":
+        cfg.update({"num_local_experts": E, "intermediate_size": I})
+    elif mt == "qwen3_moe":
+        cfg.update({"num_experts": E, "moe_intermediate_size": I, "intermediate_size": dense_I,
+                    "decoder_sparse_step": 1, "mlp_only_layers": list(range(first_k_dense_replace))})
+    else:
+        cfg.update({
+            "n_routed_experts": E,
+            "moe_intermediate_size": I,
+            "intermediate_size": dense_I,
+            "n_shared_experts": S,
+            "first_k_dense_replace": first_k_dense_replace,
+            "moe_layer_freq": 1,
+            "routed_scaling_factor": routed_scaling_factor,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "n_group": 1,
+            "topk_group": 1,
+        })
+    if routed_scaling_factor != 1.0:
+        cfg["routed_scaling_factor"] = routed_scaling_factor
+    if v4:
+        cfg.update({"expert_dtype": "fp4", "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus"})
+    cq, hf = _quant_config(fmt, ignore)
+    if cq is not None:
+        cfg["quantization_config"] = cq
+    if extra_config:
+        cfg.update(extra_config)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if hf is not None:
+        (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n")
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}) + "\n")
+    (path / "tokenizer.json").write_text(
+        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<s>": 0, "</s>": 1}}}) + "\n"
+    )
+    _save(b.tensors, path, max_shard_bytes, save_file)
+    return path
+
+
+def _inject(d: dict[str, torch.Tensor], nan: bool, zero: bool, ff: bool) -> None:
+    """Scale defects: NaN / zero go to the global scale when there is one (NVFP4),
+    else into the block scale; 0xFF into an E8M0 block scale byte."""
+    if not (nan or zero or ff):
+        return
+    glob = next((k for k in ("weight_scale_2", "weight_global_scale") if k in d), None)
+    sk = "weight_scale" if "weight_scale" in d else "scale"
+    if ff:
+        s = d[sk].clone()
+        b = s.view(torch.uint8)
+        b.view(-1)[0] = 0xFF
+        d[sk] = s
+    if nan or zero:
+        v = float("nan") if nan else 0.0
+        if glob is not None:
+            d[glob] = torch.full_like(d[glob], v)
+        else:
+            s = d[sk].clone()
+            if s.dtype == torch.float8_e4m3fn:
+                s.view(-1)[0] = v
+            else:  # E8M0 has no zero or NaN except 0xFF; zero byte = 2^-127 ~ 0 (ModelOpt's all-zero block)
+                s.view(torch.uint8).view(-1)[0] = 0xFF if nan else 0
+            d[sk] = s
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int | None, save_file) -> None:
+    meta = {"format": "pt"}
+    names = list(tensors)
+    if not max_shard_bytes:
+        save_file(tensors, str(path / "model.safetensors"), metadata=meta)
+        return
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nb = tensors[n].numel() * tensors[n].element_size()
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nb
+    total = len(shards)
+    weight_map = {}
+    for i, group in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{total:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(path / fname), metadata=meta)
+        for n in group:
+            weight_map[n] = fname
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        + "\n"
+    )
+
+
+def expert_tensor_names(path: str | Path) -> list[str]:
+    """Helper for tests: the routed-expert tensor names of a synthetic checkpoint."""
+    from megamoe_convert.readers.naming import EXPERT_RE, FUSED_RE
+
+    from .source import CheckpointSource
+
+    return [n for n in CheckpointSource(path).tensor_names() if EXPERT_RE.match(n) or FUSED_RE.match(n)]

@@ -1,0 +1,557 @@
+"""Reference backend: the MegaMoE forward numerics, defined once.
+
+Every other backend (DeepGEMM kernels, triton) is tested against this module,
+so it follows REFERENCE.md §5 step by step, in plain fp32 torch, from the
+same kernel-layout bytes the GPU kernels read. Weights are decoded exactly
+(through ``layout``'s readers and ``codecs``' dequantizers), activations are
+quantized with the same reference quantizers the kernels reproduce, and every
+rounding point of the kernels (bf16 after L1, requantization of the
+intermediate, bf16 slot outputs, fp32 combine) is modelled explicitly.
+
+Rounding points and operation order, per row (w = top-k weight in fp32,
+rsf = ``spec.routed_scaling_factor``, c = bf16(clamp)):
+
+mxfp4 / mxfp8 (``fp8_fp4_mega_moe``)
+    x   = dequant(quantize_mxfp8(x))                 per token, per 32
+    h   = x @ W13^T                                   fp32
+    g,u = bf16(h_gate), bf16(h_up); g = min(g, c); u = clamp(u, -c, c)
+    a   = act(g, u) * (w * rsf)                       fp32, rsf folded into w
+    a   = dequant(quantize_mxfp8(a))                  per token, per 32
+    slot_k = bf16(a @ W2^T)
+    out = bf16(sum of valid slots, ascending k, shared slot K last, fp32)
+
+bf16 (``bf16_mega_moe``)
+    as above without the two quantizations and with ``a = bf16(act * w)``.
+
+nvfp4 (newer DG ``fp4_fp4_mega_moe``, DGv per-token dispatch scale)
+    (xq, sfx, s_t) = quantize_nvfp4_per_token(x)     ties: NVFP4_DISPATCH_TIES
+    acc = dequant(xq, sfx) @ dequant(W13 nibbles, e4m3 sf)^T    fp32, no globals
+    g   = bf16(acc_g * (s_t * l1_alpha[e,0]))         scalar product first
+    u   = bf16(acc_u * (s_t * l1_alpha[e,1]))
+    clamp; a = act(g, u)                              fp32, UNWEIGHTED
+    (aq, sfa) = quantize_nvfp4(a, global_scale=a2)    per token, per 16, inv = 1/a2 fp32
+    p   = bf16((dequant(aq, sfa) @ dequant(W2)^T) * (l2_global_scale[e] * a2))
+    slot_k = bf16(float(p) * w)                       top-k weight AFTER L2
+    r   = bf16(sum of valid routed slots, ascending k, fp32)
+    r   = bf16(float(r) * rsf)  if rsf != 1
+    out = bf16(float(r) + float(shared slot))  if a fused shared expert runs
+
+Fused shared expert (slot K, weight 1.0, every token):
+    mxfp8 shared: x -> MXFP8 (as the mx rows), L1, bf16, clamp, act,
+                  requant MXFP8, L2 -> bf16.
+    bf16 shared:  bf16 x, L1 -> bf16 g,u -> clamp -> bf16(act) -> L2 -> bf16.
+    The layer's activation (kind, clamp, alpha/beta) applies to it as well;
+    for plain SwiGLU that is newer DG's ``silu(g) * u``.
+
+Not modelled: DGv ``nvfp4_mega_moe``'s combine, which multiplies the bf16 L2
+output by its weight in fp32 without a bf16 rounding and takes rsf folded
+into the weights; the reference follows newer DG's combine (above).
+
+Activations, fp32 on the bf16-rounded, clamped g and u:
+    swiglu: (g / (1 + exp(-(alpha * g)))) * (u + beta)
+    situ:   (((sigmoid(g) * b) * tanh(g / b)) * bl) * tanh(u / bl),
+            sigmoid(g) = 1 / (1 + exp(-g))
+
+``fast_math`` only changes GPU kernels (``__expf`` and a fast reciprocal);
+the reference always uses ``exp`` and true division, whatever the flag, and
+fast-math kernels are compared to it with a tolerance rather than bitwise.
+
+The fp32 matmuls here accumulate in torch's order, not the tensor cores'
+order, so the reference matches a kernel to fp32 accumulation noise (and the
+rare bf16 / requant rounding flip it causes), not bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from megamoe_runtime import codecs, layout
+from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
+from megamoe_runtime.formats import ActivationSpec, LayerSpec, Row, get_row
+
+_ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
+
+#: E2M1 tie rule of the NVFP4 dispatch quantization. "even" is the kernels'
+#: ``cvt.rn.satfinite`` (and what the triton staging kernel must reproduce);
+#: DGv's Python ``per_token_cast_to_nvfp4`` rounds ties down instead, so a
+#: comparison against x quantized by that helper has to pass "down".
+NVFP4_DISPATCH_TIES = "even"
+
+__all__ = [
+    "NVFP4_DISPATCH_TIES",
+    "NvScalars",
+    "ReferenceBackend",
+    "ReferenceSlots",
+    "activation_fp32",
+    "apply_clamp",
+    "combine_slots",
+    "reference_forward",
+    "reference_pairs",
+    "reference_slots",
+    "shared_slot",
+]
+
+
+@dataclass(frozen=True)
+class NvScalars:
+    """The per-layer NVFP4 scalars the kernels read besides the weight bytes.
+
+    * ``l1_alpha`` f32 ``[E_l, 2]``: gate and up ``weight_scale_2`` (the input
+      scale is per token, so it is not folded in, REFERENCE.md §7.2).
+    * ``l2_global_scale`` f32 ``[E_l]``: w2 ``weight_scale_2`` (newer DG
+      ``l2_alphas``; the kernel multiplies it by ``a2`` itself).
+    * ``l2_activation_scale`` 0-dim f32: ``a2``, the global scale of the
+      requantized intermediate, max over ALL experts (§7.3).
+    """
+
+    l1_alpha: Tensor
+    l2_global_scale: Tensor
+    l2_activation_scale: Tensor
+
+
+class ReferenceSlots(NamedTuple):
+    """Per-slot bf16 partials before the combine.
+
+    ``slots`` bf16 ``[T, K(+1), H]`` and ``valid`` bool ``[T, K(+1)]``; the
+    extra column is the fused shared expert. Invalid slots hold zeros. On an
+    EP rank only slots whose expert is local are valid, so an EP combine can
+    merge the ranks' slots (each slot is valid on exactly one rank) and then
+    call :func:`combine_slots`.
+    """
+
+    slots: Tensor
+    valid: Tensor
+
+
+# --------------------------------------------------------------------------
+# activation math (fp32)
+# --------------------------------------------------------------------------
+
+
+def apply_clamp(g: Tensor, u: Tensor, clamp: Optional[float]) -> tuple[Tensor, Tensor]:
+    """Clamp bf16-rounded accumulators the way the kernels do.
+
+    The bound is cast to bf16 first; the gate is clamped from above only
+    (``min(g, c)``), the up projection on both sides. ``None`` = +inf.
+    Returns bf16 tensors.
+    """
+    g = g.to(torch.bfloat16)
+    u = u.to(torch.bfloat16)
+    if clamp is None:
+        return g, u
+    c = torch.tensor(float(clamp), dtype=torch.bfloat16, device=g.device)
+    g = torch.minimum(g, c)
+    u = torch.maximum(torch.minimum(u, c), -c)
+    return g, u
+
+
+def activation_fp32(act: ActivationSpec, g: Tensor, u: Tensor, fast_math: bool = False) -> Tensor:
+    """``act(g, u)`` in fp32 on already rounded and clamped g, u.
+
+    ``fast_math`` is accepted for signature parity with the kernels and
+    ignored: the reference is the precise definition (``exp``, true division).
+    """
+    del fast_math
+    g = g.to(torch.float32)
+    u = u.to(torch.float32)
+    dev = g.device
+    one = torch.tensor(1.0, dtype=torch.float32, device=dev)
+    if act.kind == "swiglu":
+        alpha = torch.tensor(float(act.alpha), dtype=torch.float32, device=dev)
+        beta = torch.tensor(float(act.beta), dtype=torch.float32, device=dev)
+        return (g / (one + torch.exp(-(alpha * g)))) * (u + beta)
+    if act.kind == "situ":
+        b = torch.tensor(float(act.situ_beta), dtype=torch.float32, device=dev)
+        bl = torch.tensor(float(act.situ_linear_beta), dtype=torch.float32, device=dev)
+        sig = one / (one + torch.exp(-g))
+        return (((sig * b) * torch.tanh(g / b)) * bl) * torch.tanh(u / bl)
+    raise LayerSpecError(f"activation kind {act.kind!r} is not supported; valid: 'swiglu', 'situ'")
+
+
+# --------------------------------------------------------------------------
+# decoding kernel-layout weights (exact)
+# --------------------------------------------------------------------------
+
+
+def _decode_expert(row: Row, kt: Any, e: Optional[int]) -> tuple[Tensor, Tensor]:
+    """Expert ``e`` of a kernel stack (``e=None``: a 2-D shared expert) ->
+    fp32 ``(w13 [2I, H] = [gate | up], w2 [H, I])``.
+
+    Bytes are read back through ``layout.read_expert`` (de-interleave, undo
+    UTCCP, unpack the int32 words) and decoded by ``codecs`` (exact). NVFP4
+    global scales are NOT applied (the readers carry none): the kernels apply
+    them through the alphas after the block-scaled MMA, and so does this.
+    """
+    ex = layout.read_expert(row, kt, e, where="expert" if e is None else f"expert {e}")
+    gate, up, down = ex.dequantize(row)
+    return torch.cat((gate, up), dim=0), down
+
+
+# --------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------
+
+
+def _check_inputs(spec: LayerSpec, hidden_states: Tensor, topk_weights: Tensor,
+                  topk_ids: Tensor) -> None:
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != spec.hidden:
+        raise MegaMoEError(
+            f"hidden_states has shape {tuple(hidden_states.shape)}; expected [T, {spec.hidden}]")
+    if hidden_states.dtype != torch.bfloat16:
+        raise MegaMoEError(f"hidden_states has dtype {hidden_states.dtype}; the MegaMoE forward "
+                           f"takes torch.bfloat16")
+    T = hidden_states.shape[0]
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.dim() != 2 or t.shape[0] != T or t.shape[1] != spec.top_k:
+            raise MegaMoEError(f"{name} has shape {tuple(t.shape)}; expected [{T}, {spec.top_k}] "
+                               f"(T tokens, top_k={spec.top_k})")
+    if not topk_weights.is_floating_point():
+        raise MegaMoEError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
+    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+        raise MegaMoEError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
+    if T == 0:
+        return
+    ids = topk_ids.long()
+    bad = (ids < -1) | (ids >= spec.num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in bad.nonzero()[0])
+        raise MegaMoEError(f"topk_ids[{t}, {k}] = {int(ids[t, k])} is out of range; valid: -1 "
+                           f"(masked) or 0..{spec.num_experts - 1} (global expert ids)")
+    if spec.top_k > 1:
+        srt, _ = ids.sort(dim=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            t, j = (int(v) for v in dup.nonzero()[0])
+            raise MegaMoEError(f"token {t} routes to expert {int(srt[t, j + 1])} more than once "
+                               f"(topk_ids[{t}] = {ids[t].tolist()}); each expert may appear once "
+                               f"per token, mask repeats with -1")
+
+
+def _as_kernel_tensors(kt: Any) -> layout.KernelTensors:
+    if isinstance(kt, layout.KernelTensors):
+        return kt
+    return layout.KernelTensors(*(getattr(kt, r, None) for r in _ROUTED_ROLES))
+
+
+def _check_scalars(spec: LayerSpec, scalars: Optional[NvScalars]) -> None:
+    if scalars is None:
+        raise ScaleError(f"row nvfp4 needs NvScalars (l1_alpha [E_l, 2], l2_global_scale [E_l], "
+                         f"l2_activation_scale); got None")
+    E_l = spec.experts_per_rank
+    for name, shape in (("l1_alpha", (E_l, 2)), ("l2_global_scale", (E_l,)),
+                        ("l2_activation_scale", ())):
+        t = getattr(scalars, name)
+        if not isinstance(t, Tensor):
+            t = torch.as_tensor(t, dtype=torch.float32)
+        if tuple(t.shape) != shape:
+            raise ScaleError(f"NvScalars.{name} has shape {tuple(t.shape)}; expected {shape} "
+                             f"(E_l = {E_l} local experts)")
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[:4].tolist()
+            raise ScaleError(f"NvScalars.{name} must be finite and > 0; found {bad}")
+
+
+# --------------------------------------------------------------------------
+# quantize-dequantize helpers (exact round trips through codecs)
+# --------------------------------------------------------------------------
+
+
+def _mxfp8_qdq(x: Tensor) -> Tensor:
+    """Per-row MXFP8 (UE8M0 per 32, e4m3 RNE satfinite), dequantized exactly."""
+    q, sf = codecs.quantize_mxfp8(x.to(torch.float32))
+    return codecs.dequantize_mx(q, sf, "e4m3")
+
+
+def _nvfp4_qdq_no_global(x: Tensor, global_scale: Tensor) -> Tensor:
+    """quantize_nvfp4(x, global) decoded as e2m1 * e4m3 (global NOT applied)."""
+    packed, sf = codecs.quantize_nvfp4(x.to(torch.float32), global_scale)
+    return codecs.dequantize_nvfp4(packed, sf, 1.0)
+
+
+def _f32(v: Any, device: torch.device) -> Tensor:
+    return torch.as_tensor(v, dtype=torch.float32, device=device)
+
+
+# --------------------------------------------------------------------------
+# the forward
+# --------------------------------------------------------------------------
+
+
+def shared_slot(spec: LayerSpec, shared: Any, hidden_states: Tensor,
+                fast_math: bool = False) -> Tensor:
+    """Fused shared expert output, bf16 ``[T, H]`` (slot K, weight 1.0).
+
+    ``shared`` holds the 2-D shared kernel tensors (``l1_weight``
+    ``[2*S*I_s, Dw]``, ``l1_scale``, ``l2_weight``, ``l2_scale``; bf16: no
+    scales). mxfp8: x -> MXFP8, L1, bf16 g/u, clamp, act, requant MXFP8, L2.
+    bf16: bf16 x, L1, bf16 g/u, clamp, bf16(act), L2. Both -> bf16. The
+    layer's activation (incl. clamp/alpha/beta) applies to the shared expert.
+    """
+    if spec.shared is None:
+        raise LayerSpecError("shared_slot needs spec.shared (a SharedSpec)")
+    prec = spec.shared.precision
+    inter = spec.shared.folded_intermediate
+    if prec not in ("mxfp8", "bf16"):
+        raise LayerSpecError(f"shared precision {prec!r}; valid: 'mxfp8', 'bf16'")
+    srow = get_row(prec)  # a shared precision names the row whose 2-D layout it uses
+    kt = _as_kernel_tensors(shared)
+    layout.check_kernel_tensors(srow, kt, None, spec.hidden, inter, "shared kernel tensors")
+    w13, w2 = _decode_expert(srow, kt, None)
+    x = _mxfp8_qdq(hidden_states) if prec == "mxfp8" else hidden_states.to(torch.float32)
+    h = x @ w13.t()
+    g, u = apply_clamp(h[:, :inter], h[:, inter:], spec.activation.clamp)
+    a = activation_fp32(spec.activation, g, u, fast_math)
+    if prec == "mxfp8":
+        a = _mxfp8_qdq(a)  # weight 1.0: a * 1.0 == a
+    else:
+        a = a.to(torch.bfloat16).to(torch.float32)
+    return (a @ w2.t()).to(torch.bfloat16)
+
+
+def _check_routed(spec: LayerSpec, kt: Any, scalars: Optional[NvScalars]) -> None:
+    layout.check_kernel_tensors(spec.row_spec, _as_kernel_tensors(kt), spec.experts_per_rank,
+                                spec.hidden, spec.intermediate, "routed kernel tensors")
+    if spec.row == "nvfp4":
+        _check_scalars(spec, scalars)
+
+
+def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
+           scalars: Optional[NvScalars], fast_math: bool) -> Tensor:
+    """Unchecked body of :func:`reference_pairs`."""
+    row = spec.row_spec
+    element = row.weight.element
+    kt = _as_kernel_tensors(kt)
+    I, H = spec.intermediate, spec.hidden
+    dev = rows.device
+    N = rows.shape[0]
+    out = torch.zeros(N, H, dtype=torch.bfloat16, device=dev)
+    if N == 0:
+        return out
+    is_nv = spec.row == "nvfp4"
+    w_all = weights.to(device=dev, dtype=torch.float32)
+    ids = ids.to(device=dev, dtype=torch.long)
+
+    # Dispatch quantization is per row (token), so quantizing all rows at once
+    # is identical to the kernels' per-(token, slot) quantization.
+    if is_nv:
+        xq, xsf, tok_scale = codecs.quantize_nvfp4_per_token(rows.to(torch.float32),
+                                                             NVFP4_DISPATCH_TIES)
+        x_l1 = codecs.dequantize_nvfp4(xq, xsf, 1.0)  # token scale NOT applied
+        tok_scale = tok_scale.to(device=dev, dtype=torch.float32).reshape(N)
+        a2 = _f32(scalars.l2_activation_scale, dev).reshape(())
+        l1_alpha = _f32(scalars.l1_alpha, dev)
+        l2_gs = _f32(scalars.l2_global_scale, dev)
+    elif element == "bf16":
+        x_l1 = rows.to(torch.float32)
+    else:
+        x_l1 = _mxfp8_qdq(rows)
+    if row.topk_weight_stage == "l1":
+        # mx rows and bf16: rsf folded into the top-k weight, in fp32.
+        w_all = w_all * _f32(spec.routed_scaling_factor, dev)
+
+    lo = spec.local_experts.start
+    for e_l in range(spec.experts_per_rank):
+        sel = (ids == lo + e_l).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        w13, w2 = _decode_expert(row, kt, e_l)
+        acc = x_l1[sel] @ w13.t()  # [n, 2I] fp32, gate | up
+        acc_g, acc_u = acc[:, :I], acc[:, I:]
+        w = w_all[sel]
+        if is_nv:
+            # fp32: s = token_scale[t] * l1_alpha[e, half] first, then acc * s
+            acc_g = acc_g * (tok_scale[sel] * l1_alpha[e_l, 0])[:, None]
+            acc_u = acc_u * (tok_scale[sel] * l1_alpha[e_l, 1])[:, None]
+        g, u = apply_clamp(acc_g, acc_u, spec.activation.clamp)
+        a = activation_fp32(spec.activation, g, u, fast_math)
+        if is_nv:
+            a = _nvfp4_qdq_no_global(a, a2)  # unweighted, global a2 (inv = 1/a2 in fp32)
+            p = ((a @ w2.t()) * (l2_gs[e_l] * a2)).to(torch.bfloat16)  # fp32 scalar product first
+            y = (p.to(torch.float32) * w[:, None]).to(torch.bfloat16)  # weight after L2
+        elif element == "bf16":
+            a = (a * w[:, None]).to(torch.bfloat16).to(torch.float32)
+            y = (a @ w2.t()).to(torch.bfloat16)
+        else:
+            a = _mxfp8_qdq(a * w[:, None])  # weight before the requant
+            y = (a @ w2.t()).to(torch.bfloat16)
+        out[sel] = y
+    return out
+
+
+def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
+                    scalars: Optional[NvScalars] = None, fast_math: bool = False) -> Tensor:
+    """Slot outputs of (token row, top-k weight, expert) pairs, bf16 ``[N, H]``.
+
+    The expert-side half of the forward, with the signature of
+    ``megamoe_runtime.ep.PairCompute`` once ``spec``, ``kt`` and ``scalars``
+    are bound: ``rows`` bf16 ``[N, H]``, ``weights`` the RAW router weights
+    ``[N]`` (mx/bf16 rows fold ``spec.routed_scaling_factor`` in here; nvfp4
+    applies it in the combine), ``ids`` GLOBAL expert ids ``[N]``, every one
+    local to ``spec``'s rank. Each output row depends only on its own pair.
+    """
+    if rows.dim() != 2 or rows.shape[1] != spec.hidden or rows.dtype != torch.bfloat16:
+        raise MegaMoEError(f"rows must be bf16 [N, {spec.hidden}], got {rows.dtype} "
+                           f"{tuple(rows.shape)}")
+    N = rows.shape[0]
+    if tuple(weights.shape) != (N,) or tuple(ids.shape) != (N,):
+        raise MegaMoEError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both "
+                           f"be [{N}] (one per row)")
+    loc = spec.local_experts
+    bad = (ids < loc.start) | (ids >= loc.stop)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise MegaMoEError(f"pair {i} names expert {int(ids[i])}, which rank {spec.ep_rank} of "
+                           f"{spec.ep_size} does not own; valid: {loc.start}..{loc.stop - 1}")
+    _check_routed(spec, kt, scalars)
+    return _pairs(spec, kt, rows, weights, ids, scalars, fast_math)
+
+
+def reference_slots(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weights: Tensor,
+                    topk_ids: Tensor, scalars: Optional[NvScalars] = None, shared: Any = None,
+                    fast_math: bool = False,
+                    shared_input: Optional[Tensor] = None) -> ReferenceSlots:
+    """Per-slot bf16 partials ``(slots [T, K(+1), H], valid [T, K(+1)])``.
+
+    Slot k of token t holds that expert's bf16 output already multiplied by
+    the top-k weight (mx/bf16 rows: in L1, with rsf folded; nvfp4: after L2,
+    rsf not applied). Only experts in ``spec.local_experts`` are computed;
+    others (and -1) are invalid and their weight is never read, so a NaN
+    weight there cannot leak. Column K is the fused shared expert when
+    ``shared`` is given, computed on ``shared_input`` (default: the hidden
+    states; newer DG's ``x_bf16``). See the module docstring for the order.
+    """
+    _check_inputs(spec, hidden_states, topk_weights, topk_ids)
+    _check_routed(spec, kt, scalars)
+    if shared is not None and spec.shared is None:
+        raise LayerSpecError("shared kernel tensors were given but the layer spec has no shared "
+                             "experts (spec.shared is None); pass shared=None or set spec.shared")
+    T, K, H = hidden_states.shape[0], spec.top_k, spec.hidden
+    dev = hidden_states.device
+    n_slots = K + (1 if shared is not None else 0)
+    slots = torch.zeros(T, n_slots, H, dtype=torch.bfloat16, device=dev)
+    valid = torch.zeros(T, n_slots, dtype=torch.bool, device=dev)
+    if T == 0:
+        return ReferenceSlots(slots, valid)
+    ids = topk_ids.to(device=dev, dtype=torch.long)
+    loc = spec.local_experts
+    hit = ((ids >= loc.start) & (ids < loc.stop)).nonzero()  # token-major, slot-minor
+    t_idx, k_idx = hit[:, 0], hit[:, 1]
+    if hit.shape[0]:
+        slots[t_idx, k_idx] = _pairs(spec, kt, hidden_states[t_idx], topk_weights[t_idx, k_idx],
+                                     ids[t_idx, k_idx], scalars, fast_math)
+        valid[t_idx, k_idx] = True
+    if shared is not None:
+        x_sh = hidden_states if shared_input is None else shared_input
+        if tuple(x_sh.shape) != tuple(hidden_states.shape) or x_sh.dtype != torch.bfloat16:
+            raise MegaMoEError(f"shared_input must be bf16 {tuple(hidden_states.shape)} like "
+                               f"hidden_states, got {x_sh.dtype} {tuple(x_sh.shape)}")
+        slots[:, K] = shared_slot(spec, shared, x_sh, fast_math)
+        valid[:, K] = True
+    return ReferenceSlots(slots, valid)
+
+
+def combine_slots(spec: LayerSpec, slots: Tensor, valid: Tensor) -> Tensor:
+    """Combine bf16 slot partials into the bf16 output, as the kernels do.
+
+    A column ``spec.top_k`` (if present) is the shared expert. mx/bf16 rows:
+    fp32 sum of the valid slots in ascending slot order (shared last), one
+    bf16 rounding. nvfp4: routed fp32 sum -> bf16 -> (rsf != 1) bf16(x*rsf)
+    -> + shared in fp32 -> bf16.
+    """
+    T, n_slots, H = slots.shape
+    K = spec.top_k
+    if n_slots not in (K, K + 1) or tuple(valid.shape) != (T, n_slots):
+        raise MegaMoEError(f"slots {tuple(slots.shape)} / valid {tuple(valid.shape)} do not match "
+                           f"top_k={K}; expected [T, {K} or {K + 1}, H] and [T, {K} or {K + 1}]")
+    has_shared = n_slots == K + 1
+    acc = torch.zeros(T, H, dtype=torch.float32, device=slots.device)
+
+    def add(acc: Tensor, k: int) -> Tensor:
+        return torch.where(valid[:, k, None], acc + slots[:, k].to(torch.float32), acc)
+
+    if spec.row != "nvfp4":
+        for k in range(n_slots):
+            acc = add(acc, k)
+        return acc.to(torch.bfloat16)
+    for k in range(K):
+        acc = add(acc, k)
+    r = acc.to(torch.bfloat16)
+    rsf = float(spec.routed_scaling_factor)
+    if rsf != 1.0:
+        r = (r.to(torch.float32) * _f32(rsf, slots.device)).to(torch.bfloat16)
+    if has_shared:
+        r = add(r.to(torch.float32), K).to(torch.bfloat16)
+    return r
+
+
+def reference_forward(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weights: Tensor,
+                      topk_ids: Tensor, scalars: Optional[NvScalars] = None, shared: Any = None,
+                      fast_math: bool = False, return_slots: bool = False,
+                      shared_input: Optional[Tensor] = None):
+    """The MegaMoE forward of one layer on this EP rank, bf16 ``[T, H]``.
+
+    ``kt`` holds the routed experts in kernel layout (``layout.KernelTensors``
+    or anything with ``l1_weight``, ``l1_scale``, ``l2_weight``, ``l2_scale``),
+    ``topk_ids`` are GLOBAL expert ids (-1 masked); only local experts
+    contribute (the EP combine is elsewhere). ``scalars`` is required for
+    nvfp4. ``shared`` (2-D shared kernel tensors) fuses the shared expert as
+    slot K. With ``return_slots`` the result is ``(out, ReferenceSlots)``.
+    """
+    rs = reference_slots(spec, kt, hidden_states, topk_weights, topk_ids, scalars=scalars,
+                         shared=shared, fast_math=fast_math, shared_input=shared_input)
+    out = combine_slots(spec, rs.slots, rs.valid)
+    return (out, rs) if return_slots else out
+
+
+# --------------------------------------------------------------------------
+# the Backend
+# --------------------------------------------------------------------------
+
+def _layer_kernel_tensors(layer: Any, prefix: str) -> Optional[layout.KernelTensors]:
+    """KernelTensors over a layer's ``{prefix}l1_weight`` ... attributes (the
+    on-disk role names), or None when the layer has no ``{prefix}l1_weight``."""
+    if getattr(layer, prefix + "l1_weight", None) is None:
+        return None
+    return layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in _ROUTED_ROLES))
+
+
+class ReferenceBackend:
+    """fp32 torch backend; runs every row, activation and shared precision on
+    any device. Slow by design: it is the definition the others test against."""
+
+    name = "reference"
+
+    def supports(self, spec: LayerSpec) -> bool | str:
+        return True
+
+    def supports_fused_shared(self, spec: LayerSpec) -> bool:
+        return True
+
+    def forward(self, layer: Any, hidden_states: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                shared_input: Optional[Tensor] = None) -> Tensor:
+        """Run ``layer`` through :func:`reference_forward`.
+
+        ``layer`` is a ``DeepGemmMegaMoEExperts`` or anything with ``spec``
+        and the on-disk role attributes (``l1_weight`` ... ``l2_scale``;
+        nvfp4 also ``l1_alpha``, ``l2_global_scale``, ``l2_activation_scale``;
+        fused shared: ``shared_l1_weight`` ...). The fused shared expert runs
+        (slot K) exactly when ``shared_input`` is given, on that input.
+        """
+        spec = layer.spec
+        scalars = None
+        if spec.row == "nvfp4":
+            scalars = NvScalars(layer.l1_alpha, layer.l2_global_scale,
+                                _f32(layer.l2_activation_scale, hidden_states.device))
+        shared = None
+        if shared_input is not None:
+            shared = _layer_kernel_tensors(layer, "shared_")
+            if shared is None:
+                raise MegaMoEError("shared_input was given but the layer holds no fused shared "
+                                   "expert tensors (shared_l1_weight is missing); pass "
+                                   "shared_input=None and run the shared expert outside")
+        return reference_forward(spec, _layer_kernel_tensors(layer, ""), hidden_states,
+                                 topk_weights, topk_ids, scalars=scalars, shared=shared,
+                                 shared_input=shared_input)
