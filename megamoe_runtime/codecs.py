@@ -400,7 +400,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = _grouped(_float_input(x, "quantize_mxfp8"), MX_GROUP, "quantize_mxfp8")
     e, inv = _mx_scale(g, E4M3_MAX)
     q = e4m3_encode(g * inv.unsqueeze(-1))
-    return q.reshape(*g.shape[:-2], -1), e
+    return q.flatten(-2), e
 
 
 def quantize_mxfp4(x: torch.Tensor, ties: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,7 +414,7 @@ def quantize_mxfp4(x: torch.Tensor, ties: str = "even") -> tuple[torch.Tensor, t
     g = _grouped(_float_input(x, "quantize_mxfp4"), MX_GROUP, "quantize_mxfp4")
     e, inv = _mx_scale(g, E2M1_MAX)
     codes = e2m1_encode(g * inv.unsqueeze(-1), ties)
-    return pack_e2m1(codes.reshape(*g.shape[:-2], -1)), e
+    return pack_e2m1(codes.flatten(-2)), e
 
 
 def quantize_nvfp4(
@@ -441,7 +441,7 @@ def quantize_nvfp4(
     sf = e4m3_encode((_div_const(amax, E2M1_MAX) * inv).clamp_min(E4M3_MIN_SUBNORMAL))
     scaled = g * inv.unsqueeze(-1) / sf.to(torch.float32).unsqueeze(-1)
     codes = e2m1_encode(scaled, ties)
-    return pack_e2m1(codes.reshape(*g.shape[:-2], -1)), sf
+    return pack_e2m1(codes.flatten(-2)), sf
 
 
 def quantize_nvfp4_per_token(
@@ -503,7 +503,7 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     sf = e4m3_encode(block.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
     scaled = g / (sf.to(torch.float32) * gs).unsqueeze(-1) + 0.0  # + 0.0 maps -0.0 to +0.0
     codes = e2m1_encode(scaled, "even")
-    return pack_e2m1(codes.reshape(*g.shape[:-2], -1)), sf, gs_host
+    return pack_e2m1(codes.flatten(-2)), sf, gs_host
 
 
 # --------------------------------------------------------------------------
@@ -542,7 +542,7 @@ def dequantize_mx(
     vals = _element_values(elems, element)
     _check_group_shape(vals, sf_bytes, MX_GROUP, f"dequantize_mx({element})")
     scale = ue8m0_decode(sf_bytes, check=check, name=f"dequantize_mx({element}) scale")
-    out = vals.reshape(*vals.shape[:-1], -1, MX_GROUP) * scale.unsqueeze(-1)
+    out = vals.unflatten(-1, (scale.shape[-1], MX_GROUP)) * scale.unsqueeze(-1)
     return out.reshape(vals.shape)
 
 
@@ -558,5 +558,5 @@ def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: Scale
     _check_group_shape(vals, sf, NVFP4_GROUP, "dequantize_nvfp4")
     gs = _per_group(_scalar_or_rows(global_scale, vals, "dequantize_nvfp4"))
     block = e4m3_decode(sf) * gs
-    out = vals.reshape(*vals.shape[:-1], -1, NVFP4_GROUP) * block.unsqueeze(-1)
+    out = vals.unflatten(-1, (block.shape[-1], NVFP4_GROUP)) * block.unsqueeze(-1)
     return out.reshape(vals.shape)

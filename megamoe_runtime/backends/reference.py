@@ -530,6 +530,26 @@ class ReferenceBackend:
     def supports_fused_shared(self, spec: LayerSpec) -> bool:
         return True
 
+    @staticmethod
+    def _scalars(layer: Any, device: torch.device) -> Optional[NvScalars]:
+        if layer.spec.row != "nvfp4":
+            return None
+        return NvScalars(layer.l1_alpha, layer.l2_global_scale, _f32(layer.l2_activation_scale, device))
+
+    def pairs(self, layer: Any, rows: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """Expert-side half of an EP forward (`megamoe_runtime.ep`): the bf16
+        slot outputs of (row, raw top-k weight, global expert id) pairs that
+        all belong to this rank."""
+        return reference_pairs(layer.spec, _layer_kernel_tensors(layer, ""), rows, weights, ids,
+                               scalars=self._scalars(layer, rows.device))
+
+    def shared_slot(self, layer: Any, shared_input: Tensor) -> Tensor:
+        """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
+        shared = _layer_kernel_tensors(layer, "shared_")
+        if shared is None:
+            raise MegaMoEError("the layer holds no fused shared expert tensors (shared_l1_weight is missing)")
+        return shared_slot(layer.spec, shared, shared_input)
+
     def forward(self, layer: Any, hidden_states: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                 shared_input: Optional[Tensor] = None) -> Tensor:
         """Run ``layer`` through :func:`reference_forward`.
@@ -541,10 +561,7 @@ class ReferenceBackend:
         (slot K) exactly when ``shared_input`` is given, on that input.
         """
         spec = layer.spec
-        scalars = None
-        if spec.row == "nvfp4":
-            scalars = NvScalars(layer.l1_alpha, layer.l2_global_scale,
-                                _f32(layer.l2_activation_scale, hidden_states.device))
+        scalars = self._scalars(layer, hidden_states.device)
         shared = None
         if shared_input is not None:
             shared = _layer_kernel_tensors(layer, "shared_")

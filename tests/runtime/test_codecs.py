@@ -817,3 +817,16 @@ def test_ue8m0_byte_same_for_division_and_reciprocal_multiply():
     for elem_max in (448.0, 6.0):
         inv = torch.full((), 1.0) / torch.full((), elem_max)
         assert torch.equal(C.ceil_to_ue8m0_byte(a * inv), C.ue8m0_ceil_exponent(a, elem_max))
+
+
+def test_quantizers_accept_zero_rows():
+    """A rank with no tokens quantizes an empty [0, K] batch (EP, padding)."""
+    x = torch.zeros(0, 64)
+    q, sf = C.quantize_mxfp8(x)
+    assert q.shape == (0, 64) and sf.shape == (0, 2)
+    assert C.dequantize_mx(q, sf, "e4m3").shape == (0, 64)
+    p, sf4 = C.quantize_mxfp4(x)
+    assert p.shape == (0, 32) and sf4.shape == (0, 2)
+    p, sfn, ts = C.quantize_nvfp4_per_token(x)
+    assert p.shape == (0, 32) and sfn.shape == (0, 4) and ts.shape == (0,)
+    assert C.dequantize_nvfp4(p, sfn, ts).shape == (0, 64)
