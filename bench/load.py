@@ -1,0 +1,416 @@
+"""Load benchmark: pre-laid-out loading vs raw reads vs load-original-then-transform.
+
+    python bench/load.py --gb 2                       # CPU, ~2 GB of expert weights
+    python bench/load.py --gb 2 --device cuda         # into GPU memory (H200)
+    python bench/load.py --gb 2 --device both --cold --json results.json
+
+It builds (once, cached under --workdir) a synthetic ModelOpt MXFP8 checkpoint
+with at least --gb GB of routed-expert bytes and converts it with
+megamoe-convert, then measures in one process, on the same bytes:
+
+* ``raw_read``: plain ``readinto`` of the converted expert files into a
+  preallocated buffer on the destination (GPU: pinned chunks, then H2D) --
+  the I/O floor, no layout work at all;
+* ``prelaid``: ``Checkpoint.build_layer`` for every layer (allocate in kernel
+  layout + one ``copy_`` per stored tensor from the mmap'ed file);
+* ``prelaid_reload``: ``Checkpoint.load_layer`` into the already-built layers
+  (what a weight reload costs);
+* ``raw_direct``: vLLM-style raw loading of the ORIGINAL checkpoint through
+  ``weight_loader`` (each shard scattered straight into kernel layout);
+* ``original_then_transform``: what engines do today -- allocate the
+  checkpoint-format parameters, load the original tensors into them, then
+  build the kernel layout from them (gate/up interleave, int32 scale packing,
+  UTCCP, MN-major) into new tensors, and free the originals.
+
+Goals (issue 4): prelaid >= 0.85x the raw read's throughput, and >= 3x faster
+than original-then-transform. Peak EXTRA memory is what a phase needs beyond
+the destination parameters: host anonymous RSS (mmap'ed page cache is
+reported separately: it is file-backed and reclaimable) and, on CUDA, the
+allocator's peak beyond the parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import megamoe_runtime as mr
+from megamoe_runtime import codecs, layout
+
+H, I, E = 2048, 1024, 64  # per layer: 64 * 3 * 2048 * 1024 * (1 + 1/32) B ~= 415 MB (mxfp8)
+
+
+# --------------------------------------------------------------------------- memory sampling
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+class PeakMemory:
+    """Samples host RSS (anon / file) every 2 ms and the CUDA allocator's peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "PeakMemory":
+        gc.collect()
+        self.base = _status()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_base = torch.cuda.memory_allocated(self.device)
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            s = _status()
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], s.get(k, 0))
+            self._stop.wait(0.002)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join()
+        s = _status()
+        for k in self.peak:
+            self.peak[k] = max(self.peak[k], s.get(k, 0))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self.cuda_base
+
+    def extra(self, dest_bytes: int) -> dict[str, float]:
+        """GiB beyond the destination parameters."""
+        host_dest = dest_bytes if self.device.type == "cpu" else 0
+        out = {"host_anon_extra_gib": (self.peak["RssAnon"] - self.base.get("RssAnon", 0) - host_dest) / 2**30,
+               "host_file_rss_gib": (self.peak["RssFile"] - self.base.get("RssFile", 0)) / 2**30}
+        if self.device.type == "cuda":
+            out["device_extra_gib"] = (self.cuda_peak - dest_bytes) / 2**30
+        return out
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def build_checkpoint(workdir: Path, gb: float) -> tuple[Path, Path, int]:
+    from megamoe_convert.convert import convert
+    from megamoe_convert.synth import build_synthetic_checkpoint
+
+    per_layer = E * 3 * H * I * (1 + 1 / 32)
+    layers = max(1, math.ceil(gb * 1e9 / per_layer))
+    tag = f"mxfp8-L{layers}-E{E}-H{H}-I{I}"
+    src, out = workdir / f"src-{tag}", workdir / f"out-{tag}"
+    if not (out / "megamoe.json").is_file():
+        print(f"building a synthetic checkpoint: {layers} layers x {per_layer / 1e6:.0f} MB of experts ...", flush=True)
+        t = time.perf_counter()
+        if not (src / "config.json").is_file():
+            build_synthetic_checkpoint(src, "modelopt-mxfp8", num_layers=layers, hidden=H, intermediate=I,
+                                       num_experts=E, top_k=4, max_shard_bytes=2 << 30)
+        convert(src, out, overwrite=True)
+        print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
+    return src, out, layers
+
+
+def expert_files(out: Path) -> list[Path]:
+    return sorted(out.glob("megamoe-experts-*.safetensors"))
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Evict the files' clean pages from the page cache (no root needed)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def phase_raw_read(files: list[Path], device: torch.device,
+                   into: torch.Tensor | None = None) -> tuple[int, Callable[[], Any]]:
+    """Plain reads of the files; into a fresh buffer, or into ``into`` (already resident)."""
+    total = sum(p.stat().st_size for p in files)
+
+    def run() -> Any:
+        if device.type == "cpu":
+            buf = torch.empty(total, dtype=torch.uint8) if into is None else into
+            mv = memoryview(buf.numpy())
+            off = 0
+            for p in files:
+                with open(p, "rb", buffering=0) as f:
+                    while True:
+                        n = f.readinto(mv[off:])
+                        if not n:
+                            break
+                        off += n
+            return buf
+        dst = torch.empty(total, dtype=torch.uint8, device=device) if into is None else into
+        chunk = 64 << 20
+        pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        used = [False, False]
+        off, i = 0, 0
+        for p in files:
+            with open(p, "rb", buffering=0) as f:
+                while True:
+                    j = i % 2
+                    if used[j]:
+                        events[j].synchronize()
+                    n = f.readinto(memoryview(pinned[j].numpy()))
+                    if not n:
+                        break
+                    dst[off:off + n].copy_(pinned[j][:n], non_blocking=True)
+                    events[j].record()
+                    used[j] = True
+                    off += n
+                    i += 1
+        torch.cuda.synchronize(device)
+        return dst
+
+    return total, run
+
+
+def phase_prelaid(ck: mr.Checkpoint, device: torch.device) -> Callable[[], Any]:
+    def run() -> Any:
+        layers = [ck.build_layer(li.index, device=device, backend="reference") for li in ck.layers]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return layers
+
+    return run
+
+
+def phase_reload(ck: mr.Checkpoint, layers: list, device: torch.device) -> Callable[[], Any]:
+    def run() -> Any:
+        for layer in layers:
+            ck.load_layer(layer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return None
+
+    return run
+
+
+def phase_raw_direct(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
+    from megamoe_runtime.loaders import load_raw_checkpoint
+
+    def run() -> Any:
+        model = torch.nn.ModuleList(
+            mr.DeepGemmMegaMoEExperts(li.spec, device=device, backend="reference", prefix=li.prefix,
+                                      layer_index=li.index) for li in ck.layers)
+        load_raw_checkpoint(model, src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return model
+
+    return run
+
+
+def _interleave8(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] gate|up -> rows interleaved in groups of 8 (new tensor)."""
+    e, n, *rest = t.shape
+    g = t[:, : n // 2].reshape(e, n // 16, 8, *rest)
+    u = t[:, n // 2:].reshape(e, n // 16, 8, *rest)
+    return torch.empty_like(t).copy_(torch.stack([g, u], dim=2).reshape(e, n, *rest))
+
+
+def _utccp(sf: torch.Tensor) -> torch.Tensor:
+    """int32 [E, MN, P] rows permuted per 128-row block, into an MN-major tensor."""
+    e, mn, p = sf.shape
+    out = torch.empty((e, p, mn), dtype=torch.int32, device=sf.device).transpose(1, 2)
+    out.copy_(sf.reshape(e, mn // 128, 4, 32, p).transpose(2, 3).reshape(e, mn, p))
+    return out
+
+
+def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
+    """Engine-style: checkpoint-format params, loaded, then transformed into new kernel tensors."""
+    from megamoe_runtime.checkpoint import SafetensorsFile
+    from megamoe_runtime.loaders import parse_expert_weight_name
+
+    files = sorted(src.glob("*.safetensors"))
+
+    def run() -> Any:
+        infos = {li.prefix: li for li in ck.layers}
+        orig: dict[str, dict[str, torch.Tensor]] = {}
+        for prefix, li in infos.items():
+            s = li.spec
+            orig[prefix] = {
+                "w13": torch.empty(s.num_experts, 2 * s.intermediate, s.hidden, dtype=torch.float8_e4m3fn, device=device),
+                "w13_s": torch.empty(s.num_experts, 2 * s.intermediate, s.hidden // 32, dtype=torch.uint8, device=device),
+                "w2": torch.empty(s.num_experts, s.hidden, s.intermediate, dtype=torch.float8_e4m3fn, device=device),
+                "w2_s": torch.empty(s.num_experts, s.hidden, s.intermediate // 32, dtype=torch.uint8, device=device),
+            }
+        for path in files:  # load the original tensors into checkpoint-format params
+            with SafetensorsFile(path) as f:
+                for name in f.keys():
+                    ref = parse_expert_weight_name(name)
+                    if ref is None or ref.prefix not in orig or ref.kind not in ("weight", "scale"):
+                        continue
+                    o, t = orig[ref.prefix], f.tensor(name)
+                    i = infos[ref.prefix].spec.intermediate
+                    if ref.shard_id == "w2":
+                        (o["w2"] if ref.kind == "weight" else o["w2_s"])[ref.expert_id].copy_(t)
+                    else:
+                        rows = slice(0, i) if ref.shard_id == "w1" else slice(i, 2 * i)
+                        (o["w13"] if ref.kind == "weight" else o["w13_s"])[ref.expert_id, rows].copy_(t)
+        kernel = []
+        for prefix, o in orig.items():  # transform into new kernel-layout tensors, then drop the originals
+            l1 = _interleave8(o.pop("w13"))
+            l1_s = _utccp(_interleave8(codecs.pack_bytes_int32(o.pop("w13_s"))))
+            l2 = o.pop("w2")
+            l2_s = _utccp(codecs.pack_bytes_int32(o.pop("w2_s")))
+            kernel.append(layout.KernelTensors(l1, l1_s, l2, l2_s))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return kernel
+
+    return run
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _trim() -> None:
+    """Return freed heap memory to the OS, so every run allocates (and faults in) fresh pages."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
+def _one(run: Callable[[], Any], device: torch.device, mem_dest: int, cold_files: list[Path] | None
+         ) -> tuple[float, dict[str, float]]:
+    if cold_files:
+        drop_cache(cold_files)
+    _trim()
+    with PeakMemory(device) as pm:
+        t = time.perf_counter()
+        res = run()
+        dt = time.perf_counter() - t
+    m = pm.extra(mem_dest)
+    del res
+    _trim()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dt, m
+
+
+def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold: bool) -> list[dict]:
+    """Every phase once per round, ``repeats`` rounds (round-robin, so that a
+    transient load on the machine hits all phases alike); best and median."""
+    ck = mr.open_checkpoint(out)
+    files = expert_files(out)
+    cold_out = files if cold else None
+    cold_src = sorted(src.glob("*.safetensors")) if cold else None
+    total, raw = phase_raw_read(files, device)
+    # destination bytes = the kernel-layout expert parameters (what every phase produces)
+    dest = sum(te.nbytes for te in ck.manifest.tensors.values() if te.role != "passthrough")
+    resident = torch.zeros(total, dtype=torch.uint8, device=device)  # for the "already resident" pair
+    built = phase_prelaid(ck, device)()
+    _, raw_res = phase_raw_read(files, device, into=resident)
+    phases = [  # name, run, bytes moved, destination bytes allocated by the run, files to evict
+        ("raw_read", raw, total, total, cold_out),
+        ("prelaid", phase_prelaid(ck, device), dest, dest, cold_out),
+        ("raw_read_resident", raw_res, total, 0, cold_out),
+        ("prelaid_reload", phase_reload(ck, built, device), dest, 0, cold_out),
+        ("raw_direct", phase_raw_direct(ck, src, device), dest, dest, cold_src),
+        ("original_then_transform", phase_original_then_transform(ck, src, device), dest, dest, cold_src),
+    ]
+    times: dict[str, list[float]] = {p[0]: [] for p in phases}
+    mem: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, run, _nbytes, alloc, cold_files in phases:
+            dt, m = _one(run, device, alloc, cold_files)
+            times[name].append(dt)
+            mem[name] = m if name not in mem else {k: max(mem[name][k], v) for k, v in m.items()}
+    del built, resident
+    _trim()
+    results = []
+    for name, _run, nbytes, _alloc, _cold in phases:
+        best = min(times[name])
+        results.append({"phase": name, "device": str(device), "bytes": nbytes, "best_s": best,
+                        "median_s": statistics.median(times[name]), "gbps": nbytes / best / 1e9, **mem[name]})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=2.0, help="GB of routed-expert weights (default 2)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "both"])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/megamoe-bench-load"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before every run")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src, out, n_layers = build_checkpoint(args.workdir, args.gb)
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "both": ["cpu", "cuda"]}[args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        print("no CUDA device: skipping the GPU runs", file=sys.stderr)
+        devices = [d for d in devices if d != "cuda"]
+    all_results = []
+    for d in devices:
+        dev = torch.device(d)
+        res = bench_device(dev, src, out, args.repeats, args.cold)
+        all_results += res
+        by = {r["phase"]: r for r in res}
+        print(f"\n== {d}: {n_layers} layers, {by['prelaid']['bytes'] / 1e9:.2f} GB of kernel-layout expert "
+              f"tensors ({'cold' if args.cold else 'warm'} page cache, best of {args.repeats})")
+        print(f"{'phase':26s} {'best s':>8s} {'median s':>9s} {'GB/s':>7s} {'host anon extra':>16s} "
+              f"{'host file rss':>14s}" + (f" {'device extra':>13s}" if d == "cuda" else ""))
+        for r in res:
+            print(f"{r['phase']:26s} {r['best_s']:8.3f} {r['median_s']:9.3f} {r['gbps']:7.2f} "
+                  f"{r['host_anon_extra_gib']:13.2f} GiB {r['host_file_rss_gib']:11.2f} GiB"
+                  + (f" {r['device_extra_gib']:10.2f} GiB" if d == "cuda" else ""))
+        def ratio(a: str, b: str, key: str) -> float:
+            return (by[b][key] / by[b]["bytes"]) / (by[a][key] / by[a]["bytes"])  # throughput a / b
+
+        print("ratios (best / median):")
+        print(f"  prelaid (allocate + load) vs raw read into a fresh buffer: "
+              f"{ratio('prelaid', 'raw_read', 'best_s'):.2f}x / {ratio('prelaid', 'raw_read', 'median_s'):.2f}x "
+              f"throughput (goal >= 0.85x)")
+        print(f"  prelaid reload vs raw read into a resident buffer: "
+              f"{ratio('prelaid_reload', 'raw_read_resident', 'best_s'):.2f}x / "
+              f"{ratio('prelaid_reload', 'raw_read_resident', 'median_s'):.2f}x throughput (goal >= 0.85x)")
+        for other in ("original_then_transform", "raw_direct"):
+            print(f"  prelaid vs {other}: {by[other]['best_s'] / by['prelaid']['best_s']:.1f}x / "
+                  f"{by[other]['median_s'] / by['prelaid']['median_s']:.1f}x faster"
+                  + (" (goal >= 3x)" if other == "original_then_transform" else ""))
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "gb": args.gb, "cold": args.cold, "shape": {"H": H, "I": I, "E": E, "layers": n_layers, "row": "mxfp8"}}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": all_results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""`python -m megamoe_convert ...` = `megamoe-convert ...`."""
+from .cli import main
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,426 @@
+"""`megamoe-convert`: convert | inspect | verify | demo.
+
+Exit codes (every command):
+  0  success
+  1  verification failed (`verify` found a mismatch, a missing file or a flipped byte)
+  2  bad input or usage (unreadable/unsupported checkpoint, failed checks,
+     OUT already exists, bad option)
+
+Progress bars go to stderr, results to stdout; `--json` prints one JSON
+object on stdout instead of the human summary.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from megamoe_runtime.errors import MegaMoEError
+
+from .writer import format_bytes, parse_size
+
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+class _Bar:
+    """click.progressbar over bytes, created at the first update (the total is
+    known only after planning), on stderr; silent when disabled."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled = label, enabled
+        self.bar = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=max(total, 1), label=self.label, file=sys.stderr,
+                                         show_pos=False, show_percent=True, show_eta=True,
+                                         item_show_func=lambda _: None)
+            self.bar.__enter__()
+        if done > self.done:
+            self.bar.update(done - self.done)
+            self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def _run_guarded(fn):
+    """Run fn(); MegaMoEError / OSError -> 'error: ...' on stderr, exit 2."""
+    try:
+        return fn()
+    except MegaMoEError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{type(e).__name__}: {e}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="megamoe", prog_name="megamoe-convert")
+def main() -> None:
+    """Convert MoE checkpoints into DeepGEMM MegaMoE kernel layout, once, offline.
+
+    \b
+    Examples:
+      megamoe-convert demo
+      megamoe-convert inspect nvidia/Some-Model-NVFP4
+      megamoe-convert convert nvidia/Some-Model-NVFP4 ./out --ep-size 8
+      megamoe-convert verify ./out
+
+    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage.
+    """
+
+
+# --------------------------------------------------------------------------- convert
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit); hub repos only.")
+@click.option("--format", "fmt", default=None,
+              help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
+                   "an unknown name lists them all); default: detect from the quantization config.")
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+              help="Quantize an unquantized (BF16/FP16/FP32) checkpoint with the reference quantizers.")
+@click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Write one set of expert shards per EP rank, each holding only that rank's experts.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest shard, e.g. 5GB, 500MB, 1GiB (a single larger tensor gets its own shard).")
+@click.option("--on-scale-mismatch", type=click.Choice(["error", "requantize"]), default="error", show_default=True,
+              help="NVFP4 w1/w3 weight_scale_2 disagreement: refuse, or re-encode both halves onto the larger "
+                   "scale (block scales rescaled, nibbles unchanged; the change is reported).")
+@click.option("--allow-missing-input-scales", is_flag=True,
+              help="NVFP4: experts without a w2 input scale take the max of the others for a2 "
+                   "(default: refuse, a2 must be the max over ALL experts).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp (finished shards "
+                                             "are re-checked by checksum and kept).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
+            allow_missing_input_scales, overwrite, resume, as_json, no_progress):
+    """Convert checkpoint SRC (local folder or hub repo id) into OUT.
+
+    Checks everything first (every expert present, shapes and dtypes against
+    the config and the row's size rules, scales finite and > 0, NVFP4 w1/w3
+    scale agreement, a2 = max over all experts), then writes kernel-layout
+    shards, the pass-through tensors, the config files and `megamoe.json` into
+    `.OUT.megamoe-tmp` beside OUT and renames it at the end.
+
+    \b
+    Examples:
+      megamoe-convert convert ./Qwen3-30B-A3B-NVFP4 ./qwen3-megamoe
+      megamoe-convert convert nvidia/DeepSeek-R1-NVFP4 ./r1 --revision main --ep-size 8
+      megamoe-convert convert ./model-bf16 ./out --quantize mxfp4 --max-shard-size 2GB
+      megamoe-convert convert ./glm-nvfp4 ./out --on-scale-mismatch requantize --json
+      megamoe-convert convert ./src ./out --resume      # after an interrupted run
+
+    Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT).
+    """
+    from .convert import convert as do_convert
+
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except MegaMoEError as e:
+        raise click.BadParameter(str(e), param_hint="--max-shard-size")
+    bar = _Bar("converting", not no_progress and sys.stderr.isatty())
+
+    def run():
+        try:
+            return do_convert(src, out, revision=revision, format=fmt, quantize=quantize, ep_size=ep_size,
+                              max_shard_size=max_bytes, on_scale_mismatch=on_scale_mismatch,
+                              allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
+                              resume=resume, progress=bar, log=lambda m: click.echo(m, err=True))
+        finally:
+            bar.close()
+
+    s = _run_guarded(run)
+    if as_json:
+        click.echo(json.dumps(s.to_dict(), indent=2))
+        return
+    _print_summary(s)
+
+
+def _print_summary(s) -> None:
+    click.echo(f"converted {s.source} ({s.format} -> row {s.row}) into {s.out}")
+    click.echo(f"  layers: {s.layers}   experts: {s.experts}   ep_size: {s.ep_size}   files: {s.files}"
+               + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
+    click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
+    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s")
+    if s.repaired_experts:
+        click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src")
+@click.option("--revision", default=None, help="Hub revision; hub repos only.")
+@click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+              help="As for convert: the row an unquantized checkpoint would be quantized to.")
+@click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="EP size to check divisibility and size the output for.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def inspect(src, revision, fmt, quantize, ep_size, as_json):
+    """Describe checkpoint SRC without converting it.
+
+    Format and row, MoE layers, experts, shapes, shared experts (fusable or
+    why not), the NVFP4 scale agreement report (w1/w3 weight_scale_2, a2),
+    problems that would stop `convert`, and the estimated output size. Reads
+    safetensors headers and the scalar scale tensors only. Exit 2 when the
+    checkpoint cannot be converted as it is.
+
+    \b
+    Examples:
+      megamoe-convert inspect ./Qwen3-30B-A3B-NVFP4
+      megamoe-convert inspect nvidia/DeepSeek-R1-NVFP4 --ep-size 8 --json
+      megamoe-convert inspect ./model-bf16 --quantize nvfp4
+
+    Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
+    """
+    from .convert import inspect_checkpoint
+
+    rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
+                                                  ep_size=ep_size))
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        _print_inspect(rep)
+    if rep["problems"]:
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _print_inspect(rep: dict) -> None:
+    click.echo(f"source: {rep['source']}  ({rep['files']} safetensors file(s), {format_bytes(rep['bytes'])})")
+    click.echo(f"format: {rep['format']}  ->  row {rep['row']}")
+    m = rep["model"]
+    act = m["activation"]
+    click.echo(f"model: {m['model_type']}  experts {m['num_experts']}  top_k {m['top_k']}  "
+               f"routed_scaling_factor {m['routed_scaling_factor']}  activation {act['kind']}"
+               + (f" clamp {act['clamp']}" if act.get("clamp") is not None else ""))
+    click.echo(f"MoE layers: {len(rep['layers'])}")
+    for group in rep["layer_groups"]:
+        click.echo(f"  layers {group['layers']}: hidden {group['hidden']}, intermediate {group['intermediate']}, "
+                   f"{group['num_experts']} experts")
+    for role, shp in rep["shapes"].items():
+        click.echo(f"  {role}: weight {shp['weight']}" + (f", scale {shp['scale']}" if shp["scale"] else ""))
+    click.echo(f"shared experts: {_shared_line(rep['shared'])}")
+    if rep.get("scales"):
+        sc = rep["scales"]
+        click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
+                   f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})")
+        if sc["missing_input_scales"]:
+            click.echo(f"  experts without a w2 input scale: {sc['missing_input_scales']}")
+    click.echo(f"estimated output: {format_bytes(rep['estimated_output_bytes'])} "
+               f"(experts {format_bytes(rep['estimated_expert_bytes'])}, pass-through "
+               f"{format_bytes(rep['passthrough_bytes'])}) with ep_size {rep['ep_size']}")
+    if rep["problems"]:
+        click.echo("problems (convert would refuse):")
+        for p in rep["problems"]:
+            click.echo(f"  - {p}")
+    else:
+        click.echo("ok: convertible")
+
+
+def _shared_line(sh: dict) -> str:
+    if "present" not in sh:  # differs per layer
+        return "; ".join(f"layer {k}: {_shared_line(v)}" for k, v in sh.items())
+    if not sh["present"]:
+        return "none"
+    what = f"{sh['num_shared']} x intermediate {sh['intermediate']} ({sh['source_encoding']})"
+    if sh["fused_capable"]:
+        return f"{what} -> fused as {sh['precision']}"
+    return f"{what}, not fusable: {sh['reason']}"
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--reload-dry-run", is_flag=True,
+              help="Also dry-run a reload of every layer of every EP rank (megamoe_runtime.verify_reload: "
+                   "meta stand-ins from the headers, every write intercepted) and prove each parameter byte is "
+                   "written exactly once.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def verify(out, as_json, reload_dry_run, no_progress):
+    """Check converted folder OUT against its manifest.
+
+    Manifest schema and version, every file present with its size and
+    sha256, every safetensors header consistent with the manifest, every
+    tensor's sha256. Exit 1 with a report on any mismatch, missing file or
+    flipped byte.
+
+    \b
+    Examples:
+      megamoe-convert verify ./qwen3-megamoe
+      megamoe-convert verify ./qwen3-megamoe --json
+      megamoe-convert verify ./qwen3-megamoe --reload-dry-run
+
+    Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder.
+    """
+    from .writer import verify_output
+
+    bar = _Bar("verifying", not no_progress and not as_json and sys.stderr.isatty())
+
+    def run():
+        try:
+            return verify_output(out, progress=bar)
+        finally:
+            bar.close()
+
+    rep = _run_guarded(run)
+    result = rep.to_dict()
+    if reload_dry_run and rep.ok:
+        result["reload"] = _reload_dry_run(out)
+        if not result["reload"]["ok"]:
+            rep.problems.extend(result["reload"]["problems"])
+            result["problems"], result["ok"] = rep.problems, False
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        _print_verify(rep, result.get("reload"))
+    if not rep.ok:
+        sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _reload_dry_run(out: Path) -> dict:
+    """megamoe_runtime.reload.dry_run_checkpoint: every layer of every EP rank
+    built on the meta device, loaders run against header-only stand-ins."""
+    from megamoe_runtime.reload import dry_run_checkpoint
+
+    try:
+        reports = dry_run_checkpoint(out)
+    except MegaMoEError as e:
+        return {"ok": False, "ranks": 0, "layers": 0, "problems": [f"reload dry run: {e}"]}
+    problems = [f"reload dry run, rank {r}: {p}" for r, rep in enumerate(reports) for p in rep.problems()]
+    return {"ok": not problems and all(rep.ok for rep in reports), "ranks": len(reports),
+            "layers": sum(len(rep.layers) for rep in reports), "problems": problems}
+
+
+def _print_verify(rep, reload: dict | None) -> None:
+    for w in rep.warnings:
+        click.echo(f"warning: {w}", err=True)
+    if rep.ok:
+        click.echo(f"ok: {rep.path}: format_version {rep.format_version}, row {rep.row}, ep_size {rep.ep_size}, "
+                   f"{rep.layers} MoE layers; {rep.files_checked} files, {rep.tensors_checked} tensors, "
+                   f"{format_bytes(rep.bytes_checked)} checked")
+        if reload is not None:
+            click.echo(f"ok: reload dry run over {reload['layers']} layer(s) of {reload['ranks']} EP rank(s): "
+                       "every parameter byte written exactly once")
+        return
+    click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
+    for p in rep.problems:
+        click.echo(f"  - {p}")
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--format", "fmt", default="modelopt-nvfp4", show_default=True,
+              help="Synthetic source format to build (any format megamoe_convert.synth supports).")
+@click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Build in this folder and keep it (default: a temporary folder, removed afterwards).")
+@click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def demo(fmt, keep, ep_size, as_json):
+    """End to end on a tiny synthetic checkpoint: build -> convert -> verify -> forward.
+
+    Needs no download and no GPU: the forward runs on megamoe_runtime's
+    reference backend.
+
+    \b
+    Examples:
+      megamoe-convert demo
+      megamoe-convert demo --format quark-mxfp4 --ep-size 2
+      megamoe-convert demo --keep ./demo-out --json
+    """
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        result = _run_guarded(lambda: _demo(keep, fmt, ep_size))
+    else:
+        with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as d:
+            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        s = result["convert"]
+        where = result["src"] if keep is not None else "a temporary folder (--keep DIR keeps the files)"
+        click.echo(f"demo: built a synthetic {fmt} checkpoint ({result['layers']} MoE layers, "
+                   f"{result['experts_per_layer']} experts, hidden {result['hidden']}, "
+                   f"intermediate {result['intermediate']}) in {where}")
+        click.echo(f"demo: converted to row {s['row']} in {s['seconds']:.2f} s: {format_bytes(s['bytes_in'])} in, "
+                   f"{format_bytes(s['bytes_out'])} out, {s['files']} files"
+                   + (f" -> {result['out']}" if keep is not None else ""))
+        v = result["verify"]
+        click.echo(f"demo: verify {'ok' if v['ok'] else 'FAILED'}: {v['files_checked']} files, "
+                   f"{v['tensors_checked']} tensors checked")
+        f = result["forward"]
+        click.echo(f"demo: forward through layer {f['layer']} on the {f['backend']} backend: output {f['shape']}, "
+                   f"finite={f['finite']}")
+    if not result["verify"]["ok"]:
+        sys.exit(EXIT_VERIFY_FAILED)
+
+
+DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
+
+
+def _demo(root: Path, fmt: str, ep_size: int) -> dict:
+    from . import synth
+    from .convert import convert as do_convert
+    from .writer import verify_output
+
+    src, out = root / "source", root / "converted"
+    for p in (src, out):
+        if p.exists():
+            raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
+    synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
+    s = do_convert(src, out, ep_size=ep_size)
+    v = verify_output(out)
+    result = {"src": str(src), "out": str(out), "layers": DEMO_SIZES["num_layers"],
+              "experts_per_layer": DEMO_SIZES["num_experts"], "hidden": DEMO_SIZES["hidden"],
+              "intermediate": DEMO_SIZES["intermediate"], "convert": s.to_dict(), "verify": v.to_dict()}
+    result["forward"] = _demo_forward(out)
+    return result
+
+
+def _demo_forward(out: Path) -> dict:
+    """One forward through the first converted layer (reference backend, CPU)."""
+    import torch
+
+    from megamoe_runtime.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(out)
+    index = ckpt.layers[0].index
+    layer = ckpt.build_layer(index, device="cpu", backend="reference", ep_rank=0, ep_size=1)
+    H, E, K, T = DEMO_SIZES["hidden"], DEMO_SIZES["num_experts"], DEMO_SIZES["top_k"], 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    t = time.perf_counter()
+    y = layer(x, w, ids)
+    return {"layer": index, "backend": "reference", "shape": list(y.shape),
+            "finite": bool(torch.isfinite(y.float()).all()), "seconds": round(time.perf_counter() - t, 3)}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

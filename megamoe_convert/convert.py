@@ -1,0 +1,772 @@
+"""The conversion pipeline: source -> reader -> checks -> layout -> writer.
+
+``convert(src, out, ...)`` is what ``megamoe-convert convert`` runs. In order:
+
+1. refuse an existing OUT (unless ``overwrite``) before touching the source;
+2. open the source and detect its reader (format, row);
+3. **preflight**: every layer's spec against its row, every expert's float
+   scales (w1/w3 agreement, a2 = max over all experts), see ``checks``;
+4. **plan** every output tensor (kernel shapes follow from the sizes), split
+   them into shards per EP rank, and derive a fingerprint of the run;
+5. create ``.OUT.megamoe-tmp`` (or, with ``resume``, reuse it: files the
+   journal lists as finished are re-hashed and kept if they still match);
+6. **stream** layer by layer: per rank, allocate the rank's kernel tensors
+   once, read one expert at a time, check it, repair it if asked, ``copy_`` it
+   into place (``layout.write_expert``), then write the rank's tensors to its
+   shard. Memory: one rank's packed layer plus one expert in source encoding;
+7. copy the non-expert tensors byte for byte, the config/tokenizer files
+   (``config.json`` annotated), write the index and, last, the manifest;
+8. rename the temp folder to OUT.
+
+Bad input (MegaMoEError) found at any step removes the temp folder; anything
+else (a kill, a full disk, a bug) leaves it with its journal for ``resume``.
+
+Output naming: expert shards ``megamoe-experts-rank{r:03d}-of-{N:03d}-{k:05d}``
+(k from 1; each rank's files hold its experts and a replica of the fused
+shared expert), non-expert shards ``model-{k:05d}-of-{n:05d}``. The index
+``model.safetensors.index.json`` maps every tensor to its file; with
+``ep_size > 1`` the rank files reuse the same tensor names, so the index lists
+only the non-expert tensors and the manifest (keys ``{name}@rank{r:03d}``)
+lists the rest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megamoe_runtime import codecs, layout
+from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors, expected_shapes
+from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
+from megamoe_runtime.errors import CheckpointError, FormatError, MegaMoEError
+from megamoe_runtime.formats import LayerSpec, Row, get_row
+from megamoe_runtime.manifest import (
+    FORMAT_VERSION,
+    PASSTHROUGH_ROLE,
+    STORAGE_CONTIGUOUS,
+    FileEntry,
+    LayerEntry,
+    Manifest,
+    SourceInfo,
+    TensorEntry,
+    dtype_itemsize,
+    dtype_name,
+    kernel_strides_of,
+    storage_of_role,
+    tensor_key,
+    to_stored,
+    write_manifest,
+)
+
+from . import checks
+from .readers import detect_reader
+from .readers.base import CheckpointReader, MoELayerInfo
+from .source import CheckpointSource, open_source
+from .writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    ST_METADATA,
+    Journal,
+    OutputError,
+    PlannedTensor,
+    ShardWriter,
+    copy_source_bytes,
+    finalize_output,
+    json_bytes,
+    parse_size,
+    plan_shards,
+    prepare_temp_dir,
+    sha256_file,
+    temp_dir_for,
+    write_bytes_atomic,
+)
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+Log = Callable[[str], None]
+
+
+def converter_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megamoe")
+    except Exception:  # pragma: no cover - not installed
+        return "0+unknown"
+
+
+def expert_file_name(rank: int, ep_size: int, k: int) -> str:
+    return f"megamoe-experts-rank{rank:03d}-of-{ep_size:03d}-{k:05d}.safetensors"
+
+
+def model_file_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class ConvertSummary:
+    out: str
+    source: str
+    format: str
+    row: str
+    ep_size: int
+    layers: int
+    experts: int  # routed experts summed over layers
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    files: int
+    repaired_experts: int = 0
+    resumed_files: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "source": self.source, "format": self.format, "row": self.row,
+                "ep_size": self.ep_size, "layers": self.layers, "experts": self.experts,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 3),
+                "gb_per_s": round(self.gb_per_s, 3), "files": self.files,
+                "repaired_experts": self.repaired_experts, "resumed_files": self.resumed_files,
+                "warnings": self.warnings}
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A planned output tensor and what the manifest says about it."""
+
+    key: str
+    planned: PlannedTensor
+    file: str
+    layer: int | None
+    role: str
+    ep_rank: int | None
+    experts: tuple[int, int] | None
+    kernel_shape: tuple[int, ...]
+    kernel_strides: tuple[int, ...]
+    storage: str
+
+    def entry(self, sha256: str) -> TensorEntry:
+        return TensorEntry(
+            name=self.planned.name, layer=self.layer, role=self.role, ep_rank=self.ep_rank,
+            experts=self.experts, file=self.file, dtype=self.planned.dtype, stored_shape=self.planned.shape,
+            kernel_shape=self.kernel_shape, kernel_strides=self.kernel_strides, storage=self.storage,
+            sha256=sha256)
+
+
+@dataclass
+class _LayerPlan:
+    info: MoELayerInfo
+    spec: LayerSpec
+    shared_record: dict
+    scalar_report: checks.LayerScalarReport
+    source_bytes: int
+    slots: dict[int, list[_Slot]] = field(default_factory=dict)  # rank -> slots in write order
+
+
+def _rank_roles(row: Row, E_l: int, H: int, I: int, shared: "checks.SharedSpec | None"
+                ) -> list[tuple[str, torch.Tensor]]:
+    """(role, meta kernel tensor) of one rank of one layer, in write order:
+    4-byte dtypes first, then by role name, so every offset stays aligned."""
+    kt = layout.allocate_kernel_tensors(row, E_l, H, I, device="meta")
+    roles = list(kt.named().items())
+    if row.weight.has_global_scale:
+        roles.append(("l1_alpha", torch.empty(E_l, 2, dtype=torch.float32, device="meta")))
+        roles.append(("l2_global_scale", torch.empty(E_l, dtype=torch.float32, device="meta")))
+    if shared is not None:
+        skt = layout.allocate_kernel_tensors(shared.precision, None, H, shared.folded_intermediate, device="meta")
+        roles += [(f"shared_{r}", t) for r, t in skt.named().items()]
+    return sorted(roles, key=lambda rt: (-rt[1].element_size(), rt[0]))
+
+
+def _fingerprint(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- shared experts
+
+
+def shared_to_precision(experts: list[ExpertTensors], encoding: str,
+                        precision: str) -> tuple[list[ExpertTensors], dict]:
+    """Shared experts from their checkpoint encoding into the fusable precision.
+
+    Same precision: bytes unchanged. mxfp4 -> mxfp8: exact (each E2M1 value is
+    an E4M3 value; the UE8M0 group scales are kept). Otherwise dequantize and
+    cast to bf16, or re-quantize to mxfp8 with the reference quantizer; the
+    record reports the max absolute change.
+    """
+    if encoding == precision:
+        return experts, {"conversion": "copy", "max_abs_change": 0.0}
+    src_row = get_row(encoding)
+    if encoding == "mxfp4" and precision == "mxfp8":
+        def up(p: ProjectionTensors) -> ProjectionTensors:
+            vals = codecs.e2m1_decode(codecs.unpack_e2m1(p.weight))
+            return ProjectionTensors(codecs.e4m3_encode(vals), p.scale)
+        return [ExpertTensors(up(e.gate), up(e.up), up(e.down)) for e in experts], \
+            {"conversion": "mxfp4->mxfp8 (exact)", "max_abs_change": 0.0}
+    out, worst = [], 0.0
+    for e in experts:
+        projs = []
+        for _, p in e.projections():
+            x = p.dequantize(src_row)
+            if precision == "bf16":
+                q = ProjectionTensors(x.to(torch.bfloat16))
+                back = q.weight.float()
+            elif precision == "mxfp8":
+                w, s = codecs.quantize_mxfp8(x)
+                q = ProjectionTensors(w, s)
+                back = codecs.dequantize_mx(w, s, "e4m3")
+            else:  # pragma: no cover - SHARED_PRECISIONS is mxfp8, bf16
+                raise FormatError(f"no conversion of shared experts to {precision!r}")
+            worst = max(worst, float((back - x).abs().max()) if x.numel() else 0.0)
+            projs.append(q)
+        out.append(ExpertTensors(*projs))
+    return out, {"conversion": f"{encoding}->{precision} (dequantize, re-encode)", "max_abs_change": worst}
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    revision: str | None = None,
+    format: str | None = None,
+    quantize: str | None = None,
+    ep_size: int = 1,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    on_scale_mismatch: str = "error",
+    allow_missing_input_scales: bool = False,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: Progress | None = None,
+    log: Log | None = None,
+) -> ConvertSummary:
+    """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
+
+    Raises MegaMoEError subclasses for bad input (nothing is left under `out`).
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    max_bytes = parse_size(max_shard_size)
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise MegaMoEError(f"--ep-size {ep_size!r} must be an int >= 1")
+    if on_scale_mismatch not in checks.SCALE_MISMATCH_POLICIES:
+        raise MegaMoEError(f"--on-scale-mismatch {on_scale_mismatch!r}; "
+                           f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
+    if out.exists() and not overwrite:
+        raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it "
+                          "(it is replaced only after the new conversion has finished)")
+    log = log or (lambda msg: None)
+
+    source = open_source(src, revision)
+    reader = detect_reader(source, format=format, quantize=quantize)
+    row = get_row(reader.row)
+    facts = reader.model_facts()
+    infos = reader.moe_layers()
+    if not infos:
+        raise CheckpointError(f"{source.id}: no MoE layers found (format {reader.format_name}); nothing to convert")
+
+    plans = _preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
+                       allow_missing_input_scales, log)
+    consumed = set(reader.consumed_tensor_names())
+    for lp in plans:  # shared experts the row cannot fuse stay in the pass-through files
+        if lp.info.shared is not None and lp.spec.shared is None:
+            consumed -= set(lp.info.shared.tensor_names)
+    slots_by_file = _plan_files(plans, source, consumed, row, ep_size, max_bytes)
+
+    fingerprint = _fingerprint({
+        "converter": converter_version(), "format_version": FORMAT_VERSION, "source": source.content_hash(),
+        "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
+        "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
+        "allow_missing_input_scales": allow_missing_input_scales,
+        "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
+    })
+
+    tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume)
+    threads = torch.get_num_threads()
+    # Every op touches one expert (a few MB) and is memory-bound: torch's
+    # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
+    # 2-core VM). Hashing and file writes get their own thread (ShardWriter).
+    torch.set_num_threads(1)
+    try:
+        summary = _run(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
+                       fingerprint, ep_size, progress, log)
+    except OutputError:
+        raise  # e.g. --resume of a different run: keep that run's temp folder
+    except MegaMoEError:
+        shutil.rmtree(tmp, ignore_errors=True)  # bad input: a resume cannot fix it
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        source.close()
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _preflight(reader: CheckpointReader, source: CheckpointSource, row: Row, facts, infos, ep_size: int,
+               on_scale_mismatch: str, allow_missing: bool, log: Log) -> list[_LayerPlan]:
+    plans = []
+    for info in infos:
+        shared, shared_rec = checks.shared_spec_for(info, row)
+        spec = checks.layer_spec(info, facts, row, ep_size, shared)
+        scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
+        rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch=on_scale_mismatch,
+                                         allow_missing_input_scales=allow_missing, source=source)
+        if rep.mismatches:
+            log(f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 mismatch "
+                "will be requantized onto the larger scale")
+        if rep.missing_input:
+            log(f"MoE layer {info.index}: {len(rep.missing_input)} expert(s) without a w2 input scale; "
+                f"a2 = max over the others = {rep.scalars['l2_activation_scale']!r}")
+        nbytes = sum(source.nbytes(n) for n in info.expert_tensor_names)
+        if shared is not None:
+            nbytes += sum(source.nbytes(n) for n in info.shared.tensor_names)
+        plans.append(_LayerPlan(info, spec, shared_rec, rep, nbytes))
+    return plans
+
+
+def _plan_files(plans: list[_LayerPlan], source: CheckpointSource, consumed: set[str], row: Row,
+                ep_size: int, max_bytes: int) -> dict[str, list[_Slot]]:
+    """Every output safetensors file and the tensors it holds, in write order
+    (also fills each layer plan's per-rank ``slots``). Expert files per rank,
+    layer-major; pass-through files sorted by descending item size, then name,
+    as safetensors' own writer orders tensors."""
+    slots_by_file: dict[str, list[_Slot]] = {}
+    plans_by_index = {lp.info.index: lp for lp in plans}
+    for r in range(ep_size):
+        rank_items = []
+        for lp in plans:
+            info, E_l = lp.info, lp.spec.experts_per_rank
+            lo = r * E_l
+            for role, t in _rank_roles(row, E_l, info.hidden, info.intermediate, lp.spec.shared):
+                stored, storage = to_stored(t, storage_of_role(role))
+                name = f"{info.prefix}.megamoe.{role}"
+                pt = PlannedTensor(name, dtype_name(t.dtype), tuple(stored.shape))
+                is_shared = role.startswith("shared_")
+                rank_items.append((pt, dict(
+                    key=tensor_key(name, r, ep_size), layer=info.index, role=role, ep_rank=r,
+                    experts=None if is_shared else (lo, lo + E_l), kernel_shape=tuple(t.shape),
+                    kernel_strides=kernel_strides_of(storage, t.shape), storage=storage)))
+        shards = plan_shards([pt for pt, _ in rank_items], max_bytes)
+        meta = {id(pt): m for pt, m in rank_items}
+        for k, shard in enumerate(shards, 1):
+            fname = expert_file_name(r, ep_size, k)
+            slots = [_Slot(planned=pt, file=fname, **meta[id(pt)]) for pt in shard]
+            slots_by_file[fname] = slots
+            for s in slots:
+                plans_by_index[s.layer].slots.setdefault(r, []).append(s)
+
+    passthrough = sorted(set(source.tensor_names()) - consumed)
+    pts = []
+    for name in passthrough:
+        dt, shape = source.header(name)
+        pts.append(PlannedTensor(name, dt, tuple(shape)))
+    pts.sort(key=lambda p: (-dtype_itemsize(p.dtype), p.name))
+    shards = plan_shards(pts, max_bytes)
+    for k, shard in enumerate(shards, 1):
+        fname = model_file_name(k, len(shards))
+        slots_by_file[fname] = [
+            _Slot(key=p.name, planned=p, file=fname, layer=None, role=PASSTHROUGH_ROLE, ep_rank=None,
+                  experts=None, kernel_shape=p.shape, kernel_strides=kernel_strides_of(STORAGE_CONTIGUOUS, p.shape),
+                  storage=STORAGE_CONTIGUOUS)
+            for p in shard]
+    return slots_by_file
+
+
+class _Run:
+    """Mutable state of one streaming pass."""
+
+    def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[_Slot]],
+                 done_files: dict[str, dict], total: int, progress: Progress | None):
+        self.tmp = tmp
+        self.journal = journal
+        self.slots_by_file = slots_by_file
+        self.done_files = done_files  # name -> journal record (size, sha256, tensors)
+        self.writers: dict[str, ShardWriter] = {}
+        self.entries: dict[str, dict] = {}
+        self.total = total
+        self.done_bytes = 0
+        self.progress = progress
+        self._buffers: dict = {}
+
+    def advance(self, n: int) -> None:
+        self.done_bytes += n
+        if self.progress:
+            self.progress(min(self.done_bytes, self.total), self.total)
+
+    def needed(self, slot: _Slot) -> bool:
+        return slot.file not in self.done_files
+
+    def writer(self, fname: str) -> ShardWriter:
+        w = self.writers.get(fname)
+        if w is None:
+            slots = self.slots_by_file[fname]
+            meta = dict(ST_METADATA)
+            if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
+                meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
+            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta)
+            self.writers[fname] = w
+        return w
+
+    def finish_tensor(self, slot: _Slot, sha: str) -> None:
+        self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(sha).to_dict()
+        w = self.writers[slot.file]
+        if w.done:
+            size, fsha = w.close()
+            del self.writers[slot.file]
+            rec = {"name": slot.file, "size": size, "sha256": fsha, "tensors": self.entries.pop(slot.file)}
+            self.journal.record_file(slot.file, size, fsha, rec["tensors"])
+            self.done_files[slot.file] = rec
+
+    def write(self, slot: _Slot, tensor: torch.Tensor) -> None:
+        stored, _ = to_stored(tensor, slot.storage)
+        if tuple(tensor.stride()) != slot.kernel_strides:
+            raise MegaMoEError(f"{slot.key}: kernel tensor strides {list(tensor.stride())} do not match the plan "
+                               f"{list(slot.kernel_strides)} ({slot.storage})")
+        self.finish_tensor(slot, self.writer(slot.file).write(slot.planned.name, stored))
+
+    def buffers(self, row: Row, E_l: int, H: int, I: int) -> tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]:
+        """One rank's kernel tensors (+ NVFP4 alphas), allocated once per shape
+        and reused for every layer and rank: no allocation or page faults per
+        layer, and peak memory stays one rank's layer. Every byte is
+        overwritten by the expert writes (the layout views cover the whole
+        tensors). Pending writes of the previous use are flushed first."""
+        for w in self.writers.values():
+            w.flush()
+        key = (row.name, E_l, H, I)
+        if key not in self._buffers:
+            self._buffers.clear()  # a different layer shape: let the old ones go
+            self._buffers[key] = (layout.allocate_kernel_tensors(row, E_l, H, I),
+                                  torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
+        return self._buffers[key]
+
+    def abort(self) -> None:
+        for w in self.writers.values():
+            w.abort()
+
+
+def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
+         slots_by_file: dict[str, list[_Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
+         ep_size: int, progress: Progress | None, log: Log) -> ConvertSummary:
+    journal = Journal(tmp)
+    done_files: dict[str, dict] = {}
+    layer_records: dict[int, dict] = {}
+    resumed = 0
+    if resuming:
+        fp, jfiles, layer_records = journal.load()
+        if fp != fingerprint:
+            raise OutputError(
+                f"{tmp} holds an interrupted conversion of different inputs or options (run fingerprint "
+                f"{str(fp)[:12]}..., this run {fingerprint[:12]}...); pass --overwrite to discard it")
+        for name, rec in jfiles.items():
+            p = tmp / name
+            if name in slots_by_file and p.is_file() and p.stat().st_size == rec["size"] \
+                    and sha256_file(p) == rec["sha256"]:
+                done_files[name] = rec
+            else:
+                log(f"resume: {name} failed its checksum re-check; rewriting it")
+        resumed = len(done_files)
+        log(f"resume: keeping {resumed} finished file(s), redoing the rest")
+    else:
+        journal.start(fingerprint)
+
+    passthrough_bytes = sum(s.planned.nbytes for slots in slots_by_file.values() for s in slots
+                            if s.role == PASSTHROUGH_ROLE)
+    total = sum(lp.source_bytes for lp in plans) + passthrough_bytes
+    run = _Run(tmp, journal, slots_by_file, done_files, total, progress)
+    repaired = 0
+    layer_entries = []
+    try:
+        for lp in plans:
+            rec = _convert_layer(reader, row, lp, ep_size, run, layer_records.get(lp.info.index), log)
+            repaired += len(rec["repairs"])
+            layer_entries.append(LayerEntry(
+                index=lp.info.index, prefix=lp.info.prefix, spec=lp.spec.to_dict(), scalars=lp.scalar_report.scalars,
+                shared={**lp.shared_record, **rec["shared"]}, repairs=tuple(rec["repairs"])))
+        _copy_passthrough(source, run)
+    except BaseException:
+        run.abort()
+        raise
+
+    # extra files (config annotated), index, manifest
+    file_entries: dict[str, FileEntry] = {n: FileEntry(r["size"], r["sha256"]) for n, r in done_files.items()}
+    tensors: dict[str, TensorEntry] = {}
+    for rec in done_files.values():
+        for key, d in rec["tensors"].items():
+            tensors[key] = TensorEntry(
+                name=d["name"], layer=d["layer"], role=d["role"], ep_rank=d["ep_rank"],
+                experts=tuple(d["experts"]) if d["experts"] is not None else None, file=d["file"],
+                dtype=d["dtype"], stored_shape=tuple(d["stored_shape"]), kernel_shape=tuple(d["kernel_shape"]),
+                kernel_strides=tuple(d["kernel_strides"]), storage=d["storage"], sha256=d["sha256"])
+    missing = [f for f in slots_by_file if f not in done_files]
+    if missing:  # pragma: no cover - every planned file is written above
+        raise MegaMoEError(f"internal error: files {missing} were planned but not written")
+
+    for p in source.extra_files():
+        dst = tmp / p.name
+        if p.name == "config.json":
+            write_bytes_atomic(dst, json_bytes(_annotated_config(source.config, row)))
+        else:
+            shutil.copyfile(p, dst)
+        file_entries[p.name] = FileEntry(dst.stat().st_size, sha256_file(dst))
+    weight_map = {t.name: t.file for t in tensors.values() if t.ep_rank is None or ep_size == 1}
+    index = {"metadata": {"total_size": sum(tensors[k].nbytes for k in tensors
+                                            if tensors[k].ep_rank is None or ep_size == 1)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    write_bytes_atomic(tmp / INDEX_NAME, json_bytes(index))
+    file_entries[INDEX_NAME] = FileEntry((tmp / INDEX_NAME).stat().st_size, sha256_file(tmp / INDEX_NAME))
+
+    manifest = Manifest(
+        converter_version=converter_version(),
+        source=SourceInfo(id=str(source.id), kind=source.kind, revision=source.commit or source.revision,
+                          format=reader.format_name, content_hash=source.content_hash()),
+        row=row.name, ep_size=ep_size, layers=layer_entries, tensors=tensors, files=file_entries,
+        model=_model_facts(facts),
+    )
+    journal.remove()
+    write_manifest(tmp, manifest)
+    finalize_output(tmp, out)
+    return ConvertSummary(
+        out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
+        layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
+        bytes_out=sum(f.size for f in file_entries.values()) + (out / "megamoe.json").stat().st_size,
+        seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed)
+
+
+def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, journaled: dict | None,
+                   log: Log) -> dict:
+    """Write one layer's tensors (the ranks whose files are not finished yet)
+    and return its record (repairs, shared conversion), journaled once."""
+    info = lp.info
+    E_l = lp.spec.experts_per_rank
+    needed = [r for r in range(ep_size) if any(run.needed(s) for s in lp.slots.get(r, []))]
+    if not needed and journaled is not None:
+        run.advance(lp.source_bytes)
+        return {"repairs": journaled["repairs"], "shared": journaled["shared"]}
+    mismatched = {e for e, _, _ in lp.scalar_report.mismatches}
+    repairs: list[dict] = []
+    where = f"MoE layer {info.index} ({info.prefix})"
+
+    shared_kt, shared_rec = None, {}
+    if lp.spec.shared is not None:
+        sh = info.shared
+        sexperts = reader.read_shared(info.index)
+        if not sexperts:
+            raise CheckpointError(f"{where}: config declares shared experts but the reader found none")
+        for i, ex in enumerate(sexperts):
+            ex.validate(sh.encoding, info.hidden, sh.total_intermediate // len(sexperts),
+                        f"{where} shared expert {i}")
+            for role, p in ex.projections():
+                checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale")
+        converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
+        if any(run.needed(s) for r in needed for s in lp.slots.get(r, []) if s.role.startswith("shared_")):
+            shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
+        del sexperts, converted
+
+    per_expert = lp.source_bytes / max(info.num_experts, 1)
+    for r in range(ep_size):
+        lo = r * E_l
+        if r not in needed:
+            for e in sorted(mismatched & set(range(lo, lo + E_l))):  # reports only
+                _, rr = checks.requantize_gate_up(reader.read_expert(info.index, e), f"{where} expert {e}")
+                repairs.append({"expert": e, **rr})
+            run.advance(int(per_expert * E_l))
+            continue
+        kt, alpha, l2g = run.buffers(row, E_l, info.hidden, info.intermediate)
+        for e in range(lo, lo + E_l):
+            et = reader.read_expert(info.index, e)
+            checks.check_expert(et, row, info, e, reader.source)
+            if e in mismatched:
+                et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
+                repairs.append({"expert": e, **rr})
+            layout.write_expert(row, kt, e - lo, et, where=f"{where} expert {e}")
+            if row.weight.has_global_scale:
+                alpha[e - lo, 0] = et.gate.global_scale
+                alpha[e - lo, 1] = et.up.global_scale
+                l2g[e - lo] = et.down.global_scale
+            del et
+            run.advance(int(per_expert))
+        tensors = dict(kt.named())
+        if row.weight.has_global_scale:
+            tensors["l1_alpha"] = alpha
+            tensors["l2_global_scale"] = l2g
+        if shared_kt is not None:
+            tensors.update({f"shared_{k}": v for k, v in shared_kt.named().items()})
+        for slot in lp.slots.get(r, []):
+            if run.needed(slot):
+                run.write(slot, tensors[slot.role])
+        del tensors
+    rec = {"repairs": repairs, "shared": shared_rec}
+    run.journal.record_layer(info.index, rec)
+    zeroed = [r for r in repairs if r["zeroed_blocks"]]
+    if zeroed:
+        log(f"warning: {where}: requantizing w1/w3 onto the larger weight_scale_2 pushed "
+            f"{sum(r['zeroed_blocks'] for r in zeroed)} block scale(s) of {len(zeroed)} expert(s) below the E4M3 "
+            f"range (they now dequantize to 0; first: expert {zeroed[0]['expert']}, "
+            f"max relative change {zeroed[0]['max_rel_change']:.3g})")
+    return rec
+
+
+def _copy_passthrough(source: CheckpointSource, run: _Run) -> None:
+    for fname, slots in run.slots_by_file.items():
+        if not slots or slots[0].role != PASSTHROUGH_ROLE:
+            continue
+        if fname in run.done_files:
+            run.advance(sum(s.planned.nbytes for s in slots))
+            continue
+        for slot in slots:
+            th = source.tensor_header(slot.planned.name)
+            path = source.file_of(slot.planned.name)
+            fh = source.file_header(path)
+            chunks = copy_source_bytes(path, 8 + fh.header_len + th.begin, th.nbytes, run.advance)
+            run.finish_tensor(slot, run.writer(fname).write_chunks(slot.planned.name, chunks))
+
+
+def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
+                       quantize: str | None = None, ep_size: int = 1) -> dict:
+    """What `megamoe-convert inspect` reports (JSON-safe dict).
+
+    Reads headers and the scalar scale tensors only. Problems that would stop
+    `convert` (row size rules, EP divisibility, bad or disagreeing scales)
+    are collected in ``problems`` rather than raised, so one run shows them
+    all; a checkpoint that cannot be opened or read at all still raises.
+    """
+    source = open_source(src, revision)
+    try:
+        reader = detect_reader(source, format=format, quantize=quantize)
+        row = get_row(reader.row)
+        facts = reader.model_facts()
+        infos = reader.moe_layers()
+        problems: list[str] = []
+        layers, groups = [], []
+        expert_bytes = 0
+        pairs = mismatched = 0
+        max_rel = 0.0
+        missing_input: dict[int, int] = {}
+        consumed = set(reader.consumed_tensor_names())
+        shared_notes = {}
+        for info in infos:
+            shared, shared_rec = checks.shared_spec_for(info, row)
+            if info.shared is not None and shared is None:
+                consumed -= set(info.shared.tensor_names)
+            spec = None
+            try:
+                spec = checks.layer_spec(info, facts, row, ep_size, shared)
+            except MegaMoEError as e:
+                problems.append(str(e))
+            layer = {"index": info.index, "prefix": info.prefix, "num_experts": info.num_experts,
+                     "hidden": info.hidden, "intermediate": info.intermediate, "shared": shared_rec}
+            if row.weight.has_global_scale:
+                try:
+                    scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
+                    rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch="requantize",
+                                                     allow_missing_input_scales=True)
+                    layer["scalars"] = rep.scalars
+                    layer["w1_w3_mismatches"] = len(rep.mismatches)
+                    pairs += info.num_experts
+                    mismatched += len(rep.mismatches)
+                    for _, g, u in rep.mismatches:
+                        max_rel = max(max_rel, abs(g - u) / max(g, u))
+                    if rep.mismatches:
+                        e, g, u = rep.mismatches[0]
+                        problems.append(
+                            f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 "
+                            f"mismatch (first: expert {e}, {g!r} vs {u!r}); convert needs "
+                            "--on-scale-mismatch requantize")
+                    if rep.missing_input:
+                        missing_input[info.index] = len(rep.missing_input)
+                        problems.append(
+                            f"MoE layer {info.index}: {len(rep.missing_input)} expert(s) without a w2 input scale; "
+                            "convert needs --allow-missing-input-scales")
+                except MegaMoEError as e:
+                    problems.append(str(e))
+            if spec is not None:
+                for _, t in _rank_roles(row, spec.experts_per_rank, info.hidden, info.intermediate, spec.shared):
+                    expert_bytes += ep_size * t.numel() * t.element_size()
+            layers.append(layer)
+            key = (info.hidden, info.intermediate, info.num_experts)
+            if groups and groups[-1]["key"] == key:
+                groups[-1]["layers"].append(info.index)
+            else:
+                groups.append({"key": key, "layers": [info.index]})
+            shared_notes[info.index] = shared_rec
+        passthrough = set(source.tensor_names()) - consumed
+        pt_bytes = sum(source.nbytes(n) for n in passthrough)
+        H, I = (infos[0].hidden, infos[0].intermediate) if infos else (0, 0)
+        shapes = {}
+        for role in ("gate", "up", "down"):
+            w, sc = expected_shapes(row, H, I, role) if infos else ((), None)
+            shapes[role] = {"weight": list(w), "scale": list(sc) if sc else None}
+        uniq = {json.dumps(v, sort_keys=True) for v in shared_notes.values()}
+        shared_summary = (json.loads(uniq.pop()) if len(uniq) == 1 else
+                          {str(k): v for k, v in shared_notes.items()})
+        if not infos:
+            problems.append(f"{source.id}: no MoE layers found")
+        return {
+            "source": str(source.id), "kind": source.kind, "revision": source.revision,
+            "files": len(source.files()), "bytes": sum(p.stat().st_size for p in source.files()),
+            "format": reader.format_name, "row": row.name, "model": _model_facts(facts),
+            "layers": layers,
+            "layer_groups": [{"layers": _ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
+                              "num_experts": g["key"][2]} for g in groups],
+            "shapes": shapes, "shared": shared_summary,
+            "scales": ({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
+                        "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input}
+                       if row.weight.has_global_scale else None),
+            "ep_size": ep_size, "estimated_expert_bytes": expert_bytes, "passthrough_bytes": pt_bytes,
+            "estimated_output_bytes": expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
+            "problems": problems,
+        }
+    finally:
+        source.close()
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
+
+
+def _annotated_config(config: dict, row: Row) -> dict:
+    cfg = json.loads(json.dumps(config))
+    note = {"format_version": FORMAT_VERSION, "row": row.name, "manifest": "megamoe.json"}
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict):
+        qc["megamoe"] = note
+    else:
+        cfg["quantization_config"] = {"quant_method": "megamoe", "megamoe": note}
+    return cfg
+
+
+def _model_facts(facts) -> dict:
+    return {
+        "model_type": facts.model_type, "num_experts": facts.num_experts, "top_k": facts.top_k,
+        "routed_scaling_factor": float(facts.routed_scaling_factor), "activation": facts.activation.to_dict(),
+        "norm_topk_prob": facts.norm_topk_prob, "num_shared": facts.num_shared,
+        "shared_intermediate": facts.shared_intermediate,
+    }
+
+
+__all__ = ["convert", "inspect_checkpoint", "ConvertSummary", "converter_version", "expert_file_name",
+           "model_file_name", "shared_to_precision", "temp_dir_for"]

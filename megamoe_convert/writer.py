@@ -1,0 +1,632 @@
+"""Writing (and verifying) a megamoe output folder.
+
+Streaming safetensors writer. ``safetensors.torch.save_file`` needs every
+tensor of a file in memory at once; a 5 GB shard spans several MoE layers, so
+that would break the "memory bounded by about one MoE layer" promise. The
+converter knows every output tensor's name, dtype and shape before it reads a
+byte (kernel shapes follow from the layer sizes), so :class:`ShardWriter`
+writes the header first and then each tensor's bytes in planned order as the
+layer that produces it is packed. The files are ordinary safetensors files
+(8-byte little-endian header length, JSON header padded with spaces to a
+multiple of 8, ``__metadata__ = {"format": "pt"}``, data offsets tiling the
+data with no gaps), readable by ``safe_open`` / ``load_file``. Tensors are laid
+out in plan order rather than save_file's alignment-then-name order; every
+tensor the converter writes has a byte size that is a multiple of its item
+size, and the plan puts 4-byte dtypes first within a layer, so offsets stay
+aligned. Output is deterministic: no timestamps, fixed key order.
+
+Also here: the progress journal that makes ``--resume`` possible, the
+temporary-folder protocol (``.OUT.megamoe-tmp`` beside OUT, renamed at the
+end), and :func:`verify_output`, which re-reads a finished folder and checks
+it against its manifest (used by ``megamoe-convert verify``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
+from megamoe_runtime.manifest import (
+    MANIFEST_NAME,
+    PASSTHROUGH_ROLE,
+    dtype_from_name,
+    nbytes_of,
+    read_manifest,
+)
+
+from .source import read_safetensors_header
+
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+ST_METADATA = {"format": "pt"}
+JOURNAL_NAME = "megamoe-journal.jsonl"
+INDEX_NAME = "model.safetensors.index.json"
+TMP_SUFFIX = ".megamoe-tmp"
+#: test hook: the writer calls os._exit after this many tensors (simulates a kill mid-write)
+CRASH_ENV = "MEGAMOE_TEST_CRASH_AFTER_TENSORS"
+CRASH_EXIT_CODE = 99
+
+_CHUNK = 16 << 20
+
+
+class OutputError(MegaMoEError):
+    """The output folder cannot be written as asked (exists, stale temp folder,
+    resume of a different conversion)."""
+
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '500MB', '1.5GiB', '4096' (bytes). Decimal units as
+    huggingface_hub's max_shard_size; KiB/MiB/GiB binary."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        unit = (m.group(2) or "").upper() if m else None
+        if not m or unit not in _UNITS:
+            raise MegaMoEError(
+                f"size {text!r} is not understood; use a number of bytes or a unit: '5GB', '500MB', '1GiB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise MegaMoEError(f"size {text!r} must be > 0")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of an output file: in-file name, safetensors dtype, stored shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+
+def plan_shards(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    """Greedy split in the given order: a shard is closed when the next tensor
+    would take it past `max_bytes`. A tensor larger than the limit gets a shard
+    of its own (as huggingface_hub does); it cannot be split."""
+    shards: list[list[PlannedTensor]] = []
+    cur: list[PlannedTensor] = []
+    size = 0
+    for t in tensors:
+        if cur and size + t.nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length plus the JSON header for `tensors` in this order."""
+    head: dict = {"__metadata__": dict(metadata if metadata is not None else ST_METADATA)}
+    off = 0
+    for t in tensors:
+        head[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+# --------------------------------------------------------------------------- shard writer
+
+_written_tensors = 0
+
+
+def _crash_hook() -> None:
+    """Test hook (env CRASH_ENV=N): die like a killed process after N tensors."""
+    global _written_tensors
+    _written_tensors += 1
+    limit = os.environ.get(CRASH_ENV)
+    if limit is not None and _written_tensors >= int(limit):
+        os._exit(CRASH_EXIT_CODE)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor (a view; contiguous copy if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class ShardWriter:
+    """Writes one safetensors file: header first, then tensors in plan order.
+
+    ``write(name, tensor)`` checks name, dtype and shape against the plan and
+    returns the tensor's sha256; ``close()`` returns (size, sha256 of the
+    whole file). Both hashes are computed from the bytes as they go out, so
+    nothing is read back. There is no fsync per shard: the kernel writes
+    finished shards back while later layers are converted, and
+    `finalize_output` fsyncs every file before the rename. (The journal
+    needs no fsynced shards either: ``--resume`` re-hashes every file it
+    lists, so a shard lost in a crash is simply redone.)
+
+    The file write and the whole-file hash run on one background thread
+    while the caller hashes the tensor (hashlib and file writes release the
+    GIL), so the two sha256 passes over every byte run on two cores. Writes
+    stay in order; ``flush()`` waits for them and must be called before the
+    memory of a written tensor is reused (``close()`` flushes).
+    """
+
+    _SLICE = 4 << 20
+
+    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.plan = list(tensors)
+        self._next = 0
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._pending: list = []
+        self._pool = None
+        self._f = open(self.path, "wb", buffering=0)
+        self._out(memoryview(safetensors_header(self.plan, metadata)))
+
+    def _out(self, mv: memoryview) -> None:
+        """Hash and write `mv` (runs on the background thread)."""
+        step = self._SLICE
+        for i in range(0, len(mv), step):
+            piece = mv[i:i + step]
+            self._hash.update(piece)
+            while piece:
+                n = self._f.write(piece)
+                piece = piece[n:]
+        self._size += len(mv)
+
+    def _submit(self, mv: memoryview):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-writer")
+        fut = self._pool.submit(self._out, mv)
+        self._pending.append(fut)
+        return fut
+
+    def flush(self) -> None:
+        """Wait until every submitted byte is written (re-raising write errors)."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    @property
+    def pending(self) -> list[PlannedTensor]:
+        return self.plan[self._next:]
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.plan)
+
+    def _expect(self, name: str) -> PlannedTensor:
+        if self._next >= len(self.plan):
+            raise MegaMoEError(f"{self.path.name}: tensor {name!r} written after the planned tensors")
+        p = self.plan[self._next]
+        if p.name != name:
+            raise MegaMoEError(f"{self.path.name}: expected tensor {p.name!r} next, got {name!r}")
+        return p
+
+    def write(self, name: str, tensor: torch.Tensor) -> str:
+        """Queue the tensor's bytes and return their sha256. The tensor's
+        memory must stay untouched until `flush()`."""
+        p = self._expect(name)
+        want = dtype_from_name(p.dtype)
+        if tensor.dtype != want or tuple(tensor.shape) != p.shape:
+            raise MegaMoEError(
+                f"{self.path.name}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, planned "
+                f"{p.dtype} {list(p.shape)}"
+            )
+        data = tensor_bytes(tensor)
+        self._submit(data)
+        digest = hashlib.sha256(data).hexdigest()
+        self._next += 1
+        _crash_hook()
+        return digest
+
+    def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview]) -> str:
+        """Write a tensor's raw bytes from an iterable (pass-through copies);
+        each chunk is written before the next is requested, so the producer
+        may reuse its buffer."""
+        p = self._expect(name)
+        h = hashlib.sha256()
+        n = 0
+        for c in chunks:
+            mv = memoryview(c).cast("B")
+            fut = self._submit(mv)
+            h.update(mv)
+            n += len(mv)
+            fut.result()
+        self.flush()
+        if n != p.nbytes:
+            raise CheckpointError(f"{self.path.name}: tensor {name!r} got {n} bytes, expected {p.nbytes}")
+        self._next += 1
+        _crash_hook()
+        return h.hexdigest()
+
+    def close(self) -> tuple[int, str]:
+        if not self.done:
+            raise MegaMoEError(
+                f"{self.path.name}: closed with {len(self.pending)} planned tensor(s) unwritten, "
+                f"first {self.pending[0].name!r}"
+            )
+        self.flush()
+        self._shutdown()
+        self._f.close()  # no fsync here: finalize_output syncs every file once, at the end
+        return self._size, self._hash.hexdigest()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def abort(self) -> None:
+        """Stop without finishing (the partial file stays for --resume to redo)."""
+        try:
+            self.flush()
+        except Exception:
+            pass
+        self._shutdown()
+        if not self._f.closed:
+            self._f.close()
+
+
+def copy_source_bytes(path: Path, offset: int, nbytes: int, progress: Callable[[int], None] | None = None
+                      ) -> Iterator[memoryview]:
+    """Yield `nbytes` raw bytes of `path` from `offset` in chunks (pass-through
+    copies: the tensor is never decoded, so it is copied unchanged)."""
+    buf = bytearray(min(_CHUNK, max(nbytes, 1)))
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        left = nbytes
+        while left:
+            k = f.readinto(mv[: min(len(buf), left)])
+            if not k:
+                raise CheckpointError(f"{path}: unexpected end of file at byte {offset + nbytes - left}")
+            left -= k
+            yield mv[:k]
+            if progress:
+                progress(k)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        mv = memoryview(buf)
+        while True:
+            k = f.readinto(mv)
+            if not k:
+                break
+            h.update(mv[:k])
+    return h.hexdigest()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def json_bytes(obj) -> bytes:
+    """Deterministic JSON for the small files we write (index, config)."""
+    return (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+# --------------------------------------------------------------------------- temp folder + journal
+
+
+def temp_dir_for(out: Path) -> Path:
+    """`.OUT.megamoe-tmp` beside OUT (same filesystem, so the final rename is atomic)."""
+    out = Path(out)
+    return out.parent / f".{out.name}{TMP_SUFFIX}"
+
+
+def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool) -> tuple[Path, bool]:
+    """Check OUT and create/reuse its temp folder. Returns (tmp, resuming)."""
+    out = Path(out)
+    tmp = temp_dir_for(out)
+    if out.exists() and not overwrite:
+        raise OutputError(
+            f"output folder {out} already exists; pass --overwrite to replace it "
+            "(it is replaced only after the new conversion has finished)"
+        )
+    if not out.parent.is_dir():
+        raise OutputError(f"cannot create {out}: parent folder {out.parent} does not exist")
+    if tmp.exists():
+        if resume and (tmp / JOURNAL_NAME).is_file():
+            return tmp, True
+        if not overwrite:
+            hint = ("it has no progress journal, so it cannot be resumed; " if resume else
+                    "pass --resume to continue that run, or ")
+            raise OutputError(
+                f"{tmp} exists: an earlier conversion to {out} was interrupted; {hint}"
+                "pass --overwrite to discard it and start over"
+            )
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp, False
+
+
+def finalize_output(tmp: Path, out: Path) -> None:
+    """fsync every file, then rename the finished temp folder to OUT
+    (replacing an old OUT only now), so OUT never names unwritten data."""
+    out = Path(out)
+    for p in sorted(tmp.iterdir()):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(tmp)
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.megamoe-old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """Append-only progress log in the temp folder (JSON lines, fsynced).
+
+    Records: the run fingerprint (first line), each finished file (name, size,
+    sha256, its tensors' manifest entries) and each finished layer (scalars,
+    repairs). A torn last line from a kill is ignored. On resume, finished
+    files are re-hashed and kept only if they still match.
+    """
+
+    def __init__(self, tmp: Path):
+        self.path = Path(tmp) / JOURNAL_NAME
+
+    def start(self, fingerprint: str) -> None:
+        self.path.write_text("")
+        self._append({"kind": "run", "fingerprint": fingerprint})
+
+    def load(self) -> tuple[str | None, dict[str, dict], dict[int, dict]]:
+        fingerprint, files, layers = None, {}, {}
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # torn write of the last record
+            kind = rec.get("kind")
+            if kind == "run":
+                fingerprint = rec.get("fingerprint")
+            elif kind == "file":
+                files[rec["name"]] = rec
+            elif kind == "layer":
+                layers[int(rec["index"])] = rec
+        return fingerprint, files, layers
+
+    def record_file(self, name: str, size: int, sha256: str, tensors: dict[str, dict]) -> None:
+        self._append({"kind": "file", "name": name, "size": size, "sha256": sha256, "tensors": tensors})
+
+    def record_layer(self, index: int, record: dict) -> None:
+        self._append({"kind": "layer", "index": index, **record})
+
+    def _append(self, rec: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_output` found. `ok` is False when any problem was found."""
+
+    path: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    tensors_checked: int = 0
+    bytes_checked: int = 0
+    format_version: int | None = None
+    row: str | None = None
+    ep_size: int | None = None
+    layers: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "ok": self.ok, "problems": self.problems, "warnings": self.warnings,
+            "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
+            "bytes_checked": self.bytes_checked, "format_version": self.format_version,
+            "row": self.row, "ep_size": self.ep_size, "layers": self.layers,
+        }
+
+
+def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check a converted folder against its manifest.
+
+    Schema and version (read_manifest), every listed file present with the
+    listed size and sha256, every safetensors header valid and consistent with
+    the manifest (names, dtypes, stored shapes; no unlisted tensors), and every
+    tensor's sha256. One sequential read per file computes the file hash and
+    all its tensor hashes together. Raises nothing for a damaged folder: all
+    findings go into the report (a missing folder raises OutputError).
+    """
+    out = Path(out)
+    if not out.is_dir():
+        raise OutputError(f"{out} is not a folder")
+    rep = VerifyReport(str(out))
+    try:
+        m = read_manifest(out)
+    except ManifestError as e:
+        rep.problems.append(str(e))
+        return rep
+    rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
+
+    by_file: dict[str, dict[str, tuple[str, object]]] = {}
+    for key, t in m.tensors.items():
+        by_file.setdefault(t.file, {})[t.name] = (key, t)
+
+    total = sum(fe.size for fe in m.files.values())
+    user_progress = progress
+
+    def progress(n: int) -> None:
+        rep.bytes_checked += n
+        if user_progress:
+            user_progress(min(rep.bytes_checked, total), total)
+
+    on_disk = {p.name for p in out.iterdir() if p.is_file()} - {MANIFEST_NAME}
+    for extra in sorted(on_disk - set(m.files)):
+        rep.warnings.append(f"{out / extra}: file not listed in the manifest (ignored)")
+
+    for fname in sorted(m.files):
+        fe = m.files[fname]
+        path = out / fname
+        if not path.is_file():
+            rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes)")
+            continue
+        size = path.stat().st_size
+        if size != fe.size:
+            rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
+        tensors = by_file.pop(fname, {})
+        if fname.endswith(".safetensors"):
+            _verify_safetensors(path, fe.sha256, tensors, rep, progress)
+        else:
+            digest = sha256_file(path)
+            progress(size)
+            if digest != fe.sha256:
+                rep.problems.append(f"{path}: sha256 {digest} does not match the manifest's {fe.sha256}")
+        rep.files_checked += 1
+    for fname, tensors in by_file.items():  # pragma: no cover - read_manifest refuses this
+        rep.problems.append(f"tensors {sorted(tensors)[:3]} name file {fname!r}, which the manifest does not list")
+    return rep
+
+
+def _verify_safetensors(path: Path, file_sha: str, tensors: dict, rep: VerifyReport,
+                        progress: Callable[[int], None]) -> None:
+    try:
+        fh = read_safetensors_header(path)
+    except CheckpointError as e:
+        rep.problems.append(str(e))
+        header_ok = False
+        fh = None
+    else:
+        header_ok = True
+    spans = []
+    if header_ok:
+        names = set(fh.tensors)
+        for name in sorted(names - set(tensors)):
+            rep.problems.append(f"{path}: tensor {name!r} is in the file but not in the manifest")
+        for name, (key, t) in sorted(tensors.items()):
+            th = fh.tensors.get(name)
+            if th is None:
+                rep.problems.append(f"{path}: manifest tensor {key!r} is missing from the file")
+                continue
+            if th.dtype != t.dtype or tuple(th.shape) != tuple(t.stored_shape):
+                rep.problems.append(
+                    f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
+                    f"{t.dtype} {list(t.stored_shape)}")
+                continue
+            base = 8 + fh.header_len
+            spans.append((base + th.begin, base + th.end, key, t.sha256, hashlib.sha256()))
+    spans.sort(key=lambda s: s[0])
+
+    fhash = hashlib.sha256()
+    pos = 0
+    i = 0
+    buf = bytearray(_CHUNK)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(mv)
+            if not k:
+                break
+            chunk = mv[:k]
+            fhash.update(chunk)
+            end = pos + k
+            j = i
+            while j < len(spans) and spans[j][0] < end:
+                b, e, _, _, h = spans[j]
+                lo, hi = max(b, pos), min(e, end)
+                if hi > lo:
+                    h.update(chunk[lo - pos:hi - pos])
+                j += 1
+            while i < len(spans) and spans[i][1] <= end:
+                i += 1
+            pos = end
+            progress(k)
+    digest = fhash.hexdigest()
+    if digest != file_sha:
+        rep.problems.append(f"{path}: sha256 {digest} does not match the manifest's {file_sha}")
+    for _, _, key, want, h in spans:
+        rep.tensors_checked += 1
+        got = h.hexdigest()
+        if got != want:
+            rep.problems.append(f"{path}: tensor {key!r} sha256 {got} does not match the manifest's {want}")
+
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE", "OutputError", "parse_size", "format_bytes", "PlannedTensor", "plan_shards",
+    "safetensors_header", "ShardWriter", "tensor_bytes", "copy_source_bytes", "sha256_file",
+    "write_bytes_atomic", "json_bytes", "temp_dir_for", "prepare_temp_dir", "finalize_output", "Journal",
+    "VerifyReport", "verify_output", "PASSTHROUGH_ROLE", "INDEX_NAME", "CRASH_ENV",
+]

@@ -1,0 +1,560 @@
+"""DeepGEMM MegaMoE backend: marshalling the layer's kernel-layout tensors to DeepGEMM's mega API.
+
+CONTRACT-TESTED ONLY. DeepGEMM's mega kernels (``fp8_fp4_mega_moe``,
+``fp4_fp4_mega_moe``, ``nvfp4_mega_moe``, ``bf16_mega_moe``) run on SM100-family
+GPUs only (B200 / GB200 / B300); every other architecture, the H200 this
+project tests on included, raises "Unsupported architecture" inside DeepGEMM.
+So this module has never launched a kernel: its argument marshalling (which
+entry point, which keyword names, which tensors with which shapes, dtypes and
+strides, what is staged into the symmetric buffer) is tested against recording
+stand-ins of every documented API version (``tests/runtime/backends/test_deepgemm.py``).
+Numerics are the reference backend's; run ``megamoe_runtime.testing.calc_diff``
+against it on real hardware before trusting a new DeepGEMM version.
+
+API versions handled (REFERENCE.md §2, §4; detected by introspection, not by
+version strings):
+
+=========  ==========================================================================
+flavour    what it has
+=========  ==========================================================================
+dg-2604    ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, recipe, activation,
+           activation_clamp, fast_math)``; ``SymmBuffer(group, E, T, K, H, I,
+           use_fp8_dispatch, activation)``
+dg-main    + ``cumulative_local_expert_recv_stats``; ``bf16_mega_moe``;
+           ``get_symm_buffer_for_mega_moe(..., use_fp8_dispatch=None, mma_type,
+           activation)`` (aligns T, ring tokens)
+dg-newer   + ``shared_l1_weights``/``shared_l2_weights``, ``situ_beta``/
+           ``situ_linear_beta``; ``fp4_fp4_mega_moe`` (x_bf16, l1_alphas,
+           l2_alphas, a2_scales, routed_scaling_factor); ``SymmBuffer(...,
+           num_shared_experts=0, mma_type, activation, base=None)``; MXFP8
+           weights through ``fp8_fp4_mega_moe`` (mma_type 'fp8xfp8')
+dgv        vllm-project/DeepGEMM: SiTU betas named ``activation_beta``/
+           ``activation_linear_beta``; ``nvfp4_mega_moe`` + ``NVFP4SymmBuffer(...,
+           num_shared_experts, base, shared_dtype)`` with per-token ``x_scales``
+dgz        zyongye/DeepGEMM: ``fp8_fp8_mega_moe`` alias for MXFP8 weights
+=========  ==========================================================================
+
+What the backend does per call: stage the inputs into the symmetric buffer
+(``x``/``x_sf`` quantized exactly like the reference's dispatch, ``topk_idx``
+int64, ``topk_weights`` float32; padding tokens id -1 weight 0; masked slots
+weight 0; the routed scaling factor folded into the weights except for newer
+DG's NVFP4 entry which takes it), fill ``shared_l1_acts_sf`` for fused FP8
+shared experts, run a one-time barrier before the first launch, and call the
+entry point with keyword arguments filtered by its signature.
+
+Buffers are collective (symmetric memory + rendezvous): they are created on
+the first forward (every rank runs every layer's forward in lockstep) or by
+`DeepGemmBackend.prepare`, never at layer construction (a meta-initialised
+model must not rendezvous), and shared by every layer with the same
+configuration.
+
+CUDA-graph caveat: DGv's ``l2_activation_scale`` and newer DG's
+``routed_scaling_factor`` are host floats passed by value; a graph captured
+before a reload that changes them keeps the old values. Re-capture after a
+reload that changes a w2 input scale (``layer.load_generation`` changes).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
+
+__all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
+
+_ENTRY_NAMES = ("fp8_fp4_mega_moe", "fp8_fp8_mega_moe", "fp4_fp4_mega_moe", "nvfp4_mega_moe", "bf16_mega_moe")
+_SITU_NAMES = (("situ_beta", "situ_linear_beta"), ("activation_beta", "activation_linear_beta"))
+
+
+def import_deep_gemm() -> Any:
+    """``import deep_gemm`` or BackendUnavailableError saying how to get it."""
+    mod = sys.modules.get("deep_gemm")
+    if mod is not None:
+        return mod
+    try:
+        return importlib.import_module("deep_gemm")
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"the deepgemm backend needs the deep_gemm package (DeepGEMM with its mega kernels, "
+            f"github.com/deepseek-ai/DeepGEMM, built for SM100); importing it failed: {e}"
+        ) from e
+
+
+def _params(fn: Any) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+@dataclass(frozen=True)
+class MegaAPI:
+    """What the installed DeepGEMM offers, found by introspection."""
+
+    module: Any
+    flavour: str
+    functions: dict[str, Any]
+    params: dict[str, dict[str, inspect.Parameter]]
+    buffer_factory: Optional[Any]
+    buffer_params: dict[str, inspect.Parameter]
+    nvfp4_buffer: Optional[Any]
+    nvfp4_buffer_params: dict[str, inspect.Parameter]
+    block_m_fn: Optional[Any]
+    notes: tuple[str, ...] = field(default=())
+
+    def has(self, fn: str) -> bool:
+        return fn in self.functions
+
+    def accepts(self, fn: str, name: str) -> bool:
+        return name in self.params.get(fn, {})
+
+    def situ_names(self, fn: str) -> Optional[tuple[str, str]]:
+        for a, b in _SITU_NAMES:
+            if self.accepts(fn, a) and self.accepts(fn, b):
+                return a, b
+        return None
+
+    def swiglu_ab_names(self, fn: str) -> Optional[tuple[str, str]]:
+        """(alpha, beta) keyword names for GPT-OSS SwiGLU, or None."""
+        if not self.accepts(fn, "activation_alpha"):
+            return None
+        for beta in ("activation_beta", "activation_up_bias"):
+            if self.accepts(fn, beta):
+                return "activation_alpha", beta
+        return None
+
+    def entry_for(self, row: str) -> tuple[Optional[str], str]:
+        """(function name, '') for a row, or (None, what is missing)."""
+        if row == "mxfp4":
+            return ("fp8_fp4_mega_moe", "") if self.has("fp8_fp4_mega_moe") else (
+                None, "deep_gemm has no fp8_fp4_mega_moe (the MXFP4-weight mega kernel)")
+        if row == "mxfp8":
+            if self.has("fp8_fp8_mega_moe"):
+                return "fp8_fp8_mega_moe", ""
+            if self.flavour == "dg-newer" and self.has("fp8_fp4_mega_moe"):
+                return "fp8_fp4_mega_moe", ""
+            return None, ("this DeepGEMM has no MXFP8-weight mega kernel: needs newer deepseek-ai/DeepGEMM "
+                          "(fp8_fp4_mega_moe with e4m3 weights) or zyongye/DeepGEMM's fp8_fp8_mega_moe")
+        if row == "nvfp4":
+            if self.has("fp4_fp4_mega_moe"):
+                return "fp4_fp4_mega_moe", ""
+            if self.has("nvfp4_mega_moe") and self.nvfp4_buffer is not None:
+                return "nvfp4_mega_moe", ""
+            if self.has("nvfp4_mega_moe"):
+                return None, "deep_gemm has nvfp4_mega_moe but no NVFP4SymmBuffer (deep_gemm.mega.nvfp4)"
+            return None, ("this DeepGEMM has no NVFP4 mega kernel: needs newer deepseek-ai/DeepGEMM "
+                          "(fp4_fp4_mega_moe) or vllm-project/DeepGEMM (nvfp4_mega_moe)")
+        if row == "bf16":
+            return ("bf16_mega_moe", "") if self.has("bf16_mega_moe") else (
+                None, "this DeepGEMM has no bf16_mega_moe (added in deepseek-ai/DeepGEMM main, June 2026)")
+        return None, f"unknown row {row!r}"
+
+
+def detect_api(module: Any) -> MegaAPI:
+    """Inspect a ``deep_gemm`` module (real or stand-in) and classify its mega API."""
+    fns = {n: getattr(module, n) for n in _ENTRY_NAMES if callable(getattr(module, n, None))}
+    params = {n: _params(f) for n, f in fns.items()}
+    factory = getattr(module, "get_symm_buffer_for_mega_moe", None)
+    if not callable(factory):
+        factory = getattr(module, "SymmBuffer", None)
+    nv_buf = getattr(module, "NVFP4SymmBuffer", None)
+    if nv_buf is None and "nvfp4_mega_moe" in fns:
+        try:
+            nv_buf = getattr(importlib.import_module(f"{module.__name__}.mega.nvfp4"), "NVFP4SymmBuffer", None)
+        except ImportError:
+            nv_buf = None
+    block_m = getattr(module, "get_block_m_for_mega_moe", None)
+    if block_m is None:
+        block_m = getattr(getattr(module, "_C", None), "get_block_m_for_mega_moe", None)
+    fp = params.get("fp8_fp4_mega_moe", {})
+    if "nvfp4_mega_moe" in fns or "activation_linear_beta" in fp:
+        flavour = "dgv"
+    elif "fp4_fp4_mega_moe" in fns or "situ_beta" in fp:
+        flavour = "dg-newer"
+    elif "fp8_fp8_mega_moe" in fns:
+        flavour = "dgz"
+    elif "cumulative_local_expert_recv_stats" in fp or "bf16_mega_moe" in fns:
+        flavour = "dg-main"
+    elif fns:
+        flavour = "dg-2604"
+    else:
+        flavour = "none"
+    return MegaAPI(module, flavour, fns, params, factory, _params(factory) if factory else {},
+                   nv_buf, _params(nv_buf) if nv_buf else {}, block_m)
+
+
+class _LocalGroup:
+    """Single-rank stand-in for a process group (DeepGEMM's R == 1 path uses
+    ``torch.empty`` and never communicates; it only asks size/rank/barrier)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def barrier(self) -> None:
+        return None
+
+
+def shared_sf_rows(num_tokens: int, block_m: int) -> torch.Tensor:
+    """Row of ``shared_l1_acts_sf`` for each token (REFERENCE.md §4): with
+    ``i = r % bm``, ``(r//bm)*align(bm,128) + (i//128)*128 + (i%32)*4 + (i%128)//32``."""
+    r = torch.arange(num_tokens, dtype=torch.int64)
+    i = r % block_m
+    abm = (block_m + 127) // 128 * 128
+    return (r // block_m) * abm + (i // 128) * 128 + (i % 32) * 4 + (i % 128) // 32
+
+
+# buffers are collective and big: one per (group, device, configuration), shared by layers
+_BUFFERS: dict[tuple, Any] = {}
+
+
+class DeepGemmBackend:
+    """Runs a `DeepGemmMegaMoEExperts` layer through DeepGEMM's mega kernels (SM100).
+
+    Args:
+        device: the layer's device.
+        max_num_tokens: tokens per rank the symmetric buffer holds (DeepGEMM
+            aligns it up); a forward with more raises.
+        group: the EP process group (default: the world group when
+            torch.distributed is initialised, else a single-rank stand-in).
+        fast_math: passed to the kernels.
+        check_device: refuse devices that are not SM100 (tests turn it off to
+            drive a recording stand-in on CPU tensors).
+        module: a ``deep_gemm`` module to use instead of importing it.
+    """
+
+    name = "deepgemm"
+    #: the mega kernels dispatch and combine over the EP group themselves (NVLink, symmetric memory)
+    native_ep = True
+
+    def __init__(self, device: Any = "cuda", *, max_num_tokens: int = 1024, group: Any = None,
+                 fast_math: bool = True, check_device: bool = True, module: Any = None):
+        self.device = torch.device(device)
+        if check_device:
+            ok = self.available(self.device)
+            if ok is not True:
+                raise BackendUnavailableError(ok)
+        self.module = module if module is not None else import_deep_gemm()
+        self.api = detect_api(self.module)
+        if not self.api.functions:
+            raise BackendUnavailableError(
+                f"deep_gemm ({getattr(self.module, '__file__', '?')}) has no mega MoE entry point "
+                f"({', '.join(_ENTRY_NAMES)}); it is too old or built without the mega kernels")
+        if int(max_num_tokens) < 1:
+            raise MegaMoEError(f"max_num_tokens={max_num_tokens!r} must be >= 1")
+        self.max_num_tokens = int(max_num_tokens)
+        self._group = group
+        self.fast_math = bool(fast_math)
+        self._barrier_done = False
+        self._x_bf16: dict[tuple, torch.Tensor] = {}
+        self._dgv_cache: dict[int, tuple[int, float]] = {}
+
+    # ------------------------------------------------------------------ availability
+
+    @staticmethod
+    def available(device: Any) -> Any:
+        """True, or why DeepGEMM's mega kernels cannot run on ``device``."""
+        dev = torch.device(device)
+        try:
+            import_deep_gemm()
+        except BackendUnavailableError as e:
+            return str(e)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return f"DeepGEMM mega kernels run on CUDA SM100-family GPUs only; device is {dev}"
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major != 10:
+            return (f"DeepGEMM mega kernels need an SM100-family GPU (B200/GB200/B300, sm_100/sm_103); "
+                    f"{torch.cuda.get_device_name(dev)} is sm_{major}{minor}")
+        return True
+
+    # ------------------------------------------------------------------ support
+
+    def supports(self, spec: Any) -> Any:
+        """True, or a string naming what this DeepGEMM lacks for ``spec``."""
+        api = self.api
+        fn, why = api.entry_for(spec.row)
+        if fn is None:
+            return why
+        act = spec.activation
+        if act.kind == "situ":
+            if spec.row_spec.mma_type != "fp8xfp4":
+                return f"DeepGEMM runs SiTU only with fp8xfp4 (mxfp4 weights), not row {spec.row}"
+            if api.situ_names(fn) is None:
+                return (f"{fn} of this DeepGEMM ({api.flavour}) has no SiTU parameters "
+                        f"(situ_beta/situ_linear_beta or activation_beta/activation_linear_beta)")
+        elif not act.is_plain_swiglu and api.swiglu_ab_names(fn) is None:
+            return (f"{fn} of this DeepGEMM ({api.flavour}) has no activation_alpha/activation_beta for "
+                    f"SwiGLU alpha={act.alpha}, beta={act.beta}")
+        if act.clamp is not None and fn != "nvfp4_mega_moe" and not api.accepts(fn, "activation_clamp"):
+            return f"{fn} has no activation_clamp parameter"
+        if fn == "fp4_fp4_mega_moe" and (spec.hidden % 512 or spec.intermediate % 512):
+            return (f"newer DeepGEMM's fp4_fp4_mega_moe needs hidden and intermediate multiples of 512 "
+                    f"(got {spec.hidden}, {spec.intermediate})")
+        if spec.ep_size > 1 and self._group is None and not _dist_ready():
+            return f"EP size {spec.ep_size} needs an initialised torch.distributed group"
+        return True
+
+    def _shared_ok(self, spec: Any) -> tuple[bool, str]:
+        if spec.shared is None:
+            return False, "no shared experts"
+        fn, why = self.api.entry_for(spec.row)
+        if fn is None:
+            return False, why
+        prec = spec.shared.precision
+        width = spec.shared.folded_intermediate
+        if width % spec.intermediate:
+            return False, (f"DeepGEMM folds shared experts in units of the routed intermediate {spec.intermediate}; "
+                           f"shared width {width} is not a multiple")
+        if fn == "nvfp4_mega_moe":
+            if "shared_dtype" not in self.api.nvfp4_buffer_params and prec == "bf16":
+                return False, "this NVFP4SymmBuffer has no shared_dtype (BF16 shared experts)"
+            return (True, "") if prec in ("mxfp8", "bf16") else (False, f"nvfp4_mega_moe fuses mxfp8/bf16, not {prec}")
+        if not self.api.accepts(fn, "shared_l1_weights"):
+            return False, f"{fn} of this DeepGEMM ({self.api.flavour}) takes no shared_l1_weights"
+        if fn == "fp4_fp4_mega_moe":
+            if prec != "bf16":
+                return False, "newer DeepGEMM's fp4_fp4_mega_moe fuses BF16 shared experts only (with x_bf16)"
+            if width % 128:
+                return False, "fp4_fp4_mega_moe needs S*I_s % 128 == 0"
+            return True, ""
+        if fn == "bf16_mega_moe":
+            return (prec == "bf16", "" if prec == "bf16" else "bf16_mega_moe fuses BF16 shared experts only")
+        if fn == "fp8_fp8_mega_moe":
+            return False, "zyongye/DeepGEMM's fp8_fp8_mega_moe fuses no shared experts"
+        if prec != "mxfp8":
+            return False, f"{fn} fuses FP8 (MXFP8) shared experts only, not {prec}"
+        if self.api.block_m_fn is None:
+            return False, ("deep_gemm has no get_block_m_for_mega_moe, needed to lay out shared_l1_acts_sf "
+                           "for fused FP8 shared experts")
+        return True, ""
+
+    def supports_fused_shared(self, spec: Any) -> bool:
+        return self._shared_ok(spec)[0]
+
+    def fused_shared_reason(self, spec: Any) -> str:
+        """Why ``spec``'s shared expert cannot be fused ('' if it can)."""
+        return self._shared_ok(spec)[1]
+
+    # ------------------------------------------------------------------ buffers
+
+    def _group_of(self, spec: Any) -> Any:
+        if self._group is not None:
+            return self._group
+        if _dist_ready():
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+        if spec.ep_size > 1:
+            raise BackendUnavailableError(f"EP size {spec.ep_size} needs torch.distributed to be initialised "
+                                          "(or pass group= to the deepgemm backend)")
+        return _LocalGroup()
+
+    def _buffer(self, layer: Any, fn: str) -> Any:
+        spec = layer.spec
+        api = self.api
+        group = self._group_of(spec)
+        row = spec.row_spec
+        shared = spec.shared if layer.shared_fused else None
+        n_shared = 0 if shared is None else shared.folded_intermediate // spec.intermediate
+        act = spec.activation.kind
+        shared_dtype = None
+        if fn == "nvfp4_mega_moe":
+            factory, fparams = api.nvfp4_buffer, api.nvfp4_buffer_params
+            if shared is not None:
+                shared_dtype = torch.bfloat16 if shared.precision == "bf16" else torch.float8_e4m3fn
+        else:
+            factory, fparams = api.buffer_factory, api.buffer_params
+        if factory is None:
+            raise BackendUnavailableError("deep_gemm has neither get_symm_buffer_for_mega_moe nor SymmBuffer")
+        key = (id(group), str(self.device), fn, spec.num_experts, self.max_num_tokens, spec.top_k, spec.hidden,
+               spec.intermediate, n_shared, row.mma_type, act, shared_dtype)
+        buf = _BUFFERS.get(key)
+        if buf is not None:
+            return buf
+        kw: dict[str, Any] = {}
+        if "num_shared_experts" in fparams:
+            kw["num_shared_experts"] = n_shared
+        elif n_shared:
+            raise BackendUnavailableError(f"{getattr(factory, '__name__', factory)} has no num_shared_experts")
+        if "mma_type" in fparams:
+            kw["mma_type"] = row.mma_type
+        elif "use_fp8_dispatch" in fparams:
+            kw["use_fp8_dispatch"] = row.dispatch == "mxfp8"
+        if "activation" in fparams:
+            kw["activation"] = act
+        if shared_dtype is not None:
+            kw["shared_dtype"] = shared_dtype
+        buf = factory(group, spec.num_experts, self.max_num_tokens, spec.top_k, spec.hidden, spec.intermediate, **kw)
+        _BUFFERS[key] = buf
+        return buf
+
+    def prepare(self, layer: Any) -> Any:
+        """Create (collectively) the symmetric buffer this layer uses, now."""
+        fn, why = self.api.entry_for(layer.spec.row)
+        if fn is None:
+            raise BackendUnavailableError(why)
+        return self._buffer(layer, fn)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from .. import codecs
+
+        spec = layer.spec
+        api = self.api
+        fn, why = api.entry_for(spec.row)
+        if fn is None:
+            raise BackendUnavailableError(why)
+        T, H, K = hidden_states.shape[0], spec.hidden, spec.top_k
+        if T > self.max_num_tokens:
+            raise MegaMoEError(f"{T} tokens exceed the deepgemm backend's max_num_tokens={self.max_num_tokens}; "
+                               "build the backend with a larger max_num_tokens (backend_kwargs)")
+        buf = self._buffer(layer, fn)
+        if T > buf.num_max_tokens_per_rank:
+            raise MegaMoEError(f"{T} tokens exceed the symmetric buffer's {buf.num_max_tokens_per_rank} rows")
+        row = spec.row_spec
+        fused = bool(layer.shared_fused) and shared_input is not None
+        dev = hidden_states.device
+
+        # --- stage x / x_sf
+        x = hidden_states.contiguous()
+        if row.dispatch == "bf16":
+            buf.x[:T].copy_(x)
+        elif row.dispatch == "mxfp8":
+            q, sf = codecs.quantize_mxfp8(x)
+            buf.x[:T].copy_(q)
+            buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
+        elif fn == "nvfp4_mega_moe":
+            packed, sf, tok = codecs.quantize_nvfp4_per_token(x)
+            buf.x[:T].copy_(packed.view(buf.x.dtype))
+            buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
+            buf.x_scales[:T].copy_(tok)
+        else:  # newer DG fp4_fp4: global 1.0 (its global folds into l1_alphas, which carry ws2 only)
+            packed, sf = codecs.quantize_nvfp4(x, 1.0)
+            buf.x[:T].copy_(packed.view(buf.x.dtype))
+            buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
+
+        # --- stage routing: int64 ids, f32 weights; masked / padding: id -1, weight 0
+        ids = topk_ids.to(device=dev, dtype=torch.int64)
+        w = topk_weights.to(device=dev, dtype=torch.float32)
+        rsf_in_kernel = fn == "fp4_fp4_mega_moe"
+        if not rsf_in_kernel and spec.routed_scaling_factor != 1.0:
+            w = w * torch.tensor(float(spec.routed_scaling_factor), dtype=torch.float32, device=dev)
+        w = torch.where(ids >= 0, w, torch.zeros((), dtype=torch.float32, device=dev))
+        buf.topk_idx[:T].copy_(ids)
+        buf.topk_weights[:T].copy_(w)
+        if T < buf.topk_idx.shape[0]:
+            buf.topk_idx[T:].fill_(-1)
+            buf.topk_weights[T:].fill_(0.0)
+
+        # --- arguments
+        y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        if row.has_scales:
+            l1, l2 = (layer.l1_weight, layer.l1_scale), (layer.l2_weight, layer.l2_scale)
+        else:
+            l1, l2 = layer.l1_weight, layer.l2_weight
+        kw: dict[str, Any] = {}
+        act = spec.activation
+        if fn != "nvfp4_mega_moe":
+            if api.accepts(fn, "recipe"):
+                kw["recipe"] = (1, 1, 16) if fn == "fp4_fp4_mega_moe" else (1, 1, 32)
+            kw["activation"] = act.kind
+        if act.clamp is not None or api.accepts(fn, "activation_clamp"):
+            kw["activation_clamp"] = None if act.clamp is None else float(act.clamp)
+        if api.accepts(fn, "fast_math"):
+            kw["fast_math"] = self.fast_math
+        if act.kind == "situ":
+            a, b = api.situ_names(fn)
+            kw[a], kw[b] = float(act.situ_beta), float(act.situ_linear_beta)
+        elif not act.is_plain_swiglu:
+            a, b = api.swiglu_ab_names(fn)
+            kw[a], kw[b] = float(act.alpha), float(act.beta)
+        elif fn == "nvfp4_mega_moe":
+            kw["activation_alpha"], kw["activation_beta"] = 1.0, 0.0
+        if fused:
+            kw.update(self._shared_args(layer, fn, buf, x, T))
+        if fn == "fp4_fp4_mega_moe":
+            kw.update(l1_alphas=layer.l1_alpha, l2_alphas=layer.l2_global_scale, a2_scales=layer.a2_scales,
+                      routed_scaling_factor=float(spec.routed_scaling_factor))
+        elif fn == "nvfp4_mega_moe":
+            kw.update(l1_alpha=layer.l1_alpha_gate, l2_alpha=layer.l2_alpha,
+                      l2_activation_scale=self._dgv_a2(layer), use_x_scales=True)
+        kw = {k: v for k, v in kw.items() if api.accepts(fn, k)}
+
+        if not self._barrier_done:
+            # one-time: every rank has allocated, staged and loaded before the first launch
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            group = self._group_of(spec)
+            group.barrier()
+            self._barrier_done = True
+        api.functions[fn](y, l1, l2, buf, **kw)
+        return y
+
+    def _dgv_a2(self, layer: Any) -> float:
+        """DGv's host-side a2 (and the gate == up check its 1-D l1_alpha needs),
+        read once per load generation (CUDA-graph caveat in the module doc)."""
+        gen = layer.load_generation
+        cached = self._dgv_cache.get(id(layer))
+        if cached is not None and cached[0] == gen:
+            return cached[1]
+        if not torch.equal(layer.l1_alpha[:, 0], layer.l1_alpha[:, 1]):
+            bad = (layer.l1_alpha[:, 0] != layer.l1_alpha[:, 1]).nonzero().flatten().tolist()
+            raise LayerSpecError(f"{layer.prefix or 'layer'}: vllm-project/DeepGEMM's nvfp4_mega_moe takes one L1 "
+                                 f"alpha per expert, but gate and up weight_scale_2 differ for local experts {bad[:8]}")
+        a2 = float(layer.l2_activation_scale)
+        self._dgv_cache[id(layer)] = (gen, a2)
+        return a2
+
+    def _shared_args(self, layer: Any, fn: str, buf: Any, x: torch.Tensor, T: int) -> dict[str, Any]:
+        from .. import codecs
+
+        spec = layer.spec
+        prec = spec.shared.precision
+        s1w, s1s, s2w, s2s = (layer.shared_l1_weight, getattr(layer, "shared_l1_scale", None),
+                              layer.shared_l2_weight, getattr(layer, "shared_l2_scale", None))
+        if prec == "bf16":
+            out: dict[str, Any] = {"shared_l1_weights": s1w, "shared_l2_weights": s2w}
+            if fn == "fp4_fp4_mega_moe":
+                key = (str(x.device), self.max_num_tokens, spec.hidden)
+                xb = self._x_bf16.get(key)
+                if xb is None:  # persistent: CUDA graphs burn in the x_bf16 allocation
+                    xb = self._x_bf16[key] = torch.zeros(buf.num_max_tokens_per_rank, spec.hidden,
+                                                         dtype=torch.bfloat16, device=x.device)
+                xb[:T].copy_(x)
+                out["x_bf16"] = xb
+            elif fn == "nvfp4_mega_moe":
+                buf.shared_l1_acts[:T].copy_(x)
+            return out
+        # MXFP8 shared: (weight, sf) pairs, activations in MXFP8 with their SF in the shared row map
+        q, sf = codecs.quantize_mxfp8(x)
+        if fn == "nvfp4_mega_moe":
+            buf.shared_l1_acts[:T].copy_(q)
+        bm_fn = self.api.block_m_fn
+        if bm_fn is None:
+            raise BackendUnavailableError("deep_gemm has no get_block_m_for_mega_moe (needed for shared_l1_acts_sf)")
+        group = self._group_of(spec)
+        bm = int(bm_fn(group.size(), spec.num_experts, buf.num_max_tokens_per_rank, T, spec.top_k,
+                       spec.row_spec.mma_type))
+        rows = shared_sf_rows(T, bm).to(x.device)
+        buf.shared_l1_acts_sf[rows] = codecs.pack_bytes_int32(sf)
+        return {"shared_l1_weights": (s1w, s1s), "shared_l2_weights": (s2w, s2s)}
+
+
+def _dist_ready() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+    except Exception:  # pragma: no cover
+        return False

@@ -1,0 +1,225 @@
+"""Triton device helpers shared by the staging and MoE kernels.
+
+Every helper reproduces one rounding step of ``megamoe_runtime.codecs`` bit
+for bit (the reference backend's numerics, REFERENCE.md sections 1 and 5):
+
+* UE8M0 ceil with DeepGEMM's 1e-4 amax floor, from the fp32 bits of a true
+  (``div_rn``) division, as ``codecs.ue8m0_ceil_exponent``;
+* E4M3 round-to-nearest-even with saturation, either through the hardware
+  ``cvt.rn.satfinite`` (``HW_CVT``, GPU) or in integer arithmetic (used under
+  ``TRITON_INTERPRET=1``, whose fp8 casts round wrongly near powers of two);
+* E2M1 round-to-nearest-even by counting midpoints (``codecs.e2m1_encode``,
+  ties even, the sign bit of the input kept, so tiny negatives give -0);
+* exact decodes of E2M1 nibbles, E4M3 bytes and UE8M0 bytes.
+
+Divisions use ``tl.math.div_rn`` (Triton's ``/`` is an approximate
+``div.full.f32``), and the kernels are compiled without fp contraction so no
+multiply-add is fused into an FMA that torch would round twice.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_MIN_SUB = tl.constexpr(0.001953125)  # 2^-9
+
+
+@triton.jit
+def ue8m0_ceil_byte(amax, ELEM_MAX: tl.constexpr):
+    """int32 UE8M0 byte of ``ceil_to_ue8m0(max(amax, 1e-4) / ELEM_MAX)``, clamped to [1, 254]."""
+    a = tl.maximum(amax, 1e-4)
+    s = tl.math.div_rn(a, tl.full(a.shape, ELEM_MAX, tl.float32))
+    bits = s.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, 1), 254)
+
+
+@triton.jit
+def pow2_from_byte(e):
+    """fp32 2^(e-127) for int32 bytes e in [1, 254] (byte 0 -> 0.0, the bit-shift decode)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def inv_pow2_from_byte(e):
+    """Exact fp32 1 / 2^(e-127) for e in [1, 253] (254 only arises from inf/NaN amax)."""
+    return ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_round(v, HW_CVT: tl.constexpr):
+    """Round fp32 to the nearest E4M3fn value (RNE, saturating to +-448); returns fp32."""
+    v = tl.minimum(tl.maximum(v, -E4M3_MAX), E4M3_MAX)
+    if HW_CVT:
+        return v.to(tl.float8e4nv).to(tl.float32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = bits & (-2147483648)
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        # normal E4M3 (|v| >= 2^-6): keep 3 mantissa bits, RNE on the integer bits
+        rn = (mag + 0x7FFFF + ((mag >> 20) & 1)) & (-1048576)
+        # subnormal E4M3: multiples of 2^-9; 1.5*2^23 forces rint at that quantum
+        big = 12582912.0
+        q = (a * 512.0 + big) - big
+        rs = (q * E4M3_MIN_SUB).to(tl.int32, bitcast=True)
+        r = tl.where(a >= 0.015625, rn, rs)
+        return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value_to_byte(r):
+    """Byte of an fp32 that is exactly an E4M3fn value (output of ``e4m3_round``)."""
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    mag_bits = bits & 0x7FFFFFFF
+    normal = (((mag_bits >> 23) - 120) << 3) | ((mag_bits >> 20) & 7)
+    sub = (a * 512.0).to(tl.int32)
+    return (tl.where(a >= 0.015625, normal, sub) | sign) & 0xFF
+
+
+@triton.jit
+def e4m3_byte_to_f32(b, HW_CVT: tl.constexpr):
+    """Exact fp32 value of E4M3fn bytes (uint8 / int32 tensors holding 0..255)."""
+    if HW_CVT:
+        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bi = b.to(tl.int32) & 0xFF
+        ex = (bi >> 3) & 15
+        m = bi & 7
+        normal = (((ex + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * E4M3_MIN_SUB
+        v = tl.where(ex == 0, sub, normal)
+        return tl.where((bi & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def e2m1_code(v):
+    """E2M1 code (int32 0..15) of fp32 v: RNE on the E2M1 grid, saturating at 6, sign bit kept."""
+    a = tl.abs(v)
+    c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) \
+        + (a > 5.0).to(tl.int32)
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return c | sign
+
+
+@triton.jit
+def e2m1_scaled16(c):
+    """fp32 ``e2m1_value(c) * 2^-14`` for int32 codes c (0..15), via the fp16 bit pattern.
+
+    Placing the 3 magnitude bits at fp16 bits 9..11 gives exactly the E2M1
+    value times 2^-14 (code 1 lands on the fp16 subnormal 2^-15); fp16 -> fp32
+    is exact. Callers fold 2^14 into the scale they multiply by.
+    """
+    h = ((c & 8) << 12) | ((c & 7) << 9)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_value(c):
+    """Exact fp32 E2M1 value of int32 codes."""
+    return e2m1_scaled16(c) * 16384.0
+
+
+@triton.jit
+def expf(x, GPU: tl.constexpr):
+    """CUDA ``expf`` (libdevice ``__nv_expf``, what torch's exp runs) on the GPU; numpy exp
+    under the interpreter (which cannot call libdevice)."""
+    if GPU:
+        return tl.extra.cuda.libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def tanhf(x, GPU: tl.constexpr):
+    """CUDA ``tanhf`` (libdevice) on the GPU; an exp-based stand-in under the interpreter."""
+    if GPU:
+        return tl.extra.cuda.libdevice.tanh(x)
+    else:
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def bf16r(x, GPU: tl.constexpr):
+    """fp32 -> bf16 (RNE) -> fp32. The interpreter's bf16 cast truncates, so it
+    gets the integer RNE (NaN aside); the GPU uses cvt.rn.bf16.f32."""
+    if GPU:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        b = x.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) & (-65536)
+        return r.to(tl.float32, bitcast=True)
+
+
+# E2M1 -> bf16 by byte permutes (PRMT as an 8-entry lookup table), then one
+# bf16x2 multiply by the block scale. Per 4 packed bytes: ~10 integer ops and 2
+# HMUL2 per nibble half, no float conversions (which run at a quarter of the
+# FMA rate on Hopper and bounded the arithmetic decode). Tables: bf16 bits of
+# the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 = 0000 3F00 3F80 3FC0 4000 4040
+# 4080 40C0 (high bytes LH, low bytes LL). The sign (nibble bit 3) goes to bit 7
+# of the high byte. Exact: every E2M1 value times a UE8M0 or E4M3 scale is a
+# bf16 value (the product is one rounding-free bf16 multiply).
+_E2M1_ASM = """
+{
+.reg .b32 m7, t, sel, h, l, r4, sg, LH0, LH1, LL0, LL1;
+mov.b32 LH0, 0x3F3F3F00;
+mov.b32 LH1, 0x40404040;
+mov.b32 LL0, 0xC0800000;
+mov.b32 LL1, 0xC0804000;
+and.b32 m7, $4, 0x07070707;
+shr.b32 t, m7, 4;
+or.b32 t, t, m7;
+prmt.b32 sel, t, t, 0x0020;
+prmt.b32 h, LH0, LH1, sel;
+prmt.b32 l, LL0, LL1, sel;
+shl.b32 sg, $4, 4;
+and.b32 sg, sg, 0x80808080;
+or.b32 h, h, sg;
+prmt.b32 t, l, h, 0x5140;
+mul.rn.bf16x2 $0, t, $5;
+prmt.b32 t, l, h, 0x7362;
+mul.rn.bf16x2 $1, t, $6;
+shr.b32 r4, $4, 4;
+and.b32 m7, r4, 0x07070707;
+shr.b32 t, m7, 4;
+or.b32 t, t, m7;
+prmt.b32 sel, t, t, 0x0020;
+prmt.b32 h, LH0, LH1, sel;
+prmt.b32 l, LL0, LL1, sel;
+and.b32 sg, $4, 0x80808080;
+or.b32 h, h, sg;
+prmt.b32 t, l, h, 0x5140;
+mul.rn.bf16x2 $2, t, $5;
+prmt.b32 t, l, h, 0x7362;
+mul.rn.bf16x2 $3, t, $6;
+}
+"""
+
+
+@triton.jit
+def e2m1_pair_bf16(b, sc, ASM: tl.constexpr):
+    """(low-nibble values, high-nibble values) * sc as bf16, for uint8/int8 bytes b and a
+    bf16 scale sc of the same shape (constant over each run of 4 bytes).
+
+    ASM: the PRMT lookup-table decode (GPU); else the arithmetic decode (interpreter,
+    and the fallback if the GPU self-check of the asm path fails)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_ASM_C, "=r,=r,=r,=r,r,r,r", [b.to(tl.uint8, bitcast=True), sc],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return lo, hi
+    else:
+        bi = b.to(tl.int32) & 0xFF
+        s = sc.to(tl.float32) * 16384.0
+        lo = (e2m1_scaled16(bi & 15) * s).to(tl.bfloat16)
+        hi = (e2m1_scaled16(bi >> 4) * s).to(tl.bfloat16)
+        return lo, hi
+
+
+_E2M1_ASM_C = tl.constexpr(_E2M1_ASM)

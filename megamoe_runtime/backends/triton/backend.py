@@ -1,0 +1,96 @@
+"""``TritonBackend``: the Backend protocol (ARCHITECTURE.md) over the Triton kernels.
+
+Importing this module does not import triton; the kernels are imported on
+first use, so the registry can say why the backend cannot run (no triton, no
+CUDA, a GPU older than sm_89, which lacks the E4M3 conversions).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Optional, Union
+
+import torch
+
+from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
+
+__all__ = ["TritonBackend"]
+
+_MIN_CAPABILITY = (8, 9)
+
+
+class _Roles:
+    def __init__(self, layer: Any, prefix: str):
+        for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+            setattr(self, role, getattr(layer, prefix + role, None))
+
+
+class _NvScalars:
+    def __init__(self, layer: Any):
+        self.l1_alpha = layer.l1_alpha
+        self.l2_global_scale = layer.l2_global_scale
+        self.l2_activation_scale = getattr(layer, "l2_activation_scale")
+
+
+class TritonBackend:
+    """Triton MoE forward on the kernel-layout bytes (CUDA, sm_89+; tuned on H200).
+
+    Computes the reference backend's numerics (REFERENCE.md section 5) for
+    every row (mxfp4, mxfp8, nvfp4, bf16), swiglu (clamp, alpha, beta) and
+    situ, NVFP4 alphas and a2, routed scaling, and the fused shared expert of
+    every precision the row allows. Only the fp32 accumulation order of the
+    GEMMs differs from the reference.
+    """
+
+    name = "triton"
+
+    def __init__(self, device: Union[str, torch.device, None] = None, config: Any = None):
+        self.device = torch.device(device) if device is not None else None
+        self.config = config
+
+    @staticmethod
+    def available(device: Union[str, torch.device, None] = None) -> Union[bool, str]:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'megamoe[gpu]')"
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return "the triton backend needs a CUDA device"
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < _MIN_CAPABILITY:
+            return (f"the triton backend needs compute capability >= {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} "
+                    f"(E4M3 conversions); this GPU is {cap[0]}.{cap[1]}")
+        return True
+
+    def supports(self, spec: Any) -> Union[bool, str]:
+        if spec.row not in ("mxfp4", "mxfp8", "nvfp4", "bf16"):
+            return f"row {spec.row!r} is not implemented by the triton backend"
+        if spec.hidden % 128 or spec.intermediate % 128:
+            return f"hidden={spec.hidden} and intermediate={spec.intermediate} must be multiples of 128"
+        if spec.shared is not None and spec.shared.folded_intermediate % 128:
+            return "the folded shared intermediate must be a multiple of 128"
+        return True
+
+    def supports_fused_shared(self, spec: Any) -> bool:
+        if spec.shared is None:
+            return False
+        ok, _ = spec.row_spec.can_fuse_shared(spec.shared.precision)
+        return bool(ok)
+
+    def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, shared_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """bf16 ``[T, H]``. The fused shared expert (slot K) runs exactly when
+        ``shared_input`` is given, on that input (as the reference backend)."""
+        if hidden_states.device.type != "cuda":
+            raise BackendUnavailableError("the triton backend runs on CUDA tensors only")
+        spec = layer.spec
+        shared = None
+        if shared_input is not None:
+            if getattr(layer, "shared_l1_weight", None) is None:
+                raise MegaMoEError("shared_input was given but the layer holds no fused shared expert "
+                                   "tensors (shared_l1_weight is missing); pass shared_input=None and "
+                                   "run the shared expert outside")
+            shared = _Roles(layer, "shared_")
+        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        from .moe import moe_forward
+
+        return moe_forward(spec, _Roles(layer, ""), hidden_states, topk_weights, topk_ids,
+                           scalars=scalars, shared=shared, config=self.config, shared_input=shared_input)

@@ -1,0 +1,677 @@
+"""Triton MegaMoE forward on the DeepGEMM kernel-layout bytes (Hopper and newer).
+
+The kernels read the converted tensors exactly as the SM100 mega kernels do
+(REFERENCE.md section 3), with no re-layout at load or per call:
+
+* L1 weights ``[E_l, 2I, Dw]`` with gate/up rows interleaved in groups of 8:
+  a program owning intermediate columns ``j`` reads gate rows
+  ``16*(j//8) + j%8`` and up rows ``+8``, so one tile yields matching g/u;
+* packed int32 MN-major UTCCP-permuted scales: for weight row ``n'`` and
+  K-group ``kg`` the scale byte is byte ``kg % 4`` of int32
+  ``phys[e, kg // 4, utccp(n')]`` (the physical ``[E_l, P, N]`` behind the
+  ``[E_l, N, P]`` kernel view), read as a byte address;
+* E2M1 nibbles (low nibble = even k) decoded in registers. Because a dot is a
+  sum over k, the kernels never re-interleave nibbles: the low nibbles multiply
+  the even activation columns and the high nibbles the odd ones (two dots).
+
+Numerics are the reference backend's (``backends/reference.py``): each
+operand is decoded exactly to bf16 (E2M1/E4M3 times its UE8M0 or E4M3 block
+scale is always representable), the tensor cores accumulate in fp32, and the
+epilogues reproduce every rounding point (bf16 g/u, clamp, activation with
+``expf``/``tanhf``/true division, top-k weight, MXFP8 or NVFP4 requant,
+bf16 slots, ascending-slot fp32 combine). Only the fp32 accumulation order
+differs from torch's matmul.
+
+Decode sizes are weight-bandwidth bound; the GEMMs are written "swap-AB"
+(weights are the M side of the MMA, the few tokens of an expert the N side,
+padded to 16), so every routed expert's bytes are streamed once per
+row block of tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _jit
+from .staging import hw_cvt_default, quantize_mxfp8, quantize_nvfp4_per_token, route
+
+# weight kinds
+W_E2M1_MX = 0
+W_E4M3_MX = 1
+W_E2M1_NV = 2
+W_BF16 = 3
+# requant kinds of the L1 epilogue
+REQ_MX8 = 0
+REQ_NV4 = 1
+REQ_BF16 = 2
+
+
+# --------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _utccp(r):
+    return (r // 128) * 128 + (r % 32) * 4 + (r // 32) % 4
+
+
+@triton.jit
+def _x_tiles(x_ptr, xrow, mvalid, k0, HALF, SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile(s) for K-block k0 from an exactly dequantized bf16 copy.
+
+    SPLIT: rows stored as [even k | odd k] (``HALF`` = K/2), returns (even, odd)
+    ``[BM, BK/2]``; else the natural ``[BM, BK]`` twice. Plain contiguous loads,
+    so they pipeline (cp.async) straight into shared memory.
+    """
+    if SPLIT:
+        i = tl.arange(0, BK // 2)
+        off = xrow[:, None] + k0 // 2 + i[None, :]
+        ve = tl.load(x_ptr + off, mask=mvalid[:, None], other=0.0)
+        vo = tl.load(x_ptr + off + HALF, mask=mvalid[:, None], other=0.0)
+        return ve, vo
+    else:
+        i = tl.arange(0, BK)
+        v = tl.load(x_ptr + xrow[:, None] + k0 + i[None, :], mask=mvalid[:, None], other=0.0)
+        return v, v
+
+
+@triton.jit
+def _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
+             W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+    """Weight tile(s) of ``rows`` (kernel rows) for K-block k0, decoded to bf16.
+
+    e2m1 kinds return (low nibbles = even k, high nibbles = odd k) ``[BN, BK/2]``;
+    the others (full ``[BN, BK]``, same). ``w_ptr``/``wsb_ptr`` point at this
+    expert's weight and physical scale bytes; ``srows`` = utccp(rows).
+    """
+    if W_KIND == 0:  # E2M1 + UE8M0 per 32
+        G: tl.constexpr = BK // 32
+        g = tl.arange(0, G)
+        kg = k0 // 32 + g
+        s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+        sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # 2^(s-127) exactly; byte 0 -> 0.0
+        i = tl.arange(0, 16)
+        off = rows[:, None, None] * stride_wn + k0 // 2 + g[None, :, None] * 16 + i[None, None, :]
+        b = tl.load(w_ptr + off)
+        scb = tl.broadcast_to(sc[:, :, None], (BN, G, 16))
+        lo, hi = _jit.e2m1_pair_bf16(b, scb, ASM)
+        return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
+    elif W_KIND == 1:  # E4M3 + UE8M0 per 32
+        G: tl.constexpr = BK // 32
+        g = tl.arange(0, G)
+        kg = k0 // 32 + g
+        s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+        sc = _jit.pow2_from_byte(s)[:, :, None]
+        i = tl.arange(0, 32)
+        off = rows[:, None, None] * stride_wn + k0 + g[None, :, None] * 32 + i[None, None, :]
+        b = tl.load(w_ptr + off)
+        v = (_jit.e4m3_byte_to_f32(b, HW_CVT) * sc).reshape(BN, BK).to(tl.bfloat16)
+        return v, v
+    elif W_KIND == 2:  # E2M1 + E4M3 per 16 (NVFP4, global scale via the alphas)
+        G16: tl.constexpr = BK // 16
+        g = tl.arange(0, G16)
+        kg = k0 // 16 + g
+        sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
+        sc = _jit.e4m3_byte_to_f32(sfb, HW_CVT).to(tl.bfloat16)  # exact
+        i = tl.arange(0, 8)
+        off = rows[:, None, None] * stride_wn + k0 // 2 + g[None, :, None] * 8 + i[None, None, :]
+        b = tl.load(w_ptr + off)
+        scb = tl.broadcast_to(sc[:, :, None], (BN, G16, 8))
+        lo, hi = _jit.e2m1_pair_bf16(b, scb, ASM)
+        return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
+    else:  # BF16
+        i = tl.arange(0, BK)
+        v = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + i[None, :])
+        return v, v
+
+
+@triton.jit
+def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
+              W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+    wa, wb = _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, BK, HW_CVT, ASM)
+    if HW_CVT:
+        acc = tl.dot(wa, tl.trans(xa), acc)
+        if W_KIND == 0 or W_KIND == 2:
+            acc = tl.dot(wb, tl.trans(xb), acc)
+    else:  # the interpreter's bf16 dot is broken; the operands are exact in fp32 too
+        acc = tl.dot(wa.to(tl.float32), tl.trans(xa.to(tl.float32)), acc, input_precision="ieee")
+        if W_KIND == 0 or W_KIND == 2:
+            acc = tl.dot(wb.to(tl.float32), tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _activation(g, u, clamp_c, act_alpha, act_beta, situ_b, situ_bl,
+                ACT: tl.constexpr, HAS_CLAMP: tl.constexpr, GPU: tl.constexpr):
+    """act(bf16(g), bf16(u)) in fp32 exactly as ``reference.activation_fp32`` (+ ``apply_clamp``)."""
+    g = _jit.bf16r(g, GPU)
+    u = _jit.bf16r(u, GPU)
+    if HAS_CLAMP:
+        g = tl.minimum(g, clamp_c)
+        u = tl.maximum(tl.minimum(u, clamp_c), -clamp_c)
+    one = tl.full(g.shape, 1.0, tl.float32)
+    if ACT == 0:
+        den = one + _jit.expf(-(act_alpha * g), GPU)
+        return tl.math.div_rn(g, den) * (u + act_beta)
+    else:
+        sig = tl.math.div_rn(one, one + _jit.expf(-g, GPU))
+        bv = one * situ_b
+        blv = one * situ_bl
+        t1 = _jit.tanhf(tl.math.div_rn(g, bv), GPU)
+        t2 = _jit.tanhf(tl.math.div_rn(u, blv), GPU)
+        return (((sig * situ_b) * t1) * situ_bl) * t2
+
+
+@triton.jit
+def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HW_CVT: tl.constexpr):
+    """Quantize-dequantize ``a`` [BN (K of L2), BM] along axis 0; the result is exact in bf16."""
+    if REQ == 0:  # MXFP8 per 32: e = ceil_ue8m0(max(amax,1e-4)/448); q = e4m3(a * 2^-e)
+        a3 = a.reshape(BN // 32, 32, BM)
+        amax = tl.max(tl.abs(a3), axis=1)
+        e = _jit.ue8m0_ceil_byte(amax, 448.0)
+        q = _jit.e4m3_round(a3 * _jit.inv_pow2_from_byte(e)[:, None, :], HW_CVT)
+        return (q * _jit.pow2_from_byte(e)[:, None, :]).reshape(BN, BM).to(tl.bfloat16)
+    elif REQ == 1:  # NVFP4 per 16 with global a2: sf = e4m3(max(amax/6*inv, 2^-9)); q = e2m1(a*inv/sf)
+        a3 = a.reshape(BN // 16, 16, BM)
+        amax = tl.max(tl.abs(a3), axis=1)
+        sf = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * inv_a2
+        sf = _jit.e4m3_round(tl.maximum(sf, _jit.E4M3_MIN_SUB), HW_CVT)
+        sfb = tl.full(a3.shape, 1.0, tl.float32) * sf[:, None, :]
+        c = _jit.e2m1_code(tl.math.div_rn(a3 * inv_a2, sfb))
+        return (_jit.e2m1_value(c) * sfb).reshape(BN, BM).to(tl.bfloat16)
+    else:
+        return _jit.bf16r(a, HW_CVT).to(tl.bfloat16)
+
+
+# --------------------------------------------------------------------------- L1
+
+
+@triton.jit
+def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
+               pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr,
+               T, H, I, TOPK, stride_we, stride_wn, stride_wse,
+               rsf, clamp_c, act_alpha, act_beta, situ_b, situ_bl, a2_ptr,
+               W_KIND: tl.constexpr, NV_IN: tl.constexpr, ACT: tl.constexpr, HAS_CLAMP: tl.constexpr,
+               REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+    """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
+    epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = tl.arange(0, BM)
+    if SHARED:
+        e = pid_m * 0
+        tok = pid_m * BM + m
+        mvalid = tok < T
+        tok = tl.where(mvalid, tok, 0)
+        pair = tok
+    else:
+        if pid_m >= tl.load(nblk_ptr):
+            return
+        e = tl.load(blk_ptr + pid_m)
+        pair = tl.load(pair_ptr + pid_m * BM + m)
+        mvalid = pair >= 0
+        pair = tl.where(mvalid, pair, 0)
+        tok = pair // TOPK
+    e64 = e.to(tl.int64)
+    xrow = tok.to(tl.int64) * H
+    j = pid_n * BN + tl.arange(0, BN)
+    rg = 16 * (j // 8) + j % 8
+    ru = rg + 8
+    sg = _utccp(rg)
+    su = _utccp(ru)
+    we = w_ptr + e64 * stride_we
+    wse = wsb_ptr + e64 * stride_wse
+    NROWS = 2 * I
+    SPLIT: tl.constexpr = (W_KIND == 0) or (W_KIND == 2)
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, H, BK):
+        xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+        acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
+        acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
+    if NV_IN:  # NVFP4: acc * (token_scale * l1_alpha[e, half]), scalar product first
+        ts = tl.load(xts_ptr + tok, mask=mvalid, other=0.0)
+        acc_g = acc_g * (ts * tl.load(alpha_ptr + e64 * 2))[None, :]
+        acc_u = acc_u * (ts * tl.load(alpha_ptr + e64 * 2 + 1))[None, :]
+    a = _activation(acc_g, acc_u, clamp_c, act_alpha, act_beta, situ_b, situ_bl, ACT, HAS_CLAMP, HW_CVT)
+    if APPLY_W:
+        w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
+        a = a * w[None, :]
+    if REQ == 1:  # inv = 1 / a2 in fp32, as codecs.quantize_nvfp4
+        a2v = tl.load(a2_ptr + tl.arange(0, 1))
+        inv_a2 = tl.sum(tl.math.div_rn(tl.full((1,), 1.0, tl.float32), a2v), axis=0)
+    else:
+        inv_a2 = 1.0
+    q = _requant(a, inv_a2, REQ, BN, BM, HW_CVT)
+    if SHARED:
+        orow = tok.to(tl.int64)
+    else:
+        orow = (pid_m * BM + m).to(tl.int64)
+    if SPLIT_OUT:  # [even j | odd j]: the next GEMM's e2m1 weights take even/odd k separately
+        col = j // 2 + (j % 2) * (I // 2)
+    else:
+        col = j
+    tl.store(act_ptr + orow[None, :] * I + col[:, None], q, mask=mvalid[None, :])
+
+
+# --------------------------------------------------------------------------- L2
+
+
+@triton.jit
+def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s_ptr, slot_ptr,
+               T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
+               W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+    """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = tl.arange(0, BM)
+    if SHARED:
+        e = pid_m * 0
+        tok = pid_m * BM + m
+        mvalid = tok < T
+        tok = tl.where(mvalid, tok, 0)
+        arow = tok.to(tl.int64)
+        slot = tok.to(tl.int64) * NSLOT + TOPK
+        pair = tok
+    else:
+        if pid_m >= tl.load(nblk_ptr):
+            return
+        e = tl.load(blk_ptr + pid_m)
+        pair = tl.load(pair_ptr + pid_m * BM + m)
+        mvalid = pair >= 0
+        pair = tl.where(mvalid, pair, 0)
+        arow = (pid_m * BM + m).to(tl.int64)
+        slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
+    e64 = e.to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    sn = _utccp(n)
+    we = w_ptr + e64 * stride_we
+    wse = wsb_ptr + e64 * stride_wse
+    SPLIT: tl.constexpr = (W_KIND == 0) or (W_KIND == 2)
+    acc = tl.zeros((BN, BM), tl.float32)
+    xrow = arow * I
+    for k0 in range(0, I, BK):
+        xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
+        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
+    if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
+        p = _jit.bf16r(acc * (tl.load(l2s_ptr + e64) * tl.load(a2_ptr)), HW_CVT)
+        if SHARED:
+            y = p.to(tl.bfloat16)
+        else:
+            w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0)
+            y = _jit.bf16r(p * w[None, :], HW_CVT).to(tl.bfloat16)
+    else:
+        y = _jit.bf16r(acc, HW_CVT).to(tl.bfloat16)
+    tl.store(slot_ptr + slot[None, :] * H + n[:, None], y, mask=mvalid[None, :])
+
+
+# --------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
+                    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, NV: tl.constexpr, APPLY_RSF: tl.constexpr,
+                    BH: tl.constexpr, GPU: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    NSLOT: tl.constexpr = TOPK + HAS_SHARED
+    base = slot_ptr + t * NSLOT * H
+    acc = tl.zeros((BH,), tl.float32)
+    for k in tl.static_range(TOPK):
+        le = tl.load(ids_ptr + t * TOPK + k).to(tl.int32) - e_lo
+        ok = (le >= 0) & (le < E_l)
+        s = tl.load(base + k * H + h, mask=hm & ok, other=0.0).to(tl.float32)
+        acc = acc + tl.where(ok, s, 0.0)
+    if NV:
+        r = _jit.bf16r(acc, GPU)
+        if APPLY_RSF:
+            r = _jit.bf16r(r * rsf, GPU)
+        if HAS_SHARED:
+            r = r + tl.load(base + TOPK * H + h, mask=hm, other=0.0).to(tl.float32)
+        acc = r
+    else:
+        if HAS_SHARED:
+            acc = acc + tl.load(base + TOPK * H + h, mask=hm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, _jit.bf16r(acc, GPU).to(tl.bfloat16), mask=hm)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+@dataclass
+class KernelConfig:
+    """Tile choices. ``block_m`` None picks by the mean pairs per expert."""
+
+    block_m: Optional[int] = None
+    l1_bn: int = 64
+    l1_bk: int = 128
+    l1_warps: int = 4
+    l1_stages: int = 3
+    l2_bn: int = 64
+    l2_bk: int = 128
+    l2_warps: int = 4
+    l2_stages: int = 3
+    combine_bh: int = 1024
+
+    def pick_block_m(self, n_pairs: int, num_local: int) -> int:
+        if self.block_m is not None:
+            return self.block_m
+        mean = n_pairs / max(1, num_local)
+        for bm in (16, 32, 64):
+            if mean <= bm:
+                return bm
+        return 128
+
+
+def default_config(n_pairs: int, num_local: int) -> KernelConfig:
+    """Tiles by regime: decode (few pairs per expert) streams weights with small
+    row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA."""
+    mean = n_pairs / max(1, num_local)
+    if mean <= 8:
+        return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
+                            l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
+    if mean <= 32:
+        return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=4, l1_stages=3,
+                            l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3)
+    return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=8, l1_stages=3,
+                        l2_bn=128, l2_bk=128, l2_warps=8, l2_stages=3)
+
+
+def candidate_configs(n_pairs: int, num_local: int) -> list[KernelConfig]:
+    """What ``bench/kernel.py --tune`` tries around the default."""
+    d = default_config(n_pairs, num_local)
+    bm = d.block_m
+    if bm <= 32:
+        raw = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
+               (64, 128, 4, 2), (128, 128, 4, 3)]
+    else:
+        raw = [(64, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 8, 4)]
+    out = [d]
+    for bn, bk, w, st in raw:
+        out.append(KernelConfig(block_m=bm, l1_bn=bn, l1_bk=bk, l1_warps=w, l1_stages=st,
+                                l2_bn=max(bn, 64), l2_bk=bk, l2_warps=w, l2_stages=st))
+    return out
+
+
+_W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
+
+
+def _opts() -> dict:
+    return {"enable_fp_fusion": False} if hw_cvt_default() else {}
+
+
+def _scale_bytes(sf: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """uint8 view of the contiguous physical base ``[.., P, N]`` of an MN-major kernel view."""
+    if sf is None:
+        return torch.empty(4, dtype=torch.uint8, device=device)
+    phys = sf.transpose(-1, -2)
+    if not phys.is_contiguous():
+        from megamoe_runtime.errors import LayoutError
+
+        raise LayoutError(f"scale view {tuple(sf.shape)} strides {sf.stride()} is not MN-major over a "
+                          f"contiguous physical base; the triton backend reads the kernel layout only")
+    return phys.view(torch.uint8)
+
+
+def _act_params(spec) -> tuple:
+    act = spec.activation
+    if act.clamp is not None:
+        c = float(torch.tensor(float(act.clamp), dtype=torch.bfloat16).float())
+    else:
+        c = 0.0
+    return (0 if act.kind == "swiglu" else 1, act.clamp is not None, c, float(act.alpha), float(act.beta),
+            float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0))
+
+
+def _f32_host(v) -> float:
+    """A float32 value as a Python float (exactly representable, so Triton passes it unchanged)."""
+    return float(torch.as_tensor(v, dtype=torch.float32).reshape(()).cpu())
+
+
+def _bytes_if_fp8(w: torch.Tensor) -> torch.Tensor:
+    return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+
+
+def _weight_strides(w: torch.Tensor) -> tuple[int, int]:
+    if w.dim() == 3:
+        return w.stride(0), w.stride(1)
+    return 0, w.stride(0)
+
+
+def _scale_stride(sf: Optional[torch.Tensor]) -> int:
+    if sf is None or sf.dim() == 2:
+        return 0
+    return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
+
+
+def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm):
+    act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
+    swe, swn = _weight_strides(w)
+    bn = min(cfg.l1_bn, I)
+    grid = (I // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
+    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
+    _l1_kernel[grid](
+        x, xts, _bytes_if_fp8(w), _scale_bytes(ws, w.device), alpha,
+        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
+        dummy_i32 if shared else plan.num_blocks, tw, act,
+        T, H, I, K, swe, swn, _scale_stride(ws),
+        rsf, c, a_alpha, a_beta, sb, slb, a2,
+        W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
+        SHARED=shared, SPLIT_OUT=split_out, BM=bm, BN=bn, BK=cfg.l1_bk if H % cfg.l1_bk == 0 else 128,
+        HW_CVT=hw, ASM=asm, num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
+
+
+def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm):
+    swe, swn = _weight_strides(w)
+    bn = min(cfg.l2_bn, H)
+    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
+    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
+    _l2_kernel[grid](
+        act, _bytes_if_fp8(w), _scale_bytes(ws, w.device),
+        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
+        dummy_i32 if shared else plan.num_blocks, tw, l2s, slots,
+        T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
+        W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
+        BK=cfg.l2_bk if I % cfg.l2_bk == 0 else 128, HW_CVT=hw, ASM=asm,
+        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts())
+
+
+# --------------------------------------------------------------------------- E2M1 decode self-check
+
+_ASM_OK: dict = {}
+
+
+@triton.jit
+def _decode_check_kernel(b_ptr, s_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    b = tl.load(b_ptr + i)
+    sc = tl.load(s_ptr + i // 4)
+    lo, hi = _jit.e2m1_pair_bf16(b, sc, True)
+    lo2, hi2 = _jit.e2m1_pair_bf16(b, sc, False)
+    tl.store(out_ptr + i, lo)
+    tl.store(out_ptr + N + i, hi)
+    tl.store(out_ptr + 2 * N + i, lo2)
+    tl.store(out_ptr + 3 * N + i, hi2)
+
+
+def asm_decode_ok(device: torch.device) -> bool:
+    """Check once per device that the PRMT-LUT E2M1 decode equals the arithmetic decode
+    (and codecs) bit for bit over all 256 bytes and a range of scales; else fall back."""
+    key = str(device)
+    if key in _ASM_OK:
+        return _ASM_OK[key]
+    if not hw_cvt_default():
+        _ASM_OK[key] = False
+        return False
+    from megamoe_runtime import codecs
+
+    try:
+        byts = torch.arange(256, dtype=torch.uint8, device=device).repeat(16)
+        e = torch.tensor([1, 2, 100, 113, 120, 127, 130, 200, 250, 254, 0, 127, 119, 126, 128, 140],
+                         device=device, dtype=torch.int32)
+        sc_mx = (e << 23).view(torch.float32).to(torch.bfloat16)          # UE8M0 scales (0 -> 0.0)
+        sc_nv = torch.arange(0, 0x7F, 2, device=device, dtype=torch.uint8)[:16].view(torch.float8_e4m3fn).to(
+            torch.bfloat16)                                                   # E4M3 scales incl. subnormals
+        ok = True
+        for sc in (sc_mx, sc_nv):
+            s_rep = sc.repeat_interleave(64)  # one scale per 4 bytes
+            out = torch.empty(4, byts.numel(), dtype=torch.bfloat16, device=device)
+            _decode_check_kernel[(1,)](byts, s_rep, out, N=byts.numel(), **_opts())
+            codes = codecs.unpack_e2m1(byts)
+            want = codecs.e2m1_decode(codes).reshape(-1, 2) * s_rep.float().repeat_interleave(4)[:, None]
+            want_lo, want_hi = want[:, 0].to(torch.bfloat16), want[:, 1].to(torch.bfloat16)
+            for got, ref in ((out[0], want_lo), (out[1], want_hi), (out[2], want_lo), (out[3], want_hi)):
+                ok = ok and torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    except Exception as exc:  # pragma: no cover - depends on the GPU / PTX support
+        import warnings
+
+        warnings.warn(f"triton backend: the PRMT E2M1 decode is unavailable ({exc}); using the arithmetic decode")
+        ok = False
+    _ASM_OK[key] = bool(ok)
+    if not ok:
+        import warnings
+
+        warnings.warn("triton backend: the PRMT E2M1 decode disagreed with codecs; using the arithmetic decode")
+    return _ASM_OK[key]
+
+
+def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, scalars: Any = None, shared: Any = None,
+                config: Optional[KernelConfig] = None, return_slots: bool = False,
+                shared_input: Optional[torch.Tensor] = None, asm: Optional[bool] = None):
+    """bf16 ``[T, H]`` MoE output of one layer on this EP rank (the reference's numerics).
+
+    ``kt``: routed kernel tensors (``l1_weight``, ``l1_scale``, ``l2_weight``,
+    ``l2_scale``; scales as MN-major kernel views). ``scalars`` (nvfp4):
+    ``l1_alpha [E_l, 2]``, ``l2_global_scale [E_l]``, ``l2_activation_scale``.
+    ``shared``: 2-D shared kernel tensors, fused as slot K and computed on
+    ``shared_input`` (default: the hidden states). Top-k ids are GLOBAL (-1
+    masked); only this rank's experts contribute. ``asm``: force the E2M1
+    decode path (default: the PRMT path if its self-check passed).
+    """
+    hw = hw_cvt_default()
+    row = spec.row
+    H, I, K = spec.hidden, spec.intermediate, spec.top_k
+    E_l = spec.experts_per_rank
+    dev = hidden_states.device
+    T = hidden_states.shape[0]
+    _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared)
+    if asm is None:
+        asm = asm_decode_ok(dev) if row in ("mxfp4", "nvfp4") else False
+    has_shared = shared is not None
+    nslot = K + (1 if has_shared else 0)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    if T == 0:
+        return (out, torch.empty(0, nslot, H, dtype=torch.bfloat16, device=dev)) if return_slots else out
+    x_bf16 = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    x_sh = x_bf16
+    if has_shared and shared_input is not None and shared_input is not hidden_states:
+        if tuple(shared_input.shape) != (T, H) or shared_input.dtype != torch.bfloat16:
+            from megamoe_runtime.errors import MegaMoEError
+
+            raise MegaMoEError(f"shared_input must be bf16 [{T}, {H}] like hidden_states, got "
+                               f"{shared_input.dtype} {tuple(shared_input.shape)}")
+        x_sh = shared_input if shared_input.stride(1) == 1 else shared_input.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    act_spec = _act_params(spec)
+    rsf = float(spec.routed_scaling_factor)
+    w_kind = _W_KIND[row]
+    e2m1 = w_kind in (W_E2M1_MX, W_E2M1_NV)
+    dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
+
+    # ---- staging: quantize the dispatch, and keep its exact bf16 dequantization for the GEMMs
+    xts = dummy_f
+    alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
+    if row in ("mxfp4", "mxfp8"):
+        xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant="split" if e2m1 else "natural")[3]
+        req, apply_w = REQ_MX8, True
+    elif row == "nvfp4":
+        _, _, _, xts, xq = quantize_nvfp4_per_token(x_bf16, hw_cvt=hw, dequant="split")
+        alpha = scalars.l1_alpha.to(device=dev, dtype=torch.float32).contiguous()
+        l2s = scalars.l2_global_scale.to(device=dev, dtype=torch.float32).contiguous()
+        # a2 stays on the device (read in-kernel): no host sync, graph-capturable, reload-safe
+        a2 = torch.as_tensor(scalars.l2_activation_scale).to(device=dev, dtype=torch.float32).reshape(1)
+        req, apply_w = REQ_NV4, False
+    else:
+        xq = x_bf16
+        req, apply_w = REQ_BF16, True
+
+    slots = torch.empty(T, nslot, H, dtype=torch.bfloat16, device=dev)
+    # ---- routed experts
+    cfg = config or default_config(T * K, E_l)
+    bm = cfg.pick_block_m(T * K, E_l)
+    plan = route(ids, E_l, spec.ep_rank * E_l, bm)
+    act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
+    _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
+               rsf, a2, w_kind, row == "nvfp4", req, apply_w, False, e2m1, bm, hw, asm)
+    _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
+               row == "nvfp4", False, bm, hw, asm)
+    # ---- fused shared expert (slot K, weight 1.0, every token)
+    if has_shared:
+        I_s = spec.shared.folded_intermediate
+        scfg = config or default_config(T, 1)  # every token is routed to the shared expert
+        sbm = scfg.block_m or 16
+        act_s = torch.empty(T, I_s, dtype=torch.bfloat16, device=dev)
+        if spec.shared.precision == "mxfp8":
+            if row in ("mxfp4", "mxfp8") and x_sh is x_bf16 and not e2m1:
+                sx = xq
+            else:
+                sx = quantize_mxfp8(x_sh, hw_cvt=hw, dequant="natural")[3]
+            s_kind, s_req = W_E4M3_MX, REQ_MX8
+        else:
+            sx = x_sh
+            s_kind, s_req = W_BF16, REQ_BF16
+        s_l1s = shared.l1_scale if s_kind != W_BF16 else None
+        s_l2s = shared.l2_scale if s_kind != W_BF16 else None
+        _launch_l1(scfg, sx, dummy_f, shared.l1_weight, s_l1s, dummy_f, None, tw, act_s, T, H, I_s, K, act_spec,
+                   1.0, dummy_f, s_kind, False, s_req, False, True, False, sbm, hw, False)
+        _launch_l2(scfg, act_s, shared.l2_weight, s_l2s, None, tw, dummy_f, slots, T, H, I_s, K, nslot, dummy_f,
+                   s_kind, False, True, sbm, hw, False)
+    # ---- combine
+    bh = min(cfg.combine_bh, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, bh))](
+        slots, ids, out, H, spec.ep_rank * E_l, E_l, rsf,
+        TOPK=K, HAS_SHARED=has_shared, NV=row == "nvfp4", APPLY_RSF=(row == "nvfp4" and rsf != 1.0),
+        BH=bh, GPU=hw, num_warps=4, **_opts())
+    return (out, slots) if return_slots else out
+
+
+def _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared) -> None:
+    """Shape / dtype / layout checks that need no host sync."""
+    from megamoe_runtime import layout
+    from megamoe_runtime.errors import LayoutError, MegaMoEError, ScaleError
+
+    H, K = spec.hidden, spec.top_k
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != H or hidden_states.dtype != torch.bfloat16:
+        raise MegaMoEError(f"hidden_states must be bf16 [T, {H}], got {hidden_states.dtype} "
+                           f"{tuple(hidden_states.shape)}")
+    T = hidden_states.shape[0]
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.dim() != 2 or tuple(t.shape) != (T, K):
+            raise MegaMoEError(f"{name} has shape {tuple(t.shape)}; expected [{T}, {K}]")
+    if topk_ids.is_floating_point():
+        raise MegaMoEError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    from megamoe_runtime.layout import KernelTensors
+
+    routed = KernelTensors(kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
+    layout.check_kernel_tensors(spec.row, routed, spec.experts_per_rank, H, spec.intermediate, "triton routed")
+    for tname in ("l1_weight", "l2_weight"):
+        if not getattr(kt, tname).is_contiguous():
+            raise LayoutError(f"triton routed.{tname} must be contiguous (kernel layout)")
+    if spec.row == "nvfp4" and scalars is None:
+        raise ScaleError("row nvfp4 needs l1_alpha, l2_global_scale and l2_activation_scale")
+    if shared is not None:
+        if spec.shared is None:
+            raise MegaMoEError("shared kernel tensors given but spec.shared is None")
+        sk = KernelTensors(shared.l1_weight, getattr(shared, "l1_scale", None), shared.l2_weight,
+                           getattr(shared, "l2_scale", None))
+        layout.check_kernel_tensors(spec.shared.precision, sk, None, H, spec.shared.folded_intermediate,
+                                    "triton shared")

@@ -1,0 +1,330 @@
+"""Triton staging kernels: what the serving path runs before the MoE GEMMs.
+
+* :func:`quantize_mxfp8` -- hidden states -> MXFP8 dispatch (E4M3 elements,
+  one UE8M0 scale per 32 along H, ceil with DeepGEMM's 1e-4 floor), the scales
+  also as DeepGEMM's packed int32 row-major ``x_sf`` ``[T, H/128]``.
+* :func:`quantize_nvfp4_per_token` -- hidden states -> NVFP4 (E2M1 nibbles,
+  E4M3 scale per 16, one FP32 scale per token; DGv ``use_x_scales``), the
+  block scales also as packed int32 ``[T, H/64]``.
+* :func:`bf16_passthrough` -- the BF16 row's dispatch (a copy into a fresh
+  buffer, as the symmetric buffer's ``x`` would be filled).
+* :func:`route` -- routing metadata: (token, slot) pairs grouped by local
+  expert, each expert's run padded to a multiple of the GEMM row block, masked
+  slots (-1) and other ranks' experts dropped, zero tokens handled.
+
+All quantizers are bit-exact with ``megamoe_runtime.codecs`` (the reference
+numerics): ``tests/runtime/backends/test_triton.py`` checks that on the GPU
+over random and adversarial inputs. Nothing here syncs with the host, so the
+whole staging + MoE forward can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _jit
+
+__all__ = [
+    "hw_cvt_default",
+    "quantize_mxfp8",
+    "quantize_nvfp4_per_token",
+    "bf16_passthrough",
+    "RoutingPlan",
+    "route",
+    "max_blocks_for",
+]
+
+
+def hw_cvt_default() -> bool:
+    """Use the hardware E4M3 conversion unless running under the Triton interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+
+def _launch_opts() -> dict:
+    # No fp contraction: the reference rounds every multiply and add on its own.
+    if hw_cvt_default():
+        return {"enable_fp_fusion": False}
+    return {}
+
+
+# --------------------------------------------------------------------------- MXFP8
+
+DEQUANT_MODES = (None, "natural", "split")
+
+
+@triton.jit
+def _mxfp8_kernel(x_ptr, q_ptr, sf_ptr, xd_ptr, H, stride_x, stride_q, stride_sf,
+                  BLOCK_G: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pid_g = tl.program_id(1)
+    g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+    i = tl.arange(0, 32)
+    col = g[:, None] * 32 + i[None, :]
+    mask = col < H
+    x = tl.load(x_ptr + t * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    e = _jit.ue8m0_ceil_byte(amax, 448.0)
+    inv = _jit.inv_pow2_from_byte(e)
+    q = _jit.e4m3_round(x * inv[:, None], HW_CVT)
+    if HW_CVT:
+        tl.store(q_ptr + t * stride_q + col, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+    else:
+        tl.store(q_ptr + t * stride_q + col, _jit.e4m3_value_to_byte(q).to(tl.uint8), mask=mask)
+    tl.store(sf_ptr + t * stride_sf + g, e.to(tl.uint8), mask=g * 32 < H)
+    if DQ == 1:  # exact dequant, natural order
+        d = (q * _jit.pow2_from_byte(e)[:, None]).to(tl.bfloat16)
+        tl.store(xd_ptr + t * H + col, d, mask=mask)
+    elif DQ == 2:  # exact dequant as [even k | odd k]
+        d = (q * _jit.pow2_from_byte(e)[:, None]).to(tl.bfloat16)
+        de, do = tl.split(d.reshape(BLOCK_G, 16, 2))
+        h = g[:, None] * 16 + tl.arange(0, 16)[None, :]
+        hm = h * 2 < H
+        tl.store(xd_ptr + t * H + h, de, mask=hm)
+        tl.store(xd_ptr + t * H + H // 2 + h, do, mask=hm)
+
+
+def _dq_code(dequant) -> int:
+    if dequant not in DEQUANT_MODES:
+        raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split'")
+    return DEQUANT_MODES.index(dequant)
+
+
+def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None):
+    """MXFP8 dispatch of ``x`` bf16/fp32 ``[T, H]`` (H % 128 == 0).
+
+    Returns ``(q float8_e4m3fn [T, H], sf uint8 [T, H/32], x_sf int32 [T, H/128])``;
+    ``x_sf`` is a view of ``sf`` (DeepGEMM's packed row-major activation scales).
+    With ``dequant`` ("natural" or "split" = [even k | odd k]) a fourth output is the
+    exact bf16 dequantization ``q * 2^(sf-127)`` the GEMMs read.
+    Bit-exact with ``codecs.quantize_mxfp8``.
+    """
+    _check_x(x, 128, "quantize_mxfp8")
+    T, H = x.shape
+    hw = hw_cvt_default() if hw_cvt is None else hw_cvt
+    dq = _dq_code(dequant)
+    q = torch.empty(T, H, dtype=torch.uint8, device=x.device)
+    sf = torch.empty(T, H // 32, dtype=torch.uint8, device=x.device)
+    xd = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if dq else q
+    if T:
+        block_g = 32  # 1024 elements per program
+        grid = (T, triton.cdiv(H // 32, block_g))
+        _mxfp8_kernel[grid](x, q, sf, xd, H, x.stride(0), q.stride(0), sf.stride(0),
+                            BLOCK_G=block_g, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts())
+    out = (q.view(torch.float8_e4m3fn), sf, sf.view(torch.int32))
+    return out + (xd,) if dq else out
+
+
+# --------------------------------------------------------------------------- NVFP4
+
+
+@triton.jit
+def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_p, stride_sf,
+                        NB: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr):
+    # one token per program, in chunks of NB blocks of 16 = [NB, 8] (even, odd) pairs:
+    # pass 1 finds the token amax, pass 2 quantizes (the re-read hits L1/L2)
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 8)
+    base = x_ptr + t * stride_x
+    amax_v = tl.zeros((NB, 8), tl.float32)
+    for c0 in range(0, H, NB * 16):
+        col_e = c0 + b[:, None] * 16 + i[None, :] * 2
+        mask = col_e < H
+        xe = tl.load(base + col_e, mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(base + col_e + 1, mask=mask, other=0.0).to(tl.float32)
+        amax_v = tl.maximum(amax_v, tl.maximum(tl.abs(xe), tl.abs(xo)))
+    amax_t = tl.max(tl.max(amax_v, axis=1), axis=0)
+    # token_scale = max(amax, 1e-12) / 2688, a true division
+    ts = tl.math.div_rn(tl.maximum(amax_t, 1e-12), 2688.0)
+    tl.store(ts_ptr + t, ts)
+    tsv = tl.full((NB, 8), 0.0, tl.float32) + ts
+    for c0 in range(0, H, NB * 16):
+        col_e = c0 + b[:, None] * 16 + i[None, :] * 2
+        mask = col_e < H
+        xe = tl.load(base + col_e, mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(base + col_e + 1, mask=mask, other=0.0).to(tl.float32)
+        ye = tl.math.div_rn(xe, tsv)
+        yo = tl.math.div_rn(xo, tsv)
+        # quantize_nvfp4(y, global 1.0): inv = 1; sf = e4m3(max(amax/6 * 1, 2^-9))
+        amax_b = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
+        sfv = tl.maximum(tl.math.div_rn(amax_b, tl.full((NB,), 6.0, tl.float32)), _jit.E4M3_MIN_SUB)
+        sfv = _jit.e4m3_round(sfv, HW_CVT)
+        d = tl.full((NB, 8), 1.0, tl.float32) * sfv[:, None]
+        ce = _jit.e2m1_code(tl.math.div_rn(ye, d))
+        co = _jit.e2m1_code(tl.math.div_rn(yo, d))
+        byte = (ce | (co << 4)).to(tl.uint8)
+        pc = c0 // 2 + b[:, None] * 8 + i[None, :]
+        tl.store(p_ptr + t * stride_p + pc, byte, mask=mask)
+        if HW_CVT:
+            sb = sfv.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            sb = _jit.e4m3_value_to_byte(sfv).to(tl.uint8)
+        tl.store(sf_ptr + t * stride_sf + c0 // 16 + b, sb, mask=c0 + b * 16 < H)
+        if DQ == 2:  # exact dequant (token scale NOT applied) as [even k | odd k]
+            tl.store(xd_ptr + t * H + pc, (_jit.e2m1_value(ce) * d).to(tl.bfloat16), mask=mask)
+            tl.store(xd_ptr + t * H + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16), mask=mask)
+
+
+def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None):
+    """NVFP4 dispatch of ``x`` ``[T, H]`` (H % 64 == 0) with one FP32 scale per token.
+
+    Returns ``(packed uint8 [T, H/2], sf float8_e4m3fn [T, H/16],
+    x_sf int32 [T, H/64] (view of sf), token_scale float32 [T])``, plus with
+    ``dequant="split"`` the exact bf16 ``e2m1 * sf`` (token scale not applied)
+    as [even k | odd k]. Bit-exact with ``codecs.quantize_nvfp4_per_token`` (ties even).
+    """
+    _check_x(x, 64, "quantize_nvfp4_per_token")
+    T, H = x.shape
+    hw = hw_cvt_default() if hw_cvt is None else hw_cvt
+    dq = _dq_code(dequant)
+    if dq == 1:
+        raise _err("quantize_nvfp4_per_token: only dequant='split' is implemented (the e2m1 GEMM order)")
+    packed = torch.empty(T, H // 2, dtype=torch.uint8, device=x.device)
+    sf = torch.empty(T, H // 16, dtype=torch.uint8, device=x.device)
+    ts = torch.empty(T, dtype=torch.float32, device=x.device)
+    xd = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if dq else packed
+    if T:
+        nb = min(64, triton.next_power_of_2(H // 16))
+        _nvfp4_token_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
+                                  NB=nb, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts())
+    out = (packed, sf.view(torch.float8_e4m3fn), sf.view(torch.int32), ts)
+    return out + (xd,) if dq else out
+
+
+# --------------------------------------------------------------------------- BF16
+
+
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, H, stride_x, stride_y, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    tl.store(y_ptr + t * stride_y + c, tl.load(x_ptr + t * stride_x + c, mask=m), mask=m)
+
+
+def bf16_passthrough(x: torch.Tensor) -> torch.Tensor:
+    """The BF16 row's dispatch: the hidden states copied unchanged into a fresh buffer."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise _err(f"bf16_passthrough: expected bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    T, H = x.shape
+    if T:
+        blk = 2048
+        _copy_kernel[(T, triton.cdiv(H, blk))](x, y, H, x.stride(0), y.stride(0), BLOCK=blk, num_warps=4)
+    return y
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass
+class RoutingPlan:
+    """Device-side routing metadata for a grouped GEMM over local experts.
+
+    ``sorted_pairs`` int32 ``[max_blocks*block_m]``: pair ids ``t*K + k``
+    grouped by local expert, each expert's run padded with -1 to a multiple
+    of ``block_m``; ``block_expert`` int32 ``[max_blocks]``: the local expert
+    of each row block (-1 past the end); ``num_blocks`` int32 ``[1]``.
+    ``max_blocks`` is a host bound (no sync): ``n_pairs // block_m +
+    min(n_pairs, E_l)``. Order within one expert's run is unspecified (each
+    pair's output depends only on that pair).
+    """
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    block_m: int
+    max_blocks: int
+    top_k: int
+
+
+def max_blocks_for(n_pairs: int, num_local: int, block_m: int) -> int:
+    return n_pairs // block_m + min(n_pairs, num_local)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nblk_ptr, max_blocks, max_pad,
+                  BM: tl.constexpr, E_LP: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr):
+    # Single program. Phases are separated by CTA barriers; scratch written in
+    # this kernel is read back with volatile loads (L1 is not coherent with atomics).
+    e = tl.arange(0, E_LP)
+    tl.store(cnt_ptr + e, tl.zeros((E_LP,), tl.int32))
+    neg = tl.full((CHUNK,), -1, tl.int32)
+    for s in range(0, max_pad, CHUNK):
+        o = s + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + o, neg, mask=o < max_pad)
+    tl.debug_barrier()
+    for s in range(0, n_pairs, CHUNK):
+        p = s + tl.arange(0, CHUNK)
+        m = p < n_pairs
+        le = tl.load(ids_ptr + p, mask=m, other=-1).to(tl.int32) - e_lo
+        valid = m & (le >= 0) & (le < E_l)
+        tl.atomic_add(cnt_ptr + le, tl.full((CHUNK,), 1, tl.int32), mask=valid, sem="relaxed")
+    tl.debug_barrier()
+    c = tl.load(cnt_ptr + e, volatile=True)
+    pc = (c + BM - 1) // BM * BM
+    incl = tl.cumsum(pc, 0)
+    excl = incl - pc
+    nblk = tl.sum(pc, 0) // BM
+    tl.store(nblk_ptr, nblk)
+    for s in range(0, max_blocks, NB_CHUNK):
+        b = s + tl.arange(0, NB_CHUNK)
+        below = (incl[None, :] <= (b * BM)[:, None]) & (e[None, :] < E_l)
+        ex = tl.sum(below.to(tl.int32), axis=1)
+        tl.store(blk_ptr + b, tl.where(b < nblk, ex, -1), mask=b < max_blocks)
+    tl.debug_barrier()
+    tl.store(cnt_ptr + e, excl)
+    tl.debug_barrier()
+    for s in range(0, n_pairs, CHUNK):
+        p = s + tl.arange(0, CHUNK)
+        m = p < n_pairs
+        le = tl.load(ids_ptr + p, mask=m, other=-1).to(tl.int32) - e_lo
+        valid = m & (le >= 0) & (le < E_l)
+        pos = tl.atomic_add(cnt_ptr + le, tl.full((CHUNK,), 1, tl.int32), mask=valid, sem="relaxed")
+        tl.store(sorted_ptr + pos, p, mask=valid)
+
+
+def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int) -> RoutingPlan:
+    """Group the (token, slot) pairs of ``topk_ids`` ``[T, K]`` (GLOBAL ids, -1 masked)
+    by local expert ``id - expert_offset`` in ``[0, num_local)``; other ids are dropped."""
+    if topk_ids.dim() != 2:
+        raise _err(f"route: topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    T, K = topk_ids.shape
+    n = T * K
+    dev = topk_ids.device
+    mb = max_blocks_for(n, num_local, block_m)
+    sorted_pairs = torch.empty(max(mb * block_m, 1), dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max(mb, 1), dtype=torch.int32, device=dev)
+    num_blocks = torch.zeros(1, dtype=torch.int32, device=dev)
+    if n:
+        e_lp = max(triton.next_power_of_2(num_local), 16)
+        cnt = torch.empty(e_lp, dtype=torch.int32, device=dev)
+        ids = topk_ids.reshape(-1)
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        _route_kernel[(1,)](ids, n, expert_offset, num_local, cnt, sorted_pairs, block_expert, num_blocks, mb, mb * block_m,
+                            BM=block_m, E_LP=e_lp, CHUNK=1024, NB_CHUNK=max(16, min(64, 8192 // e_lp)),
+                            num_warps=8)
+    return RoutingPlan(sorted_pairs, block_expert, num_blocks, block_m, mb, K)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _err(msg: str):
+    from megamoe_runtime.errors import MegaMoEError
+
+    return MegaMoEError(msg)
+
+
+def _check_x(x: torch.Tensor, multiple: int, what: str) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise _err(f"{what}: expected hidden states [T, H] in bf16/fp16/fp32, got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] % multiple:
+        raise _err(f"{what}: H={x.shape[1]} must be a multiple of {multiple}")
+    if x.stride(1) != 1:
+        raise _err(f"{what}: the last dim must be contiguous (stride {x.stride()})")

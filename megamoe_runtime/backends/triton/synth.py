@@ -1,0 +1,145 @@
+"""Random layers in kernel layout, for the triton tests and ``bench/kernel.py``.
+
+``random_layer`` quantizes random fp32 experts with the reference quantizers
+(``codecs``) and packs them with ``layout`` (the converter's code path), so
+tests exercise real interleaved rows and UTCCP-permuted scales.
+``random_kernel_bytes`` fills kernel-layout tensors with random valid bytes
+directly (no quantization), for benchmark-sized layers.
+Pure torch; no triton import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megamoe_runtime import codecs, layout
+from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.formats import LayerSpec
+
+__all__ = ["SynthLayer", "random_layer", "random_kernel_bytes", "random_routing"]
+
+
+@dataclass
+class SynthLayer:
+    """What ``DeepGemmMegaMoEExperts`` exposes to a backend: ``spec`` plus role attributes."""
+
+    spec: LayerSpec
+    l1_weight: torch.Tensor
+    l1_scale: Optional[torch.Tensor]
+    l2_weight: torch.Tensor
+    l2_scale: Optional[torch.Tensor]
+    l1_alpha: Optional[torch.Tensor] = None
+    l2_global_scale: Optional[torch.Tensor] = None
+    l2_activation_scale: Optional[torch.Tensor] = None
+    shared_l1_weight: Optional[torch.Tensor] = None
+    shared_l1_scale: Optional[torch.Tensor] = None
+    shared_l2_weight: Optional[torch.Tensor] = None
+    shared_l2_scale: Optional[torch.Tensor] = None
+
+
+def _proj(row: str, w: torch.Tensor) -> ProjectionTensors:
+    if row == "mxfp4":
+        p, s = codecs.quantize_mxfp4(w)
+        return ProjectionTensors(p, s)
+    if row == "mxfp8":
+        q, s = codecs.quantize_mxfp8(w)
+        return ProjectionTensors(q, s)
+    if row == "nvfp4":
+        p, s, g = codecs.quantize_nvfp4_weight(w)
+        return ProjectionTensors(p, s, global_scale=g)
+    return ProjectionTensors(w.to(torch.bfloat16))
+
+
+def _expert(row: str, H: int, I: int, gen: torch.Generator, std: float) -> ExpertTensors:
+    g = torch.randn(I, H, generator=gen) * std
+    u = torch.randn(I, H, generator=gen) * std
+    d = torch.randn(H, I, generator=gen) * std
+    return ExpertTensors(_proj(row, g), _proj(row, u), _proj(row, d))
+
+
+def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Optional[float] = None) -> SynthLayer:
+    """A random layer (this rank's experts; shared expert if ``spec.shared``)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, I, E_l, row = spec.hidden, spec.intermediate, spec.experts_per_rank, spec.row
+    std = H ** -0.5
+    experts = [_expert(row, H, I, gen, std) for _ in range(E_l)]
+    kt = layout.pack_expert_stack(row, experts, device=device)
+    lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
+    if row == "nvfp4":
+        lay.l1_alpha = torch.tensor([[e.gate.global_scale, e.up.global_scale] for e in experts],
+                                    dtype=torch.float32, device=device)
+        lay.l2_global_scale = torch.tensor([e.down.global_scale for e in experts], dtype=torch.float32,
+                                           device=device)
+        lay.l2_activation_scale = torch.tensor(a2 if a2 is not None else 6.0 / 2688.0, dtype=torch.float32,
+                                               device=device)
+    if spec.shared is not None:
+        prec = spec.shared.precision
+        sh = [_expert(prec, H, spec.shared.intermediate, gen, std) for _ in range(spec.shared.num_shared)]
+        skt = layout.pack_shared(prec, sh, device=device)
+        lay.shared_l1_weight, lay.shared_l1_scale = skt.l1_weight, skt.l1_scale
+        lay.shared_l2_weight, lay.shared_l2_scale = skt.l2_weight, skt.l2_scale
+    return lay
+
+
+def random_kernel_bytes(spec: LayerSpec, device: Any, seed: int = 0) -> SynthLayer:
+    """Benchmark-sized layer: random bytes directly in kernel layout.
+
+    E2M1 bytes uniform; E4M3 weights random finite bytes; UE8M0 scales in
+    [118, 124] (2^-9..2^-3); NVFP4 E4M3 block scales in [0x28, 0x50] (finite,
+    positive); bf16 weights N(0, 1/H). No quantization pass, so an
+    8 GB layer builds in a second.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    H, I, E_l, row = spec.hidden, spec.intermediate, spec.experts_per_rank, spec.row
+    shapes = layout.kernel_shapes(row, E_l, H, I)
+    kt = layout.allocate_kernel_tensors(row, E_l, H, I, device)
+
+    def fill_w(t: torch.Tensor) -> None:
+        if t.dtype == torch.bfloat16:
+            t.normal_(0.0, H ** -0.5, generator=g)
+        elif t.dtype == torch.float8_e4m3fn:
+            b = torch.randint(0, 0x77, t.shape, generator=g, device=device, dtype=torch.uint8)
+            sign = torch.randint(0, 2, t.shape, generator=g, device=device, dtype=torch.uint8) << 7
+            t.view(torch.uint8).copy_(b | sign)
+        else:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g, device=device,
+                                                    dtype=torch.uint8))
+
+    def fill_s(t: Optional[torch.Tensor]) -> None:
+        if t is None:
+            return
+        lo, hi = (118, 125) if row in ("mxfp4", "mxfp8") else (0x28, 0x51)
+        phys = layout.physical(t)
+        b = torch.randint(lo, hi, phys.shape + (4,), generator=g, device=device, dtype=torch.int32)
+        phys.copy_(b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24))
+
+    for t in (kt.l1_weight, kt.l2_weight):
+        fill_w(t)
+    fill_s(kt.l1_scale)
+    fill_s(kt.l2_scale)
+    del shapes
+    lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
+    if row == "nvfp4":
+        lay.l1_alpha = torch.full((E_l, 2), 1e-3, dtype=torch.float32, device=device)
+        lay.l2_global_scale = torch.full((E_l,), 1e-3, dtype=torch.float32, device=device)
+        lay.l2_activation_scale = torch.tensor(1.0 / 448, dtype=torch.float32, device=device)
+    return lay
+
+
+def random_routing(T: int, E: int, K: int, device: Any, seed: int = 0, mask_frac: float = 0.0,
+                   zero_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-k ids per token (uniform), softmax-like weights; optional masked slots
+    (-1, weight 0) and fully masked tokens at the end."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(torch.int64)
+    w = torch.softmax(torch.randn(T, K, generator=g), dim=1).to(torch.float32)
+    if mask_frac > 0:
+        m = torch.rand(T, K, generator=g) < mask_frac
+        ids[m] = -1
+        w[m] = 0.0
+    if zero_tokens:
+        ids[T - zero_tokens:] = -1
+        w[T - zero_tokens:] = 0.0
+    return w.to(device), ids.to(device)

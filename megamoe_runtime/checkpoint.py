@@ -1,0 +1,511 @@
+"""Open a converted megamoe checkpoint and build layers from it.
+
+    import megamoe_runtime as mr
+    ckpt = mr.open_checkpoint(out_dir)          # reads and validates megamoe.json
+    ckpt.layers                                 # what exists (index, prefix, spec, ...)
+    layer = ckpt.build_layer(3, device="cuda", backend="auto", ep_rank=r, ep_size=n)
+    ckpt.load_layer(layer)                      # reload new weights into the same storage
+
+Loading is the pre-laid-out path of `megamoe_runtime.loaders`: each stored
+tensor's bytes go from the file straight into the layer's storage -- one read
+per tensor into the parameter on CPU, pinned double-buffered chunks on CUDA --
+with no transform and no full-size temporary (a dry run sends the same
+destination views meta stand-ins through ``copy_`` instead).
+An EP rank opens only the files holding its experts: with the checkpoint's
+own EP size that is exactly its rank files; with another EP size it reads the
+overlapping slices of the files that hold its experts.
+
+safetensors headers are parsed here (REFERENCE.md §9 validation: size limit,
+tiling, byte counts, file length, duplicate keys) so that a dry run can build
+meta stand-ins from headers alone, and so that a truncated or corrupt file is
+reported by name before any byte is copied.
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from .errors import CheckpointError, LayoutError
+from .formats import LayerSpec
+from .manifest import (DTYPES, EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
+                       read_manifest)
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "HeaderEntry",
+    "FileSlice",
+    "SafetensorsFile",
+    "read_safetensors_header",
+    "Checkpoint",
+    "LayerInfo",
+    "PlanItem",
+    "open_checkpoint",
+]
+
+#: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
+#: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (REFERENCE.md §8).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = dict(DTYPES)
+_HEADER_LIMIT = 100_000_000
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors header: dtype name, shape, byte range in the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        return SAFETENSORS_DTYPES.get(self.dtype)
+
+
+def _no_dup_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DupKey(k)
+        out[k] = v
+    return out
+
+
+class _DupKey(Exception):
+    pass
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_safetensors_header(path: Union[str, os.PathLike]) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
+    """Parse and validate a safetensors header: ``(entries, metadata, data_start)``.
+
+    Reads only the header bytes. CheckpointError, naming the file, for a
+    truncated file, a header over 100 MB, invalid JSON, duplicate keys,
+    malformed entries, byte ranges that do not tile the data section, or a
+    file length that disagrees with the header.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)")
+            n = int.from_bytes(head, "little")
+            if n > _HEADER_LIMIT:
+                raise CheckpointError(f"{path}: header length {n} exceeds the safetensors limit of {_HEADER_LIMIT} bytes "
+                                      "(not a safetensors file, or corrupt)")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: truncated: header says {n} bytes but the file has {size - 8}")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    try:
+        hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs)
+    except _DupKey as e:
+        raise CheckpointError(f"{path}: duplicate tensor name {e.args[0]!r} in the safetensors header") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: garbage safetensors header (not UTF-8 JSON: {e})") from None
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    meta = hdr.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not an object")
+    entries: dict[str, HeaderEntry] = {}
+    for name, d in hdr.items():
+        try:
+            dt, shape, (b, e) = d["dtype"], tuple(int(s) for s in d["shape"]), d["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for {name!r}: {d!r:.120}") from None
+        if b < 0 or e < b or any(s < 0 for s in shape):
+            raise CheckpointError(f"{path}: {name!r} has invalid offsets [{b}, {e}) or shape {list(shape)}")
+        tdt = SAFETENSORS_DTYPES.get(dt)
+        if tdt is not None and (e - b) != math.prod(shape) * _itemsize(tdt):
+            raise CheckpointError(f"{path}: {name!r} ({dt} {list(shape)}) spans {e - b} bytes, expected "
+                                  f"{math.prod(shape) * _itemsize(tdt)}")
+        entries[name] = HeaderEntry(dt, shape, b, e)
+    pos = 0
+    for name, en in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if en.begin != pos:
+            raise CheckpointError(f"{path}: tensors do not tile the data section: {name!r} starts at {en.begin}, "
+                                  f"expected {pos} ({'gap' if en.begin > pos else 'overlap'})")
+        pos = en.end
+    if 8 + n + pos != size:
+        raise CheckpointError(f"{path}: file is {size} bytes but the header describes {8 + n + pos} "
+                              f"({'truncated' if size < 8 + n + pos else 'trailing bytes'})")
+    return entries, {str(k): str(v) for k, v in meta.items()}, 8 + n
+
+
+class SafetensorsFile:
+    """A safetensors file: header parsed up front, data mapped lazily.
+
+    ``tensor(name)`` is a zero-copy CPU view of the (private, copy-on-write)
+    mmap: copying it into a parameter is the only copy a load makes.
+    ``meta(name)`` is a meta tensor of the same shape and dtype, from the
+    header only (a dry-run stand-in).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        self.entries, self.metadata, self.data_start = read_safetensors_header(self.path)
+        self._file = None
+        self._mm: Optional[mmap.mmap] = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, name: str) -> HeaderEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this file") from None
+
+    def _dtype(self, name: str) -> torch.dtype:
+        en = self.entry(name)
+        dt = en.torch_dtype
+        if dt is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {en.dtype!r}, which megamoe cannot map "
+                                  f"(known: {', '.join(sorted(SAFETENSORS_DTYPES))})")
+        return dt
+
+    def meta(self, name: str) -> torch.Tensor:
+        """Meta stand-in (shape and dtype from the header, no data)."""
+        return torch.empty(self.entry(name).shape, dtype=self._dtype(name), device="meta")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Zero-copy CPU view of the tensor's bytes."""
+        dt = self._dtype(name)
+        en = self.entry(name)
+        nbytes = en.end - en.begin
+        if nbytes == 0:
+            return torch.empty(en.shape, dtype=dt)
+        if self._mm is None:
+            self._file = open(self.path, "rb")
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                self._mm.madvise(mmap.MADV_SEQUENTIAL)
+            except (AttributeError, OSError, ValueError):  # pragma: no cover - platform dependent
+                pass
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=self.data_start + en.begin)
+        return raw.view(dt).view(en.shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a tensor view is still alive; the mapping goes with it
+            self._mm = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """Contiguous bytes of a stored tensor (or of a run of its leading rows) in a file.
+
+    The real pre-laid-out load reads these bytes straight into the parameter's
+    storage (`read_into`): one read per stored tensor on CPU (no mmap, no
+    temporary), pinned double-buffered chunks on CUDA. It carries dtype and
+    shape so the loader validates it exactly like a tensor source.
+    """
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    is_meta = False
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        from .loaders import read_file_into
+
+        read_file_into(self.path, self.offset, self.nbytes, dst)
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One MoE layer of a converted checkpoint (ep_rank 0 view of its spec)."""
+
+    index: int
+    prefix: str
+    spec: LayerSpec
+    scalars: dict
+    shared: dict
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One stored tensor (or expert slice of it) a rank loads: ``entry.name``
+    from ``entry.file``, rows ``[src_lo, src_hi)`` of its first dim (None =
+    whole tensor) into ``role`` for global experts ``experts``."""
+
+    entry: TensorEntry
+    role: str
+    src_range: Optional[tuple[int, int]]
+    experts: Optional[tuple[int, int]]
+
+
+class Checkpoint:
+    """A converted megamoe output folder (validated manifest + lazy files)."""
+
+    def __init__(self, root: Union[str, os.PathLike]):
+        self.root = Path(root)
+        self.manifest: Manifest = read_manifest(self.root)
+        #: files opened by the latest load (a test can check a rank read only its own)
+        self.last_opened_files: list[str] = []
+
+    def __repr__(self) -> str:
+        return (f"Checkpoint({str(self.root)!r}, row={self.manifest.row}, layers={len(self.manifest.layers)}, "
+                f"ep_size={self.manifest.ep_size})")
+
+    @property
+    def row(self) -> str:
+        return self.manifest.row
+
+    @property
+    def ep_size(self) -> int:
+        return self.manifest.ep_size
+
+    @property
+    def layers(self) -> list[LayerInfo]:
+        """The MoE layers this checkpoint holds, sorted by index."""
+        return [LayerInfo(le.index, le.prefix, le.layer_spec(0, self.manifest.ep_size), dict(le.scalars),
+                          dict(le.shared))
+                for le in sorted(self.manifest.layers, key=lambda le: le.index)]
+
+    def layer_entry(self, layer_index: int) -> LayerEntry:
+        return self.manifest.layer(layer_index)
+
+    def layer_spec(self, layer_index: int, ep_rank: int = 0, ep_size: Optional[int] = None) -> LayerSpec:
+        return self.manifest.layer(layer_index).layer_spec(ep_rank, ep_size or self.manifest.ep_size)
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, layer_index: int, ep_rank: int = 0, ep_size: int = 1, *,
+             roles: Optional[list[str]] = None, strict: bool = True) -> list[PlanItem]:
+        """What rank ``ep_rank`` of ``ep_size`` loads for one layer.
+
+        Expert-stacked tensors: every stored tensor whose expert range overlaps
+        the rank's experts, sliced to the overlap (with the checkpoint's own EP
+        size: exactly this rank's tensors). Shared tensors (replicated per
+        stored rank): from the stored rank holding the rank's first expert.
+        ``strict`` checks every role is fully covered (CheckpointError otherwise).
+        """
+        le = self.manifest.layer(layer_index)
+        spec = le.layer_spec(ep_rank, ep_size)
+        n_src = self.manifest.ep_size
+        E = spec.num_experts
+        lo, hi = spec.local_experts.start, spec.local_experts.stop
+        per_src = E // n_src
+        home = lo // per_src
+        items: list[PlanItem] = []
+        # every entry of this layer (a malformed manifest may list a role twice: keep both, so that
+        # strict mode and the dry run can report the overlap instead of silently picking one)
+        entries = sorted((te.ep_rank, te.role, te.name, te) for te in self.manifest.tensors.values()
+                         if te.layer == layer_index and te.ep_rank is not None)
+        for q, role, _, te in entries:
+            if roles is not None and role not in roles:
+                continue
+            if role in SHARED_ROLES:
+                if q == home:
+                    items.append(PlanItem(te, role, None, None))
+                continue
+            if role not in EXPERT_ROLES:
+                continue
+            a, b = te.experts if te.experts is not None else (q * per_src, (q + 1) * per_src)
+            ov_lo, ov_hi = max(a, lo), min(b, hi)
+            if ov_lo >= ov_hi:
+                continue
+            src = None if (ov_lo, ov_hi) == (a, b) else (ov_lo - a, ov_hi - a)
+            items.append(PlanItem(te, role, src, (ov_lo, ov_hi)))
+        if strict:
+            want = roles if roles is not None else self._expected_roles(spec)
+            for role in want:
+                got = sorted(it.experts for it in items if it.role == role and it.experts is not None)
+                if role in SHARED_ROLES:
+                    if not any(it.role == role for it in items):
+                        raise CheckpointError(f"{self.root}: layer {layer_index} ({le.prefix}) has no {role} tensor "
+                                              "although its spec has shared experts")
+                    continue
+                pos = lo
+                for a, b in got:
+                    if a > pos:
+                        break
+                    if a < pos:
+                        raise CheckpointError(
+                            f"{self.root}: layer {layer_index} ({le.prefix}): {role} for experts [{a}, {min(b, pos)}) is "
+                            f"stored more than once ({', '.join(sorted(it.entry.name for it in items if it.role == role))})")
+                    pos = max(pos, b)
+                if pos < hi:
+                    raise CheckpointError(
+                        f"{self.root}: layer {layer_index} ({le.prefix}): no {role} for experts [{pos}, {hi}) "
+                        f"(rank {ep_rank} of {ep_size} needs [{lo}, {hi}))")
+        return items
+
+    def _expected_roles(self, spec: LayerSpec) -> list[str]:
+        row = spec.row_spec
+        roles = ["l1_weight", "l2_weight"]
+        if row.has_scales:
+            roles += ["l1_scale", "l2_scale"]
+        if row.weight.has_global_scale:
+            roles += ["l1_alpha", "l2_global_scale"]
+        if spec.shared is not None:
+            roles += ["shared_l1_weight", "shared_l2_weight"]
+            if spec.shared.precision != "bf16":
+                roles += ["shared_l1_scale", "shared_l2_scale"]
+        return roles
+
+    def files_for(self, layer_index: int, ep_rank: int = 0, ep_size: int = 1) -> list[str]:
+        """The files a rank opens to load one layer."""
+        return sorted({it.entry.file for it in self.plan(layer_index, ep_rank, ep_size, strict=False)})
+
+    # ------------------------------------------------------------------ sources
+
+    def iter_sources(self, items: list[PlanItem], *, meta: bool = False,
+                     direct: bool = False) -> Iterator[tuple[PlanItem, Any]]:
+        """(item, source) per plan item, file by file: zero-copy views of the
+        mmap'ed file, `FileSlice` byte ranges to read straight into the
+        destination (``direct``), or meta stand-ins from the header (``meta``).
+        The file tensor's header must agree with the manifest entry."""
+        by_file: dict[str, list[PlanItem]] = {}
+        for it in items:
+            by_file.setdefault(it.entry.file, []).append(it)
+        self.last_opened_files = []
+        for file in sorted(by_file):
+            path = self.path_of(file)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the manifest lists it for "
+                                      f"{', '.join(sorted({i.entry.name for i in by_file[file]}))[:200]})")
+            self.last_opened_files.append(file)
+            f = SafetensorsFile(path)
+            try:
+                _check_identity(f, file, {it.entry.ep_rank for it in by_file[file]})
+                for it in by_file[file]:
+                    te = it.entry
+                    en = f.entry(te.name)
+                    if en.dtype != te.dtype or en.shape != tuple(te.stored_shape):
+                        raise LayoutError(f"{path}: {te.name} is {en.dtype} {list(en.shape)} in the file but "
+                                          f"{te.dtype} {list(te.stored_shape)} in {MANIFEST_NAME}")
+                    if direct and not meta:
+                        shape, offset, nbytes = en.shape, f.data_start + en.begin, en.end - en.begin
+                        if it.src_range is not None:
+                            row = nbytes // max(en.shape[0], 1)
+                            a, b = it.src_range
+                            shape, offset, nbytes = (b - a,) + en.shape[1:], offset + a * row, (b - a) * row
+                        yield it, FileSlice(path, offset, nbytes, f._dtype(te.name), tuple(shape))
+                        continue
+                    src = f.meta(te.name) if meta else f.tensor(te.name)
+                    if it.src_range is not None:
+                        src = src[it.src_range[0]:it.src_range[1]]
+                    yield it, src
+                    del src
+            finally:
+                f.close()
+
+    # ------------------------------------------------------------------ build / load
+
+    def build_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
+                    ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any):
+        """Allocate layer ``layer_index`` for one EP rank in kernel layout and load it.
+
+        ``layer_kwargs`` go to `DeepGemmMegaMoEExperts` (``fuse_shared``,
+        ``backend_kwargs``, ``init``). The layer's prefix and index come from
+        the manifest, so `load_layer` and `verify_reload` can find it again.
+        """
+        from .layer import DeepGemmMegaMoEExperts
+
+        le = self.manifest.layer(layer_index)
+        spec = le.layer_spec(ep_rank, ep_size)
+        layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend, prefix=le.prefix,
+                                       layer_index=layer_index, **layer_kwargs)
+        self.load_layer(layer)
+        return layer
+
+    def match_layer(self, layer: Any) -> LayerEntry:
+        """The manifest layer a built layer corresponds to (by index, else prefix)."""
+        if getattr(layer, "layer_index", None) is not None:
+            for le in self.manifest.layers:
+                if le.index == layer.layer_index:
+                    return le
+        for le in self.manifest.layers:
+            if layer.prefix and le.prefix == layer.prefix:
+                return le
+        raise CheckpointError(f"{self.root}: no MoE layer matches layer_index={layer.layer_index!r}, "
+                              f"prefix={layer.prefix!r}; layers: {[(le.index, le.prefix) for le in self.manifest.layers]}")
+
+    def load_layer(self, layer: Any) -> int:
+        """(Re)load a built layer from this checkpoint, in place: one ``copy_``
+        per stored tensor into the same storage, then the layer's scalars.
+        Returns the number of bytes copied."""
+        le = self.match_layer(layer)
+        spec = layer.spec
+        mine = le.layer_spec(spec.ep_rank, spec.ep_size)
+        for k in ("row", "hidden", "intermediate", "num_experts", "top_k"):
+            if getattr(mine, k) != getattr(spec, k):
+                raise CheckpointError(f"{self.root}: layer {le.index} ({le.prefix}) has {k}={getattr(mine, k)!r} "
+                                      f"but the layer was built with {k}={getattr(spec, k)!r}")
+        roles = layer.checkpoint_roles()
+        items = self.plan(le.index, spec.ep_rank, spec.ep_size, roles=roles)
+        layer.begin_load("stored")
+        copied = 0
+        try:
+            for it, src in self.iter_sources(items, direct=True):
+                layer.load_stored(it.role, src, storage=it.entry.storage, experts=it.experts, name=it.entry.name)
+                copied += src.nbytes
+        except BaseException:
+            layer._load_state = None
+            raise
+        layer.finish_load(scalars=le.scalars)
+        return copied
+
+
+#: ``__metadata__`` keys by which a converted expert file names itself, so that a
+#: renamed, copied or swapped rank file is caught at load time for free.
+FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
+
+
+def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:
+    md = f.metadata
+    if FILE_KEY in md and md[FILE_KEY] != expected_file:
+        raise CheckpointError(f"{f.path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
+                              f"{expected_file!r} here (rank files renamed, copied or swapped?)")
+    if RANK_KEY in md:
+        try:
+            r = int(md[RANK_KEY])
+        except ValueError:
+            raise CheckpointError(f"{f.path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer") from None
+        if ranks and r not in ranks:
+            raise CheckpointError(f"{f.path}: holds the experts of EP rank {r}, but the manifest lists it for "
+                                  f"rank {sorted(ranks)} (rank files swapped?)")
+
+
+def open_checkpoint(directory: Union[str, os.PathLike]) -> Checkpoint:
+    """Open a converted megamoe folder: reads and validates ``megamoe.json``
+    (ManifestError if missing, malformed or of a newer format version)."""
+    return Checkpoint(directory)

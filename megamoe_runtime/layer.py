@@ -1,0 +1,561 @@
+"""`DeepGemmMegaMoEExperts`: one MoE layer's routed experts in DeepGEMM kernel layout.
+
+Why this shape. DeepGEMM's mega kernels read the routed-expert weights in one
+exact byte layout (REFERENCE.md §3). This layer allocates those tensors ONCE,
+at construction, as the very tensors a kernel reads (MN-major scale views over
+contiguous physical storage, registered as parameters with
+``requires_grad=False``), and every loader afterwards only ``copy_``s into
+them. Nothing is reallocated, rebound or transformed at load or reload, so
+pointers captured by a CUDA graph stay valid and a reload cannot leave a
+stale copy behind (the failure mode of REFERENCE.md §8 and §10).
+
+Attributes (= manifest roles, `megamoe_runtime.manifest`):
+
+* ``l1_weight [E_l, 2I, Dw]``, ``l2_weight [E_l, H, Iw]``: kernel dtype of the row.
+* ``l1_scale [E_l, 2I, P1]`` / ``l2_scale [E_l, H, P2]``: int32 kernel views with
+  strides ``(P*N, 1, N)``; ``layout.physical(p)`` (= ``p.transpose(-1, -2)``)
+  is the contiguous storage a file tensor copies into. None for bf16.
+* nvfp4: ``l1_alpha [E_l, 2]`` (gate, up ``weight_scale_2``) and
+  ``l2_global_scale [E_l]`` (w2 ``weight_scale_2``) parameters, the buffer
+  ``l2_activation_scale`` (0-d, a2 = max w2 input scale over ALL experts), and
+  derived buffers the kernels read (``a2_scales [E_l]`` for newer DG,
+  ``l2_alpha [E_l] = l2_global_scale * a2`` and ``l1_alpha_gate [E_l]`` for
+  DGv). All are device tensors updated in place (``copy_``/``fill_``) at the
+  end of every load, never rebound. CUDA-graph caveat: DGv's
+  ``l2_activation_scale`` argument and newer DG's ``routed_scaling_factor``
+  are HOST scalars baked into a captured graph; a reload that changes a2 (any
+  w2 input scale) leaves such a graph stale -- re-capture after such a reload
+  (``layer.load_generation`` counts loads, ``layer.host_scalars()`` shows the
+  values a graph would have burnt in).
+* shared expert, fused: ``shared_l1_weight``, ``shared_l1_scale``,
+  ``shared_l2_weight``, ``shared_l2_scale`` (2-D). Unfused but present in the
+  checkpoint: the same tensors live in ``layer.shared_mlp`` (a module the
+  layer builds) and the forward adds its output once.
+
+Shared-expert fusion is decided at construction, never at runtime: fused when
+the shared MLP's weight dtype, scale dtype and shape match one of the row's
+fusable specs AND the backend can run it in the same launch. Otherwise the
+forward adds ``shared_experts(hidden_states)`` (or the layer-built shared MLP)
+once. A fused layer refuses a shared module at forward time: that would count
+the shared expert twice.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from . import layout, loaders
+from .backends import get_backend
+from .errors import LayerSpecError, LayoutError, MegaMoEError, ScaleError
+from .formats import LayerSpec, SharedSpec
+
+__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
+
+_ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
+_SHARED_ROLES = tuple(f"shared_{r}" for r in _ROUTED_ROLES)
+_NV_PARAM_ROLES = ("l1_alpha", "l2_global_scale")
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+_libc: Any = None
+
+
+def _advise_hugepages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages on a fresh, untouched CPU allocation.
+
+    Expert parameters are large and live as long as the model: 2 MiB pages
+    cut the page faults of the first load (the dominant cost of loading into
+    fresh host memory) by ~500x and the TLB misses of every forward. Best
+    effort: a no-op off Linux, on small tensors, or when THP is disabled.
+    """
+    global _libc
+    nbytes = t.untyped_storage().nbytes()
+    if t.device.type != "cpu" or nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
+        return
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        ptr = t.untyped_storage().data_ptr()
+        start = (ptr + _HUGE - 1) // _HUGE * _HUGE
+        end = (ptr + nbytes) // _HUGE * _HUGE
+        if end > start:
+            _libc.madvise(start, end - start, _MADV_HUGEPAGE)
+    except (OSError, AttributeError):  # pragma: no cover - platform dependent
+        pass
+
+
+def _alloc_like_layout(row: Any, E_l: Optional[int], H: int, I: int, device: torch.device,
+                       init: str) -> layout.KernelTensors:
+    """Kernel tensors with layout's exact shapes and strides, materialized
+    once on `device` (``empty_strided`` keeps the MN-major strides, so a scale
+    view's ``transpose(-1, -2)`` is its contiguous physical storage)."""
+    if init == "zeros":
+        return layout.allocate_kernel_tensors(row, E_l, H, I, device)
+    proto = layout.allocate_kernel_tensors(row, E_l, H, I, "meta")
+    out = {}
+    for role in _ROUTED_ROLES:
+        t = getattr(proto, role)
+        if t is not None:
+            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            _advise_hugepages(t)
+        out[role] = t
+    return layout.KernelTensors(**out)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+# --------------------------------------------------------------------------- shared module inspection
+
+
+def _find_proj(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
+    for n in names:
+        sub = getattr(module, n, None)
+        if isinstance(sub, nn.Module) and isinstance(getattr(sub, "weight", None), torch.Tensor):
+            return sub
+    return None
+
+
+def describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
+    """(SharedSpec or None, canonical tensors, reason) for an engine's shared MLP.
+
+    Recognises ``gate_proj``/``up_proj``/``down_proj``, ``w1``/``w3``/``w2``
+    or a merged ``gate_up_proj`` (gate half first), each with ``.weight`` and,
+    for MXFP8, ``.weight_scale`` (UE8M0 bytes per 32 along K). bf16 weights
+    without scales -> "bf16"; e4m3 weights + UE8M0/32 -> "mxfp8"; anything else
+    (fp8 with 128x128 block scales, fp16, ...) matches no fusable spec.
+    """
+    down = _find_proj(module, ("down_proj", "w2"))
+    gate = _find_proj(module, ("gate_proj", "w1"))
+    up = _find_proj(module, ("up_proj", "w3"))
+    merged = _find_proj(module, ("gate_up_proj",))
+    if down is None or ((gate is None or up is None) and merged is None):
+        return None, {}, (f"{type(module).__name__} has no gate/up/down projections with a .weight "
+                          "(expected gate_proj/up_proj/down_proj, w1/w3/w2 or gate_up_proj/down_proj)")
+
+    def ws(m: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        s = getattr(m, "weight_scale", None)
+        return m.weight.detach(), (s.detach() if isinstance(s, torch.Tensor) else None)
+
+    dw, ds = ws(down)
+    if merged is not None and (gate is None or up is None):
+        mw, ms = ws(merged)
+        n = mw.shape[0] // 2
+        gw, uw = mw[:n], mw[n:]
+        gs, us = (ms[:n], ms[n:]) if ms is not None else (None, None)
+    else:
+        (gw, gs), (uw, us) = ws(gate), ws(up)
+    if getattr(down, "weight_scale_inv", None) is not None or getattr(gate or merged, "weight_scale_inv", None) is not None:
+        return None, {}, "shared MLP uses 128x128 block FP8 scales (weight_scale_inv), not a fusable spec (bf16 or MXFP8 1x32)"
+    if gw.dim() != 2 or dw.dim() != 2:
+        return None, {}, "shared MLP weights are not 2-D"
+    inter = int(gw.shape[0])
+    if gw.dtype == torch.bfloat16 and uw.dtype == dw.dtype == torch.bfloat16 and gs is None and ds is None:
+        precision = "bf16"
+        shapes_ok = tuple(gw.shape) == (inter, hidden) == tuple(uw.shape) and tuple(dw.shape) == (hidden, inter)
+    elif gw.dtype == uw.dtype == dw.dtype == torch.float8_e4m3fn and gs is not None and us is not None and ds is not None:
+        precision = "mxfp8"
+        sdt = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+        shapes_ok = (tuple(gw.shape) == (inter, hidden) == tuple(uw.shape) and tuple(dw.shape) == (hidden, inter)
+                     and gs.dtype in sdt and us.dtype in sdt and ds.dtype in sdt
+                     and tuple(gs.shape) == (inter, hidden // 32) == tuple(us.shape)
+                     and tuple(ds.shape) == (hidden, inter // 32))
+        if not shapes_ok:
+            return None, {}, ("shared MLP is e4m3 but its scales are not UE8M0 bytes per 32 along K "
+                              f"(gate scale {None if gs is None else (gs.dtype, tuple(gs.shape))})")
+    else:
+        return None, {}, (f"shared MLP weight dtype {gw.dtype} (scale "
+                          f"{None if gs is None else gs.dtype}) matches no fusable spec (bf16, or e4m3 + UE8M0/32)")
+    if not shapes_ok:
+        return None, {}, (f"shared MLP shapes gate {tuple(gw.shape)}, up {tuple(uw.shape)}, down {tuple(dw.shape)} "
+                          f"do not fit hidden={hidden}")
+    try:
+        sspec = SharedSpec(precision, 1, inter)
+    except MegaMoEError as e:
+        return None, {}, f"shared MLP cannot be folded into the kernel: {e}"
+    return sspec, {"gate": (gw, gs), "up": (uw, us), "down": (dw, ds)}, ""
+
+
+# --------------------------------------------------------------------------- the shared MLP the layer can build
+
+
+class MegaMoESharedExpert(nn.Module):
+    """The shared expert from the checkpoint, run outside the mega kernel.
+
+    Built by the layer when the manifest holds shared weights but fusion is
+    off (backend cannot fuse, or the caller said no). It owns the same 2-D
+    kernel-layout tensors a fused layer would (so loading is identical) and
+    computes the reference backend's shared-slot numerics.
+    """
+
+    def __init__(self, spec: LayerSpec, device: torch.device, init: str = "empty"):
+        super().__init__()
+        self.spec = spec
+        sh = spec.shared
+        kt = _alloc_like_layout(sh.precision, None, spec.hidden, sh.folded_intermediate, device, init)
+        for role in _ROUTED_ROLES:
+            t = getattr(kt, role)
+            self.register_parameter(f"shared_{role}", None if t is None else _frozen(t))
+
+    def kernel_tensors(self) -> layout.KernelTensors:
+        return layout.KernelTensors(*(getattr(self, r) for r in _SHARED_ROLES))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from .backends.reference import shared_slot
+
+        kt = self.kernel_tensors()
+        return shared_slot(self.spec, kt, hidden_states)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+class DeepGemmMegaMoEExperts(nn.Module):
+    """The routed experts of one MoE layer on one EP rank, in kernel layout.
+
+    Args:
+        spec: the validated `LayerSpec` (row, sizes, activation, EP rank/size,
+            shared spec when the checkpoint holds kernel-layout shared weights).
+        device: where the parameters live (allocated here, once).
+        backend: "auto" | "deepgemm" | "triton" | "reference" or a backend instance.
+        shared_experts: an engine's shared MLP offered for fusion (only when
+            ``spec.shared`` is None). Fused if it matches a fusable spec of the
+            row and the backend supports it (its weights are then packed into
+            this layer once); otherwise pass it to `forward` every call.
+        fuse_shared: None = fuse when possible; False = never; True = fuse or raise.
+        prefix: the MoE block's checkpoint prefix (``model.layers.3.mlp``);
+            loaders route tensors by it.
+        layer_index: the model's layer index (for messages and checkpoints).
+        init: "empty" (default; loaders fill everything) or "zeros".
+        backend_kwargs: passed to the backend constructor.
+    """
+
+    def __init__(self, spec: LayerSpec, *, device: Union[str, torch.device, None] = None,
+                 backend: Any = "auto", shared_experts: Optional[nn.Module] = None,
+                 fuse_shared: Optional[bool] = None, prefix: str = "", layer_index: Optional[int] = None,
+                 init: str = "empty", backend_kwargs: Optional[dict] = None):
+        super().__init__()
+        if not isinstance(spec, LayerSpec):
+            raise LayerSpecError(f"spec must be a megamoe_runtime.LayerSpec, got {type(spec).__name__}")
+        if init not in ("empty", "zeros"):
+            raise LayerSpecError(f"init={init!r}; valid: 'empty', 'zeros'")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.prefix = prefix
+        self.layer_index = layer_index
+        self._load_state: Optional[loaders.LoadState] = None
+        self.load_generation = 0
+
+        # Shared-expert fusion: decided here, once.
+        module_tensors: Optional[dict] = None  # an engine's shared MLP that matches a fusable spec
+        module_reason = "fusion disabled by the caller (fuse_shared=False)"
+        spec_with_module = spec
+        if spec.shared is not None and shared_experts is not None:
+            raise LayerSpecError(
+                "spec.shared is set (the checkpoint holds kernel-layout shared weights) and a shared_experts "
+                "module was given too; use one source of shared experts"
+            )
+        if spec.shared is None and shared_experts is not None and fuse_shared is not False:
+            sspec, tensors, module_reason = describe_shared_module(shared_experts, spec.hidden)
+            if sspec is not None:
+                ok, module_reason = spec.row_spec.can_fuse_shared(sspec.precision)
+                if ok:
+                    try:
+                        spec_with_module = LayerSpec.from_dict({**spec.to_dict(), "shared": sspec.to_dict()})
+                        module_tensors = tensors
+                    except MegaMoEError as e:
+                        module_reason = str(e)
+        self.spec = spec_with_module
+        self.backend = get_backend(backend, dev, spec=self.spec, **(backend_kwargs or {}))
+
+        fused, reason = False, "no shared experts"
+        if self.spec.shared is not None:
+            if fuse_shared is False:
+                reason = "fusion disabled by the caller (fuse_shared=False)"
+            elif not self.backend.supports_fused_shared(self.spec):
+                why = getattr(self.backend, "fused_shared_reason", None)
+                why = why(self.spec) if callable(why) else ""
+                reason = (f"backend {self.backend.name!r} cannot fuse a {self.spec.shared.precision} shared expert"
+                          + (f": {why}" if why else " here"))
+            else:
+                fused, reason = True, ""
+        elif shared_experts is not None:
+            reason = module_reason
+        if fuse_shared is True and not fused:
+            raise LayerSpecError(f"fuse_shared=True but the shared expert cannot be fused: {reason}")
+        if module_tensors is not None and not fused:
+            self.spec = spec  # the module stays outside; the layer's spec keeps no shared part
+        self.shared_fused = fused
+        self.shared_reason = reason
+        self.shared_from_module = module_tensors is not None and fused
+
+        row = self.spec.row_spec
+        E_l, H, I = self.spec.experts_per_rank, self.spec.hidden, self.spec.intermediate
+        kt = _alloc_like_layout(row, E_l, H, I, dev, init)
+        for role in _ROUTED_ROLES:
+            t = getattr(kt, role)
+            self.register_parameter(role, None if t is None else _frozen(t))
+        if row.weight.has_global_scale:
+            nan = float("nan")
+            # NaN until loaded: a forward on never-loaded scales fails loudly.
+            self.l1_alpha = _frozen(torch.full((E_l, 2), nan, dtype=torch.float32, device=dev))
+            self.l2_global_scale = _frozen(torch.full((E_l,), nan, dtype=torch.float32, device=dev))
+            self.register_buffer("l2_activation_scale", torch.full((), nan, dtype=torch.float32, device=dev))
+            self.register_buffer("a2_scales", torch.full((E_l,), nan, dtype=torch.float32, device=dev),
+                                 persistent=False)
+            self.register_buffer("l2_alpha", torch.full((E_l,), nan, dtype=torch.float32, device=dev),
+                                 persistent=False)
+            self.register_buffer("l1_alpha_gate", torch.full((E_l,), nan, dtype=torch.float32, device=dev),
+                                 persistent=False)
+
+        self.shared_mlp: Optional[MegaMoESharedExpert] = None
+        if self.spec.shared is not None:
+            if fused:
+                skt = _alloc_like_layout(self.spec.shared.precision, None, H,
+                                         self.spec.shared.folded_intermediate, dev, init)
+                for role in _ROUTED_ROLES:
+                    t = getattr(skt, role)
+                    self.register_parameter(f"shared_{role}", None if t is None else _frozen(t))
+            else:
+                self.shared_mlp = MegaMoESharedExpert(self.spec, dev, init)
+        if module_tensors is not None and fused:
+            self._pack_shared_from_module(module_tensors)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def device(self) -> torch.device:
+        return self.l1_weight.device
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"row={s.row}, hidden={s.hidden}, intermediate={s.intermediate}, experts={s.num_experts} "
+                f"(local {s.local_experts.start}..{s.local_experts.stop - 1}), top_k={s.top_k}, "
+                f"activation={s.activation.kind}, backend={self.backend.name}, shared_fused={self.shared_fused}"
+                + (f", prefix={self.prefix!r}" if self.prefix else ""))
+
+    def param_for_role(self, role: str) -> Optional[torch.Tensor]:
+        """The tensor a manifest role loads into (None if this layer has none)."""
+        if role in _ROUTED_ROLES or role in _NV_PARAM_ROLES:
+            return getattr(self, role, None)
+        if role in _SHARED_ROLES:
+            if self.shared_fused:
+                return getattr(self, role, None)
+            if self.shared_mlp is not None:
+                return getattr(self.shared_mlp, role, None)
+            return None
+        if role == "l2_activation_scale":
+            return getattr(self, "l2_activation_scale", None)
+        raise LayoutError(f"unknown role {role!r}; valid: {', '.join(self.roles())}")
+
+    def roles(self) -> list[str]:
+        """Roles this layer loads (= the manifest roles it expects)."""
+        out = [r for r in _ROUTED_ROLES if getattr(self, r, None) is not None]
+        if self.spec.row_spec.weight.has_global_scale:
+            out += list(_NV_PARAM_ROLES)
+        if self.spec.shared is not None:
+            out += [r for r in _SHARED_ROLES if self.param_for_role(r) is not None]
+        return out
+
+    def checkpoint_roles(self) -> list[str]:
+        """Roles a checkpoint load writes: `roles` minus a shared expert packed
+        from an engine module at construction (the engine owns those weights)."""
+        if self.shared_from_module:
+            return [r for r in self.roles() if not r.startswith("shared_")]
+        return self.roles()
+
+    def role_of(self, t: torch.Tensor) -> str:
+        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
+            if p is t:
+                return name
+        return f"<tensor {list(t.shape)} {t.dtype}>"
+
+    def kernel_tensors(self) -> layout.KernelTensors:
+        """The routed kernel tensors (the parameters themselves, no copy)."""
+        return layout.KernelTensors(self.l1_weight, self.l1_scale, self.l2_weight, self.l2_scale)
+
+    def shared_kernel_tensors(self) -> Optional[layout.KernelTensors]:
+        if self.shared_fused:
+            return layout.KernelTensors(*(getattr(self, r) for r in _SHARED_ROLES))
+        if self.shared_mlp is not None:
+            return self.shared_mlp.kernel_tensors()
+        return None
+
+    def storage_snapshot(self) -> dict[str, tuple]:
+        """name -> (data_ptr, storage_offset, shape, stride, dtype, device) of
+        every parameter and buffer: what a CUDA graph burns in. A reload must
+        leave this unchanged."""
+        return {n: (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                for n, t in list(self.named_parameters()) + list(self.named_buffers())}
+
+    def host_scalars(self) -> dict[str, float]:
+        """Host-side scalars a kernel call passes by value (captured by a CUDA
+        graph at capture time): a2 for DGv's ``l2_activation_scale`` and
+        newer DG's ``routed_scaling_factor``."""
+        out = {"routed_scaling_factor": float(self.spec.routed_scaling_factor)}
+        if self.spec.row_spec.weight.has_global_scale:
+            out["l2_activation_scale"] = float(self.l2_activation_scale)
+        return out
+
+    # ------------------------------------------------------------------ loading
+
+    def begin_load(self, mode: str = "stored") -> None:
+        """Start a load pass (resets the per-load pending state: the w1/w3
+        pairs and the a2 inputs of THIS load only)."""
+        self._load_state = loaders.LoadState(mode=mode)
+
+    def _ensure_load_state(self, mode: str) -> loaders.LoadState:
+        if self._load_state is None:
+            self._load_state = loaders.LoadState(mode=mode)
+        return self._load_state
+
+    def load_stored(self, role: str, tensor: torch.Tensor, *, storage: str = "contiguous",
+                    experts: Optional[tuple[int, int]] = None, name: str = "") -> None:
+        """Pre-laid-out load of one stored tensor (one ``copy_``), see `loaders.copy_stored`."""
+        with torch.no_grad():
+            loaders.copy_stored(self, role, tensor, storage=storage, experts=experts, name=name)
+
+    def weight_loader(self, param: Optional[torch.Tensor], loaded_weight: torch.Tensor, weight_name: str,
+                      shard_id: str, expert_id: int) -> bool:
+        """vLLM-style raw loader, see `loaders.raw_weight_loader`."""
+        with torch.no_grad():
+            return loaders.raw_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id)
+
+    def shared_weight_loader(self, param: Optional[torch.Tensor], loaded_weight: torch.Tensor,
+                             weight_name: str, shard_id: str) -> bool:
+        """Raw loader for the shared expert, see `loaders.shared_weight_loader`."""
+        with torch.no_grad():
+            return loaders.shared_weight_loader(self, param, loaded_weight, weight_name, shard_id)
+
+    def set_l2_activation_scale(self, a2: float) -> None:
+        """Write a2 in place (the buffer keeps its storage)."""
+        if not (isinstance(a2, (int, float)) and math.isfinite(a2) and a2 > 0):
+            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be finite and > 0")
+        with torch.no_grad():
+            self.l2_activation_scale.fill_(float(a2))
+
+    def finish_load(self, scalars: Optional[dict] = None) -> None:
+        """End a load pass: complete the raw path's NVFP4 checks (pairs, a2 over
+        all experts), apply the manifest's scalars on the pre-laid-out path,
+        check the NVFP4 scales are set, and refresh the derived device scalars
+        in place. Also the vLLM ``process_weights_after_loading`` hook."""
+        st, self._load_state = self._load_state, None
+        nv = self.spec.row_spec.weight.has_global_scale
+        if st is not None and st.mode == "raw":
+            loaders.finish_raw_load(self, st)
+        if nv and scalars is not None:
+            if "l2_activation_scale" not in scalars:
+                raise ScaleError(f"{self.prefix or 'layer'}: the manifest scalars lack l2_activation_scale "
+                                 f"(have {sorted(scalars)})")
+            self.set_l2_activation_scale(float(scalars["l2_activation_scale"]))
+        if nv:
+            self._check_nv_scalars()
+            self.refresh_derived_scalars()
+        self.load_generation += 1
+
+    process_weights_after_loading = finish_load
+
+    def _check_nv_scalars(self) -> None:
+        lo = self.spec.local_experts.start
+        for name in ("l1_alpha", "l2_global_scale"):
+            t = getattr(self, name)
+            bad = ~(torch.isfinite(t) & (t > 0))
+            if bool(bad.any()):
+                rows = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+                raise ScaleError(
+                    f"{self.prefix or 'layer'}: {name} is unset or invalid for experts "
+                    f"{[lo + r for r in rows[:8]]} (values {t[rows[:4]].tolist()}); every local expert's "
+                    "weight_scale_2 must be loaded, finite and > 0")
+        a2 = float(self.l2_activation_scale)
+        if not (math.isfinite(a2) and a2 > 0):
+            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r} is unset or invalid")
+
+    def refresh_derived_scalars(self) -> None:
+        """Recompute the device scalars the kernels read, in place."""
+        if not self.spec.row_spec.weight.has_global_scale:
+            return
+        with torch.no_grad():
+            self.a2_scales.copy_(self.l2_activation_scale.expand_as(self.a2_scales))
+            torch.mul(self.l2_global_scale, self.l2_activation_scale, out=self.l2_alpha)
+            self.l1_alpha_gate.copy_(self.l1_alpha[:, 0])
+
+    def _pack_shared_from_module(self, tensors: dict) -> None:
+        from .canonical import ExpertTensors, ProjectionTensors
+
+        prec = self.spec.shared.precision
+
+        def proj(key: str) -> ProjectionTensors:
+            w, s = tensors[key]
+            if prec == "mxfp8":
+                return ProjectionTensors(w.to(self.device), s.to(self.device).view(torch.uint8))
+            return ProjectionTensors(w.to(self.device), None)
+
+        ex = ExpertTensors(proj("gate"), proj("up"), proj("down"))
+        with torch.no_grad():
+            layout.write_expert(prec, self.shared_kernel_tensors(), None, ex, where="shared_experts module")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared_experts: Optional[nn.Module] = None) -> torch.Tensor:
+        """bf16 ``[T, H]`` = routed experts (+ shared expert, once).
+
+        hidden_states bf16 ``[T, H]``; topk_weights float32 ``[T, K]``; topk_ids
+        integer ``[T, K]`` GLOBAL expert ids, -1 = masked slot.
+        """
+        spec = self.spec
+        if self.shared_fused and shared_experts is not None:
+            raise LayerSpecError(
+                f"{self.prefix or 'layer'}: the shared expert is fused into this layer (decided at construction); "
+                "passing shared_experts again would add it twice. Call forward without it."
+            )
+        if shared_experts is not None and self.shared_mlp is not None:
+            raise LayerSpecError(
+                f"{self.prefix or 'layer'}: this layer runs the checkpoint's shared expert itself (shared_mlp); "
+                "passing shared_experts as well would add a shared expert twice"
+            )
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 \
+                or hidden_states.shape[1] != spec.hidden or hidden_states.dtype != torch.bfloat16:
+            raise MegaMoEError(
+                f"hidden_states must be bf16 [T, {spec.hidden}], got "
+                f"{getattr(hidden_states, 'dtype', type(hidden_states).__name__)} "
+                f"{list(getattr(hidden_states, 'shape', []))}")
+        T = hidden_states.shape[0]
+        if topk_weights.shape != (T, spec.top_k) or topk_weights.dtype != torch.float32:
+            raise MegaMoEError(f"topk_weights must be float32 [{T}, {spec.top_k}], got {topk_weights.dtype} "
+                               f"{list(topk_weights.shape)}")
+        if topk_ids.shape != (T, spec.top_k) or topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+            raise MegaMoEError(f"topk_ids must be integer [{T}, {spec.top_k}] global expert ids (-1 masked), "
+                               f"got {topk_ids.dtype} {list(topk_ids.shape)}")
+        for label, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+            if t.device != self.device:
+                raise MegaMoEError(f"{label} is on {t.device} but the layer's parameters are on {self.device}")
+        if spec.ep_size > 1 and not getattr(self.backend, "native_ep", False):
+            # backends without their own dispatch/combine (reference, triton) go through the
+            # portable expert-parallel path: pairs computed on their owning rank, combined here
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MegaMoEError(
+                    f"{self.prefix or 'layer'}: EP rank {spec.ep_rank} of {spec.ep_size} with the "
+                    f"{self.backend.name!r} backend needs torch.distributed initialised (tokens are dispatched "
+                    "to the ranks owning their experts); initialise the process group, or build with ep_size=1")
+            from .ep import ep_forward
+
+            return ep_forward(self, hidden_states, topk_weights, topk_ids, shared_experts=shared_experts)
+        shared_input = hidden_states if self.shared_fused else None
+        y = self.backend.forward(self, hidden_states, topk_weights, topk_ids, shared_input=shared_input)
+        extra = shared_experts if shared_experts is not None else self.shared_mlp
+        if extra is not None:
+            y = (y.to(torch.float32) + extra(hidden_states).to(torch.float32)).to(torch.bfloat16)
+        return y

@@ -1,0 +1,578 @@
+"""The manifest (`megamoe.json`): schema, version, reading, validating, writing.
+
+The manifest is the only thing the runtime needs to rebuild a layer from a
+converted folder, so it is validated strictly on read: a malformed or newer
+manifest must fail here, with a message saying what is wrong, rather than as
+a shape error deep inside a load. It is written last and atomically by the
+converter: a folder without it is incomplete.
+
+Tensor keys. A tensor's in-file name is `{moe_prefix}.megamoe.{role}` (or the
+source name for pass-through tensors). With `ep_size > 1` every rank's files
+hold a tensor of that same name (each with only that rank's experts), so the
+manifest key of an expert tensor is `{name}@rank{r:03d}` when `ep_size > 1`
+and the plain name otherwise; `TensorEntry.name` always holds the in-file
+name. Use `Manifest.tensor_key` / `Manifest.entry` / `Manifest.tensors_of`
+rather than building keys by hand.
+
+Storage. safetensors only holds contiguous tensors. A tensor whose kernel
+layout is strided (MN-major scale factors, strides `(P*N, 1, N)`) is stored in
+its physical order `[..., P, N]` and `kernel_view` rebuilds the kernel view
+with `transpose(-1, -2)`: one `copy_` of the file tensor into the storage the
+layer allocated once then gives the kernel bytes (no transform at load).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .errors import LayoutError, ManifestError, MegaMoEError
+
+FORMAT_NAME = "megamoe"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "megamoe.json"
+
+STORAGE_CONTIGUOUS = "contiguous"
+STORAGE_MN_MAJOR = "mn_major_physical"
+STORAGES = (STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR)
+
+#: Roles of expert tensors (also the `DeepGemmMegaMoEExperts` attribute names).
+EXPERT_ROLES = (
+    "l1_weight", "l1_scale", "l2_weight", "l2_scale", "l1_alpha", "l2_global_scale",
+)
+SHARED_ROLES = (
+    "shared_l1_weight", "shared_l1_scale", "shared_l2_weight", "shared_l2_scale",
+)
+#: Role of a non-expert tensor copied through unchanged.
+PASSTHROUGH_ROLE = "passthrough"
+ROLES = EXPERT_ROLES + SHARED_ROLES + (PASSTHROUGH_ROLE,)
+
+#: safetensors dtype names <-> torch dtypes (REFERENCE.md section 9). A dry run
+#: building meta tensors from headers needs at least these.
+DTYPES: dict[str, torch.dtype] = {
+    name: dt for name, dt in {
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "I16": torch.int16,
+        "U16": getattr(torch, "uint16", None),
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I32": torch.int32,
+        "U32": getattr(torch, "uint32", None),
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "C64": torch.complex64,
+        "I64": torch.int64,
+        "U64": getattr(torch, "uint64", None),
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+        "F4": getattr(torch, "float4_e2m1fn_x2", None),
+    }.items() if dt is not None
+}
+#: bits per element as a safetensors header counts them (F4 counts logical
+#: 4-bit elements, so its byte size is numel / 2)
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "F64": 64, "C64": 64, "I64": 64, "U64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F4": 4,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype of a safetensors dtype name (ManifestError if unknown)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ManifestError(
+            f"unknown safetensors dtype {name!r}; known: {', '.join(sorted(DTYPES))}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors dtype name of a torch dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ManifestError(f"dtype {dtype} has no safetensors name") from None
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a safetensors dtype (0.5 is not possible: F4 -> see nbytes_of)."""
+    return max(DTYPE_BITS[name] // 8, 1) if name in DTYPE_BITS else dtype_from_name(name).itemsize
+
+
+def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
+    """Data bytes of a tensor of this safetensors dtype and shape."""
+    if dtype not in DTYPE_BITS:
+        raise ManifestError(f"unknown safetensors dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}")
+    return math.prod(int(s) for s in shape) * DTYPE_BITS[dtype] // 8
+
+
+# --------------------------------------------------------------------------
+# storage order <-> kernel view
+
+
+def kernel_strides_of(storage: str, kernel_shape: Iterable[int]) -> tuple[int, ...]:
+    """Strides of the kernel view of a tensor stored with `storage`."""
+    shape = tuple(int(s) for s in kernel_shape)
+    if storage == STORAGE_CONTIGUOUS:
+        return _contiguous_strides(shape)
+    if storage == STORAGE_MN_MAJOR:
+        if len(shape) < 2:
+            raise LayoutError(f"mn_major_physical needs >= 2 dims, got kernel shape {list(shape)}")
+        phys = _contiguous_strides(shape[:-2] + (shape[-1], shape[-2]))
+        return phys[:-2] + (phys[-1], phys[-2])
+    raise LayoutError(f"unknown storage {storage!r}; valid: {', '.join(STORAGES)}")
+
+
+def stored_shape_of(storage: str, kernel_shape: Iterable[int]) -> tuple[int, ...]:
+    """Shape of the contiguous file tensor for a kernel shape."""
+    shape = tuple(int(s) for s in kernel_shape)
+    if storage == STORAGE_MN_MAJOR:
+        return shape[:-2] + (shape[-1], shape[-2])
+    if storage == STORAGE_CONTIGUOUS:
+        return shape
+    raise LayoutError(f"unknown storage {storage!r}; valid: {', '.join(STORAGES)}")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+#: roles whose kernel layout is an MN-major view (stored as the physical base)
+MN_MAJOR_ROLES = frozenset({"l1_scale", "l2_scale", "shared_l1_scale", "shared_l2_scale"})
+
+
+def storage_of_role(role: str) -> str:
+    """Storage order of a role. Decided by role, not by inspecting strides:
+    with a size-1 dim (e.g. P = 1 for H = 128) an MN-major view also counts
+    as contiguous, and the on-disk order must not depend on that accident."""
+    return STORAGE_MN_MAJOR if role in MN_MAJOR_ROLES else STORAGE_CONTIGUOUS
+
+
+def to_stored(kernel: torch.Tensor, storage: str | None = None) -> tuple[torch.Tensor, str]:
+    """The contiguous tensor to write for a kernel tensor, and its storage order.
+
+    `storage` given (see `storage_of_role`): contiguous tensors are stored as
+    they are; an MN-major view is stored as its physical base
+    `transpose(-1, -2)`, which must be contiguous. Without `storage`, the
+    order is inferred (contiguous first). Any other stride pattern is refused.
+    """
+    if storage is None:
+        storage = STORAGE_CONTIGUOUS if kernel.is_contiguous() else STORAGE_MN_MAJOR
+    if storage == STORAGE_CONTIGUOUS and kernel.is_contiguous():
+        return kernel, STORAGE_CONTIGUOUS
+    if storage == STORAGE_MN_MAJOR and kernel.dim() >= 2:
+        phys = kernel.transpose(-1, -2)
+        if phys.is_contiguous():
+            return phys, STORAGE_MN_MAJOR
+    raise LayoutError(
+        f"tensor of shape {list(kernel.shape)} strides {list(kernel.stride())} cannot be stored as "
+        f"{storage!r} (contiguous, or MN-major: transpose(-1, -2) contiguous)"
+    )
+
+
+def kernel_view(stored: torch.Tensor, entry: "TensorEntry") -> torch.Tensor:
+    """View a tensor read from a file in its kernel shape and strides.
+
+    No copy: for `mn_major_physical` this is `stored.transpose(-1, -2)`. The
+    result is checked against the manifest's kernel shape and strides, so a
+    wrong file tensor fails here with the tensor's name.
+    """
+    if tuple(stored.shape) != tuple(entry.stored_shape):
+        raise LayoutError(
+            f"{entry.name}: file tensor has shape {list(stored.shape)}, manifest says "
+            f"stored_shape {list(entry.stored_shape)}"
+        )
+    if stored.dtype != dtype_from_name(entry.dtype):
+        raise LayoutError(f"{entry.name}: file tensor has dtype {stored.dtype}, manifest says {entry.dtype}")
+    if not stored.is_contiguous():
+        raise LayoutError(f"{entry.name}: file tensor must be contiguous (strides {list(stored.stride())})")
+    view = stored.transpose(-1, -2) if entry.storage == STORAGE_MN_MAJOR else stored
+    if tuple(view.shape) != tuple(entry.kernel_shape) or tuple(view.stride()) != tuple(entry.kernel_strides):
+        raise LayoutError(
+            f"{entry.name}: kernel view has shape {list(view.shape)} strides {list(view.stride())}, "
+            f"manifest says {list(entry.kernel_shape)} strides {list(entry.kernel_strides)}"
+        )
+    return view
+
+
+# --------------------------------------------------------------------------
+# schema
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Where the converted checkpoint came from (enough to reproduce it)."""
+
+    id: str
+    kind: str  # "local" | "hub"
+    revision: str | None
+    format: str
+    content_hash: str | None
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "revision": self.revision,
+                "format": self.format, "content_hash": self.content_hash}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the output. `name` is its name inside `file`."""
+
+    name: str
+    layer: int | None
+    role: str
+    ep_rank: int | None
+    experts: tuple[int, int] | None  # global expert ids [lo, hi)
+    file: str
+    dtype: str
+    stored_shape: tuple[int, ...]
+    kernel_shape: tuple[int, ...]
+    kernel_strides: tuple[int, ...]
+    storage: str
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.stored_shape)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "layer": self.layer, "role": self.role, "ep_rank": self.ep_rank,
+            "experts": list(self.experts) if self.experts is not None else None,
+            "file": self.file, "dtype": self.dtype, "stored_shape": list(self.stored_shape),
+            "kernel_shape": list(self.kernel_shape), "kernel_strides": list(self.kernel_strides),
+            "storage": self.storage, "sha256": self.sha256,
+        }
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One MoE layer: its spec (LayerSpec.to_dict with ep_rank 0), the scalars
+    computed over all experts (e.g. `l2_activation_scale`), the shared-expert
+    status and any explicit repairs the converter made (scale requantization)."""
+
+    index: int
+    prefix: str
+    spec: dict
+    scalars: dict
+    shared: dict
+    repairs: tuple = ()
+
+    def layer_spec(self, ep_rank: int = 0, ep_size: int | None = None):
+        """The LayerSpec of this layer for one EP rank."""
+        from .formats import LayerSpec
+
+        d = dict(self.spec)
+        d["ep_rank"] = ep_rank
+        if ep_size is not None:
+            d["ep_size"] = ep_size
+        return LayerSpec.from_dict(d)
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "prefix": self.prefix, "spec": self.spec,
+                "scalars": self.scalars, "shared": self.shared, "repairs": list(self.repairs)}
+
+
+@dataclass
+class Manifest:
+    converter_version: str
+    source: SourceInfo
+    row: str
+    ep_size: int
+    layers: list[LayerEntry]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
+    model: dict = field(default_factory=dict)  # checkpoint-level facts (activation, routing...)
+    format_version: int = FORMAT_VERSION
+
+    # ---- lookups
+    def tensor_key(self, name: str, ep_rank: int | None) -> str:
+        """Manifest key of the tensor `name` of rank `ep_rank` (see module doc)."""
+        return tensor_key(name, ep_rank, self.ep_size)
+
+    def entry(self, name: str, ep_rank: int | None = None) -> TensorEntry:
+        key = self.tensor_key(name, ep_rank)
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise ManifestError(f"manifest has no tensor {key!r}") from None
+
+    def tensors_of(self, layer: int, ep_rank: int = 0) -> dict[str, TensorEntry]:
+        """Expert (and shared) tensors of one layer for one rank, keyed by role.
+        Shared-expert tensors are replicated: every rank's set holds them."""
+        return {t.role: t for t in self.tensors.values() if t.layer == layer and t.ep_rank == ep_rank}
+
+    def layer(self, index: int) -> LayerEntry:
+        for le in self.layers:
+            if le.index == index:
+                return le
+        raise ManifestError(f"manifest has no MoE layer {index}; layers: {[le.index for le in self.layers]}")
+
+    def files_of_rank(self, ep_rank: int) -> list[str]:
+        """Files a rank needs: its own expert shards plus every non-expert file."""
+        return sorted({t.file for t in self.tensors.values() if t.ep_rank in (None, ep_rank)})
+
+    # ---- (de)serialisation
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "converter_version": self.converter_version,
+            "source": self.source.to_dict(),
+            "row": self.row,
+            "ep_size": self.ep_size,
+            "model": self.model,
+            "layers": [le.to_dict() for le in sorted(self.layers, key=lambda le: le.index)],
+            "tensors": {k: self.tensors[k].to_dict() for k in sorted(self.tensors)},
+            "files": {k: self.files[k].to_dict() for k in sorted(self.files)},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = MANIFEST_NAME) -> "Manifest":
+        return _parse_manifest(d, where)
+
+
+def tensor_key(name: str, ep_rank: int | None, ep_size: int) -> str:
+    if ep_rank is None or ep_size == 1:
+        return name
+    return f"{name}@rank{ep_rank:03d}"
+
+
+def manifest_bytes(m: Manifest) -> bytes:
+    """Deterministic JSON (sorted tensor and file keys, no timestamps), so the
+    same conversion gives the same bytes."""
+    return (json.dumps(m.to_dict(), indent=1, ensure_ascii=True, allow_nan=False) + "\n").encode()
+
+
+def write_manifest(directory: str | os.PathLike, m: Manifest) -> Path:
+    """Validate `m` and write `directory/megamoe.json` atomically (temp file,
+    fsync, rename), so a reader never sees half a manifest."""
+    _parse_manifest(json.loads(manifest_bytes(m)), "manifest to write")  # refuse to write what we cannot read
+    directory = Path(directory)
+    data = manifest_bytes(m)
+    tmp = directory / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # mode honours the umask
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST_NAME)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return directory / MANIFEST_NAME
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """Read and validate `directory/megamoe.json`.
+
+    ManifestError if it is missing (the folder is not a finished megamoe
+    output), not JSON, of a newer format version, or malformed.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(
+            f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "
+            "(the manifest is written last: an interrupted conversion has none)"
+        )
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    return _parse_manifest(d, str(path))
+
+
+# --------------------------------------------------------------------------
+# validation
+
+
+def _need(d: Any, key: str, types, where: str):
+    if not isinstance(d, dict) or key not in d:
+        raise ManifestError(f"{where}: missing key {key!r}")
+    v = d[key]
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in _as_tuple(types)):
+        raise ManifestError(f"{where}.{key}: expected {_type_names(types)}, got {type(v).__name__} {v!r:.80}")
+    return v
+
+
+def _as_tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _type_names(types) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in _as_tuple(types))
+
+
+def _int_list(v: Any, where: str, n: int | None = None) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ManifestError(f"{where}: expected a list of non-negative ints, got {v!r:.80}")
+    if n is not None and len(v) != n:
+        raise ManifestError(f"{where}: expected {n} ints, got {len(v)}")
+    return tuple(v)
+
+
+def _parse_manifest(d: Any, where: str) -> Manifest:
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    fmt = d.get("format")
+    if fmt != FORMAT_NAME:
+        raise ManifestError(f"{where}: 'format' is {fmt!r}, expected {FORMAT_NAME!r}")
+    version = _need(d, "format_version", int, where)
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: format_version {version} was written by a newer megamoe; this version reads "
+            f"format_version <= {FORMAT_VERSION}. Upgrade megamoe (pip install -U megamoe) to load it."
+        )
+    if version < 1:
+        raise ManifestError(f"{where}: format_version {version} is not valid (versions start at 1)")
+    converter_version = _need(d, "converter_version", str, where)
+    src = _need(d, "source", dict, where)
+    source = SourceInfo(
+        id=_need(src, "id", str, f"{where}.source"),
+        kind=_need(src, "kind", str, f"{where}.source"),
+        revision=_need(src, "revision", (str, type(None)), f"{where}.source"),
+        format=_need(src, "format", str, f"{where}.source"),
+        content_hash=_need(src, "content_hash", (str, type(None)), f"{where}.source"),
+    )
+    if source.kind not in ("local", "hub"):
+        raise ManifestError(f"{where}.source.kind: {source.kind!r}, expected 'local' or 'hub'")
+    row = _need(d, "row", str, where)
+    ep_size = _need(d, "ep_size", int, where)
+    if ep_size < 1:
+        raise ManifestError(f"{where}.ep_size: {ep_size}, must be >= 1")
+    model = d.get("model", {})
+    if not isinstance(model, dict):
+        raise ManifestError(f"{where}.model: expected an object")
+
+    files: dict[str, FileEntry] = {}
+    for name, fe in _need(d, "files", dict, where).items():
+        w = f"{where}.files[{name!r}]"
+        if "/" in name or "\\" in name or name.startswith(".") or name == MANIFEST_NAME:
+            raise ManifestError(f"{w}: file names must be plain names inside the folder")
+        size = _need(fe, "size", int, w)
+        sha = _need(fe, "sha256", str, w)
+        if size < 0 or not _HEX64.match(sha):
+            raise ManifestError(f"{w}: size must be >= 0 and sha256 64 lowercase hex digits, got {size}, {sha!r}")
+        files[name] = FileEntry(size, sha)
+
+    layers: list[LayerEntry] = []
+    seen_layers = set()
+    for i, le in enumerate(_need(d, "layers", list, where)):
+        w = f"{where}.layers[{i}]"
+        index = _need(le, "index", int, w)
+        if index in seen_layers:
+            raise ManifestError(f"{w}: duplicate layer index {index}")
+        seen_layers.add(index)
+        spec = _need(le, "spec", dict, w)
+        entry = LayerEntry(
+            index=index,
+            prefix=_need(le, "prefix", str, w),
+            spec=spec,
+            scalars=_need(le, "scalars", dict, w),
+            shared=_need(le, "shared", dict, w),
+            repairs=tuple(le.get("repairs", [])),
+        )
+        for k, v in entry.scalars.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ManifestError(f"{w}.scalars.{k}: expected a finite number, got {v!r}")
+        try:
+            ls = entry.layer_spec(0, ep_size)
+        except MegaMoEError as e:
+            raise ManifestError(f"{w}.spec: {e}") from None
+        if ls.row != row:
+            raise ManifestError(f"{w}.spec.row is {ls.row!r} but the manifest row is {row!r}")
+        layers.append(entry)
+
+    tensors: dict[str, TensorEntry] = {}
+    for key, te in _need(d, "tensors", dict, where).items():
+        w = f"{where}.tensors[{key!r}]"
+        exp = _need(te, "experts", (list, type(None)), w)
+        t = TensorEntry(
+            name=_need(te, "name", str, w),
+            layer=_need(te, "layer", (int, type(None)), w),
+            role=_need(te, "role", str, w),
+            ep_rank=_need(te, "ep_rank", (int, type(None)), w),
+            experts=_int_list(exp, f"{w}.experts", 2) if exp is not None else None,
+            file=_need(te, "file", str, w),
+            dtype=_need(te, "dtype", str, w),
+            stored_shape=_int_list(_need(te, "stored_shape", list, w), f"{w}.stored_shape"),
+            kernel_shape=_int_list(_need(te, "kernel_shape", list, w), f"{w}.kernel_shape"),
+            kernel_strides=_int_list(_need(te, "kernel_strides", list, w), f"{w}.kernel_strides"),
+            storage=_need(te, "storage", str, w),
+            sha256=_need(te, "sha256", str, w),
+        )
+        _check_tensor(t, key, w, ep_size, files, seen_layers)
+        tensors[key] = t
+
+    return Manifest(converter_version=converter_version, source=source, row=row, ep_size=ep_size,
+                    layers=layers, tensors=tensors, files=files, model=model, format_version=version)
+
+
+def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, layers: set) -> None:
+    if t.role not in ROLES:
+        raise ManifestError(f"{w}.role: {t.role!r}, valid: {', '.join(ROLES)}")
+    if t.dtype not in DTYPE_BITS:
+        raise ManifestError(f"{w}.dtype: {t.dtype!r}, valid: {', '.join(sorted(DTYPE_BITS))}")
+    if t.storage not in STORAGES:
+        raise ManifestError(f"{w}.storage: {t.storage!r}, valid: {', '.join(STORAGES)}")
+    if t.file not in files:
+        raise ManifestError(f"{w}.file: {t.file!r} is not listed in 'files'")
+    if not _HEX64.match(t.sha256):
+        raise ManifestError(f"{w}.sha256: expected 64 lowercase hex digits, got {t.sha256!r}")
+    if key != tensor_key(t.name, t.ep_rank, ep_size):
+        raise ManifestError(f"{w}: key does not match name {t.name!r} and ep_rank {t.ep_rank}")
+    if t.role == PASSTHROUGH_ROLE:
+        if t.layer is not None or t.ep_rank is not None or t.experts is not None:
+            raise ManifestError(f"{w}: pass-through tensors have no layer, ep_rank or experts")
+    else:
+        if t.layer not in layers:
+            raise ManifestError(f"{w}.layer: {t.layer} is not one of the manifest's layers {sorted(layers)}")
+        if t.ep_rank is None or not 0 <= t.ep_rank < ep_size:
+            raise ManifestError(f"{w}.ep_rank: {t.ep_rank}, must be in [0, {ep_size})")
+        if t.experts is not None and not t.experts[0] <= t.experts[1]:
+            raise ManifestError(f"{w}.experts: {list(t.experts)} is not a range [lo, hi)")
+    if len(t.kernel_shape) != len(t.kernel_strides):
+        raise ManifestError(f"{w}: kernel_shape and kernel_strides differ in length")
+    try:
+        want_stored = stored_shape_of(t.storage, t.kernel_shape)
+        want_strides = kernel_strides_of(t.storage, t.kernel_shape)
+    except LayoutError as e:
+        raise ManifestError(f"{w}: {e}") from None
+    if want_stored != t.stored_shape:
+        raise ManifestError(
+            f"{w}: stored_shape {list(t.stored_shape)} does not match kernel_shape {list(t.kernel_shape)} "
+            f"under storage {t.storage!r} (expected {list(want_stored)})")
+    if want_strides != t.kernel_strides:
+        raise ManifestError(
+            f"{w}: kernel_strides {list(t.kernel_strides)} do not match storage {t.storage!r} "
+            f"(expected {list(want_strides)})")

@@ -1,0 +1,542 @@
+"""DeepGEMM backend contract tests.
+
+DeepGEMM's mega kernels need an SM100 GPU, so the backend is tested against
+recording stand-ins of ``deep_gemm``, one per documented API version
+(REFERENCE.md §2, §4): each stand-in has that version's exact entry-point and
+symmetric-buffer signatures, buffer views with the documented shapes, dtypes
+and strides, and checks every tensor it is handed. The stand-in is injected as
+``deep_gemm`` into ``sys.modules``.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import megamoe_runtime as mr
+from megamoe_runtime import codecs
+from megamoe_runtime.backends.deepgemm import DeepGemmBackend, detect_api, import_deep_gemm, shared_sf_rows
+from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
+from megamoe_runtime.layer import DeepGemmMegaMoEExperts
+
+_ALIGN = 16  # the stand-ins align T like DeepGEMM does (to something), here 16
+
+
+# --------------------------------------------------------------------------- stand-in construction
+
+
+class _Group:
+    def __init__(self):
+        self.barriers = 0
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def _kind(mma_type, dgv_nv=False):
+    return {"fp8xfp4": "mx", "fp8xfp8": "mx", "bf16xbf16": "bf16", "fp4xfp4": "nv"}[mma_type] if not dgv_nv else "dgv"
+
+
+def _make_buffer_cls(mod, label):
+    class Buf:
+        def _init(self, group, num_experts, T, K, H, I, *, mma_type, num_shared=0, shared_dtype=None, **rest):
+            assert isinstance(num_experts, int) and isinstance(T, int) and isinstance(K, int)
+            mod.buffers.append((label, dict(num_experts=num_experts, T=T, K=K, H=H, I=I, mma_type=mma_type,
+                                            num_shared=num_shared, shared_dtype=shared_dtype, **rest)))
+            T = (T + _ALIGN - 1) // _ALIGN * _ALIGN
+            self.group, self.num_experts, self.num_max_tokens_per_rank, self.num_topk = group, num_experts, T, K
+            self.hidden, self.intermediate_hidden, self.mma_type = H, I, mma_type
+            kind = _kind(mma_type, label == "NVFP4SymmBuffer")
+            self.x = {"mx": torch.zeros(T, H, dtype=torch.float8_e4m3fn), "bf16": torch.zeros(T, H, dtype=torch.bfloat16),
+                      "nv": torch.zeros(T, H // 2, dtype=torch.uint8), "dgv": torch.zeros(T, H // 2, dtype=torch.int8)}[kind]
+            self.x_sf = {"mx": torch.zeros(T, H // 128, dtype=torch.int32), "bf16": None,
+                         "nv": torch.zeros(T, H // 64, dtype=torch.int32),
+                         "dgv": torch.zeros(T, H // 64, dtype=torch.int32)}[kind]
+            self.topk_idx = torch.zeros(T, K, dtype=torch.int64)
+            self.topk_weights = torch.full((T, K), 7.0, dtype=torch.float32)
+            rows = -(-T // 8) * 128
+            self.shared_l1_acts = self.x if kind == "mx" else None
+            self.shared_l1_acts_sf = None
+            if num_shared and (kind == "mx" or (kind == "dgv" and shared_dtype == torch.float8_e4m3fn)):
+                self.shared_l1_acts_sf = torch.full((H // 128, rows), -1, dtype=torch.int32).t()  # strides (1, rows)
+            if kind == "dgv":
+                self.x_scales = torch.zeros(T, dtype=torch.float32)
+                if num_shared:
+                    self.shared_l1_acts = torch.zeros(T, H, dtype=shared_dtype)
+            self.buffer = torch.zeros(8, dtype=torch.int8)
+    Buf.__name__ = label
+    return Buf
+
+
+def _check_pair(pair, E_l, N, K, elem, group):
+    w, sf = pair
+    dt = {"e2m1": torch.int8, "e4m3": torch.float8_e4m3fn}[elem]
+    assert w.dtype == dt and w.is_contiguous()
+    assert tuple(w.shape) == ((E_l,) if E_l else ()) + (N, K // 2 if elem == "e2m1" else K)
+    P = K // (4 * group)
+    assert sf.dtype == torch.int32 and tuple(sf.shape) == ((E_l,) if E_l else ()) + (N, P)
+    assert tuple(sf.stride()) == (((P * N,) if E_l else ()) + (1, N)), sf.stride()  # MN-major
+
+
+def _check_common(mod, fn, y, l1, l2, buf, kw):
+    assert isinstance(buf, (mod.SymmBuffer, getattr(mod, "NVFP4SymmBuffer", ()))) or type(buf).__name__.endswith("Buffer")
+    T = y.shape[0]
+    assert y.dtype == torch.bfloat16 and y.is_contiguous() and y.shape[1] == buf.hidden
+    assert T <= buf.num_max_tokens_per_rank
+    E_l = buf.num_experts // buf.group.size()
+    H, I = buf.hidden, buf.intermediate_hidden
+    if fn == "bf16_mega_moe":
+        assert l1.dtype == l2.dtype == torch.bfloat16 and l1.shape == (E_l, 2 * I, H) and l2.shape == (E_l, H, I)
+        assert l1.is_contiguous() and l2.is_contiguous()
+    else:
+        elem = "e4m3" if (fn == "fp8_fp8_mega_moe" or l1[0].dtype == torch.float8_e4m3fn) else "e2m1"
+        group = 16 if fn in ("fp4_fp4_mega_moe", "nvfp4_mega_moe") else 32
+        _check_pair(l1, E_l, 2 * I, H, elem, group)
+        _check_pair(l2, E_l, H, I, elem, group)
+    mod.calls.append((fn, y, l1, l2, buf, dict(kw)))
+    y.fill_(1.0)
+
+
+def make_standin(version: str) -> types.ModuleType:
+    mod = types.ModuleType("deep_gemm")
+    mod.calls, mod.buffers = [], []
+    BufCls = _make_buffer_cls(mod, "SymmBuffer")
+
+    if version == "dg-2604":
+        class SymmBuffer(BufCls):
+            def __init__(self, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                         use_fp8_dispatch=True, activation="swiglu"):
+                self._init(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                           mma_type="fp8xfp4" if use_fp8_dispatch else "bf16xbf16",
+                           use_fp8_dispatch=use_fp8_dispatch, activation=activation)
+
+        def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, recipe=(1, 1, 32), activation="swiglu",
+                             activation_clamp=None, fast_math=True):
+            assert recipe == (1, 1, 32) and activation == "swiglu"
+            _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                               fast_math=fast_math))
+        mod.SymmBuffer, mod.fp8_fp4_mega_moe = SymmBuffer, fp8_fp4_mega_moe
+        return mod
+
+    if version in ("dg-main", "dgz"):
+        class SymmBuffer(BufCls):
+            def __init__(self, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                         num_ring_tokens, mma_type="fp8xfp4", activation="swiglu"):
+                self._init(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                           mma_type=mma_type, activation=activation, num_ring_tokens=num_ring_tokens)
+
+        def get_symm_buffer_for_mega_moe(group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                         intermediate_hidden, use_fp8_dispatch=None, mma_type="fp8xfp4",
+                                         activation="swiglu"):
+            assert use_fp8_dispatch is None, "mma_type is the current way; use_fp8_dispatch is deprecated"
+            return SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                              768, mma_type=mma_type, activation=activation)
+
+        def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                             recipe=(1, 1, 32), activation="swiglu", activation_clamp=None, fast_math=True):
+            _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                               fast_math=fast_math))
+
+        def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                          activation="swiglu", activation_clamp=None, fast_math=True):
+            _check_common(mod, "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                          dict(activation=activation, activation_clamp=activation_clamp, fast_math=fast_math))
+        mod.SymmBuffer, mod.get_symm_buffer_for_mega_moe = SymmBuffer, get_symm_buffer_for_mega_moe
+        mod.fp8_fp4_mega_moe, mod.bf16_mega_moe = fp8_fp4_mega_moe, bf16_mega_moe
+        if version == "dgz":
+            def fp8_fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                                 recipe=(1, 1, 32), activation="swiglu", activation_clamp=None, fast_math=True):
+                assert sym_buffer.mma_type == "fp8xfp8"
+                _check_common(mod, "fp8_fp8_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                              dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                                   fast_math=fast_math))
+            mod.fp8_fp8_mega_moe = fp8_fp8_mega_moe
+        return mod
+
+    # dg-newer and dgv share the shared-expert-capable buffer
+    class SymmBuffer(BufCls):
+        if version == "dg-newer":
+            def __init__(self, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                         num_shared_experts=0, mma_type="fp8xfp4", activation="swiglu", base=None):
+                assert activation != "situ" or mma_type == "fp8xfp4"
+                self._init(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                           mma_type=mma_type, activation=activation, num_shared=num_shared_experts)
+        else:
+            def __init__(self, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                         num_shared_experts=0, mma_type="fp8xfp4", activation="swiglu"):
+                self._init(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                           mma_type=mma_type, activation=activation, num_shared=num_shared_experts)
+
+    def get_symm_buffer_for_mega_moe(group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                     intermediate_hidden, num_shared_experts=0, use_fp8_dispatch=None,
+                                     mma_type="fp8xfp4", activation="swiglu"):
+        return SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                          num_shared_experts, mma_type=mma_type, activation=activation)
+
+    def get_block_m_for_mega_moe(num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk, mma_type):
+        mod.block_m_calls.append((num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk, mma_type))
+        return 16
+
+    def _shared(buf, s1, s2, scaled):
+        if s1 is None:
+            assert s2 is None
+            return
+        if scaled:
+            _check_pair(s1, None, s1[0].shape[0], buf.hidden, "e4m3", 32)
+            _check_pair(s2, None, buf.hidden, s2[0].shape[1], "e4m3", 32)
+            w1, w2 = s1[0], s2[0]
+        else:
+            w1, w2 = s1, s2
+            assert w1.dtype == w2.dtype == torch.bfloat16 and w1.is_contiguous() and w2.is_contiguous()
+        width = w2.shape[1]
+        assert width % buf.intermediate_hidden == 0 and w1.shape == (2 * width, buf.hidden)
+
+    def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, shared_l1_weights=None, shared_l2_weights=None,
+                      cumulative_local_expert_recv_stats=None, activation="swiglu", activation_clamp=None,
+                      fast_math=True):
+        _shared(sym_buffer, shared_l1_weights, shared_l2_weights, False)
+        _check_common(mod, "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                      dict(activation=activation, activation_clamp=activation_clamp, fast_math=fast_math,
+                           shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights))
+
+    mod.block_m_calls = []
+    mod.SymmBuffer, mod.get_symm_buffer_for_mega_moe = SymmBuffer, get_symm_buffer_for_mega_moe
+    mod.get_block_m_for_mega_moe, mod.bf16_mega_moe = get_block_m_for_mega_moe, bf16_mega_moe
+
+    if version == "dg-newer":
+        def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, shared_l1_weights=None, shared_l2_weights=None,
+                             cumulative_local_expert_recv_stats=None, recipe=(1, 1, 32), activation="swiglu",
+                             activation_clamp=None, fast_math=True, situ_beta=None, situ_linear_beta=None):
+            assert (situ_beta is None) == (activation == "swiglu")
+            _shared(sym_buffer, shared_l1_weights, shared_l2_weights, True)
+            _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                               fast_math=fast_math, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                               shared_l1_weights=shared_l1_weights))
+
+        def fp4_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, shared_l1_weights=None, shared_l2_weights=None,
+                             x_bf16=None, cumulative_local_expert_recv_stats=None, recipe=(1, 1, 16),
+                             activation="swiglu", activation_clamp=None, fast_math=True, l1_alphas=None,
+                             l2_alphas=None, a2_scales=None, routed_scaling_factor=1.0):
+            E_l = sym_buffer.num_experts
+            assert sym_buffer.mma_type == "fp4xfp4" and recipe == (1, 1, 16)
+            assert l1_alphas.dtype == torch.float32 and l1_alphas.shape == (E_l, 2) and l1_alphas.is_contiguous()
+            for t in (l2_alphas, a2_scales):
+                assert t.dtype == torch.float32 and t.shape == (E_l,) and t.is_contiguous()
+            assert bool((a2_scales > 0).all()) and isinstance(routed_scaling_factor, float)
+            assert (shared_l1_weights is None) == (x_bf16 is None)
+            if x_bf16 is not None:
+                assert x_bf16.dtype == torch.bfloat16 and x_bf16.is_contiguous() and x_bf16.shape[0] >= y.shape[0]
+            _shared(sym_buffer, shared_l1_weights, shared_l2_weights, False)
+            _check_common(mod, "fp4_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                               fast_math=fast_math, l1_alphas=l1_alphas, l2_alphas=l2_alphas, a2_scales=a2_scales,
+                               routed_scaling_factor=routed_scaling_factor, x_bf16=x_bf16,
+                               shared_l1_weights=shared_l1_weights))
+        mod.fp8_fp4_mega_moe, mod.fp4_fp4_mega_moe = fp8_fp4_mega_moe, fp4_fp4_mega_moe
+        return mod
+
+    assert version == "dgv"
+
+    def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, shared_l1_weights=None, shared_l2_weights=None,
+                         cumulative_local_expert_recv_stats=None, recipe=(1, 1, 32), activation="swiglu",
+                         activation_clamp=None, activation_beta=None, activation_linear_beta=None, fast_math=True):
+        _shared(sym_buffer, shared_l1_weights, shared_l2_weights, True)
+        _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                      dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                           activation_beta=activation_beta, activation_linear_beta=activation_linear_beta,
+                           fast_math=fast_math, shared_l1_weights=shared_l1_weights))
+
+    NvBuf = _make_buffer_cls(mod, "NVFP4SymmBuffer")
+
+    class NVFP4SymmBuffer(NvBuf):
+        def __init__(self, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                     num_shared_experts=0, base=None, shared_dtype=torch.float8_e4m3fn):
+            assert shared_dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            self._init(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                       mma_type="fp4xfp4", num_shared=num_shared_experts,
+                       shared_dtype=shared_dtype if num_shared_experts else None)
+
+    def nvfp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, shared_l1_weights=None, shared_l2_weights=None,
+                       cumulative_local_expert_recv_stats=None, activation_clamp=None, fast_math=True,
+                       activation_alpha=1.0, activation_beta=0.0, l1_alpha=None, l2_alpha=None,
+                       l2_activation_scale=1.0, use_x_scales=False):
+        assert isinstance(sym_buffer, NVFP4SymmBuffer)
+        E_l = sym_buffer.num_experts
+        for t in (l1_alpha, l2_alpha):
+            assert t.dtype == torch.float32 and t.shape == (E_l,) and t.is_contiguous()
+        assert isinstance(l2_activation_scale, float) and l2_activation_scale > 0
+        if shared_l1_weights is not None:
+            _shared(sym_buffer, shared_l1_weights, shared_l2_weights, isinstance(shared_l1_weights, tuple))
+        _check_common(mod, "nvfp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
+                      dict(activation_clamp=activation_clamp, fast_math=fast_math, activation_alpha=activation_alpha,
+                           activation_beta=activation_beta, l1_alpha=l1_alpha, l2_alpha=l2_alpha,
+                           l2_activation_scale=l2_activation_scale, use_x_scales=use_x_scales,
+                           shared_l1_weights=shared_l1_weights))
+    mod.fp8_fp4_mega_moe, mod.nvfp4_mega_moe, mod.NVFP4SymmBuffer = fp8_fp4_mega_moe, nvfp4_mega_moe, NVFP4SymmBuffer
+    return mod
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    from megamoe_runtime.backends import deepgemm
+
+    monkeypatch.setattr(deepgemm, "_BUFFERS", {})
+
+    def install(version):
+        mod = make_standin(version)
+        monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+        return mod
+
+    return install
+
+
+def _backend(group=None, **kw):
+    return DeepGemmBackend("cpu", check_device=False, max_num_tokens=20, group=group or _Group(), **kw)
+
+
+def _filled_layer(spec, backend):
+    layer = DeepGemmMegaMoEExperts(spec, backend=backend, init="zeros")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            if p.dtype == torch.float32:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+                continue
+            base = p.transpose(-1, -2) if "scale" in n else p
+            base.view(torch.uint8).copy_(torch.randint(0, 120, base.view(torch.uint8).shape, generator=g,
+                                                       dtype=torch.uint8))
+        if spec.row == "nvfp4":
+            layer.l1_alpha[:, 1] = layer.l1_alpha[:, 0]
+            layer.set_l2_activation_scale(0.25)
+            layer.finish_load()
+    return layer
+
+
+def _inputs(T, H, K, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[2, 0] = -1
+    w[2, 0] = float("nan")  # a masked slot's weight is never read; the staged weight must be 0
+    return x, w, ids
+
+
+def _spec(row, H=256, I=128, **kw):
+    return mr.LayerSpec(row, hidden=H, intermediate=I, num_experts=8, top_k=2, **kw)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+VERSIONS = ["dg-2604", "dg-main", "dg-newer", "dgv", "dgz"]
+
+
+def test_detect_api_per_version(standin):
+    want = {
+        "dg-2604": {"mxfp4": "fp8_fp4_mega_moe", "mxfp8": None, "nvfp4": None, "bf16": None},
+        "dg-main": {"mxfp4": "fp8_fp4_mega_moe", "mxfp8": None, "nvfp4": None, "bf16": "bf16_mega_moe"},
+        "dg-newer": {"mxfp4": "fp8_fp4_mega_moe", "mxfp8": "fp8_fp4_mega_moe", "nvfp4": "fp4_fp4_mega_moe",
+                     "bf16": "bf16_mega_moe"},
+        "dgv": {"mxfp4": "fp8_fp4_mega_moe", "mxfp8": None, "nvfp4": "nvfp4_mega_moe", "bf16": "bf16_mega_moe"},
+        "dgz": {"mxfp4": "fp8_fp4_mega_moe", "mxfp8": "fp8_fp8_mega_moe", "nvfp4": None, "bf16": "bf16_mega_moe"},
+    }
+    for version, rows in want.items():
+        api = detect_api(standin(version))
+        assert api.flavour == version
+        for row, fn in rows.items():
+            assert api.entry_for(row)[0] == fn, (version, row)
+    assert detect_api(standin("dg-newer")).situ_names("fp8_fp4_mega_moe") == ("situ_beta", "situ_linear_beta")
+    assert detect_api(standin("dgv")).situ_names("fp8_fp4_mega_moe") == ("activation_beta", "activation_linear_beta")
+
+
+CALLS = [("dg-2604", "mxfp4"), ("dg-main", "mxfp4"), ("dg-main", "bf16"), ("dg-newer", "mxfp4"),
+         ("dg-newer", "mxfp8"), ("dg-newer", "nvfp4"), ("dg-newer", "bf16"), ("dgv", "mxfp4"), ("dgv", "nvfp4"),
+         ("dgz", "mxfp8")]
+
+
+@pytest.mark.parametrize("version,row", CALLS, ids=[f"{v}-{r}" for v, r in CALLS])
+def test_call_contract(standin, version, row):
+    mod = standin(version)
+    H, I = (512, 512) if (version, row) == ("dg-newer", "nvfp4") else (256, 128)
+    spec = _spec(row, H, I, routed_scaling_factor=2.5,
+                 activation=mr.ActivationSpec("swiglu", clamp=7.0))
+    group = _Group()
+    layer = _filled_layer(spec, _backend(group))
+    assert layer.backend.api.flavour == version
+    T = 5
+    x, w, ids = _inputs(T, H, 2, 8)
+    y = layer(x, w, ids)
+    assert y.shape == (T, H) and torch.equal(y, torch.ones(T, H, dtype=torch.bfloat16))
+    fn, _, l1, l2, buf, kw = mod.calls[-1]
+    assert fn == detect_api(mod).entry_for(row)[0]
+
+    # kernel-layout parameters passed as they are: no copy, no re-layout
+    if row == "bf16":
+        assert l1 is layer.l1_weight and l2 is layer.l2_weight
+    else:
+        assert l1[0] is layer.l1_weight and l1[1] is layer.l1_scale and l2[1] is layer.l2_scale
+
+    # staged dispatch input, exactly the reference's quantization
+    if row == "bf16":
+        assert torch.equal(buf.x[:T], x)
+    elif fn == "nvfp4_mega_moe":
+        packed, sf, tok = codecs.quantize_nvfp4_per_token(x)
+        assert torch.equal(buf.x[:T].view(torch.uint8), packed) and torch.equal(buf.x_scales[:T], tok)
+        assert torch.equal(buf.x_sf[:T], codecs.pack_bytes_int32(sf))
+    elif fn == "fp4_fp4_mega_moe":
+        packed, sf = codecs.quantize_nvfp4(x, 1.0)
+        assert torch.equal(buf.x[:T], packed) and torch.equal(buf.x_sf[:T], codecs.pack_bytes_int32(sf))
+    else:
+        q, sf = codecs.quantize_mxfp8(x)
+        assert torch.equal(buf.x[:T].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(buf.x_sf[:T], codecs.pack_bytes_int32(sf))
+
+    # routing: int64 global ids, padding -1 / 0, masked weight 0, rsf folded unless the kernel takes it
+    assert buf.topk_idx.dtype == torch.int64 and torch.equal(buf.topk_idx[:T], ids)
+    assert bool((buf.topk_idx[T:] == -1).all()) and bool((buf.topk_weights[T:] == 0).all())
+    assert buf.topk_weights[2, 0] == 0
+    rsf = 1.0 if fn == "fp4_fp4_mega_moe" else 2.5
+    valid = ids >= 0
+    assert torch.equal(buf.topk_weights[:T][valid], (w * torch.tensor(rsf))[valid])
+
+    # keyword arguments: exactly what this version understands
+    assert kw.get("activation_clamp") == 7.0 and kw.get("fast_math", True) is True
+    if fn == "fp4_fp4_mega_moe":
+        assert kw["l1_alphas"] is layer.l1_alpha and kw["l2_alphas"] is layer.l2_global_scale
+        assert kw["a2_scales"] is layer.a2_scales and kw["routed_scaling_factor"] == 2.5
+    if fn == "nvfp4_mega_moe":
+        assert kw["l1_alpha"] is layer.l1_alpha_gate and kw["l2_alpha"] is layer.l2_alpha
+        assert kw["l2_activation_scale"] == 0.25 and kw["use_x_scales"] is True
+        assert torch.equal(layer.l2_alpha, layer.l2_global_scale * 0.25)
+
+    # buffer construction per version
+    label, bkw = mod.buffers[-1]
+    assert (bkw["num_experts"], bkw["T"], bkw["K"], bkw["H"], bkw["I"]) == (8, 20, 2, H, I)
+    if version == "dg-2604":
+        assert bkw["use_fp8_dispatch"] is True
+    elif fn != "nvfp4_mega_moe":
+        assert bkw["mma_type"] == spec.row_spec.mma_type
+    assert label == ("NVFP4SymmBuffer" if fn == "nvfp4_mega_moe" else "SymmBuffer")
+
+    # the one-time first-launch barrier, and the buffer is reused
+    layer(x, w, ids)
+    assert group.barriers == 1 and len(mod.buffers) == 1
+
+
+def test_situ_argument_names_per_version(standin):
+    situ = mr.ActivationSpec("situ", situ_beta=4.0, situ_linear_beta=25.0)
+    for version, names in (("dg-newer", ("situ_beta", "situ_linear_beta")),
+                           ("dgv", ("activation_beta", "activation_linear_beta"))):
+        mod = standin(version)
+        layer = _filled_layer(_spec("mxfp4", activation=situ), _backend())
+        x, w, ids = _inputs(3, 256, 2, 8)
+        layer(x, w, ids)
+        kw = mod.calls[-1][-1]
+        assert kw["activation"] == "situ" and (kw[names[0]], kw[names[1]]) == (4.0, 25.0)
+    standin("dg-main")
+    with pytest.raises(BackendUnavailableError, match="no SiTU parameters"):
+        DeepGemmMegaMoEExperts(_spec("mxfp4", activation=situ), backend=_backend())
+
+
+def test_missing_features_name_what_is_missing(standin):
+    standin("dg-main")
+    for row, msg in (("nvfp4", "no NVFP4 mega kernel"), ("mxfp8", "no MXFP8-weight mega kernel")):
+        with pytest.raises(BackendUnavailableError, match=msg):
+            DeepGemmMegaMoEExperts(_spec(row), backend=_backend())
+    standin("dg-2604")
+    with pytest.raises(BackendUnavailableError, match="no bf16_mega_moe"):
+        DeepGemmMegaMoEExperts(_spec("bf16"), backend=_backend())
+    gpt_oss = mr.ActivationSpec("swiglu", clamp=7.0, alpha=1.702, beta=1.0)
+    with pytest.raises(BackendUnavailableError, match="activation_alpha"):
+        DeepGemmMegaMoEExperts(_spec("mxfp4", activation=gpt_oss), backend=_backend())
+    standin("dg-newer")
+    with pytest.raises(BackendUnavailableError, match="multiples of 512"):
+        DeepGemmMegaMoEExperts(_spec("nvfp4"), backend=_backend())
+    with pytest.raises(BackendUnavailableError, match="deep_gemm"):
+        DeepGemmBackend("cpu", check_device=False, module=types.ModuleType("deep_gemm"))
+
+
+def test_fused_fp8_shared_expert_staging(standin):
+    mod = standin("dg-newer")
+    spec = _spec("mxfp4", shared=mr.SharedSpec("mxfp8", 1, 128))
+    layer = _filled_layer(spec, _backend())
+    assert layer.shared_fused
+    T = 13
+    x, w, ids = _inputs(T, 256, 2, 8)
+    layer(x, w, ids)
+    fn, _, _, _, buf, kw = mod.calls[-1]
+    assert kw["shared_l1_weights"][0] is layer.shared_l1_weight and kw["shared_l1_weights"][1] is layer.shared_l1_scale
+    assert mod.buffers[-1][1]["num_shared"] == 1
+    assert mod.block_m_calls[-1] == (1, 8, buf.num_max_tokens_per_rank, T, 2, "fp8xfp4")
+    _, sf = codecs.quantize_mxfp8(x)
+    rows = shared_sf_rows(T, 16)
+    assert rows[:6].tolist() == [0, 4, 8, 12, 16, 20] and rows[8:10].tolist() == [32, 36]
+    assert torch.equal(buf.shared_l1_acts_sf[rows], codecs.pack_bytes_int32(sf))
+    assert buf.shared_l1_acts_sf.stride() == (1, buf.shared_l1_acts_sf.shape[0])
+
+
+def test_fused_shared_nvfp4_variants(standin):
+    mod = standin("dg-newer")
+    spec = _spec("nvfp4", 512, 512, shared=mr.SharedSpec("bf16", 1, 512))
+    layer = _filled_layer(spec, _backend())
+    x, w, ids = _inputs(4, 512, 2, 8)
+    layer(x, w, ids)
+    kw = mod.calls[-1][-1]
+    assert kw["shared_l1_weights"] is layer.shared_l1_weight and torch.equal(kw["x_bf16"][:4], x)
+    xb = kw["x_bf16"]
+    layer(x, w, ids)
+    assert mod.calls[-1][-1]["x_bf16"] is xb  # persistent allocation (CUDA graphs burn it in)
+    # newer DG fuses BF16 shared only: an MXFP8 shared expert runs outside, decided at construction
+    layer2 = _filled_layer(_spec("nvfp4", 512, 512, shared=mr.SharedSpec("mxfp8", 1, 512)), _backend())
+    assert not layer2.shared_fused and "BF16 shared experts only" in layer2.shared_reason
+
+    mod = standin("dgv")
+    layer = _filled_layer(_spec("nvfp4", shared=mr.SharedSpec("mxfp8", 1, 128)), _backend())
+    layer(x[:, :256], w, ids)
+    fn, _, _, _, buf, kw = mod.calls[-1]
+    assert fn == "nvfp4_mega_moe" and isinstance(kw["shared_l1_weights"], tuple)
+    assert mod.buffers[-1][1]["shared_dtype"] == torch.float8_e4m3fn
+    q, _ = codecs.quantize_mxfp8(x[:, :256])
+    assert torch.equal(buf.shared_l1_acts[:4].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_dgv_needs_one_l1_alpha_per_expert(standin):
+    standin("dgv")
+    layer = _filled_layer(_spec("nvfp4"), _backend())
+    with torch.no_grad():
+        layer.l1_alpha[3, 1] *= 2
+    layer.finish_load()
+    x, w, ids = _inputs(3, 256, 2, 8)
+    with pytest.raises(mr.LayerSpecError, match=r"gate and up weight_scale_2 differ for local experts \[3\]"):
+        layer(x, w, ids)
+
+
+def test_token_limit_and_availability(standin):
+    standin("dg-main")
+    layer = _filled_layer(_spec("mxfp4"), _backend())
+    x, w, ids = _inputs(21, 256, 2, 8)
+    with pytest.raises(MegaMoEError, match="max_num_tokens=20"):
+        layer(x, w, ids)
+    ok = DeepGemmBackend.available("cpu")
+    assert ok is not True and "SM100" in ok
+
+
+def test_import_error_is_clear(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm -> ImportError
+    with pytest.raises(BackendUnavailableError, match="needs the deep_gemm package"):
+        import_deep_gemm()

@@ -1,0 +1,426 @@
+"""GPU tests of the triton backend (issue 5): staging bit-exactness, forward vs
+the reference backend per row x activation x shared fusion, a converted real
+producer export end to end, CUDA-graph capture, and negative controls.
+
+Every test is marked ``gpu`` and imports triton lazily, so CPU CI (which may
+lack triton) collects this file and skips it. Run on a Hopper GPU with
+``pytest -m gpu tests/runtime/backends/test_triton.py``. With
+``MEGAMOE_TRITON_REPORT=path`` each forward comparison appends one JSON line
+(row, activation, shared, calc_diff, fraction of bitwise-equal outputs) to
+``path``; BENCHMARKS.md quotes those numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe_runtime import codecs, layout
+from megamoe_runtime.formats import ActivationSpec, LayerSpec, SharedSpec
+from megamoe_runtime.testing import calc_diff
+
+pytestmark = pytest.mark.gpu
+
+#: The stated tolerance: calc_diff to the reference backend on the same GPU.
+TOL = 1e-6
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "real"
+
+
+def _triton():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the triton backend needs sm_89+ (E4M3 conversions)")
+    from megamoe_runtime.backends.triton import moe, staging, synth
+
+    return staging, moe, synth
+
+
+def _report(**kw) -> None:
+    path = os.environ.get("MEGAMOE_TRITON_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> float:
+    """The acceptance check every forward test uses (and the negative controls must fail)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    assert bool(torch.isfinite(out.float()).all()), f"{what}: non-finite output"
+    d = calc_diff(out, ref)
+    assert d < TOL, f"{what}: calc_diff {d:.3e} >= {TOL:g}"
+    return d
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def _adversarial_rows(H: int, dev) -> torch.Tensor:
+    """bf16 rows that hit every rounding corner of the MXFP8 / NVFP4 quantizers."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rows = []
+    rows.append(torch.zeros(H))                                    # all-zero row
+    rows.append(-torch.zeros(H))                                   # all -0.0
+    for k in (-20, -8, 0, 5, 20):                                  # amax exactly 1.75*2^k (448 = 1.75*2^8)
+        r = torch.randn(H, generator=g).clamp(-1, 1) * 1.75 * 2.0 ** k
+        r[::32] = 1.75 * 2.0 ** k
+        rows.append(r)
+        r2 = r.clone()
+        r2[::32] = torch.tensor(1.75 * 2.0 ** k).bfloat16().float() * (1 + 2 ** -7)  # just above
+        rows.append(r2)
+    # E4M3 ties after the UE8M0 scaling: group amax 448 -> scale 1, elements at mantissa midpoints
+    t = torch.tensor([1.0625, 1.1875, 2.125, 0.0048828125, 0.013671875, 3.25, 5.5, 13.0, 240.0, 416.0])
+    r = t[torch.randint(0, len(t), (H,), generator=g)] * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)
+    r[::32] = 448.0
+    rows.append(r)
+    # NVFP4 ties: token amax 2688*2^k -> token scale 2^k; block amax 6*s, elements at E2M1 midpoints * s
+    for k in (-6, 0, 3):
+        s_vals = torch.tensor([448.0, 1.0, 0.5, 3.25, 0.0625, 13.0])
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0])
+        r = torch.empty(H)
+        for b in range(H // 16):
+            s = s_vals[b % len(s_vals)]
+            blk = mids[torch.randint(0, len(mids), (16,), generator=g)] * s
+            blk[0] = 6.0 * s
+            blk = blk * torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0)
+            r[b * 16:(b + 1) * 16] = blk
+        r[0] = 2688.0
+        rows.append(r * 2.0 ** k)
+    rows.append(torch.randint(-64, 65, (H,), generator=g).float() / 16)   # a coarse grid: many ties
+    rows.append(torch.full((H,), 3.0e38))                                  # near bf16 max
+    rows.append(torch.randn(H, generator=g) * 1e-38)                       # bf16 subnormals
+    rows.append(torch.randn(H, generator=g) * 1e-6)                        # below the 1e-4 floor
+    mixed = torch.randn(H, generator=g) * torch.logspace(-30, 30, H)
+    rows.append(mixed)
+    return torch.stack(rows).to(torch.bfloat16).to(dev)
+
+
+def _random_rows(T: int, H: int, dev, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scale = torch.logspace(-8, 8, T)[:, None]
+    x = torch.randn(T, H, generator=g) * scale
+    heavy = torch.rand(T, H, generator=g) < 0.01
+    x = torch.where(heavy, x * 100, x)
+    return x.to(torch.bfloat16).to(dev)
+
+
+@pytest.mark.parametrize("hw_cvt", [True, False], ids=["hw_cvt", "int_cvt"])
+@pytest.mark.parametrize("H", [128, 7168])
+def test_staging_mxfp8_bit_exact(H, hw_cvt):
+    staging, _, _ = _triton()
+    for x in (_adversarial_rows(H, "cuda"), _random_rows(300, H, "cuda", seed=H)):
+        q, sf, x_sf = staging.quantize_mxfp8(x, hw_cvt=hw_cvt)
+        rq, rsf = codecs.quantize_mxfp8(x)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), \
+            f"{int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())} E4M3 bytes differ"
+        assert torch.equal(sf, rsf)
+        assert torch.equal(x_sf, codecs.pack_bytes_int32(rsf))
+        deq = codecs.dequantize_mx(rq, rsf, "e4m3").to(torch.bfloat16)  # exact in bf16
+        for mode in ("natural", "split"):
+            *_, xd = staging.quantize_mxfp8(x, hw_cvt=hw_cvt, dequant=mode)
+            want = deq if mode == "natural" else torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
+            assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), f"dequant {mode} differs"
+
+
+@pytest.mark.parametrize("hw_cvt", [True, False], ids=["hw_cvt", "int_cvt"])
+@pytest.mark.parametrize("H", [128, 6144])
+def test_staging_nvfp4_bit_exact(H, hw_cvt):
+    staging, _, _ = _triton()
+    for x in (_adversarial_rows(H, "cuda"), _random_rows(300, H, "cuda", seed=H + 1)):
+        p, sf, x_sf, ts = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt)
+        rp, rsf, rts = codecs.quantize_nvfp4_per_token(x)
+        assert torch.equal(ts, rts), "token scales differ"
+        assert torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8)), "E4M3 block scales differ"
+        assert torch.equal(p, rp), f"{int((p != rp).sum())} packed E2M1 bytes differ"
+        assert torch.equal(x_sf, codecs.pack_bytes_int32(rsf))
+        *_, xd = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, dequant="split")
+        deq = codecs.dequantize_nvfp4(rp, rsf, 1.0).to(torch.bfloat16)  # token scale not applied; exact
+        want = torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
+        assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), "nvfp4 dequant differs"
+
+
+def test_staging_negative_control():
+    """A quantizer that rounds ties the other way (DG Python 'down') must be caught."""
+    staging, _, _ = _triton()
+    x = _adversarial_rows(256, "cuda")
+    p, _, _, _ = staging.quantize_nvfp4_per_token(x)
+    rp, _, _ = codecs.quantize_nvfp4_per_token(x, ties="down")
+    assert not torch.equal(p, rp)
+    q, _, _ = staging.quantize_mxfp8(x)
+    rq, _ = codecs.quantize_mxfp8(x * 1.0001)
+    assert not torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_e2m1_asm_decode_self_check():
+    """The PRMT lookup-table E2M1 decode (the fast path) agrees with codecs on this GPU,
+    and a forward through it equals the arithmetic decode bit for bit."""
+    _, moe, _ = _triton()
+    assert moe.asm_decode_ok(torch.device("cuda")), "PRMT E2M1 decode disagrees with codecs"
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    for row in ("mxfp4", "nvfp4"):
+        spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu", None, T=21)
+        a = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=_NvScalars(lay) if row == "nvfp4" else None,
+                            asm=True)
+        b = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=_NvScalars(lay) if row == "nvfp4" else None,
+                            asm=False)
+        assert torch.equal(a, b) and torch.equal(a, out)
+
+
+def test_bf16_passthrough():
+    staging, _, _ = _triton()
+    x = _random_rows(17, 384, "cuda", seed=3)
+    y = staging.bf16_passthrough(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("T,E_l,offset,bm", [(1, 8, 0, 16), (37, 8, 8, 16), (300, 16, 0, 64), (0, 4, 0, 16),
+                                              (64, 256, 0, 16)])
+def test_route(T, E_l, offset, bm):
+    staging, _, synth = _triton()
+    K = 4
+    E = E_l * 2
+    tw, ids = synth.random_routing(T, E, K, "cuda", seed=T, mask_frac=0.2, zero_tokens=min(T, 2))
+    plan = staging.route(ids, E_l, offset, bm)
+    flat = ids.reshape(-1).cpu()
+    le = flat - offset
+    valid = (le >= 0) & (le < E_l)
+    counts = torch.bincount(le[valid], minlength=E_l)
+    nblk = int(((counts + bm - 1) // bm).sum())
+    assert int(plan.num_blocks) == nblk <= plan.max_blocks
+    sp = plan.sorted_pairs.cpu()[: plan.max_blocks * bm]
+    be = plan.block_expert.cpu()[: plan.max_blocks]
+    assert (be[nblk:] == -1).all() and (sp[nblk * bm:] == -1).all()
+    seen = []
+    for b in range(nblk):
+        chunk = sp[b * bm:(b + 1) * bm]
+        real = chunk[chunk >= 0]
+        assert (le[real.long()] == be[b]).all(), f"block {b}: pairs of other experts"
+        seen.append(real)
+    seen = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int32)
+    assert sorted(seen.tolist()) == valid.nonzero().squeeze(1).tolist()
+    if nblk:
+        assert (torch.diff(be[:nblk]) >= 0).all()
+
+
+# --------------------------------------------------------------------------- forward vs reference
+
+_ACTS = {
+    "swiglu": ActivationSpec("swiglu"),
+    "swiglu_clamp_ab": ActivationSpec("swiglu", clamp=7.0, alpha=1.702, beta=1.0),
+    "swiglu_clamp0": ActivationSpec("swiglu", clamp=0.0),
+    "situ": ActivationSpec("situ", situ_beta=3.0, situ_linear_beta=6.0),
+}
+_CASES = []
+for _row, _shared in (("mxfp4", (None, "mxfp8")), ("mxfp8", (None, "mxfp8")), ("nvfp4", (None, "bf16", "mxfp8")),
+                      ("bf16", (None, "bf16"))):
+    for _act in ("swiglu", "swiglu_clamp_ab", "situ"):
+        if _act == "situ" and _row not in ("mxfp4", "mxfp8"):
+            continue
+        for _sh in _shared:
+            _CASES.append((_row, _act, _sh))
+_CASES.append(("mxfp4", "swiglu_clamp0", None))
+
+
+def _run_pair(row, act, shared, *, T=37, H=512, I=256, E=16, K=4, ep=(0, 1), rsf=2.5, seed=0, config=None,
+              mask_frac=0.15, zero_tokens=2):
+    staging, moe, synth = _triton()
+    from megamoe_runtime.backends.reference import ReferenceBackend
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    spec = LayerSpec(row, H, I, E, K, _ACTS[act], ep_rank=ep[0], ep_size=ep[1],
+                     shared=SharedSpec(shared, 1, 128) if shared else None, routed_scaling_factor=rsf)
+    lay = synth.random_layer(spec, device="cuda", seed=seed, a2=4.0 / 2688)
+    tw, ids = synth.random_routing(T, E, K, "cuda", seed=seed + 1, mask_frac=mask_frac,
+                                   zero_tokens=min(zero_tokens, T))
+    g = torch.Generator(device="cpu").manual_seed(seed + 2)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    sh_in = x if shared else None
+    ref = ReferenceBackend().forward(lay, x, tw, ids, shared_input=sh_in)
+    out = TritonBackend(config=config).forward(lay, x, tw, ids, shared_input=sh_in)
+    return spec, lay, (x, tw, ids), out, ref
+
+
+@pytest.mark.parametrize("row,act,shared", _CASES, ids=[f"{r}-{a}-{s or 'noshared'}" for r, a, s in _CASES])
+def test_forward_matches_reference(row, act, shared):
+    _, _, _, out, ref = _run_pair(row, act, shared)
+    bitwise = float((out.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    d = calc_diff(out, ref)
+    _report(test="forward", row=row, act=act, shared=shared or "none", T=37, calc_diff=d, bitwise_frac=bitwise)
+    _assert_matches(out, ref, f"{row}/{act}/{shared}")
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "mxfp8", "nvfp4", "bf16"])
+@pytest.mark.parametrize("T,bm", [(1, None), (8, None), (300, None), (300, 16)])
+def test_forward_sizes_and_ep(row, T, bm):
+    """Decode sizes, many pairs per expert (several row blocks), EP rank 1 of 2."""
+    _, moe, _ = _triton()
+    cfg = moe.KernelConfig(block_m=bm) if bm else None
+    _, _, _, out, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T, E=8, K=2, ep=(1, 2), config=cfg,
+                                  mask_frac=0.1, zero_tokens=1 if T > 1 else 0)
+    d = calc_diff(out, ref)
+    bitwise = float((out.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    _report(test="sizes_ep", row=row, act="swiglu_clamp_ab", shared="none", T=T, block_m=bm, calc_diff=d,
+            bitwise_frac=bitwise)
+    _assert_matches(out, ref, f"{row}/T={T}")
+
+
+def test_zero_tokens_and_fully_masked():
+    _, moe, _ = _triton()
+    for row in ("mxfp4", "nvfp4"):
+        spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu", None, T=5, mask_frac=0.0, zero_tokens=5)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, out)
+        from megamoe_runtime.backends.triton import TritonBackend
+
+        y = TritonBackend().forward(lay, x[:0], tw[:0], ids[:0])
+        assert y.shape == (0, spec.hidden)
+
+
+def test_cuda_graph_capture():
+    """No host sync in staging + forward: it captures, and replays equal eager on new inputs."""
+    _, moe, synth = _triton()
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    spec, lay, (x, tw, ids), out, ref = _run_pair("nvfp4", "swiglu_clamp_ab", "bf16", T=8)
+    be = TritonBackend()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.forward(lay, x, tw, ids, shared_input=x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = be.forward(lay, x, tw, ids, shared_input=x)
+    x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
+    tw2, ids2 = synth.random_routing(8, spec.num_experts, spec.top_k, "cuda", seed=99)
+    tw.copy_(tw2)
+    ids.copy_(ids2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, be.forward(lay, x, tw, ids, shared_input=x))
+
+
+def test_auto_selects_triton_without_deepgemm():
+    _triton()
+    from megamoe_runtime.backends import get_backend
+
+    try:
+        import deep_gemm  # noqa: F401
+        pytest.skip("DeepGEMM is installed; auto may pick it")
+    except ImportError:
+        pass
+    assert get_backend("auto", "cuda").name == "triton"
+
+
+# --------------------------------------------------------------------------- real export end to end
+
+
+@pytest.mark.parametrize("fixture", ["modelopt-nvfp4-deepseekv3", "quark-mxfp4-deepseekv3",
+                                     "modelopt-mxfp8-qwen3moe", "llmcompressor-nvfp4-qwen3moe",
+                                     "bf16-plain-deepseekv3"])
+def test_real_export_end_to_end(fixture, tmp_path):
+    """A real producer export, converted by megamoe-convert, loaded by the runtime on
+    the GPU, run through the triton backend and the reference backend."""
+    _triton()
+    if not (FIXTURES / fixture).exists():
+        pytest.skip(f"fixture {fixture} missing")
+    from megamoe_convert.convert import convert
+    from megamoe_runtime.checkpoint import open_checkpoint
+
+    out_dir = tmp_path / "converted"
+    convert(FIXTURES / fixture, out_dir)
+    ck = open_checkpoint(out_dir)
+    for info in ck.layers:
+        idx = info.index
+        lt = ck.build_layer(idx, device="cuda", backend="triton")
+        lr = ck.build_layer(idx, device="cuda", backend="reference")
+        assert lt.backend.name == "triton"
+        spec = lt.spec
+        T = 19
+        g = torch.Generator(device="cpu").manual_seed(idx)
+        x = torch.randn(T, spec.hidden, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.argsort(torch.rand(T, spec.num_experts, generator=g), 1)[:, :spec.top_k].cuda()
+        ids[3, 0] = -1
+        tw = torch.softmax(torch.randn(T, spec.top_k, generator=g), 1).float().cuda()
+        yt, yr = lt(x, tw, ids), lr(x, tw, ids)
+        d = _assert_matches(yt, yr, f"{fixture} layer {idx}")
+        _report(test="real_export", fixture=fixture, layer=idx, row=spec.row,
+                shared=spec.shared.precision if spec.shared else "none", fused=bool(lt.shared_fused),
+                calc_diff=d, bitwise_frac=float((yt.view(torch.int16) == yr.view(torch.int16)).float().mean()))
+
+
+# --------------------------------------------------------------------------- negative controls
+
+
+def _clone_layer(lay):
+    import copy
+
+    new = copy.copy(lay)
+    for k, v in vars(lay).items():
+        if isinstance(v, torch.Tensor):
+            setattr(new, k, v.clone() if v.dim() < 2 or k.endswith("weight")
+                    else layout.kernel_view_from_physical(layout.physical(v).clone()) if k.endswith("scale")
+                    else v.clone())
+    return new
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4"])
+def test_negative_wrong_layout(row):
+    """L1 rows de-interleaved ([gate | up]) or scales without the UTCCP permutation must fail."""
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu", None)
+    _assert_matches(out, ref)
+    I = spec.intermediate
+    bad = _clone_layer(lay)
+    for e in range(spec.experts_per_rank):
+        gate = layout.read_l1_weight(lay.l1_weight[e], 0)
+        up = layout.read_l1_weight(lay.l1_weight[e], 1)
+        bad.l1_weight[e].copy_(torch.cat([gate, up]).view(bad.l1_weight.dtype))
+    with pytest.raises(AssertionError):
+        _assert_matches(TritonBackend().forward(bad, x, tw, ids), ref, "de-interleaved L1")
+    bad = _clone_layer(lay)
+    phys = layout.physical(bad.l2_scale)  # [E, P, H]: undo UTCCP of the L2 scale rows
+    n = torch.arange(spec.hidden, device=phys.device)
+    perm = (n // 128) * 128 + (n % 32) * 4 + (n // 32) % 4
+    phys.copy_(layout.physical(lay.l2_scale)[..., perm.argsort()].clone())
+    with pytest.raises(AssertionError):
+        _assert_matches(TritonBackend().forward(bad, x, tw, ids), ref, "scales without UTCCP")
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "mxfp8", "nvfp4"])
+def test_negative_dropped_scale(row):
+    """One expert's L1 scales replaced by 1.0 (UE8M0 127 / E4M3 0x38), or nvfp4's alpha dropped, must fail."""
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu", None, mask_frac=0.0, zero_tokens=0)
+    _assert_matches(out, ref)
+    e = int(ids[0, 0])
+    bad = _clone_layer(lay)
+    one = 127 if row != "nvfp4" else 0x38
+    layout.physical(bad.l1_scale)[e].copy_(torch.full_like(layout.physical(bad.l1_scale)[e], one * 0x01010101))
+    with pytest.raises(AssertionError):
+        _assert_matches(TritonBackend().forward(bad, x, tw, ids), ref, "dropped scale")
+    if row == "nvfp4":
+        bad = _clone_layer(lay)
+        bad.l1_alpha = torch.ones_like(lay.l1_alpha)
+        with pytest.raises(AssertionError):
+            _assert_matches(TritonBackend().forward(bad, x, tw, ids), ref, "dropped alpha")
+
+
+@pytest.mark.parametrize("row,shared", [("mxfp4", "mxfp8"), ("nvfp4", "bf16")])
+def test_negative_dropped_shared_input(row, shared):
+    """Leaving out the shared expert's input (so slot K is not computed) must fail."""
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu", shared)
+    _assert_matches(out, ref)
+    with pytest.raises(AssertionError):
+        _assert_matches(TritonBackend().forward(lay, x, tw, ids, shared_input=None), ref, "no shared input")
+    other = torch.roll(x, 1, 0)
+    with pytest.raises(AssertionError):
+        _assert_matches(TritonBackend().forward(lay, x, tw, ids, shared_input=other), ref, "wrong shared input")

@@ -1,0 +1,145 @@
+"""Expert parallelism on CPU processes (gloo): the multi-rank forward equals
+the single-rank forward bitwise, stats count what each rank received, and a
+rank only ever opens its own files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megamoe_runtime as mr
+from megamoe_convert.convert import convert
+from megamoe_convert.synth import build_synthetic_checkpoint
+from megamoe_runtime.ep import ep_forward, plan_dispatch
+from megamoe_runtime.errors import MegaMoEError
+
+NUM_EXPERTS = 8
+TOP_K = 3
+# one source format per row; nvfp4 and mxfp4 carry a fused shared expert
+CASES = {
+    "mxfp4": dict(fmt="modelopt-mxfp4", shared=1),
+    "mxfp8": dict(fmt="modelopt-mxfp8", shared=0),
+    "nvfp4": dict(fmt="modelopt-nvfp4", shared=1),
+    "bf16": dict(fmt="bf16", shared=1),
+}
+TOKENS_PER_RANK = {2: [5, 7], 4: [4, 0, 6, 3]}  # rank 1 of 4 has no tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _routing(total: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(total, 128, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOP_K] for _ in range(total)])
+    ids[torch.rand(total, TOP_K, generator=g) < 0.2] = -1  # masked slots
+    if total > 2:
+        ids[1] = -1  # one fully masked token
+    w = torch.rand(total, TOP_K, generator=g)
+    w[ids < 0] = float("nan")  # a masked slot's weight must never be read
+    return x, w, ids
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, dict[int, Path]]:
+    root = tmp_path_factory.mktemp("ep")
+    out: dict[str, dict[int, Path]] = {}
+    for row, case in CASES.items():
+        src = root / f"src-{row}"
+        build_synthetic_checkpoint(src, case["fmt"], num_layers=1, hidden=128, intermediate=128,
+                                   num_experts=NUM_EXPERTS, top_k=TOP_K, shared=case["shared"], seed=3)
+        out[row] = {n: root / f"out-{row}-ep{n}" for n in (1, 2, 4)}
+        for n, dst in out[row].items():
+            convert(src, dst, ep_size=n)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        counts = TOKENS_PER_RANK[world]
+        lo = sum(counts[:rank])
+        results = {}
+        for row, d in dirs.items():
+            x, w, ids = _routing(sum(counts), seed=11)
+            x, w, ids = (t[lo:lo + counts[rank]] for t in (x, w, ids))
+            ckpt = mr.open_checkpoint(d)
+            info = ckpt.layers[0]
+            layer = ckpt.build_layer(info.index, device="cpu", backend="reference", ep_rank=rank, ep_size=world)
+            stats = torch.zeros(layer.spec.experts_per_rank, dtype=torch.int32)
+            ys = [ep_forward(layer, x, w, ids, recv_stats=stats) for _ in range(2)]
+            results[row] = dict(y=ys[0], y_again=ys[1], stats=stats, files=list(ckpt.last_opened_files))
+        torch.save(results, Path(result_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_equals_single_rank_bitwise(converted, tmp_path, world):
+    dirs = {row: str(paths[world]) for row, paths in converted.items()}
+    mp.spawn(_worker, args=(world, _free_port(), dirs, str(tmp_path)), nprocs=world, join=True)
+    counts = TOKENS_PER_RANK[world]
+    x, w, ids = _routing(sum(counts), seed=11)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for row, paths in converted.items():
+        ckpt = mr.open_checkpoint(paths[1])
+        single = ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference")
+        y_ref = single(x, w, ids)
+        got = torch.cat([res[row]["y"] for res in results])
+        assert got.shape == y_ref.shape
+        assert torch.equal(got.view(torch.int16), y_ref.view(torch.int16)), f"{row}: EP{world} != EP1"
+        e_l = NUM_EXPERTS // world
+        for r, res in enumerate(results):
+            assert torch.equal(res[row]["y"], res[row]["y_again"])
+            # stats: incremented by the pairs routed to each local expert from all ranks, per call
+            expect = torch.stack([(ids == r * e_l + i).sum() for i in range(e_l)]).to(torch.int32) * 2
+            assert torch.equal(res[row]["stats"], expect), (row, r)
+            # a rank opens only its own files
+            assert res[row]["files"], row
+            assert all(f"rank{r:03d}-of-{world:03d}" in f for f in res[row]["files"]), res[row]["files"]
+
+
+def test_ep_result_is_sensitive_to_a_lost_slot(converted):
+    """Negative control: dropping one routed pair changes the output, so the
+    equality above cannot pass by accident."""
+    x, w, ids = _routing(12, seed=11)
+    ckpt = mr.open_checkpoint(converted["mxfp4"][1])
+    layer = ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference")
+    y = layer(x, w, ids)
+    t, k = (ids >= 0).nonzero()[0].tolist()
+    ids2 = ids.clone()
+    ids2[t, k] = -1
+    assert not torch.equal(layer(x, w, ids2), y)
+
+
+def test_plan_dispatch_refuses_out_of_range_ids():
+    ids = torch.tensor([[0, 9]])
+    with pytest.raises(MegaMoEError, match=r"topk_ids\[0, 1\] = 9"):
+        plan_dispatch(ids, experts_per_rank=4, world_size=2, group=None)
+
+
+def test_wrong_rank_files_fail_clearly(converted, tmp_path):
+    """Rank 0 handed rank 1's expert file (same tensor names, other experts)."""
+    src = converted["nvfp4"][2]
+    bad = tmp_path / "swapped"
+    shutil.copytree(src, bad)
+    r0 = sorted(bad.glob("megamoe-experts-rank000-*.safetensors"))
+    r1 = sorted(bad.glob("megamoe-experts-rank001-*.safetensors"))
+    assert len(r0) == len(r1) == 1
+    shutil.copyfile(r1[0], r0[0])
+    ckpt = mr.open_checkpoint(bad)
+    with pytest.raises(MegaMoEError, match=r"rank"):
+        ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference", ep_rank=0, ep_size=2)

@@ -1,0 +1,218 @@
+"""DeepGemmMegaMoEExperts: kernel-layout parameters allocated once, the forward
+signature, and shared-expert fusion decided at construction."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import megamoe_runtime as mr
+from megamoe_runtime import codecs, layout
+from megamoe_runtime.backends.reference import ReferenceBackend, reference_forward, shared_slot
+from megamoe_runtime.errors import BackendUnavailableError, LayerSpecError, MegaMoEError, ScaleError
+from megamoe_runtime.layer import DeepGemmMegaMoEExperts
+from megamoe_runtime.manifest import kernel_strides_of
+from megamoe_runtime.testing import calc_diff
+
+
+def _inputs(T: int = 7, H: int = 256, K: int = 2, E: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[1, 1] = -1
+    return x, w, ids
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "mxfp8", "nvfp4", "bf16"])
+def test_parameters_are_the_kernel_tensors(row):
+    spec = mr.LayerSpec(row, hidden=256, intermediate=128, num_experts=8, top_k=2, ep_rank=1, ep_size=2)
+    layer = DeepGemmMegaMoEExperts(spec, backend="reference")
+    shapes = layout.kernel_shapes(row, 4, 256, 128)
+    for role, shape in shapes.items():
+        p = getattr(layer, role)
+        assert isinstance(p, nn.Parameter) and not p.requires_grad
+        assert tuple(p.shape) == shape and p.dtype == (torch.int32 if "scale" in role else
+                                                       spec.row_spec.weight.kernel_dtype)
+        storage = "mn_major_physical" if "scale" in role else "contiguous"
+        assert tuple(p.stride()) == kernel_strides_of(storage, shape)
+        if "scale" in role:
+            layout.check_kernel_strides(p, role)
+            assert layout.physical(p).is_contiguous()
+    if row == "bf16":
+        assert layer.l1_scale is None and layer.l2_scale is None
+    if row == "nvfp4":
+        assert layer.l1_alpha.shape == (4, 2) and layer.l2_global_scale.shape == (4,)
+        assert torch.isnan(layer.l2_activation_scale)  # unset until loaded
+        assert set(dict(layer.named_buffers())) == {"l2_activation_scale", "a2_scales", "l2_alpha", "l1_alpha_gate"}
+    assert layer.spec.local_experts == range(4, 8)
+    assert "local 4..7" in repr(layer)
+
+
+def test_stored_physical_copy_reaches_the_kernel_view():
+    """A file stores an MN-major scale in its physical order; one copy_ into
+    param.transpose(-1, -2) makes the kernel view exactly its transpose."""
+    spec = mr.LayerSpec("mxfp4", hidden=256, intermediate=128, num_experts=2, top_k=1)
+    layer = DeepGemmMegaMoEExperts(spec, backend="reference")
+    phys = torch.arange(2 * 2 * 256, dtype=torch.int32).reshape(2, 2, 256)  # [E_l, P1, 2I]
+    ptr = layer.l1_scale.data_ptr()
+    layer.load_stored("l1_scale", phys, storage="mn_major_physical", experts=(0, 2))
+    assert torch.equal(layer.l1_scale, phys.transpose(-1, -2)) and layer.l1_scale.data_ptr() == ptr
+    with pytest.raises(mr.LayoutError, match="stored dtype torch.int64"):
+        layer.load_stored("l1_scale", phys.long(), storage="mn_major_physical")
+    with pytest.raises(mr.LayoutError, match="not all local"):
+        layer.load_stored("l1_scale", phys[:1], storage="mn_major_physical", experts=(2, 3))
+
+
+def test_forward_is_the_reference_numerics(ckpts):
+    _, out = ckpts.converted("modelopt-mxfp4", shared=1)
+    ck = mr.open_checkpoint(out)
+    layer = ck.build_layer(0, backend="reference")
+    assert layer.shared_fused and layer.shared_reason == ""
+    x, w, ids = _inputs()
+    y = layer(x, w, ids)
+    ref = reference_forward(layer.spec, layer.kernel_tensors(), x, w, ids, shared=layer.shared_kernel_tensors())
+    assert torch.equal(y, ref)
+    with pytest.raises(LayerSpecError, match="fused into this layer"):
+        layer(x, w, ids, shared_experts=nn.Identity())
+
+
+def test_unfused_checkpoint_shared_expert_is_built_by_the_layer(ckpts, layer_bytes):
+    _, out = ckpts.converted("modelopt-mxfp4", shared=1)
+    ck = mr.open_checkpoint(out)
+    fused = ck.build_layer(1, backend="reference")
+    unfused = ck.build_layer(1, backend="reference", fuse_shared=False)
+    assert not unfused.shared_fused and "fuse_shared=False" in unfused.shared_reason
+    assert isinstance(unfused.shared_mlp, mr.MegaMoESharedExpert)
+    assert not hasattr(unfused, "shared_l1_weight") or unfused.shared_l1_weight is None
+    fb, ub = layer_bytes(fused), layer_bytes(unfused)
+    for role in ("shared_l1_weight", "shared_l1_scale", "shared_l2_weight", "shared_l2_scale"):
+        assert torch.equal(fb[role], ub[f"shared_mlp.{role}"])
+    x, w, ids = _inputs(seed=1)
+    y = unfused(x, w, ids)
+    routed = reference_forward(unfused.spec, unfused.kernel_tensors(), x, w, ids)
+    sh = shared_slot(unfused.spec, unfused.shared_kernel_tensors(), x)
+    assert torch.equal(y, (routed.float() + sh.float()).to(torch.bfloat16))  # added once
+    assert calc_diff(y, fused(x, w, ids)) < 1e-4
+    with pytest.raises(LayerSpecError, match="twice"):
+        unfused(x, w, ids, shared_experts=nn.Identity())
+
+
+class _NoFuse(ReferenceBackend):
+    name = "nofuse"
+
+    def supports_fused_shared(self, spec):
+        return False
+
+
+def test_backend_that_cannot_fuse_gets_the_layer_built_shared_mlp(ckpts):
+    _, out = ckpts.converted("modelopt-mxfp4", shared=1)
+    layer = mr.open_checkpoint(out).build_layer(0, backend=_NoFuse())
+    assert not layer.shared_fused and "nofuse" in layer.shared_reason and layer.shared_mlp is not None
+
+
+class _MLP(nn.Module):
+    def __init__(self, H, I, dtype, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_proj = nn.Linear(H, I, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(H, I, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(I, H, bias=False, dtype=dtype)
+        for m in (self.gate_proj, self.up_proj, self.down_proj):
+            m.weight.data.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
+            m.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_engine_shared_module_fused_when_it_matches_a_fusable_spec(ckpts):
+    _, out = ckpts.converted("bf16")
+    ck = mr.open_checkpoint(out)
+    mlp = _MLP(256, 128, torch.bfloat16)
+    plain = ck.build_layer(0, backend="reference")
+    fused = mr.DeepGemmMegaMoEExperts(ck.layer_spec(0), backend="reference", shared_experts=mlp,
+                                      prefix="model.layers.0.mlp", layer_index=0)
+    ck.load_layer(fused)
+    assert fused.shared_fused and fused.spec.shared == mr.SharedSpec("bf16", 1, 128)
+    assert torch.equal(layout.read_l1_weight(fused.shared_l1_weight, 1), mlp.up_proj.weight)
+    x, w, ids = _inputs(seed=2)
+    y = fused(x, w, ids)
+    assert calc_diff(y, plain(x, w, ids, shared_experts=mlp)) < 1e-4
+    with pytest.raises(LayerSpecError, match="fused into this layer"):
+        fused(x, w, ids, shared_experts=mlp)
+
+
+def test_engine_shared_module_mxfp8_fused_into_an_mx_row(ckpts):
+    _, out = ckpts.converted("modelopt-mxfp4")
+    ck = mr.open_checkpoint(out)
+    ref = _MLP(256, 128, torch.float32, seed=3)
+    mlp = nn.Module()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        q, s = codecs.quantize_mxfp8(getattr(ref, name).weight.detach())
+        sub = nn.Module()
+        sub.weight = nn.Parameter(q, requires_grad=False)
+        sub.register_buffer("weight_scale", s)
+        setattr(mlp, name, sub)
+    layer = mr.DeepGemmMegaMoEExperts(ck.layer_spec(0), backend="reference", shared_experts=mlp)
+    assert layer.shared_fused and layer.spec.shared.precision == "mxfp8"
+    back = layout.read_l2_scale(layer.shared_l2_scale, 4)
+    assert torch.equal(back, mlp.down_proj.weight_scale)
+
+
+def test_non_fusable_shared_module_runs_outside_once(ckpts):
+    _, out = ckpts.converted("bf16")
+    ck = mr.open_checkpoint(out)
+    mlp = _MLP(256, 128, torch.float16)
+    layer = mr.DeepGemmMegaMoEExperts(ck.layer_spec(0), backend="reference", shared_experts=mlp,
+                                      prefix="model.layers.0.mlp", layer_index=0)
+    ck.load_layer(layer)
+    assert not layer.shared_fused and "float16" in layer.shared_reason and layer.spec.shared is None
+    x, w, ids = _inputs(seed=4)
+    y = layer(x, w, ids, shared_experts=lambda h: mlp(h.half()))
+    routed = layer(x, w, ids)
+    assert torch.equal(y, (routed.float() + mlp(x.half()).float()).to(torch.bfloat16))
+    with pytest.raises(LayerSpecError, match="cannot be fused.*float16"):
+        mr.DeepGemmMegaMoEExperts(ck.layer_spec(0), backend="reference", shared_experts=mlp, fuse_shared=True)
+    with pytest.raises(LayerSpecError, match="one source of shared experts"):
+        spec = mr.LayerSpec.from_dict({**ck.layer_spec(0).to_dict(), "shared": {"precision": "bf16",
+                                                                               "num_shared": 1,
+                                                                               "intermediate": 128}})
+        mr.DeepGemmMegaMoEExperts(spec, backend="reference", shared_experts=_MLP(256, 128, torch.bfloat16))
+
+
+def test_forward_argument_checks_and_unloaded_scales(ckpts):
+    spec = mr.LayerSpec("nvfp4", hidden=256, intermediate=128, num_experts=8, top_k=2)
+    layer = DeepGemmMegaMoEExperts(spec, backend="reference", init="zeros")
+    x, w, ids = _inputs()
+    with pytest.raises(ScaleError):
+        layer(x, w, ids)  # NaN scales: never loaded
+    with pytest.raises(ScaleError, match="l1_alpha is unset"):
+        layer.finish_load()
+    with pytest.raises(MegaMoEError, match="bf16"):
+        layer(x.float(), w, ids)
+    with pytest.raises(MegaMoEError, match="topk_weights must be float32"):
+        layer(x, w.double(), ids)
+    with pytest.raises(MegaMoEError, match="topk_ids must be integer"):
+        layer(x, w, ids.float())
+    with pytest.raises(MegaMoEError, match="topk_ids must be integer"):
+        layer(x, w, ids[:, :1])
+
+
+def test_backend_selection():
+    spec = mr.LayerSpec("mxfp4", hidden=256, intermediate=128, num_experts=8, top_k=2)
+    assert DeepGemmMegaMoEExperts(spec).backend.name == "reference"  # auto on CPU
+    with pytest.raises(BackendUnavailableError, match="deepgemm"):
+        DeepGemmMegaMoEExperts(spec, backend="deepgemm")
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'nope'"):
+        DeepGemmMegaMoEExperts(spec, backend="nope")
+    status = mr.backends.backend_status("cpu", spec)
+    assert status["reference"] is True and status["triton"] != True  # noqa: E712
+
+
+def test_ep_rank_forward_needs_a_process_group(ckpts):
+    _, out = ckpts.converted("bf16")
+    layer = mr.open_checkpoint(out).build_layer(0, backend="reference", ep_rank=1, ep_size=2)
+    x, w, ids = _inputs()
+    with pytest.raises(MegaMoEError, match="EP rank 1 of 2 .* needs torch.distributed initialised"):
+        layer(x, w, ids)

@@ -1,0 +1,169 @@
+"""Manifest schema: round trip, determinism, refusal of newer / malformed
+manifests, and the stored <-> kernel view helper."""
+import copy
+import json
+
+import pytest
+import torch
+
+from megamoe_runtime import layout
+from megamoe_runtime.errors import LayoutError, ManifestError
+from megamoe_runtime.formats import ActivationSpec, LayerSpec
+from megamoe_runtime.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STORAGE_CONTIGUOUS,
+    STORAGE_MN_MAJOR,
+    FileEntry,
+    LayerEntry,
+    Manifest,
+    SourceInfo,
+    TensorEntry,
+    kernel_strides_of,
+    kernel_view,
+    manifest_bytes,
+    read_manifest,
+    storage_of_role,
+    to_stored,
+    write_manifest,
+)
+
+SHA = "ab" * 32
+
+
+def _entry(name, role, shape, dtype="I32", ep_rank=0, layer=3, file="f.safetensors", experts=(0, 4)):
+    storage = storage_of_role(role)
+    stored = tuple(shape[:-2]) + (shape[-1], shape[-2]) if storage == STORAGE_MN_MAJOR else tuple(shape)
+    return TensorEntry(name=name, layer=layer, role=role, ep_rank=ep_rank, experts=experts, file=file,
+                       dtype=dtype, stored_shape=stored, kernel_shape=tuple(shape),
+                       kernel_strides=kernel_strides_of(storage, shape), storage=storage, sha256=SHA)
+
+
+def _manifest(ep_size=1):
+    spec = LayerSpec("mxfp4", 256, 128, 4 * ep_size, 2, ActivationSpec(), ep_size=ep_size).to_dict()
+    tensors = {}
+    for r in range(ep_size):
+        for t in (_entry("model.layers.3.mlp.megamoe.l1_scale", "l1_scale", (4, 256, 2), ep_rank=r),
+                  _entry("model.layers.3.mlp.megamoe.l1_weight", "l1_weight", (4, 256, 128), "I8", ep_rank=r)):
+            key = t.name if ep_size == 1 else f"{t.name}@rank{r:03d}"
+            tensors[key] = t
+    tensors["model.embed_tokens.weight"] = TensorEntry(
+        "model.embed_tokens.weight", None, "passthrough", None, None, "f.safetensors", "BF16", (10, 256),
+        (10, 256), (256, 1), STORAGE_CONTIGUOUS, SHA)
+    return Manifest(
+        converter_version="0.1.0",
+        source=SourceInfo("org/model", "hub", "abc123", "quark-mxfp4", "cd" * 32),
+        row="mxfp4", ep_size=ep_size,
+        layers=[LayerEntry(3, "model.layers.3.mlp", spec, {}, {"present": False})],
+        tensors=tensors, files={"f.safetensors": FileEntry(100, SHA)},
+        model={"top_k": 2},
+    )
+
+
+def test_round_trip_and_deterministic(tmp_path):
+    m = _manifest()
+    write_manifest(tmp_path, m)
+    first = (tmp_path / MANIFEST_NAME).read_bytes()
+    back = read_manifest(tmp_path)
+    assert back.to_dict() == m.to_dict()
+    assert back.format_version == FORMAT_VERSION
+    write_manifest(tmp_path, back)
+    assert (tmp_path / MANIFEST_NAME).read_bytes() == first == manifest_bytes(m)
+    assert b"time" not in first
+    le = back.layer(3)
+    assert le.layer_spec(0).row == "mxfp4"
+    assert set(back.tensors_of(3, 0)) == {"l1_scale", "l1_weight"}
+
+
+def test_ep_keys_and_lookup(tmp_path):
+    m = _manifest(ep_size=2)
+    write_manifest(tmp_path, m)
+    back = read_manifest(tmp_path)
+    assert back.entry("model.layers.3.mlp.megamoe.l1_scale", 1).ep_rank == 1
+    assert "model.layers.3.mlp.megamoe.l1_scale@rank001" in back.tensors
+    assert back.entry("model.embed_tokens.weight").role == "passthrough"
+    with pytest.raises(ManifestError, match="no tensor"):
+        back.entry("nope", 0)
+
+
+def _write_raw(tmp_path, d):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(d))
+
+
+def test_newer_version_refused(tmp_path):
+    d = _manifest().to_dict()
+    d["format_version"] = FORMAT_VERSION + 1
+    _write_raw(tmp_path, d)
+    with pytest.raises(ManifestError, match="newer megamoe.*Upgrade"):
+        read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.pop("tensors"), "missing key 'tensors'"),
+    (lambda d: d.update(format="other"), "'format' is 'other'"),
+    (lambda d: d.update(format_version="1"), "format_version: expected int"),
+    (lambda d: d.update(ep_size=0), "ep_size"),
+    (lambda d: d["files"]["f.safetensors"].update(sha256="xyz"), "sha256"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(storage="weird"), "storage"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(file="g.safetensors"), "not listed"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(stored_shape=[4, 256, 2]),
+     "stored_shape"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(kernel_strides=[512, 2, 1]),
+     "kernel_strides"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(dtype="Q7"), "dtype"),
+    (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(layer=9), "layer"),
+    (lambda d: d["layers"][0]["spec"].update(hidden=200), "layers\\[0\\].spec.*hidden=200"),
+    (lambda d: d["layers"][0]["scalars"].update(l2_activation_scale=None), "finite number"),
+])
+def test_malformed_refused(tmp_path, mutate, match):
+    d = copy.deepcopy(_manifest().to_dict())
+    mutate(d)
+    _write_raw(tmp_path, d)
+    with pytest.raises(ManifestError, match=match):
+        read_manifest(tmp_path)
+
+
+def test_missing_and_not_json(tmp_path):
+    with pytest.raises(ManifestError, match="not a finished megamoe output"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(tmp_path)
+
+
+def test_write_refuses_invalid(tmp_path):
+    m = _manifest()
+    m.ep_size = 0
+    with pytest.raises(ManifestError):
+        write_manifest(tmp_path, m)
+    assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("hidden", [128, 256])  # 128: P = 1, a size-1 dim
+def test_kernel_view_of_stored_scale(hidden):
+    kt = layout.allocate_kernel_tensors("mxfp4", 3, hidden, 128)
+    kt.l1_scale.copy_(torch.randint(-2**31, 2**31 - 1, kt.l1_scale.shape, dtype=torch.int32))
+    stored, storage = to_stored(kt.l1_scale, storage_of_role("l1_scale"))
+    assert storage == STORAGE_MN_MAJOR and stored.is_contiguous()
+    assert stored.data_ptr() == kt.l1_scale.data_ptr()  # no copy
+    entry = _entry("x", "l1_scale", tuple(kt.l1_scale.shape), layer=0, experts=(0, 3))
+    file_tensor = stored.clone()  # what safetensors gives back
+    view = kernel_view(file_tensor, entry)
+    assert view.shape == kt.l1_scale.shape and view.stride() == kt.l1_scale.stride()
+    assert torch.equal(view, kt.l1_scale)
+    layout.check_kernel_strides(view, "x")
+    # one copy_ of the file tensor into the physical base rebuilds the kernel bytes
+    dst = layout.allocate_kernel_tensors("mxfp4", 3, hidden, 128).l1_scale
+    layout.physical(dst).copy_(file_tensor)
+    assert torch.equal(dst, kt.l1_scale)
+
+
+def test_kernel_view_checks():
+    entry = _entry("x", "l1_weight", (2, 16, 8), "I8", layer=0, experts=(0, 2))
+    with pytest.raises(LayoutError, match="stored_shape"):
+        kernel_view(torch.zeros(2, 16, 4, dtype=torch.int8), entry)
+    with pytest.raises(LayoutError, match="dtype"):
+        kernel_view(torch.zeros(2, 16, 8, dtype=torch.uint8), entry)
+    assert kernel_view(torch.zeros(2, 16, 8, dtype=torch.int8), entry).is_contiguous()
+    with pytest.raises(LayoutError, match="cannot be stored"):
+        to_stored(torch.zeros(4, 4, 4)[:, ::2], STORAGE_CONTIGUOUS)
