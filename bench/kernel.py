@@ -154,12 +154,15 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
     base_ms = {}
     if not args.no_baseline:
         base = Baseline(H, I, E, K)
+        base_graph = {}
         for T in tokens:
             tw, ids = routing(T, E, K, seed=T)
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             try:
                 base_ms[T] = _bench(lambda: base(x, tw, ids), graph=True)
+                base_graph[T] = True
             except Exception as e:
+                base_graph[T] = False
                 print(f"# baseline T={T} failed: {type(e).__name__}: {e}")
                 try:
                     base_ms[T] = _bench(lambda: base(x, tw, ids), graph=False)
@@ -204,7 +207,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             r = dict(shape=shape_name, row=row, T=T, ms=ms, us=ms * 1e3, touched=touched,
                      weight_MB=wbytes / 1e6, GBps=gbps, frac_copy=gbps / bw, TFLOPs=flops / ms / 1e9,
                      baseline_us=base_ms.get(T, float("nan")) * 1e3,
-                     speedup=base_ms.get(T, float("nan")) / ms, config=str(cfg) if cfg else "default")
+                     speedup=base_ms.get(T, float("nan")) / ms, config=str(cfg) if cfg else "default",
+                     baseline_graph=base_graph.get(T) if not args.no_baseline else None)
             results.append(r)
             print(f"{shape_name:5s} {row:6s} T={T:5d} {r['us']:9.1f} us  touched={touched:3d} "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac_copy']:4.0f}% copy)  {r['TFLOPs']:6.1f} TFLOP/s  "
@@ -232,7 +236,10 @@ def main() -> None:
     print("#", json.dumps(info), flush=True)
     bw = copy_bandwidth()
     tf = matmul_tflops()
-    info.update(copy_GBps=bw, bf16_matmul_TFLOPs=tf)
+    from megamoe_runtime.backends.triton import moe as _moe
+
+    info.update(copy_GBps=bw, bf16_matmul_TFLOPs=tf, e2m1_decode="prmt-lut" if _moe.asm_decode_ok(
+        torch.device("cuda")) else "arithmetic")
     print(f"# copy bandwidth {bw:.0f} GB/s (read+write), bf16 8192^3 matmul {tf:.0f} TFLOP/s", flush=True)
     results, staging_rows = [], []
     if not args.no_staging:
@@ -255,12 +262,14 @@ def main() -> None:
 def render(info, results, staging_rows) -> str:
     L = [f"Measured {info['date']} on {info['gpu']} ({info['sms']} SMs), torch {info['torch']}, "
          f"triton {info['triton']}, CUDA {info['cuda']}. Copy bandwidth {info['copy_GBps']:.0f} GB/s "
-         f"(read+write), bf16 matmul {info['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", "",
+         f"(read+write), bf16 matmul {info['bf16_matmul_TFLOPs']:.0f} TFLOP/s. E2M1 decode: "
+         f"{info.get('e2m1_decode')}.", "",
          "| shape | row | tokens | time (us) | experts touched | weight MB | GB/s | % of copy BW | TFLOP/s "
          "| bf16 grouped_mm (us) | speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        star = "" if r.get("baseline_graph") in (True, None) else " (eager)"
         L.append(f"| {r['shape']} | {r['row']} | {r['T']} | {r['us']:.1f} | {r['touched']} | {r['weight_MB']:.0f} | "
-                 f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['TFLOPs']:.1f} | {r['baseline_us']:.1f} | "
+                 f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['TFLOPs']:.1f} | {r['baseline_us']:.1f}{star} | "
                  f"{r['speedup']:.2f}x |")
     if staging_rows:
         L += ["", "| staging | tokens | H | time (us) | GB/s | % of copy BW |", "|---|---|---|---|---|---|"]

@@ -12,8 +12,10 @@
    journal lists as finished are re-hashed and kept if they still match);
 6. **stream** layer by layer: per rank, allocate the rank's kernel tensors
    once, read one expert at a time, check it, repair it if asked, ``copy_`` it
-   into place (``layout.write_expert``), then write the rank's tensors to its
-   shard. Memory: one rank's packed layer plus one expert in source encoding;
+   into place (``layout.write_expert``), then queue the rank's tensors to its
+   shard (hashed and written on background threads while the next layer is
+   read and packed into a second set of buffers). Memory: two ranks' packed
+   layers plus one expert in source encoding, whatever the model size;
 7. copy the non-expert tensors byte for byte, the config/tokenizer files
    (``config.json`` annotated), write the index and, last, the manifest;
 8. rename the temp folder to OUT.
@@ -47,6 +49,8 @@ from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
 from megamoe_runtime.errors import CheckpointError, FormatError, MegaMoEError
 from megamoe_runtime.formats import LayerSpec, Row, get_row
 from megamoe_runtime.manifest import (
+    DIGEST_HEADER_AND_TENSORS,
+    DIGEST_SHA256,
     FORMAT_VERSION,
     PASSTHROUGH_ROLE,
     STORAGE_CONTIGUOUS,
@@ -77,6 +81,7 @@ from .writer import (
     PlannedTensor,
     ShardWriter,
     copy_source_bytes,
+    file_digest,
     finalize_output,
     json_bytes,
     parse_size,
@@ -389,20 +394,30 @@ def _plan_files(plans: list[_LayerPlan], source: CheckpointSource, consumed: set
 
 
 class _Run:
-    """Mutable state of one streaming pass."""
+    """Mutable state of one streaming pass.
+
+    Tensors are queued to their shard writers (hash and write on background
+    threads) and their manifest entries recorded in queue order once done.
+    Kernel buffers are double-buffered: layer L+1 is read and packed into one
+    set while layer L's set is still being hashed and written, so memory is
+    about two ranks' layers (independent of model size)."""
+
+    NUM_BUFFER_SETS = 2
 
     def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[_Slot]],
                  done_files: dict[str, dict], total: int, progress: Progress | None):
         self.tmp = tmp
         self.journal = journal
         self.slots_by_file = slots_by_file
-        self.done_files = done_files  # name -> journal record (size, sha256, tensors)
+        self.done_files = done_files  # name -> journal record (size, sha256, digest, tensors)
         self.writers: dict[str, ShardWriter] = {}
         self.entries: dict[str, dict] = {}
         self.total = total
         self.done_bytes = 0
         self.progress = progress
         self._buffers: dict = {}
+        self._turn = 0  # which buffer set the next layer packs into
+        self._queued: list[tuple[_Slot, object, int]] = []  # (slot, pending digest, buffer set or -1)
 
     def advance(self, n: int) -> None:
         self.done_bytes += n
@@ -426,34 +441,58 @@ class _Run:
     def finish_tensor(self, slot: _Slot, sha: str) -> None:
         self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(sha).to_dict()
         w = self.writers[slot.file]
-        if w.done:
+        if len(self.entries[slot.file]) == len(w.plan):  # its last tensor is hashed and written
             size, fsha = w.close()
             del self.writers[slot.file]
-            rec = {"name": slot.file, "size": size, "sha256": fsha, "tensors": self.entries.pop(slot.file)}
-            self.journal.record_file(slot.file, size, fsha, rec["tensors"])
+            rec = {"name": slot.file, "size": size, "sha256": fsha, "digest": DIGEST_HEADER_AND_TENSORS,
+                   "tensors": self.entries.pop(slot.file)}
+            self.journal.record_file(slot.file, size, fsha, rec["tensors"], DIGEST_HEADER_AND_TENSORS)
             self.done_files[slot.file] = rec
 
-    def write(self, slot: _Slot, tensor: torch.Tensor) -> None:
+    def write(self, slot: _Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
+        """Queue `tensor` (which lives in kernel buffer set `buffer_set`, -1 for
+        none) for `slot`; its entry is recorded once hashed and written."""
         stored, _ = to_stored(tensor, slot.storage)
         if tuple(tensor.stride()) != slot.kernel_strides:
             raise MegaMoEError(f"{slot.key}: kernel tensor strides {list(tensor.stride())} do not match the plan "
                                f"{list(slot.kernel_strides)} ({slot.storage})")
-        self.finish_tensor(slot, self.writer(slot.file).write(slot.planned.name, stored))
+        self._queued.append((slot, self.writer(slot.file).write_async(slot.planned.name, stored), buffer_set))
 
-    def buffers(self, row: Row, E_l: int, H: int, I: int) -> tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]:
-        """One rank's kernel tensors (+ NVFP4 alphas), allocated once per shape
-        and reused for every layer and rank: no allocation or page faults per
-        layer, and peak memory stays one rank's layer. Every byte is
-        overwritten by the expert writes (the layout views cover the whole
-        tensors). Pending writes of the previous use are flushed first."""
-        for w in self.writers.values():
-            w.flush()
+    def settle(self, buffer_set: int | None = None) -> None:
+        """Record finished tensors in queue order: all of them (`buffer_set`
+        None), or up to the last one using `buffer_set` (its memory is then
+        free to reuse); also any already done beyond that."""
+        if buffer_set is None:
+            upto = len(self._queued)
+        else:
+            upto = max((i + 1 for i, q in enumerate(self._queued) if q[2] == buffer_set), default=0)
+        i = 0
+        while i < len(self._queued) and (i < upto or self._queued[i][1].done()):
+            i += 1
+        done, self._queued = self._queued[:i], self._queued[i:]
+        for slot, digest, _ in done:
+            self.finish_tensor(slot, digest.result())
+
+    def buffers(self, row: Row, E_l: int, H: int, I: int
+                ) -> tuple[int, tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]]:
+        """(set index, one rank's kernel tensors + NVFP4 alphas) to pack the
+        next layer into. Sets are allocated once per shape and reused: no
+        allocation or page faults per layer. Every byte is overwritten by the
+        expert writes (the layout views cover the whole tensors). Writes still
+        queued from the set's previous use are waited for first."""
         key = (row.name, E_l, H, I)
         if key not in self._buffers:
-            self._buffers.clear()  # a different layer shape: let the old ones go
-            self._buffers[key] = (layout.allocate_kernel_tensors(row, E_l, H, I),
-                                  torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
-        return self._buffers[key]
+            self.settle()  # a different layer shape: let the old ones go
+            self._buffers.clear()
+            self._buffers[key] = [None] * self.NUM_BUFFER_SETS
+        k = self._turn
+        self._turn = (self._turn + 1) % self.NUM_BUFFER_SETS
+        self.settle(k)
+        sets = self._buffers[key]
+        if sets[k] is None:
+            sets[k] = (layout.allocate_kernel_tensors(row, E_l, H, I),
+                       torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
+        return k, sets[k]
 
     def abort(self) -> None:
         for w in self.writers.values():
@@ -475,8 +514,13 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
                 f"{str(fp)[:12]}..., this run {fingerprint[:12]}...); pass --overwrite to discard it")
         for name, rec in jfiles.items():
             p = tmp / name
-            if name in slots_by_file and p.is_file() and p.stat().st_size == rec["size"] \
-                    and sha256_file(p) == rec["sha256"]:
+            kind = rec.setdefault("digest", DIGEST_SHA256)  # journals without a kind hashed whole files
+            try:
+                ok = name in slots_by_file and p.is_file() and p.stat().st_size == rec["size"] \
+                    and file_digest(p, kind) == rec["sha256"]
+            except MegaMoEError:  # e.g. a damaged header: not finished after all
+                ok = False
+            if ok:
                 done_files[name] = rec
             else:
                 log(f"resume: {name} failed its checksum re-check; rewriting it")
@@ -498,13 +542,15 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
             layer_entries.append(LayerEntry(
                 index=lp.info.index, prefix=lp.info.prefix, spec=lp.spec.to_dict(), scalars=lp.scalar_report.scalars,
                 shared={**lp.shared_record, **rec["shared"]}, repairs=tuple(rec["repairs"])))
+        run.settle()
         _copy_passthrough(source, run)
     except BaseException:
         run.abort()
         raise
 
     # extra files (config annotated), index, manifest
-    file_entries: dict[str, FileEntry] = {n: FileEntry(r["size"], r["sha256"]) for n, r in done_files.items()}
+    file_entries: dict[str, FileEntry] = {n: FileEntry(r["size"], r["sha256"], r.get("digest", DIGEST_SHA256))
+                                                  for n, r in done_files.items()}
     tensors: dict[str, TensorEntry] = {}
     for rec in done_files.values():
         for key, d in rec["tensors"].items():
@@ -587,7 +633,7 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
                 repairs.append({"expert": e, **rr})
             run.advance(int(per_expert * E_l))
             continue
-        kt, alpha, l2g = run.buffers(row, E_l, info.hidden, info.intermediate)
+        bset, (kt, alpha, l2g) = run.buffers(row, E_l, info.hidden, info.intermediate)
         for e in range(lo, lo + E_l):
             et = reader.read_expert(info.index, e)
             checks.check_expert(et, row, info, e, reader.source)
@@ -609,7 +655,7 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
             tensors.update({f"shared_{k}": v for k, v in shared_kt.named().items()})
         for slot in lp.slots.get(r, []):
             if run.needed(slot):
-                run.write(slot, tensors[slot.role])
+                run.write(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
         del tensors
     rec = {"repairs": repairs, "shared": shared_rec}
     run.journal.record_layer(info.index, rec)

@@ -320,13 +320,14 @@ class CheckpointSource:
             self._handles[path] = fd
         return fd
 
-    def _read_bytes(self, path: Path, offset: int, nbytes: int) -> bytearray:
+    def _read_bytes(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` at data offset ``offset`` of ``path`` with positional reads
         (no mmap: pages read once are not kept mapped, so RSS stays bounded by
-        what the caller holds)."""
+        what the caller holds), into a fresh uint8 tensor (``torch.empty``: not
+        zero-filled first, unlike a bytearray; every byte is read into)."""
         fh = self._headers[path]
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy()).cast("B")
         fd = self._fd(path)
         pos = 8 + fh.header_len + offset
         got = 0
@@ -373,7 +374,7 @@ class CheckpointSource:
         if nbytes == 0:
             return torch.empty(rows_shape, dtype=dtype)
         buf = self._read_bytes(path, th.begin + (row_bytes * lo if shape else 0), nbytes)
-        return torch.frombuffer(buf, dtype=dtype).reshape(rows_shape)
+        return buf.view(dtype).reshape(rows_shape)
 
     # -- identity and pass-through ---------------------------------------------------
     def content_hash(self, full: bool = False) -> str:

@@ -35,7 +35,10 @@ import torch
 
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
 from megamoe_runtime.manifest import (
+    DIGEST_HEADER_AND_TENSORS,
+    DIGEST_SHA256,
     MANIFEST_NAME,
+    header_and_tensor_digest,
     PASSTHROUGH_ROLE,
     dtype_from_name,
     nbytes_of,
@@ -166,23 +169,43 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+class _Digest:
+    """A tensor's pending sha256 (hex): done when both its hash and its write
+    have finished. ``result()`` re-raises a write or hash error."""
+
+    __slots__ = ("_hash", "_write")
+
+    def __init__(self, hash_fut, write_fut):
+        self._hash, self._write = hash_fut, write_fut
+
+    def done(self) -> bool:
+        return self._hash.done() and self._write.done()
+
+    def result(self) -> str:
+        self._write.result()
+        return self._hash.result().hex()
+
+
 class ShardWriter:
     """Writes one safetensors file: header first, then tensors in plan order.
 
-    ``write(name, tensor)`` checks name, dtype and shape against the plan and
-    returns the tensor's sha256; ``close()`` returns (size, sha256 of the
-    whole file). Both hashes are computed from the bytes as they go out, so
-    nothing is read back. There is no fsync per shard: the kernel writes
-    finished shards back while later layers are converted, and
-    `finalize_output` fsyncs every file before the rename. (The journal
-    needs no fsynced shards either: ``--resume`` re-hashes every file it
-    lists, so a shard lost in a crash is simply redone.)
+    ``write_async(name, tensor)`` checks name, dtype and shape against the
+    plan, queues the bytes and returns a pending digest whose ``result()`` is
+    the tensor's sha256 (``write`` waits for it). ``close()`` returns (size,
+    file digest); the file digest is of kind
+    ``sha256-of-header-and-tensor-digests`` (see ``megamoe_runtime.manifest``):
+    sha256 over the header bytes and the per-tensor digests, so every data
+    byte is hashed once, not twice, and nothing is read back. There is no
+    fsync per shard: the kernel writes finished shards back while later
+    layers are converted, and `finalize_output` fsyncs every file before the
+    rename. (The journal needs no fsynced shards either: ``--resume``
+    re-hashes every file it lists, so a shard lost in a crash is redone.)
 
-    The file write and the whole-file hash run on one background thread
-    while the caller hashes the tensor (hashlib and file writes release the
-    GIL), so the two sha256 passes over every byte run on two cores. Writes
-    stay in order; ``flush()`` waits for them and must be called before the
-    memory of a written tensor is reused (``close()`` flushes).
+    Threads: the tensor hash runs on one background thread and the file
+    write on another (hashlib and file writes release the GIL), both reading
+    the caller's memory, while the caller packs the next layer. Writes stay
+    in order. The memory of a queued tensor must stay untouched until its
+    digest is done (``flush()`` waits for everything; ``close()`` flushes).
     """
 
     _SLICE = 4 << 20
@@ -191,35 +214,48 @@ class ShardWriter:
         self.path = Path(path)
         self.plan = list(tensors)
         self._next = 0
-        self._hash = hashlib.sha256()
-        self._size = 0
+        self._spans = []
+        off = 0
+        for t in self.plan:
+            self._spans.append((off, off + t.nbytes))
+            off += t.nbytes
+        self._digests: list[tuple[int, int, str, object]] = []  # (begin, end, name, future of raw digest)
         self._pending: list = []
-        self._pool = None
+        self._hash_pool = self._write_pool = None
         self._f = open(self.path, "wb", buffering=0)
-        self._out(memoryview(safetensors_header(self.plan, metadata)))
+        self._header = safetensors_header(self.plan, metadata)
+        self._size = 0
+        self._write_all(memoryview(self._header))
 
-    def _out(self, mv: memoryview) -> None:
-        """Hash and write `mv` (runs on the background thread)."""
+    def _write_all(self, mv: memoryview) -> None:
+        """Write `mv` to the file (runs on the write thread)."""
         step = self._SLICE
         for i in range(0, len(mv), step):
             piece = mv[i:i + step]
-            self._hash.update(piece)
             while piece:
                 n = self._f.write(piece)
                 piece = piece[n:]
         self._size += len(mv)
 
-    def _submit(self, mv: memoryview):
-        if self._pool is None:
+    @staticmethod
+    def _sha256(mv: memoryview) -> bytes:
+        return hashlib.sha256(mv).digest()
+
+    def _pools(self):
+        if self._write_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-writer")
-        fut = self._pool.submit(self._out, mv)
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-hash")
+            self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-write")
+        return self._hash_pool, self._write_pool
+
+    def _submit_write(self, mv: memoryview):
+        fut = self._pools()[1].submit(self._write_all, mv)
         self._pending.append(fut)
         return fut
 
     def flush(self) -> None:
-        """Wait until every submitted byte is written (re-raising write errors)."""
+        """Wait until every queued byte is written and hashed (re-raising errors)."""
         pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
@@ -240,9 +276,9 @@ class ShardWriter:
             raise MegaMoEError(f"{self.path.name}: expected tensor {p.name!r} next, got {name!r}")
         return p
 
-    def write(self, name: str, tensor: torch.Tensor) -> str:
-        """Queue the tensor's bytes and return their sha256. The tensor's
-        memory must stay untouched until `flush()`."""
+    def write_async(self, name: str, tensor: torch.Tensor) -> _Digest:
+        """Queue the tensor's bytes; the returned digest's ``result()`` is their
+        sha256. The tensor's memory must stay untouched until it is done."""
         p = self._expect(name)
         want = dtype_from_name(p.dtype)
         if tensor.dtype != want or tuple(tensor.shape) != p.shape:
@@ -251,33 +287,46 @@ class ShardWriter:
                 f"{p.dtype} {list(p.shape)}"
             )
         data = tensor_bytes(tensor)
-        self._submit(data)
-        digest = hashlib.sha256(data).hexdigest()
+        hash_pool, _ = self._pools()
+        hfut = hash_pool.submit(self._sha256, data)
+        self._pending.append(hfut)
+        wfut = self._submit_write(data)
+        self._digests.append((*self._spans[self._next], name, hfut))
         self._next += 1
         _crash_hook()
-        return digest
+        return _Digest(hfut, wfut)
+
+    def write(self, name: str, tensor: torch.Tensor) -> str:
+        """`write_async` and wait: the tensor's sha256."""
+        return self.write_async(name, tensor).result()
 
     def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview]) -> str:
         """Write a tensor's raw bytes from an iterable (pass-through copies);
         each chunk is written before the next is requested, so the producer
-        may reuse its buffer."""
+        may reuse its buffer. Returns the tensor's sha256."""
         p = self._expect(name)
         h = hashlib.sha256()
         n = 0
         for c in chunks:
             mv = memoryview(c).cast("B")
-            fut = self._submit(mv)
+            fut = self._submit_write(mv)
             h.update(mv)
             n += len(mv)
             fut.result()
         self.flush()
         if n != p.nbytes:
             raise CheckpointError(f"{self.path.name}: tensor {name!r} got {n} bytes, expected {p.nbytes}")
+        from concurrent.futures import Future
+
+        done: Future = Future()
+        done.set_result(h.digest())
+        self._digests.append((*self._spans[self._next], name, done))
         self._next += 1
         _crash_hook()
         return h.hexdigest()
 
     def close(self) -> tuple[int, str]:
+        """Finish the file: (size, its ``sha256-of-header-and-tensor-digests``)."""
         if not self.done:
             raise MegaMoEError(
                 f"{self.path.name}: closed with {len(self.pending)} planned tensor(s) unwritten, "
@@ -286,12 +335,14 @@ class ShardWriter:
         self.flush()
         self._shutdown()
         self._f.close()  # no fsync here: finalize_output syncs every file once, at the end
-        return self._size, self._hash.hexdigest()
+        digest = header_and_tensor_digest(self._header, [(b, e, n, f.result()) for b, e, n, f in self._digests])
+        return self._size, digest
 
     def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._hash_pool, self._write_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._hash_pool = self._write_pool = None
 
     def abort(self) -> None:
         """Stop without finishing (the partial file stays for --resume to redo)."""
@@ -334,6 +385,74 @@ def sha256_file(path: Path) -> str:
                 break
             h.update(mv[:k])
     return h.hexdigest()
+
+
+def _hash_spans(path: Path, spans: list, start: int = 0, whole=None,
+                progress: Callable[[int], None] | None = None) -> None:
+    """One sequential read of `path` from byte `start`: each ``(begin, end,
+    hasher)`` span (absolute offsets, sorted by begin, not overlapping) gets
+    its bytes, and `whole` (if given) every byte read."""
+    pos, i = start, 0
+    buf = bytearray(_CHUNK)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while True:
+            k = f.readinto(mv)
+            if not k:
+                break
+            chunk = mv[:k]
+            if whole is not None:
+                whole.update(chunk)
+            end = pos + k
+            j = i
+            while j < len(spans) and spans[j][0] < end:
+                b, e, h = spans[j]
+                lo, hi = max(b, pos), min(e, end)
+                if hi > lo:
+                    h.update(chunk[lo - pos:hi - pos])
+                j += 1
+            while i < len(spans) and spans[i][1] <= end:
+                i += 1
+            pos = end
+            if progress:
+                progress(k)
+
+
+def safetensors_digests(path: Path, fh=None, *, whole: bool = False,
+                        progress: Callable[[int], None] | None = None) -> tuple[str, dict[str, str], str | None]:
+    """From one read of a safetensors file: its ``sha256-of-header-and-tensor-
+    digests``, every tensor's sha256 (hex, by name) and, with `whole`, the
+    sha256 of the whole file. `fh` is its validated header (read if None;
+    CheckpointError for an invalid one, which guarantees header + data
+    offsets tile the file exactly, so the digest covers every byte)."""
+    path = Path(path)
+    fh = fh if fh is not None else read_safetensors_header(path)
+    base = 8 + fh.header_len
+    with open(path, "rb", buffering=0) as f:
+        header = f.read(base)
+    if len(header) != base:
+        raise CheckpointError(f"{path}: changed while being read (header is {len(header)} bytes, expected {base})")
+    hashers = {name: hashlib.sha256() for name in fh.tensors}
+    spans = sorted(((base + t.begin, base + t.end, hashers[n]) for n, t in fh.tensors.items()),
+                   key=lambda s: (s[0], s[1]))
+    wh = hashlib.sha256(header) if whole else None
+    if progress:
+        progress(base)
+    _hash_spans(path, spans, start=base, whole=wh, progress=progress)
+    raw = {n: h.digest() for n, h in hashers.items()}
+    composite = header_and_tensor_digest(header, [(t.begin, t.end, n, raw[n]) for n, t in fh.tensors.items()])
+    return composite, {n: d.hex() for n, d in raw.items()}, (wh.hexdigest() if wh is not None else None)
+
+
+def file_digest(path: Path, kind: str) -> str:
+    """The digest of `path` as the manifest's `files[name].digest` kind defines it
+    (what ``--resume`` re-checks finished files with)."""
+    if kind == DIGEST_SHA256:
+        return sha256_file(path)
+    if kind == DIGEST_HEADER_AND_TENSORS:
+        return safetensors_digests(path)[0]
+    raise ManifestError(f"{path}: unknown digest kind {kind!r}; known: {DIGEST_SHA256}, {DIGEST_HEADER_AND_TENSORS}")
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -454,8 +573,11 @@ class Journal:
                 layers[int(rec["index"])] = rec
         return fingerprint, files, layers
 
-    def record_file(self, name: str, size: int, sha256: str, tensors: dict[str, dict]) -> None:
-        self._append({"kind": "file", "name": name, "size": size, "sha256": sha256, "tensors": tensors})
+    def record_file(self, name: str, size: int, sha256: str, tensors: dict[str, dict],
+                    digest: str = DIGEST_SHA256) -> None:
+        """A finished file; `digest` is the kind of `sha256` (manifest DIGEST_KINDS)."""
+        self._append({"kind": "file", "name": name, "size": size, "sha256": sha256, "digest": digest,
+                      "tensors": tensors})
 
     def record_layer(self, index: int, record: dict) -> None:
         self._append({"kind": "layer", "index": index, **record})
@@ -505,10 +627,12 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
     """Check a converted folder against its manifest.
 
     Schema and version (read_manifest), every listed file present with the
-    listed size and sha256, every safetensors header valid and consistent with
-    the manifest (names, dtypes, stored shapes; no unlisted tensors), and every
-    tensor's sha256. One sequential read per file computes the file hash and
-    all its tensor hashes together. Raises nothing for a damaged folder: all
+    listed size and digest (of the entry's kind, see
+    ``megamoe_runtime.manifest.DIGEST_KINDS``), every safetensors header valid
+    (data offsets tiling the file exactly) and consistent with the manifest
+    (names, dtypes, stored shapes; no unlisted tensors), and every tensor's
+    sha256. One sequential read per file computes all its tensor hashes and,
+    from them, the file digest. Raises nothing for a damaged folder: all
     findings go into the report (a missing folder raises OutputError).
     """
     out = Path(out)
@@ -549,8 +673,8 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
             rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
         tensors = by_file.pop(fname, {})
         if fname.endswith(".safetensors"):
-            _verify_safetensors(path, fe.sha256, tensors, rep, progress)
-        else:
+            _verify_safetensors(path, fe, tensors, rep, progress)
+        else:  # read_manifest allows the header-and-tensors kind for safetensors files only
             digest = sha256_file(path)
             progress(size)
             if digest != fe.sha256:
@@ -561,72 +685,52 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
     return rep
 
 
-def _verify_safetensors(path: Path, file_sha: str, tensors: dict, rep: VerifyReport,
+def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
                         progress: Callable[[int], None]) -> None:
+    """One read of the file checks every tensor's sha256 and the file digest
+    (of the entry's kind). The header must be valid (header + data offsets
+    tiling the file exactly, which is what lets the header-and-tensors digest
+    cover every byte); an invalid header is itself a failure."""
     try:
         fh = read_safetensors_header(path)
     except CheckpointError as e:
-        rep.problems.append(str(e))
-        header_ok = False
-        fh = None
-    else:
-        header_ok = True
-    spans = []
-    if header_ok:
-        names = set(fh.tensors)
-        for name in sorted(names - set(tensors)):
-            rep.problems.append(f"{path}: tensor {name!r} is in the file but not in the manifest")
-        for name, (key, t) in sorted(tensors.items()):
-            th = fh.tensors.get(name)
-            if th is None:
-                rep.problems.append(f"{path}: manifest tensor {key!r} is missing from the file")
-                continue
-            if th.dtype != t.dtype or tuple(th.shape) != tuple(t.stored_shape):
-                rep.problems.append(
-                    f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
-                    f"{t.dtype} {list(t.stored_shape)}")
-                continue
-            base = 8 + fh.header_len
-            spans.append((base + th.begin, base + th.end, key, t.sha256, hashlib.sha256()))
-    spans.sort(key=lambda s: s[0])
-
-    fhash = hashlib.sha256()
-    pos = 0
-    i = 0
-    buf = bytearray(_CHUNK)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            k = f.readinto(mv)
-            if not k:
-                break
-            chunk = mv[:k]
-            fhash.update(chunk)
-            end = pos + k
-            j = i
-            while j < len(spans) and spans[j][0] < end:
-                b, e, _, _, h = spans[j]
-                lo, hi = max(b, pos), min(e, end)
-                if hi > lo:
-                    h.update(chunk[lo - pos:hi - pos])
-                j += 1
-            while i < len(spans) and spans[i][1] <= end:
-                i += 1
-            pos = end
-            progress(k)
-    digest = fhash.hexdigest()
-    if digest != file_sha:
-        rep.problems.append(f"{path}: sha256 {digest} does not match the manifest's {file_sha}")
-    for _, _, key, want, h in spans:
+        rep.problems.append(f"{e} (cannot check its {fe.digest} digest)")
+        progress(path.stat().st_size)
+        return
+    names = set(fh.tensors)
+    for name in sorted(names - set(tensors)):
+        rep.problems.append(f"{path}: tensor {name!r} is in the file but not in the manifest")
+    checks = []
+    for name, (key, t) in sorted(tensors.items()):
+        th = fh.tensors.get(name)
+        if th is None:
+            rep.problems.append(f"{path}: manifest tensor {key!r} is missing from the file")
+            continue
+        if th.dtype != t.dtype or tuple(th.shape) != tuple(t.stored_shape):
+            rep.problems.append(
+                f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
+                f"{t.dtype} {list(t.stored_shape)}")
+            continue
+        checks.append((name, key, t.sha256))
+    whole = fe.digest == DIGEST_SHA256
+    try:
+        composite, got, whole_sha = safetensors_digests(path, fh, whole=whole, progress=progress)
+    except (OSError, CheckpointError) as e:
+        rep.problems.append(f"{path}: cannot read it to check its digests: {e}")
+        return
+    digest = whole_sha if whole else composite
+    if digest != fe.sha256:
+        rep.problems.append(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.sha256}")
+    for name, key, want in checks:
         rep.tensors_checked += 1
-        got = h.hexdigest()
-        if got != want:
-            rep.problems.append(f"{path}: tensor {key!r} sha256 {got} does not match the manifest's {want}")
+        if got[name] != want:
+            rep.problems.append(f"{path}: tensor {key!r} sha256 {got[name]} does not match the manifest's {want}")
 
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "OutputError", "parse_size", "format_bytes", "PlannedTensor", "plan_shards",
-    "safetensors_header", "ShardWriter", "tensor_bytes", "copy_source_bytes", "sha256_file",
+    "safetensors_header", "ShardWriter", "tensor_bytes", "copy_source_bytes", "sha256_file", "file_digest",
+    "safetensors_digests",
     "write_bytes_atomic", "json_bytes", "temp_dir_for", "prepare_temp_dir", "finalize_output", "Journal",
     "VerifyReport", "verify_output", "PASSTHROUGH_ROLE", "INDEX_NAME", "CRASH_ENV",
 ]

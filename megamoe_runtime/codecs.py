@@ -18,6 +18,7 @@ Sources for each convention are named in the docstrings and in
 """
 from __future__ import annotations
 
+import sys
 from typing import Union
 
 import torch
@@ -337,14 +338,44 @@ def pack_bytes_int32(b: torch.Tensor) -> torch.Tensor:
     """Pack per-group bytes ``[..., G]`` into int32 ``[..., ceil(G/4)]``, row-major.
 
     Byte j (bits 8j..8j+7) of int p is group 4p+j; missing groups are 0. This is
-    DeepGEMM's packed-UE8M0 (and NVFP4 E4M3) word. Built with explicit shifts
-    in int64 and wrapped to signed 32 bits, so the result is independent of the
-    host's endianness and identical on CUDA. Accepts uint8, int8,
-    float8_e4m3fn and float8_e8m0fnu (bits, not values, are packed).
+    DeepGEMM's packed-UE8M0 (and NVFP4 E4M3) word. Accepts uint8, int8,
+    float8_e4m3fn and float8_e8m0fnu (bits, not values, are packed). Returns a
+    new tensor (never a view of `b`).
+
+    On a little-endian host (CUDA devices are little-endian too) a contiguous
+    input is simply reinterpreted: four bytes in memory order are that word.
+    That fast path is one copy instead of an int64 widening and four shifts
+    (the converter packs every expert's scales). Otherwise the word is built
+    with explicit shifts (`_pack_bytes_int32_shifts`), independent of the
+    host's endianness; tests check both paths give identical results.
     """
     u = _as_bytes(b, "pack_bytes_int32 input")
     if u.dim() == 0:
         raise LayoutError("pack_bytes_int32: expected at least one dim of per-group bytes, got 0-d")
+    if _LITTLE_ENDIAN and u.is_contiguous():
+        return _pack_bytes_int32_view(u)
+    return _pack_bytes_int32_shifts(u)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _pack_bytes_int32_view(u: torch.Tensor) -> torch.Tensor:
+    """Little-endian reinterpretation of contiguous bytes (into a fresh,
+    4-byte aligned buffer, zero-padded to a multiple of 4 groups)."""
+    lead, g = tuple(u.shape[:-1]), u.shape[-1]
+    p = (g + 3) // 4
+    out = torch.empty((*lead, p), dtype=torch.int32, device=u.device)
+    dst = out.view(torch.uint8)  # [..., 4p]
+    if 4 * p != g:
+        dst[..., g:].zero_()
+        dst = dst[..., :g]
+    dst.copy_(u)
+    return out
+
+
+def _pack_bytes_int32_shifts(u: torch.Tensor) -> torch.Tensor:
+    """Explicit shifts in int64, wrapped to signed 32 bits: endianness-free."""
     lead, g = tuple(u.shape[:-1]), u.shape[-1]
     p = (g + 3) // 4
     v = u.to(torch.int64)

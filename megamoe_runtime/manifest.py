@@ -233,13 +233,52 @@ class SourceInfo:
                 "format": self.format, "content_hash": self.content_hash}
 
 
+#: `files[name].digest`: how `files[name].sha256` was computed.
+#: ``sha256``: sha256 of the whole file's bytes (what ``sha256sum`` prints; the
+#: converter uses it for the JSON / tokenizer files it copies or writes).
+DIGEST_SHA256 = "sha256"
+#: ``sha256-of-header-and-tensor-digests``: sha256 over the file's first
+#: ``8 + N`` bytes (the little-endian header length and the N-byte JSON header,
+#: padding included) followed by the raw 32-byte sha256 of each tensor's data,
+#: in data-offset order (ties, only possible between empty tensors, by name).
+#: Used for the safetensors files the converter writes: the per-tensor digests
+#: (the manifest's tensor checksums) are computed anyway, so the file digest
+#: costs no second pass over the data. It still covers every byte: a valid
+#: safetensors file is exactly header + data, the data offsets tile the data
+#: with no gap (``verify`` checks both), so each byte is in the header or in
+#: exactly one tensor. Unlike ``sha256`` it does not equal ``sha256sum`` of
+#: the file (or a hub LFS oid).
+DIGEST_HEADER_AND_TENSORS = "sha256-of-header-and-tensor-digests"
+DIGEST_KINDS = (DIGEST_SHA256, DIGEST_HEADER_AND_TENSORS)
+
+
+def header_and_tensor_digest(header: bytes, tensor_digests: Iterable[tuple[int, int, str, bytes]]) -> str:
+    """The ``sha256-of-header-and-tensor-digests`` file digest (hex).
+
+    `header`: the file's first ``8 + N`` bytes; `tensor_digests`: ``(begin,
+    end, name, raw 32-byte sha256 of the tensor's data)`` per tensor, in any
+    order (sorted here by data offsets, then name)."""
+    import hashlib
+
+    h = hashlib.sha256(header)
+    for _, _, _, d in sorted(tensor_digests, key=lambda t: (t[0], t[1], t[2])):
+        if len(d) != 32:
+            raise MegaMoEError(f"tensor digest must be 32 raw bytes, got {len(d)}")
+        h.update(d)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class FileEntry:
+    """A file of the output: size and digest (`digest` names how `sha256` was
+    computed, see DIGEST_KINDS; a manifest without it means ``sha256``)."""
+
     size: int
     sha256: str
+    digest: str = DIGEST_SHA256
 
     def to_dict(self) -> dict:
-        return {"size": self.size, "sha256": self.sha256}
+        return {"size": self.size, "sha256": self.sha256, "digest": self.digest}
 
 
 @dataclass(frozen=True)
@@ -483,7 +522,14 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         sha = _need(fe, "sha256", str, w)
         if size < 0 or not _HEX64.match(sha):
             raise ManifestError(f"{w}: size must be >= 0 and sha256 64 lowercase hex digits, got {size}, {sha!r}")
-        files[name] = FileEntry(size, sha)
+        kind = fe.get("digest", DIGEST_SHA256)
+        if kind not in DIGEST_KINDS:
+            raise ManifestError(
+                f"{w}.digest: unknown digest kind {kind!r}; this megamoe knows {', '.join(DIGEST_KINDS)} "
+                "(a newer megamoe may have written it: upgrade to verify or load this folder)")
+        if kind == DIGEST_HEADER_AND_TENSORS and not name.endswith(".safetensors"):
+            raise ManifestError(f"{w}.digest: {kind!r} applies to safetensors files only")
+        files[name] = FileEntry(size, sha, kind)
 
     layers: list[LayerEntry] = []
     seen_layers = set()

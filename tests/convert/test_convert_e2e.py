@@ -145,16 +145,25 @@ def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["ok"]
     shards = sorted(p for p in a.iterdir() if p.suffix == ".safetensors")
     assert len(shards) >= 3
+    m = read_manifest(a)
     for shard in shards:
+        # expert and pass-through shards: file digest over header + tensor digests
+        assert m.files[shard.name].digest == "sha256-of-header-and-tensor-digests"
         raw = bytearray(shard.read_bytes())
-        # a byte in the data section (last byte) and one inside the header JSON
-        for pos in (len(raw) - 1, 20):
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        starts = sorted(8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        # the length prefix, inside the header JSON, the header's last (padding) byte, the first data
+        # byte, every tensor's first byte, the last byte before each tensor, the middle and the last byte
+        data_positions = {8 + n, (8 + n + len(raw)) // 2, len(raw) - 1}
+        data_positions |= {p for b in starts for p in (b, b - 1) if 8 + n <= p < len(raw)}
+        for pos in sorted({0, 3, 20, 8 + n - 1} | data_positions):
             raw[pos] ^= 0x01
             shard.write_bytes(bytes(raw))
             r = run_cli("verify", a)
             assert r.exit_code == 1, (shard.name, pos, r.output)
             assert "FAILED" in r.output and shard.name in r.output
-            if pos == len(raw) - 1:  # the damaged tensor is named too
+            if pos in data_positions:  # the damaged tensor is named too
                 assert "sha256" in r.output and "tensor '" in r.output, r.output
             raw[pos] ^= 0x01
             shard.write_bytes(bytes(raw))

@@ -14,10 +14,12 @@ from megamoe_convert.writer import (
     OutputError,
     PlannedTensor,
     ShardWriter,
+    file_digest,
     finalize_output,
     parse_size,
     plan_shards,
     prepare_temp_dir,
+    safetensors_digests,
     safetensors_header,
     temp_dir_for,
 )
@@ -49,10 +51,20 @@ def test_stream_writer_output_is_valid_safetensors(tmp_path):
     p = tmp_path / "x.safetensors"
     shas, (size, fsha) = _write(p, TENSORS)
     raw = p.read_bytes()
-    assert size == len(raw) and fsha == hashlib.sha256(raw).hexdigest()
     n = int.from_bytes(raw[:8], "little")
     assert n % 8 == 0
     header = json.loads(raw[8:8 + n])
+    # the file digest: sha256 over the header bytes, then each tensor's raw
+    # sha256 in data-offset order (ties between empty tensors by name)
+    order = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")
+    want = hashlib.sha256(raw[:8 + n] + b"".join(
+        hashlib.sha256(raw[8 + n + b:8 + n + e]).digest() for b, e, _ in order)).hexdigest()
+    assert size == len(raw) and fsha == want
+    assert safetensors_digests(p, whole=True) == (want, shas, hashlib.sha256(raw).hexdigest())
+    assert file_digest(p, "sha256-of-header-and-tensor-digests") == want
+    assert file_digest(p, "sha256") == hashlib.sha256(raw).hexdigest()
+    with pytest.raises(MegaMoEError, match="unknown digest kind 'md5'"):
+        file_digest(p, "md5")
     assert header["__metadata__"] == {"format": "pt"}
     got = load_file(p)
     for name, t in TENSORS.items():

@@ -433,6 +433,40 @@ def test_pack_bytes_int32_equals_little_endian_view():
     assert torch.equal(C.pack_bytes_int32(b), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_bytes_int32_fast_path_equals_shifts(device):
+    """The little-endian view fast path and the shift path give identical
+    words: every G mod 4, empty and 1-D inputs, non-contiguous inputs (shift
+    path), unaligned storage offsets, all byte dtypes, edge byte values."""
+    import sys
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for G in (1, 2, 3, 4, 5, 7, 8, 31, 32, 33):
+        cases.append(torch.randint(0, 256, (3, 5, G), dtype=U8, generator=g))
+    cases.append(torch.randint(0, 256, (9,), dtype=U8, generator=g))
+    cases.append(torch.zeros(0, 6, dtype=U8))
+    cases.append(torch.tensor([[0xFF, 0x80, 0x7F, 0x00, 0x01]], dtype=U8))
+    base = torch.randint(0, 256, (4, 41), dtype=U8, generator=g)
+    cases.append(base[:, 1:])          # storage offset 1 (unaligned), non-contiguous rows
+    cases.append(base.reshape(-1)[3:43])  # contiguous, storage offset 3
+    cases.append(base.t())             # non-contiguous
+    for b in cases:
+        b = b.to(device)
+        want = C._pack_bytes_int32_shifts(b)
+        got = C.pack_bytes_int32(b)
+        assert got.dtype == torch.int32 and got.shape == want.shape and torch.equal(got, want), b.shape
+        if sys.byteorder == "little" and b.is_contiguous():
+            assert torch.equal(C._pack_bytes_int32_view(b), want)
+        for dt in (torch.int8, torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", torch.int8)):
+            assert torch.equal(C.pack_bytes_int32(b.view(dt)), want)
+    # a fresh tensor, never a view of the input
+    b = torch.randint(0, 256, (2, 8), dtype=U8, device=device)
+    p = C.pack_bytes_int32(b)
+    before = p.clone()
+    b.zero_()
+    assert torch.equal(p, before)
+
+
 def test_unpack_int32_bytes_strided_and_errors():
     b = torch.randint(0, 256, (6, 10), dtype=U8)
     p = C.pack_bytes_int32(b)  # [6, 3]

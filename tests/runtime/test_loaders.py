@@ -221,3 +221,27 @@ def test_parse_names_and_loader_argument_errors(ckpts):
         layer.weight_loader(None, torch.zeros(64, 128, dtype=torch.uint8), "x.experts.0.gate_proj.weight", "w1", 0)
     with pytest.raises(ScaleError, match="finite and > 0"):
         layer.weight_loader(None, torch.tensor(float("nan")), "x.experts.0.down_proj.weight_scale_2", "w2", 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
+    """Large stored tensors are read by several threads (CPU: straight into the
+    parameter; CUDA: per-thread pinned chunks and streams): every byte lands once."""
+    import megamoe_runtime.loaders as L
+
+    monkeypatch.setattr(L, "_READ_CHUNK", 3 * 4096)
+    monkeypatch.setattr(L, "_READ_MIN_PARALLEL", 8192)
+    monkeypatch.setattr(L, "_worker_staging", {})
+    monkeypatch.setenv("MEGAMOE_LOAD_THREADS", "3")
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, ((1 << 20) + 4096 + 123,), dtype=torch.uint8, generator=g)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data.numpy().tobytes())
+    n = data.numel() - 4096 - 7
+    dst = torch.zeros(n, dtype=torch.uint8, device=device)
+    L.read_file_into(path, 4096, n, dst)
+    assert torch.equal(dst.cpu(), data[4096:4096 + n])
+    with pytest.raises(CheckpointError, match="truncated"):
+        L.read_file_into(path, 4096 + 8, n, torch.zeros(n, dtype=torch.uint8, device=device))
+    with pytest.raises(LayoutError, match="cannot read"):
+        L.read_file_into(path, 0, n, torch.zeros(n + 1, dtype=torch.uint8, device=device))

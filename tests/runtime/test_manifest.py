@@ -104,6 +104,7 @@ def test_newer_version_refused(tmp_path):
     (lambda d: d.update(format_version="1"), "format_version: expected int"),
     (lambda d: d.update(ep_size=0), "ep_size"),
     (lambda d: d["files"]["f.safetensors"].update(sha256="xyz"), "sha256"),
+    (lambda d: d["files"]["f.safetensors"].update(digest="md5"), "digest: unknown digest kind 'md5'.*upgrade"),
     (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(storage="weird"), "storage"),
     (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(file="g.safetensors"), "not listed"),
     (lambda d: d["tensors"]["model.layers.3.mlp.megamoe.l1_scale"].update(stored_shape=[4, 256, 2]),
@@ -121,6 +122,30 @@ def test_malformed_refused(tmp_path, mutate, match):
     _write_raw(tmp_path, d)
     with pytest.raises(ManifestError, match=match):
         read_manifest(tmp_path)
+
+
+def test_file_digest_kinds(tmp_path):
+    """files[name].digest names how sha256 was computed; absent means a
+    whole-file sha256; the header-and-tensors kind is for safetensors only."""
+    from megamoe_runtime.manifest import DIGEST_HEADER_AND_TENSORS, DIGEST_SHA256, header_and_tensor_digest
+    import hashlib
+
+    d = _manifest().to_dict()
+    assert d["files"]["f.safetensors"]["digest"] == DIGEST_SHA256
+    del d["files"]["f.safetensors"]["digest"]
+    _write_raw(tmp_path, d)
+    assert read_manifest(tmp_path).files["f.safetensors"].digest == DIGEST_SHA256
+    d["files"]["f.safetensors"]["digest"] = DIGEST_HEADER_AND_TENSORS
+    _write_raw(tmp_path, d)
+    assert read_manifest(tmp_path).files["f.safetensors"].digest == DIGEST_HEADER_AND_TENSORS
+    d["files"]["config.json"] = {"size": 3, "sha256": SHA, "digest": DIGEST_HEADER_AND_TENSORS}
+    _write_raw(tmp_path, d)
+    with pytest.raises(ManifestError, match="safetensors files only"):
+        read_manifest(tmp_path)
+    # the definition: header bytes, then raw tensor digests by data offset (ties by name)
+    a, b, e = (hashlib.sha256(x).digest() for x in (b"a", b"b", b""))
+    want = hashlib.sha256(b"HDR" + e + a + b).hexdigest()
+    assert header_and_tensor_digest(b"HDR", [(1, 3, "b", b), (0, 0, "e", e), (0, 1, "a", a)]) == want
 
 
 def test_missing_and_not_json(tmp_path):
