@@ -45,6 +45,8 @@ from typing import Any, Callable
 
 import torch
 
+from megamoe_runtime.tensor_bytes import byte_view
+
 import megamoe_runtime as mr
 from megamoe_runtime import codecs, layout
 
@@ -157,7 +159,7 @@ def phase_raw_read(files: list[Path], device: torch.device,
     def run() -> Any:
         if device.type == "cpu":
             buf = torch.empty(total, dtype=torch.uint8) if into is None else into
-            mv = memoryview(buf.numpy())
+            mv = byte_view(buf)
             off = 0
             for p in files:
                 with open(p, "rb", buffering=0) as f:
@@ -179,7 +181,7 @@ def phase_raw_read(files: list[Path], device: torch.device,
                     j = i % 2
                     if used[j]:
                         events[j].synchronize()
-                    n = f.readinto(memoryview(pinned[j].numpy()))
+                    n = f.readinto(byte_view(pinned[j]))
                     if not n:
                         break
                     dst[off:off + n].copy_(pinned[j][:n], non_blocking=True)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from megamoe_runtime.tensor_bytes import byte_view
+
 from megamoe_runtime.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -327,7 +329,7 @@ class CheckpointSource:
         zero-filled first, unlike a bytearray; every byte is read into)."""
         fh = self._headers[path]
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy()).cast("B")
+        view = byte_view(buf)
         fd = self._fd(path)
         pos = 8 + fh.header_len + offset
         got = 0

@@ -396,7 +396,6 @@ def _build(
     wrong_shape: Any,
     excluded_layer: Any,
 ) -> Path:
-    from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -547,7 +546,7 @@ def _build(
     (path / "tokenizer.json").write_text(
         json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<s>": 0, "</s>": 1}}}) + "\n"
     )
-    _save(b.tensors, path, max_shard_bytes, save_file)
+    _save(b.tensors, path, max_shard_bytes)
     return path
 
 
@@ -576,7 +575,24 @@ def _inject(d: dict[str, torch.Tensor], nan: bool, zero: bool, ff: bool) -> None
             d[sk] = s
 
 
-def _save(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int | None, save_file) -> None:
+def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file the way ``safetensors.torch.save_file`` lays it
+    out (tensors sorted by descending alignment, then name; header padded to
+    8 bytes), without numpy, which that function needs and torch does not."""
+    from megamoe_runtime.manifest import dtype_name
+    from megamoe_runtime.tensor_bytes import byte_view
+
+    from .writer import PlannedTensor, safetensors_header
+
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    plan = [PlannedTensor(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in order]
+    with open(filename, "wb") as f:
+        f.write(safetensors_header(plan, metadata))
+        for n in order:
+            f.write(byte_view(tensors[n].detach().contiguous()))
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int | None) -> None:
     meta = {"format": "pt"}
     names = list(tensors)
     if not max_shard_bytes:

@@ -33,6 +33,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megamoe_runtime.tensor_bytes import byte_view
+
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
 from megamoe_runtime.manifest import (
     DIGEST_HEADER_AND_TENSORS,
@@ -166,7 +168,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return byte_view(t)
 
 
 class _Digest:

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
+from .tensor_bytes import byte_view
+
 from . import layout
 from .errors import CheckpointError, LayoutError, ScaleError
 
@@ -392,7 +394,7 @@ def _pread_exact(fd: int, mv: memoryview, offset: int, path: Any) -> None:
 
 
 def _cpu_chunks(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any) -> None:
-    mv = memoryview(flat.numpy())
+    mv = byte_view(flat)
     workers = read_workers()
     if nbytes < _READ_MIN_PARALLEL or workers == 1:
         _pread_exact(fd, mv, offset, path)
@@ -421,7 +423,7 @@ def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: list[tuple[int,
             j = i % 2
             if used[j]:
                 events[j].synchronize()  # the GPU finished reading this pinned chunk
-            _pread_exact(fd, memoryview(bufs[j].numpy())[:m], offset + c, path)
+            _pread_exact(fd, byte_view(bufs[j])[:m], offset + c, path)
             with torch.cuda.stream(stream):
                 flat[c:c + m].copy_(bufs[j][:m], non_blocking=True)
                 events[j].record(stream)

@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -415,7 +413,7 @@ class DeepGemmBackend:
         fn, why = api.entry_for(spec.row)
         if fn is None:
             raise BackendUnavailableError(why)
-        T, H, K = hidden_states.shape[0], spec.hidden, spec.top_k
+        T, H = hidden_states.shape[0], spec.hidden
         if T > self.max_num_tokens:
             raise MegaMoEError(f"{T} tokens exceed the deepgemm backend's max_num_tokens={self.max_num_tokens}; "
                                "build the backend with a larger max_num_tokens (backend_kwargs)")

@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+
+from megamoe_runtime.tensor_bytes import byte_view
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megamoe_runtime as mr
@@ -236,7 +238,7 @@ def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, ((1 << 20) + 4096 + 123,), dtype=torch.uint8, generator=g)
     path = tmp_path / "blob.bin"
-    path.write_bytes(data.numpy().tobytes())
+    path.write_bytes(bytes(byte_view(data)))
     n = data.numel() - 4096 - 7
     dst = torch.zeros(n, dtype=torch.uint8, device=device)
     L.read_file_into(path, 4096, n, dst)

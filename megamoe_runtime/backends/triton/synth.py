@@ -52,10 +52,11 @@ def _proj(row: str, w: torch.Tensor) -> ProjectionTensors:
     return ProjectionTensors(w.to(torch.bfloat16))
 
 
-def _expert(row: str, H: int, I: int, gen: torch.Generator, std: float) -> ExpertTensors:
-    g = torch.randn(I, H, generator=gen) * std
-    u = torch.randn(I, H, generator=gen) * std
-    d = torch.randn(H, I, generator=gen) * std
+def _expert(row: str, H: int, I: int, gen: torch.Generator, std: float, device: Any = "cpu") -> ExpertTensors:
+    # drawn on the CPU (reproducible), quantized where the layer lives (fast on a GPU)
+    g = (torch.randn(I, H, generator=gen) * std).to(device)
+    u = (torch.randn(I, H, generator=gen) * std).to(device)
+    d = (torch.randn(H, I, generator=gen) * std).to(device)
     return ExpertTensors(_proj(row, g), _proj(row, u), _proj(row, d))
 
 
@@ -64,7 +65,7 @@ def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Option
     gen = torch.Generator().manual_seed(seed)
     H, I, E_l, row = spec.hidden, spec.intermediate, spec.experts_per_rank, spec.row
     std = H ** -0.5
-    experts = [_expert(row, H, I, gen, std) for _ in range(E_l)]
+    experts = [_expert(row, H, I, gen, std, device) for _ in range(E_l)]
     kt = layout.pack_expert_stack(row, experts, device=device)
     lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
     if row == "nvfp4":
@@ -76,7 +77,7 @@ def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Option
                                                device=device)
     if spec.shared is not None:
         prec = spec.shared.precision
-        sh = [_expert(prec, H, spec.shared.intermediate, gen, std) for _ in range(spec.shared.num_shared)]
+        sh = [_expert(prec, H, spec.shared.intermediate, gen, std, device) for _ in range(spec.shared.num_shared)]
         skt = layout.pack_shared(prec, sh, device=device)
         lay.shared_l1_weight, lay.shared_l1_scale = skt.l1_weight, skt.l1_scale
         lay.shared_l2_weight, lay.shared_l2_scale = skt.l2_weight, skt.l2_scale
