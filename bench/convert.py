@@ -11,7 +11,7 @@ beside the current directory):
    the same MoE layer shape (default Qwen3-30B-A3B-like: hidden 2048,
    intermediate 768, 128 experts) and different layer counts: the large one
    holds at least ``--expert-gb`` of expert weights, the small one a quarter
-   of the layers;
+   of the layers (at least 2);
 2. for each: copies the source's ``*.safetensors`` with ``cp`` (then
    ``sync``), and converts it with ``megamoe-convert`` in a subprocess
    (which fsyncs every shard), best of ``--repeat`` runs each;
@@ -19,8 +19,9 @@ beside the current directory):
    the converter subprocess's peak RSS (``VmHWM`` from /proc/self/status, read
    by the subprocess itself at exit) next to one layer's expert bytes.
 
-The goal: conversion >= 0.7x cp, and peak RSS ~ one layer + a constant,
-the same at both model sizes. Prints a Markdown section for BENCHMARKS.md.
+The goal: conversion >= 0.7x cp, and peak RSS ~ two layers + a constant
+(the converter double-buffers), the same at both model sizes. Prints a
+Markdown section for BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def main() -> None:
     H, I, E = a.hidden, a.intermediate, a.experts
     per_layer = layer_expert_bytes(a.format, H, I, E)
     big_layers = max(1, math.ceil(a.expert_gb * 1e9 / per_layer))
-    small_layers = max(1, big_layers // 4)
+    # at least 2 layers: the converter double-buffers (layer L+1 is packed while layer L is hashed and
+    # written), so a 1-layer model would not show the steady-state memory
+    small_layers = max(2, big_layers // 4)
     root = Path(tempfile.mkdtemp(prefix="megamoe-bench-", dir=a.workdir or Path.cwd()))
     rows = []
     try:

@@ -6,6 +6,7 @@ CUDA, a GPU older than sm_89, which lacks the E4M3 conversions).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any, Optional, Union
 
@@ -74,6 +75,36 @@ class TritonBackend:
             return False
         ok, _ = spec.row_spec.can_fuse_shared(spec.shared.precision)
         return bool(ok)
+
+    def pairs(self, layer: Any, rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert side of an EP forward (`megamoe_runtime.ep`): bf16 ``[N, H]``
+        slot outputs of (row, raw top-k weight, global expert id) pairs owned
+        by this rank: the routed part of the forward with one slot per row."""
+        if rows.device.type != "cuda":
+            raise BackendUnavailableError("the triton backend runs on CUDA tensors only")
+        from .moe import moe_forward
+
+        spec = dataclasses.replace(layer.spec, top_k=1, shared=None)
+        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), ids.reshape(-1, 1),
+                               scalars=scalars, config=self.config, return_slots=True)
+        return slots[:, 0]
+
+    def shared_slot(self, layer: Any, shared_input: torch.Tensor) -> torch.Tensor:
+        """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
+        if getattr(layer, "shared_l1_weight", None) is None:
+            raise MegaMoEError("the layer holds no fused shared expert tensors (shared_l1_weight is missing)")
+        from .moe import moe_forward
+
+        spec = layer.spec
+        t, k = shared_input.shape[0], spec.top_k
+        ids = torch.full((t, k), -1, dtype=torch.int64, device=shared_input.device)  # no routed pair
+        w = torch.zeros(t, k, dtype=torch.float32, device=shared_input.device)
+        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        _, slots = moe_forward(spec, _Roles(layer, ""), shared_input, w, ids, scalars=scalars,
+                               shared=_Roles(layer, "shared_"), config=self.config, return_slots=True,
+                               shared_input=shared_input)
+        return slots[:, k]
 
     def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, shared_input: Optional[torch.Tensor] = None) -> torch.Tensor:
