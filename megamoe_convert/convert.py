@@ -46,8 +46,8 @@ import torch
 from megamoe_runtime import codecs, layout
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors, expected_shapes
 from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
-from megamoe_runtime.errors import CheckpointError, FormatError, MegaMoEError
-from megamoe_runtime.formats import LayerSpec, Row, get_row
+from megamoe_runtime.errors import CheckpointError, FormatError, LayerSpecError, MegaMoEError
+from megamoe_runtime.formats import LayerSpec, Row, SharedSpec, get_row
 from megamoe_runtime.manifest import (
     DIGEST_HEADER_AND_TENSORS,
     DIGEST_SHA256,
@@ -132,6 +132,8 @@ class ConvertSummary:
     repaired_experts: int = 0
     resumed_files: int = 0
     warnings: list[str] = field(default_factory=list)
+    #: the shared-expert decisions, one per distinct decision: layers, precision, requested, reason, note
+    shared: list[dict] = field(default_factory=list)
 
     @property
     def gb_per_s(self) -> float:
@@ -143,7 +145,7 @@ class ConvertSummary:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 3),
                 "gb_per_s": round(self.gb_per_s, 3), "files": self.files,
                 "repaired_experts": self.repaired_experts, "resumed_files": self.resumed_files,
-                "warnings": self.warnings}
+                "warnings": self.warnings, "shared": self.shared}
 
 
 # --------------------------------------------------------------------------- planning
@@ -242,6 +244,99 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
     return out, {"conversion": f"{encoding}->{precision} (dequantize, re-encode)", "max_abs_change": worst}
 
 
+# --------------------------------------------------------------------------- shared precision
+
+SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
+
+#: row -> shared precision -> which DeepGEMM flavour runs that fusion (REFERENCE.md §2). A row with
+#: more than one fusable precision needs the one its kernel flavour takes: the converter cannot know
+#: which DeepGEMM the server has, so the manifest records the choice and the alternative.
+SHARED_FLAVOURS = {
+    "mxfp4": {"mxfp8": "newer upstream DeepGEMM and vLLM's DeepGEMM fork (fp8_fp4_mega_moe)"},
+    "mxfp8": {"mxfp8": "newer upstream DeepGEMM (fp8_fp4_mega_moe; DGz's fp8_fp8_mega_moe fuses none)"},
+    "nvfp4": {"mxfp8": "vLLM's DeepGEMM fork (nvfp4_mega_moe; its default)",
+              "bf16": "newer upstream DeepGEMM (fp4_fp4_mega_moe, with x_bf16)"},
+    "bf16": {"bf16": "newer upstream DeepGEMM and vLLM's DeepGEMM fork (bf16_mega_moe)"},
+}
+
+
+def check_shared_precision(row: Row, shared_precision: str) -> None:
+    """Usage check of ``--shared-precision`` against the row (before any work):
+    an explicit precision the row cannot fuse is refused, naming what it can."""
+    if shared_precision not in SHARED_PRECISION_CHOICES:
+        raise MegaMoEError(f"--shared-precision {shared_precision!r}; valid: {', '.join(SHARED_PRECISION_CHOICES)}")
+    if shared_precision == "auto" or shared_precision in row.fusable_shared:
+        return
+    if not row.fusable_shared:
+        raise FormatError(f"--shared-precision {shared_precision}: row {row.name} cannot fuse shared experts at "
+                          "all (they stay in the pass-through files); use --shared-precision auto")
+    raise FormatError(f"--shared-precision {shared_precision}: row {row.name} fuses shared experts only as "
+                      f"{' or '.join(row.fusable_shared)} "
+                      f"({'; '.join(f'{p}: {w}' for p, w in SHARED_FLAVOURS.get(row.name, {}).items())}); "
+                      f"use --shared-precision {' | '.join(('auto',) + row.fusable_shared)}")
+
+
+def choose_shared(info: MoELayerInfo, row: Row, shared_precision: str = "auto"
+                  ) -> tuple[SharedSpec | None, dict]:
+    """The layer's fused shared-expert spec and the manifest's shared record,
+    under ``--shared-precision``.
+
+    ``auto``: the shared experts' own encoding when the row fuses it (bytes
+    copied), else the row's first fusable precision. An explicit precision
+    replaces that (the row must fuse it: see `check_shared_precision`). The
+    record says what was requested, why this precision, and which DeepGEMM
+    flavour needs which precision (``precision_reason``, ``flavour_note``).
+    """
+    check_shared_precision(row, shared_precision)
+    spec, rec = checks.shared_spec_for(info, row)
+    if spec is None:
+        return None, {**rec, "requested_precision": shared_precision} if rec.get("present") else rec
+    sh = info.shared
+    if shared_precision == "auto":
+        precision = spec.precision
+        if precision == sh.encoding:
+            why = f"auto: the shared experts' own encoding ({precision}), fusable by row {row.name}: bytes copied"
+        else:
+            why = (f"auto: the shared experts are {sh.encoding}, which row {row.name} cannot fuse; "
+                   f"{precision} is the row's first fusable precision")
+    else:
+        precision = shared_precision
+        why = f"--shared-precision {precision}"
+        if precision != spec.precision:
+            try:
+                spec = SharedSpec(precision, sh.num_shared, sh.intermediate)
+            except LayerSpecError as e:
+                raise LayerSpecError(f"MoE layer {info.index} ({info.prefix}): --shared-precision {precision}: "
+                                     f"{e}") from None
+    flavours = SHARED_FLAVOURS.get(row.name, {})
+    note = f"{precision} shared experts fuse on {flavours.get(precision, 'the row kernels')}"
+    others = [p for p in row.fusable_shared if p != precision]
+    if others:
+        note += "; " + "; ".join(f"{flavours.get(p, p)} needs {p} shared experts: convert with "
+                                 f"--shared-precision {p}" for p in others)
+    return spec, {**rec, "precision": precision, "requested_precision": shared_precision,
+                  "precision_reason": why, "flavour_note": note}
+
+
+def _shared_decisions(plans: list["_LayerPlan"]) -> list[dict]:
+    """The per-layer shared records of the summary, grouped by decision."""
+    groups: list[dict] = []
+    for lp in plans:
+        r = lp.shared_record
+        if not r.get("present"):
+            continue
+        d = {"precision": r.get("precision") if r.get("fused_capable") else None,
+             "requested": r.get("requested_precision", "auto"),
+             "reason": r.get("precision_reason") or r.get("reason", ""), "note": r.get("flavour_note", "")}
+        for g in groups:
+            if all(g[k] == v for k, v in d.items()):
+                g["layer_list"].append(lp.info.index)
+                break
+        else:
+            groups.append({**d, "layer_list": [lp.info.index]})
+    return [{"layers": _ranges(g.pop("layer_list")), **g} for g in groups]
+
+
 # --------------------------------------------------------------------------- convert
 
 
@@ -260,8 +355,13 @@ def convert(
     resume: bool = False,
     progress: Progress | None = None,
     log: Log | None = None,
+    shared_precision: str = "auto",
 ) -> ConvertSummary:
     """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
+
+    ``shared_precision`` ("auto" | "mxfp8" | "bf16"): the precision fused
+    shared experts are written in (see `choose_shared`); an explicit one the
+    row cannot fuse raises FormatError.
 
     Raises MegaMoEError subclasses for bad input (nothing is left under `out`).
     """
@@ -273,6 +373,8 @@ def convert(
     if on_scale_mismatch not in checks.SCALE_MISMATCH_POLICIES:
         raise MegaMoEError(f"--on-scale-mismatch {on_scale_mismatch!r}; "
                            f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
+    if shared_precision not in SHARED_PRECISION_CHOICES:
+        raise MegaMoEError(f"--shared-precision {shared_precision!r}; valid: {', '.join(SHARED_PRECISION_CHOICES)}")
     if out.exists() and not overwrite:
         raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it "
                           "(it is replaced only after the new conversion has finished)")
@@ -285,9 +387,10 @@ def convert(
     infos = reader.moe_layers()
     if not infos:
         raise CheckpointError(f"{source.id}: no MoE layers found (format {reader.format_name}); nothing to convert")
+    check_shared_precision(row, shared_precision)
 
     plans = _preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
-                       allow_missing_input_scales, log)
+                       allow_missing_input_scales, log, shared_precision)
     consumed = set(reader.consumed_tensor_names())
     for lp in plans:  # shared experts the row cannot fuse stay in the pass-through files
         if lp.info.shared is not None and lp.spec.shared is None:
@@ -298,7 +401,7 @@ def convert(
         "converter": converter_version(), "format_version": FORMAT_VERSION, "source": source.content_hash(),
         "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
         "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
-        "allow_missing_input_scales": allow_missing_input_scales,
+        "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
         "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
     })
 
@@ -324,10 +427,11 @@ def convert(
 
 
 def _preflight(reader: CheckpointReader, source: CheckpointSource, row: Row, facts, infos, ep_size: int,
-               on_scale_mismatch: str, allow_missing: bool, log: Log) -> list[_LayerPlan]:
+               on_scale_mismatch: str, allow_missing: bool, log: Log,
+               shared_precision: str = "auto") -> list[_LayerPlan]:
     plans = []
     for info in infos:
-        shared, shared_rec = checks.shared_spec_for(info, row)
+        shared, shared_rec = choose_shared(info, row, shared_precision)
         spec = checks.layer_spec(info, facts, row, ep_size, shared)
         scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
         rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch=on_scale_mismatch,
@@ -591,7 +695,8 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
         bytes_out=sum(f.size for f in file_entries.values()) + (out / "megamoe.json").stat().st_size,
-        seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed)
+        seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed,
+        shared=_shared_decisions(plans))
 
 
 def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, journaled: dict | None,
@@ -684,7 +789,7 @@ def _copy_passthrough(source: CheckpointSource, run: _Run) -> None:
 
 
 def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
-                       quantize: str | None = None, ep_size: int = 1) -> dict:
+                       quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto") -> dict:
     """What `megamoe-convert inspect` reports (JSON-safe dict).
 
     Reads headers and the scalar scale tensors only. Problems that would stop
@@ -706,8 +811,13 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         missing_input: dict[int, int] = {}
         consumed = set(reader.consumed_tensor_names())
         shared_notes = {}
+        check_shared_precision(row, shared_precision)
         for info in infos:
-            shared, shared_rec = checks.shared_spec_for(info, row)
+            try:
+                shared, shared_rec = choose_shared(info, row, shared_precision)
+            except MegaMoEError as e:  # an explicit precision the layer's sizes refuse
+                problems.append(str(e))
+                shared, shared_rec = checks.shared_spec_for(info, row)
             if info.shared is not None and shared is None:
                 consumed -= set(info.shared.tensor_names)
             spec = None
@@ -815,4 +925,5 @@ def _model_facts(facts) -> dict:
 
 
 __all__ = ["convert", "inspect_checkpoint", "ConvertSummary", "converter_version", "expert_file_name",
-           "model_file_name", "shared_to_precision", "temp_dir_for"]
+           "model_file_name", "shared_to_precision", "temp_dir_for", "SHARED_PRECISION_CHOICES", "SHARED_FLAVOURS",
+           "check_shared_precision", "choose_shared"]

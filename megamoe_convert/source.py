@@ -23,18 +23,21 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megamoe_runtime.errors import CheckpointError
+from megamoe_runtime.safetensors_header import (
+    HEADER_DTYPE_BITS,
+    HeaderEntry,
+    SafetensorsHeader,
+    parse_safetensors_header,
+)
 from megamoe_runtime.tensor_bytes import byte_view
 
-from megamoe_runtime.errors import CheckpointError
-
 INDEX_NAME = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100_000_000
 
 #: what a hub snapshot needs for conversion: weights, configs, tokenizer files
 HUB_ALLOW_PATTERNS = [
@@ -50,32 +53,6 @@ HUB_ALLOW_PATTERNS = [
 #: sub-folders of some repos holding a second copy of the weights
 HUB_IGNORE_PATTERNS = ["original/*", "metal/*", "*/original/*"]
 
-#: safetensors dtype string -> (bits per element, torch dtype or None when torch lacks it)
-ST_DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "BOOL": (8, torch.bool),
-    "U8": (8, torch.uint8),
-    "I8": (8, torch.int8),
-    "I16": (16, torch.int16),
-    "U16": (16, getattr(torch, "uint16", None)),
-    "I32": (32, torch.int32),
-    "U32": (32, getattr(torch, "uint32", None)),
-    "I64": (64, torch.int64),
-    "U64": (64, getattr(torch, "uint64", None)),
-    "F16": (16, torch.float16),
-    "BF16": (16, torch.bfloat16),
-    "F32": (32, torch.float32),
-    "F64": (64, torch.float64),
-    "C64": (64, torch.complex64),
-    "F8_E4M3": (8, torch.float8_e4m3fn),
-    "F8_E5M2": (8, torch.float8_e5m2),
-    "F8_E8M0": (8, getattr(torch, "float8_e8m0fnu", None)),
-    "F8_E4M3FNUZ": (8, getattr(torch, "float8_e4m3fnuz", None)),
-    "F8_E5M2FNUZ": (8, getattr(torch, "float8_e5m2fnuz", None)),
-    "F4": (4, getattr(torch, "float4_e2m1fn_x2", None)),
-    "F6_E2M3": (6, None),
-    "F6_E3M2": (6, None),
-}
-
 #: files never copied as "extra" files (weights, indexes, our own outputs)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 _NOT_EXTRA = {INDEX_NAME, "megamoe.json", "pytorch_model.bin.index.json"}
@@ -84,103 +61,17 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TRUTHY = {"1", "ON", "YES", "TRUE"}
 
 
-@dataclass(frozen=True)
-class TensorHeader:
-    """One tensor's header entry (validated)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass(frozen=True)
-class FileHeader:
-    path: Path
-    header_len: int
-    file_size: int
-    tensors: dict[str, TensorHeader]
-    metadata: dict[str, str]
-    header_sha256: str
+#: the converter's names for the runtime's validated header types (one parser for both)
+TensorHeader = HeaderEntry
+FileHeader = SafetensorsHeader
 
 
 def read_safetensors_header(path: str | Path) -> FileHeader:
     """Read and validate one safetensors header; CheckpointError naming the file
-    on any defect (truncation, oversize or non-JSON header, bad dtype or shape,
-    gaps or overlaps in the data offsets, size mismatch)."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(
-                    f"{path}: truncated safetensors file ({size} bytes; at least the 8-byte header length is needed)"
-                )
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"{path}: header length {n} exceeds the safetensors limit {MAX_HEADER_BYTES} "
-                    "(not a safetensors file, or a corrupted one)"
-                )
-            if 8 + n > size:
-                raise CheckpointError(
-                    f"{path}: truncated safetensors file: header says {n} header bytes but the file has only "
-                    f"{size - 8} after the length field"
-                )
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid UTF-8 JSON ({e}); the file is corrupted") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is a {type(header).__name__}, expected a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path}: __metadata__ must map strings to strings, found {metadata!r:.200}")
-    tensors: dict[str, TensorHeader] = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise CheckpointError(f"{path}: header entry {name!r} lacks dtype/shape/data_offsets: {entry!r:.200}")
-        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}; known: {sorted(ST_DTYPES)}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)):
-            raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
-        begin, end = offs
-        bits = ST_DTYPES[dtype][0]
-        expected = math.ceil(math.prod(shape) * bits / 8)
-        if end < begin or end - begin != expected:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes [{begin}, {end}) "
-                f"but needs {expected}"
-            )
-        tensors[name] = TensorHeader(name, dtype, tuple(shape), begin, end)
-    pos = 0
-    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
-        if t.begin != pos:
-            what = "gap" if t.begin > pos else "overlap"
-            raise CheckpointError(
-                f"{path}: data offsets do not tile the data: {what} before tensor {t.name!r} "
-                f"(starts at {t.begin}, previous data ends at {pos})"
-            )
-        pos = t.end
-    if size != 8 + n + pos:
-        raise CheckpointError(
-            f"{path}: file is {size} bytes but its header describes {8 + n + pos} "
-            f"(8 + {n} header + {pos} data): "
-            + ("truncated (incomplete download?)" if size < 8 + n + pos else "trailing bytes after the data")
-        )
-    return FileHeader(path, n, size, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
+    on any defect (truncation, oversize or non-JSON header, duplicate keys, bad
+    dtype or shape, gaps or overlaps in the data offsets, size mismatch). The
+    rules are the runtime's (:mod:`megamoe_runtime.safetensors_header`)."""
+    return parse_safetensors_header(path)
 
 
 class CheckpointSource:
@@ -344,8 +235,8 @@ class CheckpointSource:
 
     def _torch_dtype(self, name: str) -> torch.dtype:
         t = self.tensor_header(name)
-        dt = ST_DTYPES[t.dtype][1]
-        if dt is None or t.dtype == "F4":
+        dt = t.torch_dtype
+        if dt is None:
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} has dtype {t.dtype}, which this reader cannot represent"
             )
@@ -370,7 +261,7 @@ class CheckpointSource:
             row_bytes, rows_shape = th.nbytes, ()
         else:
             inner = math.prod(shape[1:])
-            row_bytes = inner * ST_DTYPES[th.dtype][0] // 8
+            row_bytes = inner * HEADER_DTYPE_BITS[th.dtype] // 8
             rows_shape = (hi - lo, *shape[1:])
         nbytes = row_bytes * (hi - lo) if shape else th.nbytes
         if nbytes == 0:

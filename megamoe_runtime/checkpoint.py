@@ -15,15 +15,13 @@ An EP rank opens only the files holding its experts: with the checkpoint's
 own EP size that is exactly its rank files; with another EP size it reads the
 overlapping slices of the files that hold its experts.
 
-safetensors headers are parsed here (REFERENCE.md §9 validation: size limit,
+safetensors headers are parsed up front (`safetensors_header`, REFERENCE.md §9 validation: size limit,
 tiling, byte counts, file length, duplicate keys) so that a dry run can build
 meta stand-ins from headers alone, and so that a truncated or corrupt file is
 reported by name before any byte is copied.
 """
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ import torch
 
 from .errors import CheckpointError, LayoutError
 from .formats import LayerSpec
+from .safetensors_header import HeaderEntry, parse_safetensors_header
 from .manifest import (DTYPES, EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
@@ -52,99 +51,19 @@ __all__ = [
 #: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
 #: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (REFERENCE.md §8).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = dict(DTYPES)
-_HEADER_LIMIT = 100_000_000
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor of a safetensors header: dtype name, shape, byte range in the data section."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def torch_dtype(self) -> Optional[torch.dtype]:
-        return SAFETENSORS_DTYPES.get(self.dtype)
-
-
-def _no_dup_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DupKey(k)
-        out[k] = v
-    return out
-
-
-class _DupKey(Exception):
-    pass
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def read_safetensors_header(path: Union[str, os.PathLike]) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
     """Parse and validate a safetensors header: ``(entries, metadata, data_start)``.
 
-    Reads only the header bytes. CheckpointError, naming the file, for a
-    truncated file, a header over 100 MB, invalid JSON, duplicate keys,
-    malformed entries, byte ranges that do not tile the data section, or a
-    file length that disagrees with the header.
+    Reads only the header bytes. CheckpointError, naming the file, for any
+    defect :func:`megamoe_runtime.safetensors_header.parse_safetensors_header`
+    refuses (truncation, a header over 100 MB, invalid JSON, duplicate keys,
+    malformed entries or unknown dtypes, byte ranges that do not tile the data
+    section, a file length that disagrees with the header).
     """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes; no 8-byte header length)")
-            n = int.from_bytes(head, "little")
-            if n > _HEADER_LIMIT:
-                raise CheckpointError(f"{path}: header length {n} exceeds the safetensors limit of {_HEADER_LIMIT} bytes "
-                                      "(not a safetensors file, or corrupt)")
-            if 8 + n > size:
-                raise CheckpointError(f"{path}: truncated: header says {n} bytes but the file has {size - 8}")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    try:
-        hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs)
-    except _DupKey as e:
-        raise CheckpointError(f"{path}: duplicate tensor name {e.args[0]!r} in the safetensors header") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: garbage safetensors header (not UTF-8 JSON: {e})") from None
-    if not isinstance(hdr, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    meta = hdr.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: __metadata__ is not an object")
-    entries: dict[str, HeaderEntry] = {}
-    for name, d in hdr.items():
-        try:
-            dt, shape, (b, e) = d["dtype"], tuple(int(s) for s in d["shape"]), d["data_offsets"]
-            b, e = int(b), int(e)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for {name!r}: {d!r:.120}") from None
-        if b < 0 or e < b or any(s < 0 for s in shape):
-            raise CheckpointError(f"{path}: {name!r} has invalid offsets [{b}, {e}) or shape {list(shape)}")
-        tdt = SAFETENSORS_DTYPES.get(dt)
-        if tdt is not None and (e - b) != math.prod(shape) * _itemsize(tdt):
-            raise CheckpointError(f"{path}: {name!r} ({dt} {list(shape)}) spans {e - b} bytes, expected "
-                                  f"{math.prod(shape) * _itemsize(tdt)}")
-        entries[name] = HeaderEntry(dt, shape, b, e)
-    pos = 0
-    for name, en in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if en.begin != pos:
-            raise CheckpointError(f"{path}: tensors do not tile the data section: {name!r} starts at {en.begin}, "
-                                  f"expected {pos} ({'gap' if en.begin > pos else 'overlap'})")
-        pos = en.end
-    if 8 + n + pos != size:
-        raise CheckpointError(f"{path}: file is {size} bytes but the header describes {8 + n + pos} "
-                              f"({'truncated' if size < 8 + n + pos else 'trailing bytes'})")
-    return entries, {str(k): str(v) for k, v in meta.items()}, 8 + n
+    h = parse_safetensors_header(path)
+    return h.tensors, h.metadata, h.data_start
 
 
 class SafetensorsFile:

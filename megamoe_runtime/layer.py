@@ -260,6 +260,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
         self.layer_index = layer_index
         self._load_state: Optional[loaders.LoadState] = None
         self.load_generation = 0
+        #: int32 [E_l] ``cumulative_local_expert_recv_stats`` (DeepGEMM's name), or None: see
+        #: `track_expert_recv_stats`.
+        self.expert_recv_stats: Optional[torch.Tensor] = None
 
         # Shared-expert fusion: decided here, once.
         module_tensors: Optional[dict] = None  # an engine's shared MLP that matches a fusable spec
@@ -509,6 +512,17 @@ class DeepGemmMegaMoEExperts(nn.Module):
         with torch.no_grad():
             layout.write_expert(prec, self.shared_kernel_tensors(), None, ex, where="shared_experts module")
 
+    def track_expert_recv_stats(self) -> torch.Tensor:
+        """Start counting, per local expert, the (token, slot) pairs it receives
+        from all ranks: DeepGEMM's ``cumulative_local_expert_recv_stats``
+        (int32 ``[E_l]``, incremented by every forward, never reset; EPLB reads
+        it). Returns the counter, zeroed; every backend updates the same tensor."""
+        if self.expert_recv_stats is None:
+            self.expert_recv_stats = torch.zeros(self.spec.experts_per_rank, dtype=torch.int32, device=self.device)
+        else:
+            self.expert_recv_stats.zero_()
+        return self.expert_recv_stats
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -557,9 +571,15 @@ class DeepGemmMegaMoEExperts(nn.Module):
                     "to the ranks owning their experts); initialise the process group, or build with ep_size=1")
             from .ep import ep_forward
 
-            return ep_forward(self, hidden_states, topk_weights, topk_ids, shared_experts=shared_experts)
+            return ep_forward(self, hidden_states, topk_weights, topk_ids, shared_experts=shared_experts,
+                              recv_stats=self.expert_recv_stats)
         shared_input = hidden_states if self.shared_fused else None
         y = self.backend.forward(self, hidden_states, topk_weights, topk_ids, shared_input=shared_input)
+        stats = self.expert_recv_stats
+        if stats is not None and not getattr(self.backend, "counts_recv_stats", False):
+            local = topk_ids.to(torch.int64) - spec.local_experts.start
+            local = local[(local >= 0) & (local < spec.experts_per_rank)]
+            stats.add_(torch.bincount(local, minlength=spec.experts_per_rank).to(stats.dtype))
         extra = shared_experts if shared_experts is not None else self.shared_mlp
         if extra is not None:
             y = (y.to(torch.float32) + extra(hidden_states).to(torch.float32)).to(torch.bfloat16)

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import LayoutError, ManifestError, MegaMoEError
+from .safetensors_header import DTYPE_BITS, DTYPES
 
 FORMAT_NAME = "megamoe"
 FORMAT_VERSION = 1
@@ -53,39 +54,7 @@ SHARED_ROLES = (
 PASSTHROUGH_ROLE = "passthrough"
 ROLES = EXPERT_ROLES + SHARED_ROLES + (PASSTHROUGH_ROLE,)
 
-#: safetensors dtype names <-> torch dtypes (REFERENCE.md section 9). A dry run
-#: building meta tensors from headers needs at least these.
-DTYPES: dict[str, torch.dtype] = {
-    name: dt for name, dt in {
-        "BOOL": torch.bool,
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "I16": torch.int16,
-        "U16": getattr(torch, "uint16", None),
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I32": torch.int32,
-        "U32": getattr(torch, "uint32", None),
-        "F32": torch.float32,
-        "F64": torch.float64,
-        "C64": torch.complex64,
-        "I64": torch.int64,
-        "U64": getattr(torch, "uint64", None),
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
-        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
-        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
-        "F4": getattr(torch, "float4_e2m1fn_x2", None),
-    }.items() if dt is not None
-}
-#: bits per element as a safetensors header counts them (F4 counts logical
-#: 4-bit elements, so its byte size is numel / 2)
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-    "F32": 32, "F64": 64, "C64": 64, "I64": 64, "U64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F4": 4,
-}
+# DTYPES (safetensors name -> torch dtype) and DTYPE_BITS live with the header parser.
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

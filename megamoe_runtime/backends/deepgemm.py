@@ -231,6 +231,8 @@ class DeepGemmBackend:
     """
 
     name = "deepgemm"
+    #: the kernel increments ``cumulative_local_expert_recv_stats`` itself
+    counts_recv_stats = True
     #: the mega kernels dispatch and combine over the EP group themselves (NVLink, symmetric memory)
     native_ep = True
 
@@ -487,6 +489,12 @@ class DeepGemmBackend:
         elif fn == "nvfp4_mega_moe":
             kw.update(l1_alpha=layer.l1_alpha_gate, l2_alpha=layer.l2_alpha,
                       l2_activation_scale=self._dgv_a2(layer), use_x_scales=True)
+        if layer.expert_recv_stats is not None:
+            if not api.accepts(fn, "cumulative_local_expert_recv_stats"):
+                raise BackendUnavailableError(
+                    f"{fn} of this DeepGEMM ({api.flavour}) takes no cumulative_local_expert_recv_stats; "
+                    "expert receive statistics need DeepGEMM from 2026-04-24 or later")
+            kw["cumulative_local_expert_recv_stats"] = layer.expert_recv_stats
         kw = {k: v for k, v in kw.items() if api.accepts(fn, k)}
 
         if not self._barrier_done:

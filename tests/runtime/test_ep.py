@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import megamoe_runtime as mr
 from megamoe_convert.convert import convert
 from megamoe_convert.synth import build_synthetic_checkpoint
-from megamoe_runtime.ep import ep_forward, plan_dispatch
+from megamoe_runtime.ep import plan_dispatch
 from megamoe_runtime.errors import MegaMoEError
 
 NUM_EXPERTS = 8
@@ -79,8 +79,8 @@ def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: 
             ckpt = mr.open_checkpoint(d)
             info = ckpt.layers[0]
             layer = ckpt.build_layer(info.index, device="cpu", backend="reference", ep_rank=rank, ep_size=world)
-            stats = torch.zeros(layer.spec.experts_per_rank, dtype=torch.int32)
-            ys = [ep_forward(layer, x, w, ids, recv_stats=stats) for _ in range(2)]
+            stats = layer.track_expert_recv_stats()
+            ys = [layer(x, w, ids) for _ in range(2)]  # ep_size > 1: the layer goes through ep_forward
             results[row] = dict(y=ys[0], y_again=ys[1], stats=stats, files=list(ckpt.last_opened_files))
         torch.save(results, Path(result_dir) / f"rank{rank}.pt")
     finally:
@@ -143,3 +143,25 @@ def test_wrong_rank_files_fail_clearly(converted, tmp_path):
     ckpt = mr.open_checkpoint(bad)
     with pytest.raises(MegaMoEError, match=r"rank"):
         ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference", ep_rank=0, ep_size=2)
+
+
+def test_single_rank_recv_stats(converted):
+    """ep_size 1: the same counter semantics without any process group."""
+    x, w, ids = _routing(12, seed=4)
+    ckpt = mr.open_checkpoint(converted["bf16"][1])
+    layer = ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference")
+    stats = layer.track_expert_recv_stats()
+    start = torch.arange(NUM_EXPERTS, dtype=torch.int32)
+    stats.copy_(start)  # cumulative: never reset by a forward
+    for _ in range(3):
+        layer(x, w, ids)
+    expect = torch.stack([(ids == e).sum() for e in range(NUM_EXPERTS)]).to(torch.int32) * 3 + start
+    assert torch.equal(layer.expert_recv_stats, expect)
+
+
+def test_ep_layer_without_process_group_is_refused(converted):
+    x, w, ids = _routing(4, seed=4)
+    ckpt = mr.open_checkpoint(converted["bf16"][2])
+    layer = ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference", ep_rank=0, ep_size=2)
+    with pytest.raises(MegaMoEError, match="torch.distributed"):
+        layer(x, w, ids)

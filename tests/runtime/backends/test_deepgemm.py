@@ -93,6 +93,9 @@ def _check_common(mod, fn, y, l1, l2, buf, kw):
     assert T <= buf.num_max_tokens_per_rank
     E_l = buf.num_experts // buf.group.size()
     H, I = buf.hidden, buf.intermediate_hidden
+    stats = kw.get("cumulative_local_expert_recv_stats")
+    if stats is not None:  # DeepGEMM: int32, contiguous, numel == E_l
+        assert stats.dtype == torch.int32 and stats.is_contiguous() and stats.numel() == E_l
     if fn == "bf16_mega_moe":
         assert l1.dtype == l2.dtype == torch.bfloat16 and l1.shape == (E_l, 2 * I, H) and l2.shape == (E_l, H, I)
         assert l1.is_contiguous() and l2.is_contiguous()
@@ -144,13 +147,13 @@ def make_standin(version: str) -> types.ModuleType:
         def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
                              recipe=(1, 1, 32), activation="swiglu", activation_clamp=None, fast_math=True):
             _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                          dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, recipe=recipe, activation=activation, activation_clamp=activation_clamp,
                                fast_math=fast_math))
 
         def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
                           activation="swiglu", activation_clamp=None, fast_math=True):
             _check_common(mod, "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                          dict(activation=activation, activation_clamp=activation_clamp, fast_math=fast_math))
+                          dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, activation=activation, activation_clamp=activation_clamp, fast_math=fast_math))
         mod.SymmBuffer, mod.get_symm_buffer_for_mega_moe = SymmBuffer, get_symm_buffer_for_mega_moe
         mod.fp8_fp4_mega_moe, mod.bf16_mega_moe = fp8_fp4_mega_moe, bf16_mega_moe
         if version == "dgz":
@@ -158,7 +161,7 @@ def make_standin(version: str) -> types.ModuleType:
                                  recipe=(1, 1, 32), activation="swiglu", activation_clamp=None, fast_math=True):
                 assert sym_buffer.mma_type == "fp8xfp8"
                 _check_common(mod, "fp8_fp8_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                              dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                              dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, recipe=recipe, activation=activation, activation_clamp=activation_clamp,
                                    fast_math=fast_math))
             mod.fp8_fp8_mega_moe = fp8_fp8_mega_moe
         return mod
@@ -206,7 +209,7 @@ def make_standin(version: str) -> types.ModuleType:
                       fast_math=True):
         _shared(sym_buffer, shared_l1_weights, shared_l2_weights, False)
         _check_common(mod, "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                      dict(activation=activation, activation_clamp=activation_clamp, fast_math=fast_math,
+                      dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, activation=activation, activation_clamp=activation_clamp, fast_math=fast_math,
                            shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights))
 
     mod.block_m_calls = []
@@ -220,7 +223,7 @@ def make_standin(version: str) -> types.ModuleType:
             assert (situ_beta is None) == (activation == "swiglu")
             _shared(sym_buffer, shared_l1_weights, shared_l2_weights, True)
             _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                          dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, recipe=recipe, activation=activation, activation_clamp=activation_clamp,
                                fast_math=fast_math, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                                shared_l1_weights=shared_l1_weights))
 
@@ -239,7 +242,7 @@ def make_standin(version: str) -> types.ModuleType:
                 assert x_bf16.dtype == torch.bfloat16 and x_bf16.is_contiguous() and x_bf16.shape[0] >= y.shape[0]
             _shared(sym_buffer, shared_l1_weights, shared_l2_weights, False)
             _check_common(mod, "fp4_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                          dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                          dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, recipe=recipe, activation=activation, activation_clamp=activation_clamp,
                                fast_math=fast_math, l1_alphas=l1_alphas, l2_alphas=l2_alphas, a2_scales=a2_scales,
                                routed_scaling_factor=routed_scaling_factor, x_bf16=x_bf16,
                                shared_l1_weights=shared_l1_weights))
@@ -253,7 +256,7 @@ def make_standin(version: str) -> types.ModuleType:
                          activation_clamp=None, activation_beta=None, activation_linear_beta=None, fast_math=True):
         _shared(sym_buffer, shared_l1_weights, shared_l2_weights, True)
         _check_common(mod, "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                      dict(recipe=recipe, activation=activation, activation_clamp=activation_clamp,
+                      dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, recipe=recipe, activation=activation, activation_clamp=activation_clamp,
                            activation_beta=activation_beta, activation_linear_beta=activation_linear_beta,
                            fast_math=fast_math, shared_l1_weights=shared_l1_weights))
 
@@ -279,7 +282,7 @@ def make_standin(version: str) -> types.ModuleType:
         if shared_l1_weights is not None:
             _shared(sym_buffer, shared_l1_weights, shared_l2_weights, isinstance(shared_l1_weights, tuple))
         _check_common(mod, "nvfp4_mega_moe", y, l1_weights, l2_weights, sym_buffer,
-                      dict(activation_clamp=activation_clamp, fast_math=fast_math, activation_alpha=activation_alpha,
+                      dict(cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, activation_clamp=activation_clamp, fast_math=fast_math, activation_alpha=activation_alpha,
                            activation_beta=activation_beta, l1_alpha=l1_alpha, l2_alpha=l2_alpha,
                            l2_activation_scale=l2_activation_scale, use_x_scales=use_x_scales,
                            shared_l1_weights=shared_l1_weights))
@@ -540,3 +543,26 @@ def test_import_error_is_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm -> ImportError
     with pytest.raises(BackendUnavailableError, match="needs the deep_gemm package"):
         import_deep_gemm()
+
+
+@pytest.mark.parametrize("version", ["dg-main", "dg-newer", "dgv"])
+def test_recv_stats_tensor_is_handed_to_the_kernel(standin, version):
+    """`layer.track_expert_recv_stats()` hands the kernel its int32 [E_l] counter
+    (the kernel increments it; the layer must not count a second time)."""
+    mod = standin(version)
+    layer = _filled_layer(_spec("mxfp4"), _backend())
+    stats = layer.track_expert_recv_stats()
+    x, w, ids = _inputs(5, 256, 2, 8)
+    layer(x, w, ids)
+    kw = mod.calls[-1][-1]
+    assert kw["cumulative_local_expert_recv_stats"] is stats
+    assert stats.dtype == torch.int32 and stats.shape == (8,) and int(stats.sum()) == 0
+
+
+def test_recv_stats_refused_by_a_version_without_them(standin):
+    standin("dg-2604")
+    layer = _filled_layer(_spec("mxfp4"), _backend())
+    layer.track_expert_recv_stats()
+    x, w, ids = _inputs(5, 256, 2, 8)
+    with pytest.raises(BackendUnavailableError, match="cumulative_local_expert_recv_stats"):
+        layer(x, w, ids)
