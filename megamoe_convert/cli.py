@@ -2,12 +2,13 @@
 
 Exit codes (every command):
   0  success
-  1  verification failed (`verify` found a mismatch, a missing file or a flipped byte)
+  1  verification failed (`verify` found a mismatch, a missing file or a flipped byte;
+     `demo`: that, or a served layer missed its calc_diff threshold vs the source)
   2  bad input or usage (unreadable/unsupported checkpoint, failed checks,
-     OUT already exists, bad option)
+     OUT already exists, bad option, a --shared-precision the row cannot fuse)
 
-Progress bars go to stderr, results to stdout; `--json` prints one JSON
-object on stdout instead of the human summary.
+Progress bars and logs go to stderr, results to stdout; `--json` prints one
+JSON object on stdout (and nothing else there) instead of the human summary.
 """
 from __future__ import annotations
 
@@ -15,13 +16,20 @@ import json
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
-import click
+# torch warns "Failed to initialize NumPy: No module named 'numpy'" (once, when its
+# dispatch-mode machinery first touches numpy) on a machine without numpy; megamoe never
+# needs numpy, so that exact warning is noise. Installed before anything imports torch.
+warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy: No module named 'numpy'",
+                        category=UserWarning)
 
-from megamoe_runtime.errors import MegaMoEError
+import click  # noqa: E402
 
-from .writer import format_bytes, parse_size
+from megamoe_runtime.errors import MegaMoEError  # noqa: E402
+
+from .writer import format_bytes, parse_size  # noqa: E402
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -106,13 +114,18 @@ def main() -> None:
 @click.option("--allow-missing-input-scales", is_flag=True,
               help="NVFP4: experts without a w2 input scale take the max of the others for a2 "
                    "(default: refuse, a2 must be the max over ALL experts).")
+@click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
+              help="Precision of the fused shared experts. auto: their own encoding when the row fuses it, else "
+                   "the row's first fusable precision (the summary and megamoe.json say which and why). The nvfp4 "
+                   "row fuses both: mxfp8 for vLLM's DeepGEMM fork (nvfp4_mega_moe), bf16 for newer upstream "
+                   "DeepGEMM (fp4_fp4_mega_moe) and the fork. A precision the row cannot fuse is refused.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp (finished shards "
                                              "are re-checked by checksum and kept).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
-            allow_missing_input_scales, overwrite, resume, as_json, no_progress):
+            allow_missing_input_scales, shared_precision, overwrite, resume, as_json, no_progress):
     """Convert checkpoint SRC (local folder or hub repo id) into OUT.
 
     Checks everything first (every expert present, shapes and dtypes against
@@ -127,6 +140,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert nvidia/DeepSeek-R1-NVFP4 ./r1 --revision main --ep-size 8
       megamoe-convert convert ./model-bf16 ./out --quantize mxfp4 --max-shard-size 2GB
       megamoe-convert convert ./glm-nvfp4 ./out --on-scale-mismatch requantize --json
+      megamoe-convert convert ./r1-nvfp4 ./out --shared-precision bf16   # for upstream fp4_fp4_mega_moe
       megamoe-convert convert ./src ./out --resume      # after an interrupted run
 
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT).
@@ -144,7 +158,8 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
             return do_convert(src, out, revision=revision, format=fmt, quantize=quantize, ep_size=ep_size,
                               max_shard_size=max_bytes, on_scale_mismatch=on_scale_mismatch,
                               allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
-                              resume=resume, progress=bar, log=lambda m: click.echo(m, err=True))
+                              resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
+                              shared_precision=shared_precision)
         finally:
             bar.close()
 
@@ -163,6 +178,13 @@ def _print_summary(s) -> None:
     click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s")
     if s.repaired_experts:
         click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
+    for d in s.shared:
+        if d["precision"] is None:
+            click.echo(f"  shared experts (layers {d['layers']}): not fused: {d['reason']}")
+            continue
+        click.echo(f"  shared experts (layers {d['layers']}): fused as {d['precision']} ({d['reason']})")
+        if d["note"]:
+            click.echo(f"    {d['note']}")
 
 
 # --------------------------------------------------------------------------- inspect
@@ -176,8 +198,10 @@ def _print_summary(s) -> None:
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
+@click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
+              help="As for convert: the precision fused shared experts would be written in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def inspect(src, revision, fmt, quantize, ep_size, as_json):
+def inspect(src, revision, fmt, quantize, ep_size, shared_precision, as_json):
     """Describe checkpoint SRC without converting it.
 
     Format and row, MoE layers, experts, shapes, shared experts (fusable or
@@ -191,13 +215,14 @@ def inspect(src, revision, fmt, quantize, ep_size, as_json):
       megamoe-convert inspect ./Qwen3-30B-A3B-NVFP4
       megamoe-convert inspect nvidia/DeepSeek-R1-NVFP4 --ep-size 8 --json
       megamoe-convert inspect ./model-bf16 --quantize nvfp4
+      megamoe-convert inspect ./r1-nvfp4 --shared-precision bf16
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
     from .convert import inspect_checkpoint
 
     rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
-                                                  ep_size=ep_size))
+                                                  ep_size=ep_size, shared_precision=shared_precision))
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:
@@ -245,7 +270,8 @@ def _shared_line(sh: dict) -> str:
         return "none"
     what = f"{sh['num_shared']} x intermediate {sh['intermediate']} ({sh['source_encoding']})"
     if sh["fused_capable"]:
-        return f"{what} -> fused as {sh['precision']}"
+        why = f" ({sh['precision_reason']}); {sh['flavour_note']}" if sh.get("precision_reason") else ""
+        return f"{what} -> fused as {sh['precision']}{why}"
     return f"{what}, not fusable: {sh['reason']}"
 
 
@@ -336,56 +362,89 @@ def _print_verify(rep, reload: dict | None) -> None:
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--format", "fmt", default="modelopt-nvfp4", show_default=True,
-              help="Synthetic source format to build (any format megamoe_convert.synth supports).")
+              help="Synthetic source format to build: any format megamoe_convert.synth supports (modelopt-nvfp4, "
+                   "quark-mxfp4, ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Build in this folder and keep it (default: a temporary folder, removed afterwards).")
-@click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def demo(fmt, keep, ep_size, as_json):
-    """End to end on a tiny synthetic checkpoint: build -> convert -> verify -> forward.
+@click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Convert into this many EP rank file sets (the check reads every rank's files).")
+@click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
+              help="Tokens per layer in the forward comparison.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (only JSON).")
+def demo(fmt, keep, ep_size, tokens, as_json):
+    """End to end on a tiny synthetic checkpoint: build -> convert -> verify -> compare.
 
-    Needs no download and no GPU: the forward runs on megamoe_runtime's
-    reference backend.
+    
+    The comparison, per MoE layer: the SERVED forward (megamoe_runtime's
+    reference backend on the converted kernel-layout bytes, with the kernels'
+    activation quantization and roundings) against an independent fp32 MoE
+    computed from the SOURCE checkpoint (its experts read through the
+    converter's readers and dequantized; no layout code shared). calc_diff
+    (DeepGEMM's metric) must stay below the row's threshold (bf16 1e-4,
+    mxfp8/mxfp4 2e-3, nvfp4 2e-2); a wrong layout lands far above.
+    Needs no download and no GPU.
 
-    \b
+    
     Examples:
       megamoe-convert demo
       megamoe-convert demo --format quark-mxfp4 --ep-size 2
+      megamoe-convert demo --format deepseek-v4 --tokens 64
       megamoe-convert demo --keep ./demo-out --json
+
+    Exit codes: 0 every layer matches, 1 verify failed or a layer missed its
+    threshold, 2 bad input or usage.
     """
+    from . import synth
+
+    if fmt not in synth.FORMATS:
+        raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth.FORMATS)}",
+                                 param_hint="--format")
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
-        result = _run_guarded(lambda: _demo(keep, fmt, ep_size))
+        result = _run_guarded(lambda: _demo(keep, fmt, ep_size, tokens))
     else:
         with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as d:
-            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size))
+            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size, tokens))
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        s = result["convert"]
-        where = result["src"] if keep is not None else "a temporary folder (--keep DIR keeps the files)"
-        click.echo(f"demo: built a synthetic {fmt} checkpoint ({result['layers']} MoE layers, "
-                   f"{result['experts_per_layer']} experts, hidden {result['hidden']}, "
-                   f"intermediate {result['intermediate']}) in {where}")
-        click.echo(f"demo: converted to row {s['row']} in {s['seconds']:.2f} s: {format_bytes(s['bytes_in'])} in, "
-                   f"{format_bytes(s['bytes_out'])} out, {s['files']} files"
-                   + (f" -> {result['out']}" if keep is not None else ""))
-        v = result["verify"]
-        click.echo(f"demo: verify {'ok' if v['ok'] else 'FAILED'}: {v['files_checked']} files, "
-                   f"{v['tensors_checked']} tensors checked")
-        f = result["forward"]
-        click.echo(f"demo: forward through layer {f['layer']} on the {f['backend']} backend: output {f['shape']}, "
-                   f"finite={f['finite']}")
-    if not result["verify"]["ok"]:
+        _print_demo(result, fmt, keep is not None)
+    if not result["ok"]:
         sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _print_demo(result: dict, fmt: str, kept: bool) -> None:
+    s = result["convert"]
+    where = result["src"] if kept else "a temporary folder (--keep DIR keeps the files)"
+    click.echo(f"demo: built a synthetic {fmt} checkpoint ({result['layers']} MoE layers, "
+               f"{result['experts_per_layer']} experts, hidden {result['hidden']}, "
+               f"intermediate {result['intermediate']}) in {where}")
+    click.echo(f"demo: converted to row {s['row']} in {s['seconds']:.2f} s: {format_bytes(s['bytes_in'])} in, "
+               f"{format_bytes(s['bytes_out'])} out, {s['files']} files" + (f" -> {result['out']}" if kept else ""))
+    v = result["verify"]
+    click.echo(f"demo: verify {'ok' if v['ok'] else 'FAILED'}: {v['files_checked']} files, "
+               f"{v['tensors_checked']} tensors checked")
+    c = result["compare"]
+    click.echo(f"demo: served forward ({c['backend']} backend on the converted bytes, {c['tokens']} tokens) vs "
+               "fp32 MoE from the source checkpoint:")
+    for r in c["layers"]:
+        click.echo(f"demo:   layer {r['index']} ({r['prefix']}, row {r['row']}): calc_diff {r['calc_diff']:.2e} "
+                   f"{'<' if r['ok'] else '>='} threshold {r['threshold']:.0e}  {'OK' if r['ok'] else 'FAIL'}")
+    n_ok = sum(r["ok"] for r in c["layers"])
+    if result["ok"]:
+        click.echo(f"demo: ok: {n_ok}/{len(c['layers'])} layers match the source")
+    else:
+        click.echo(f"demo: FAILED: {n_ok}/{len(c['layers'])} layers match the source"
+                   + ("" if v["ok"] else ", verify failed"))
 
 
 DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
 
 
-def _demo(root: Path, fmt: str, ep_size: int) -> dict:
+def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
     from . import synth
     from .convert import convert as do_convert
+    from .selfcheck import compare_with_source
     from .writer import verify_output
 
     src, out = root / "source", root / "converted"
@@ -393,33 +452,16 @@ def _demo(root: Path, fmt: str, ep_size: int) -> dict:
         if p.exists():
             raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
     synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
-    s = do_convert(src, out, ep_size=ep_size)
+    s = do_convert(src, out, ep_size=ep_size, log=lambda m: click.echo(m, err=True))
     v = verify_output(out)
-    result = {"src": str(src), "out": str(out), "layers": DEMO_SIZES["num_layers"],
-              "experts_per_layer": DEMO_SIZES["num_experts"], "hidden": DEMO_SIZES["hidden"],
-              "intermediate": DEMO_SIZES["intermediate"], "convert": s.to_dict(), "verify": v.to_dict()}
-    result["forward"] = _demo_forward(out)
-    return result
-
-
-def _demo_forward(out: Path) -> dict:
-    """One forward through the first converted layer (reference backend, CPU)."""
-    import torch
-
-    from megamoe_runtime.checkpoint import open_checkpoint
-
-    ckpt = open_checkpoint(out)
-    index = ckpt.layers[0].index
-    layer = ckpt.build_layer(index, device="cpu", backend="reference", ep_rank=0, ep_size=1)
-    H, E, K, T = DEMO_SIZES["hidden"], DEMO_SIZES["num_experts"], DEMO_SIZES["top_k"], 4
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, K, generator=g), -1)
     t = time.perf_counter()
-    y = layer(x, w, ids)
-    return {"layer": index, "backend": "reference", "shape": list(y.shape),
-            "finite": bool(torch.isfinite(y.float()).all()), "seconds": round(time.perf_counter() - t, 3)}
+    layers = compare_with_source(src, out, tokens=tokens, seed=0)
+    compare = {"backend": "reference", "tokens": tokens, "seed": 0, "ok": all(r.ok for r in layers),
+               "layers": [r.to_dict() for r in layers], "seconds": round(time.perf_counter() - t, 3)}
+    return {"ok": v.ok and compare["ok"], "format": fmt, "src": str(src), "out": str(out),
+            "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
+            "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
+            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare}
 
 
 if __name__ == "__main__":  # pragma: no cover

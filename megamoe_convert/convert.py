@@ -248,16 +248,41 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
 
 SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
 
-#: row -> shared precision -> which DeepGEMM flavour runs that fusion (REFERENCE.md §2). A row with
-#: more than one fusable precision needs the one its kernel flavour takes: the converter cannot know
-#: which DeepGEMM the server has, so the manifest records the choice and the alternative.
-SHARED_FLAVOURS = {
-    "mxfp4": {"mxfp8": "newer upstream DeepGEMM and vLLM's DeepGEMM fork (fp8_fp4_mega_moe)"},
-    "mxfp8": {"mxfp8": "newer upstream DeepGEMM (fp8_fp4_mega_moe; DGz's fp8_fp8_mega_moe fuses none)"},
-    "nvfp4": {"mxfp8": "vLLM's DeepGEMM fork (nvfp4_mega_moe; its default)",
-              "bf16": "newer upstream DeepGEMM (fp4_fp4_mega_moe, with x_bf16)"},
-    "bf16": {"bf16": "newer upstream DeepGEMM and vLLM's DeepGEMM fork (bf16_mega_moe)"},
+#: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (REFERENCE.md §2). A row
+#: with more than one fusable precision needs the one its server's kernel flavour takes; the converter
+#: cannot know which DeepGEMM the server has, so the manifest records the choice and the alternative.
+SHARED_BY_FLAVOUR = {
+    "mxfp4": {"dg": ("mxfp8",), "dgv": ("mxfp8",)},
+    "mxfp8": {"dg": ("mxfp8",), "dgz": ()},
+    "nvfp4": {"dg": ("bf16",), "dgv": ("mxfp8", "bf16")},
+    "bf16": {"dg": ("bf16",), "dgv": ("bf16",)},
 }
+FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DGz"}
+
+
+def _flavour(row: Row, f: str) -> str:
+    try:
+        ep = row.entry_point(f)
+    except FormatError:  # pragma: no cover - SHARED_BY_FLAVOUR follows formats.ROWS
+        ep = "?"
+    return f"{FLAVOUR_NAMES.get(f, f)} ({ep})"
+
+
+def shared_flavour_note(row: Row, precision: str) -> str:
+    """Which DeepGEMM flavours fuse `precision` shared experts for `row`, and
+    what the others need instead."""
+    table = SHARED_BY_FLAVOUR.get(row.name, {})
+    runs = [_flavour(row, f) for f, ps in table.items() if precision in ps]
+    note = f"{precision} shared experts fuse on {' and '.join(runs) or 'no known DeepGEMM flavour'}"
+    for f, ps in table.items():
+        if precision in ps:
+            continue
+        if ps:
+            note += (f"; {_flavour(row, f)} fuses only {' or '.join(ps)} shared experts: "
+                     f"convert with --shared-precision {ps[0]} for it")
+        else:
+            note += f"; {_flavour(row, f)} fuses no shared experts (they run outside the kernel there)"
+    return note
 
 
 def check_shared_precision(row: Row, shared_precision: str) -> None:
@@ -272,7 +297,7 @@ def check_shared_precision(row: Row, shared_precision: str) -> None:
                           "all (they stay in the pass-through files); use --shared-precision auto")
     raise FormatError(f"--shared-precision {shared_precision}: row {row.name} fuses shared experts only as "
                       f"{' or '.join(row.fusable_shared)} "
-                      f"({'; '.join(f'{p}: {w}' for p, w in SHARED_FLAVOURS.get(row.name, {}).items())}); "
+                      f"({'; '.join(shared_flavour_note(row, p) for p in row.fusable_shared)}); "
                       f"use --shared-precision {' | '.join(('auto',) + row.fusable_shared)}")
 
 
@@ -308,12 +333,7 @@ def choose_shared(info: MoELayerInfo, row: Row, shared_precision: str = "auto"
             except LayerSpecError as e:
                 raise LayerSpecError(f"MoE layer {info.index} ({info.prefix}): --shared-precision {precision}: "
                                      f"{e}") from None
-    flavours = SHARED_FLAVOURS.get(row.name, {})
-    note = f"{precision} shared experts fuse on {flavours.get(precision, 'the row kernels')}"
-    others = [p for p in row.fusable_shared if p != precision]
-    if others:
-        note += "; " + "; ".join(f"{flavours.get(p, p)} needs {p} shared experts: convert with "
-                                 f"--shared-precision {p}" for p in others)
+    note = shared_flavour_note(row, precision)
     return spec, {**rec, "precision": precision, "requested_precision": shared_precision,
                   "precision_reason": why, "flavour_note": note}
 
@@ -925,5 +945,6 @@ def _model_facts(facts) -> dict:
 
 
 __all__ = ["convert", "inspect_checkpoint", "ConvertSummary", "converter_version", "expert_file_name",
-           "model_file_name", "shared_to_precision", "temp_dir_for", "SHARED_PRECISION_CHOICES", "SHARED_FLAVOURS",
+           "model_file_name", "shared_to_precision", "temp_dir_for", "SHARED_PRECISION_CHOICES", "SHARED_BY_FLAVOUR",
+           "shared_flavour_note",
            "check_shared_precision", "choose_shared"]

@@ -22,9 +22,8 @@ layer's routed experts stored unquantized, listed in the ignore list).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

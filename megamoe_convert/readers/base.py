@@ -23,7 +23,8 @@ Rules every reader follows (DESIGN.md "Canonical expert tensors"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import abc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -139,12 +140,13 @@ def registered_readers() -> dict[str, type["CheckpointReader"]]:
     return dict(_REGISTRY)
 
 
-class CheckpointReader:
+class CheckpointReader(abc.ABC):
     """Base class of every source-format reader.
 
     Subclasses set ``format_name`` (e.g. ``"modelopt-nvfp4"``) and ``row``
     (``"nvfp4" | "mxfp4" | "mxfp8" | "bf16"``: the feature-matrix row the
-    routed experts map onto), implement ``detect`` and the reading methods.
+    routed experts map onto), and implement the abstract methods ``detect``,
+    ``moe_layers``, ``model_facts`` and ``read_expert``.
     ``row`` may be overridden per instance (the unquantized reader's
     ``quantize=`` picks it).
     """
@@ -159,18 +161,19 @@ class CheckpointReader:
 
     # -- detection -----------------------------------------------------------
     @classmethod
+    @abc.abstractmethod
     def detect(cls, source: "CheckpointSource") -> bool:
         """True when ``source`` is in this reader's format (config only, cheap)."""
-        raise NotImplementedError
 
     # -- structure -----------------------------------------------------------
+    @abc.abstractmethod
     def moe_layers(self) -> list[MoELayerInfo]:
         """Every MoE layer, in layer order, from config and tensor names
         (headers only)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def model_facts(self) -> ModelFacts:
-        raise NotImplementedError
+        """Model-level facts from the config (activation, top-k, scaling, shared experts)."""
 
     def layer(self, layer_index: int) -> MoELayerInfo:
         for info in self.moe_layers():
@@ -184,10 +187,10 @@ class CheckpointReader:
         )
 
     # -- data ----------------------------------------------------------------
+    @abc.abstractmethod
     def read_expert(self, layer_index: int, expert: int) -> "ExpertTensors":
         """Routed expert ``expert`` (global index) of MoE layer ``layer_index``
         in checkpoint encoding; reads only that expert's tensors."""
-        raise NotImplementedError
 
     def read_expert_scalars(self, layer_index: int, expert: int) -> ExpertScalars:
         """Only the float scales of one expert (default: via read_expert)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -317,9 +317,16 @@ class SchemeReader(CheckpointReader):
                 resolved[(e, role)] = self._resolve(self.scheme, mod, tensors, role, out, k, where)
         if excluded:
             self._refuse_excluded(ln, excluded)
+        info, extra = self._layer_info(ln, sizes, E, H, I)
+        resolved_all = dict(resolved)
+        resolved_all["_extra"] = extra
+        return info, ln, resolved_all
+
+    def _layer_info(self, ln: naming.LayerNames, sizes: naming.ConfigSizes, E: int, H: int, I: int):
+        """The layer's MoELayerInfo (its shared experts scanned) and the ``_extra`` entry of its resolution."""
         shared = self._scan_shared(ln, sizes, H)
         info = MoELayerInfo(
-            index=L,
+            index=ln.layer,
             prefix=ln.prefix,
             num_experts=E,
             hidden=H,
@@ -327,10 +334,7 @@ class SchemeReader(CheckpointReader):
             shared=shared[0] if shared else None,
             expert_tensor_names=frozenset(ln.expert_tensor_names()),
         )
-        extra = {"shared": shared[1] if shared else None}
-        resolved_all = dict(resolved)
-        resolved_all["_extra"] = extra
-        return info, ln, resolved_all
+        return info, {"shared": shared[1] if shared else None}
 
     def _header_map(self, tensors: Mapping[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: self._hdr(n) for n in tensors.values()}
@@ -418,17 +422,8 @@ class SchemeReader(CheckpointReader):
             raise CheckpointError(
                 f"{where}: {self._where(dname)} has shape {list(dsh)}, expected [E, H, I] = {[E, H, I]}"
             )
-        shared = self._scan_shared(ln, sizes, H)
-        info = MoELayerInfo(
-            index=L,
-            prefix=ln.prefix,
-            num_experts=E,
-            hidden=H,
-            intermediate=I,
-            shared=shared[0] if shared else None,
-            expert_tensor_names=frozenset(ln.expert_tensor_names()),
-        )
-        return info, ln, {"_fused": (gname, dname), "_extra": {"shared": shared[1] if shared else None}}
+        info, extra = self._layer_info(ln, sizes, E, H, I)
+        return info, ln, {"_fused": (gname, dname), "_extra": extra}
 
     def _scan_shared(self, ln: naming.LayerNames, sizes: naming.ConfigSizes, H: int):
         if not ln.shared:

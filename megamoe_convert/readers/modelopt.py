@@ -24,13 +24,12 @@ as that algorithm.
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
 from megamoe_runtime.errors import FormatError
 
 from .base import register_reader
-from .common import BF16_SCHEME, Param, Scheme, SchemeReader, ignore_list
+from .common import Param, Scheme, SchemeReader, ignore_list
 from .naming import EXPERT_RE
 
 SUPPORTED = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "MXFP8": "mxfp8"}

@@ -238,8 +238,8 @@ def _as_kernel_tensors(kt: Any) -> layout.KernelTensors:
 
 def _check_scalars(spec: LayerSpec, scalars: Optional[NvScalars]) -> None:
     if scalars is None:
-        raise ScaleError(f"row nvfp4 needs NvScalars (l1_alpha [E_l, 2], l2_global_scale [E_l], "
-                         f"l2_activation_scale); got None")
+        raise ScaleError("row nvfp4 needs NvScalars (l1_alpha [E_l, 2], l2_global_scale [E_l], "
+                         "l2_activation_scale); got None")
     E_l = spec.experts_per_rank
     for name, shape in (("l1_alpha", (E_l, 2)), ("l2_global_scale", (E_l,)),
                         ("l2_activation_scale", ())):

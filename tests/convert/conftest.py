@@ -1,23 +1,11 @@
-"""Shared converter fixtures: synthetic checkpoints built with megamoe_convert.synth.
-
-* ``synth_ckpt(fmt, **kw)``: session-cached, read-only checkpoints (same
-  arguments -> same folder); do not modify them.
-* ``make_ckpt(fmt, **kw)``: a fresh checkpoint under the test's tmp_path, for
-  tests that damage files or inject defects.
-"""
+"""Converter test settings. The checkpoint-building fixtures (``synth_ckpt``,
+``make_ckpt``, ``ckpts``) are shared with the runtime tests: see
+``tests/conftest.py``."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Callable
-
 import pytest
 import torch
-
-from megamoe_convert.synth import build_synthetic_checkpoint
-
-SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=8, top_k=2)
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -28,33 +16,3 @@ def _one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def _key(fmt: str, kw: dict[str, Any]) -> str:
-    return fmt + "-" + json.dumps(kw, sort_keys=True, default=str)
-
-
-@pytest.fixture(scope="session")
-def synth_ckpt(tmp_path_factory) -> Callable[..., Path]:
-    cache: dict[str, Path] = {}
-    base = tmp_path_factory.mktemp("synth")
-
-    def build(fmt: str, **kw: Any) -> Path:
-        args = {**SMALL, **kw}
-        k = _key(fmt, args)
-        if k not in cache:
-            cache[k] = build_synthetic_checkpoint(base / f"c{len(cache):03d}-{fmt}", fmt, **args)
-        return cache[k]
-
-    return build
-
-
-@pytest.fixture
-def make_ckpt(tmp_path) -> Callable[..., Path]:
-    n = [0]
-
-    def build(fmt: str, **kw: Any) -> Path:
-        n[0] += 1
-        return build_synthetic_checkpoint(tmp_path / f"ckpt{n[0]}-{fmt}", fmt, **{**SMALL, **kw})
-
-    return build

@@ -1,6 +1,11 @@
 """The megamoe-convert CLI: help with examples everywhere, exit codes, JSON
 outputs, inspect, demo."""
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -89,17 +94,115 @@ def test_demo_json(tmp_path):
     r = run_cli("demo", "--keep", tmp_path / "d", "--json", "--format", "quark-nvfp4", "--ep-size", "2")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    assert res["verify"]["ok"] and res["convert"]["row"] == "nvfp4" and res["convert"]["ep_size"] == 2
+    assert res["ok"] and res["verify"]["ok"] and res["convert"]["row"] == "nvfp4" and res["convert"]["ep_size"] == 2
+    cmp = res["compare"]
+    assert cmp["ok"] and cmp["backend"] == "reference" and [le["index"] for le in cmp["layers"]] == [0, 1]
+    for le in cmp["layers"]:
+        assert le["ok"] and 0 <= le["calc_diff"] < le["threshold"] == 2e-2
     assert (tmp_path / "d" / "converted" / "megamoe.json").is_file()
     r = run_cli("demo", "--keep", tmp_path / "d")
     assert r.exit_code == 2 and "exists" in r.stderr
+    r = run_cli("demo", "--format", "gguf")
+    assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
 
 
 def test_demo_default():
     r = run_cli("demo")
     assert r.exit_code == 0, r.output
     assert "demo: verify ok" in r.stdout and "demo: converted to row nvfp4" in r.stdout
-    assert "demo: forward through layer 0 on the reference backend: output [4, 256], finite=True" in r.stdout
+    assert "vs fp32 MoE from the source checkpoint" in r.stdout
+    for i in (0, 1):
+        assert f"demo:   layer {i} (model.layers.{i}.mlp, row nvfp4): calc_diff " in r.stdout
+    assert "< threshold 2e-02  OK" in r.stdout and "demo: ok: 2/2 layers match the source" in r.stdout
+
+
+def test_demo_fails_when_a_layer_misses(monkeypatch):
+    """The comparison is not decorative: when the two sides disagree (here the
+    source side is fed swapped routing and scaled) every layer is reported
+    FAIL and the demo exits 1."""
+    from megamoe_convert import selfcheck
+
+    real = selfcheck.source_forward
+    monkeypatch.setattr(selfcheck, "source_forward",
+                        lambda reader, i, spec, x, w, ids: real(reader, i, spec, x, w, ids.flip(-1)) * 1.5)
+    r = run_cli("demo", "--format", "bf16")
+    assert r.exit_code == 1, r.output
+    assert "FAIL" in r.stdout and "demo: FAILED: 0/2 layers match the source" in r.stdout
+
+
+def test_every_json_flag_prints_only_json(tmp_path):
+    row_fmt = "modelopt-nvfp4"
+    """convert/inspect/verify/demo --json: stdout is exactly one JSON document
+    (logs and warnings go to stderr)."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", row_fmt, **SMALL, shared=1,
+                                           scale_mismatch=(1, 3))  # convert logs the requantization
+    outs = {}
+    r = run_cli("convert", src, tmp_path / "o", "--json", "--on-scale-mismatch", "requantize")
+    assert r.exit_code == 0, r.output
+    assert "requantized" in r.stderr or "requantize" in r.stderr  # the log went to stderr
+    outs["convert"] = json.loads(r.stdout)
+    r = run_cli("inspect", src, "--json")
+    assert r.exit_code == 2  # the mismatch is a problem for inspect: still JSON only
+    outs["inspect"] = json.loads(r.stdout)
+    r = run_cli("verify", tmp_path / "o", "--json", "--reload-dry-run")
+    assert r.exit_code == 0, r.output
+    outs["verify"] = json.loads(r.stdout)
+    r = run_cli("demo", "--json", "--format", "bf16")
+    assert r.exit_code == 0, r.output
+    outs["demo"] = json.loads(r.stdout)
+    assert outs["convert"]["repaired_experts"] == 1 and outs["inspect"]["problems"]
+    assert outs["verify"]["ok"] and outs["demo"]["ok"]
+
+
+_NO_NUMPY = textwrap.dedent("""
+    import importlib.abc, sys
+    class NoNumpy(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "numpy" or name.startswith("numpy."):
+                raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
+    sys.meta_path.insert(0, NoNumpy())
+    for m in [m for m in sys.modules if m == "numpy" or m.startswith("numpy.")]:
+        del sys.modules[m]
+""")
+
+
+def test_no_numpy_warning_from_the_cli():
+    """On a machine without numpy torch warns 'Failed to initialize NumPy' at
+    import; the CLI entry point silences exactly that warning."""
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    root = str(Path(__file__).resolve().parents[2])
+    control = subprocess.run([sys.executable, "-c", _NO_NUMPY + "import torch\n"], capture_output=True,
+                             text=True, env=env, cwd=root, timeout=120)
+    if "Failed to initialize NumPy" not in control.stderr:
+        pytest.skip("this torch does not warn without numpy")
+    code = _NO_NUMPY + "from megamoe_convert.cli import main\nmain(['verify', '--help'])\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Failed to initialize NumPy" not in r.stderr and "Examples:" in r.stdout
+
+
+def test_shared_precision_cli(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
+    r = run_cli("convert", src, tmp_path / "auto")
+    assert r.exit_code == 0, r.output
+    assert "shared experts (layers 0-1): fused as mxfp8 (auto: the shared experts are nvfp4" in r.stdout
+    assert "--shared-precision bf16 for it" in r.stdout  # the other DeepGEMM flavour's precision
+    r = run_cli("convert", src, tmp_path / "bf16", "--shared-precision", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    (d,) = json.loads(r.stdout)["shared"]
+    assert d["precision"] == "bf16" and d["requested"] == "bf16" and d["layers"] == "0-1"
+    assert "fp4_fp4_mega_moe" in d["note"]
+    r = run_cli("inspect", src, "--shared-precision", "bf16")
+    assert r.exit_code == 0 and "fused as bf16 (--shared-precision bf16)" in r.stdout
+
+    mx = synth.build_synthetic_checkpoint(tmp_path / "mx", "quark-mxfp4", **SMALL, shared=1)
+    r = run_cli("convert", mx, tmp_path / "o", "--shared-precision", "bf16")
+    assert r.exit_code == 2
+    assert "--shared-precision bf16: row mxfp4 fuses shared experts only as mxfp8" in r.stderr
+    assert not (tmp_path / "o").exists()
+    r = run_cli("convert", mx, tmp_path / "o", "--shared-precision", "fp4")
+    assert r.exit_code == 2 and "auto" in r.stderr and "mxfp8" in r.stderr
 
 
 def test_verify_reload_dry_run(tmp_path):

@@ -335,3 +335,54 @@ def test_parse_size_used_by_cli(tmp_path):
     r = run_cli("convert", tmp_path, tmp_path / "o", "--max-shard-size", "lots")
     assert r.exit_code == 2 and "--max-shard-size" in r.output
     assert parse_size("5GB") == 5_000_000_000
+
+
+@pytest.mark.parametrize("precision", ["auto", "mxfp8", "bf16"])
+def test_shared_precision_nvfp4(tmp_path, precision):
+    """--shared-precision on the nvfp4 row (both precisions fusable: mxfp8 for
+    vLLM's DeepGEMM fork, bf16 for upstream fp4_fp4_mega_moe): the manifest
+    records the choice and why, the stored shared tensors have that precision,
+    the served layer fuses them and still matches the source."""
+    import megamoe_runtime as mr
+    from megamoe_convert.selfcheck import compare_with_source
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
+    out = tmp_path / "out"
+    s = convert(src, out, shared_precision=precision)
+    want = "mxfp8" if precision == "auto" else precision
+    for le in read_manifest(out).layers:
+        sh = le.shared
+        assert sh["fused_capable"] and sh["precision"] == want and sh["requested_precision"] == precision
+        assert le.spec["shared"]["precision"] == want
+        assert sh["precision_reason"].startswith("auto: " if precision == "auto" else f"--shared-precision {want}")
+        other = "bf16" if want == "mxfp8" else None
+        if other:  # the DeepGEMM flavour that cannot run this choice is named with the precision it needs
+            assert "fp4_fp4_mega_moe" in sh["flavour_note"] and f"--shared-precision {other}" in sh["flavour_note"]
+        assert sh["conversion"] == f"nvfp4->{want} (dequantize, re-encode)"
+    assert [(d["layers"], d["precision"], d["requested"]) for d in s.shared] == [("0-1", want, precision)]
+    m = read_manifest(out)
+    dtypes = {t.role: t.dtype for t in m.tensors.values() if t.role.startswith("shared_")}
+    if want == "bf16":
+        assert dtypes == {"shared_l1_weight": "BF16", "shared_l2_weight": "BF16"}
+    else:
+        assert dtypes["shared_l1_weight"] == "F8_E4M3" and "shared_l1_scale" in dtypes
+    layer = mr.open_checkpoint(out).build_layer(0, device="cpu", backend="reference")
+    assert layer.shared_fused and layer.spec.shared.precision == want
+    assert layer.shared_l1_weight.dtype == (torch.bfloat16 if want == "bf16" else torch.float8_e4m3fn)
+    results = compare_with_source(src, out, tokens=8)
+    assert results and all(r.ok and r.shared_fused for r in results), results
+
+
+def test_shared_precision_refused_by_row(tmp_path):
+    from megamoe_runtime.errors import FormatError
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, shared=1)
+    with pytest.raises(FormatError, match=r"--shared-precision bf16: row mxfp4 fuses shared experts only as "
+                                          r"mxfp8 .*use --shared-precision auto \| mxfp8"):
+        convert(src, tmp_path / "out", shared_precision="bf16")
+    assert not (tmp_path / "out").exists() and not temp_dir_for(tmp_path / "out").exists()
+    with pytest.raises(Exception, match="--shared-precision 'fp4'; valid: auto, mxfp8, bf16"):
+        convert(src, tmp_path / "out", shared_precision="fp4")
+    # the row's own precision is accepted explicitly
+    s = convert(src, tmp_path / "out", shared_precision="mxfp8")
+    assert s.shared[0]["precision"] == "mxfp8" and "fp8_fp4_mega_moe" in s.shared[0]["note"]

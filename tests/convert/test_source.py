@@ -15,7 +15,6 @@ import torch
 from megamoe_runtime.errors import CheckpointError
 from megamoe_convert.source import (
     HUB_ALLOW_PATTERNS,
-    CheckpointSource,
     is_hub_id,
     open_source,
     read_safetensors_header,

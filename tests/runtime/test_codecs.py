@@ -8,7 +8,6 @@ encoders written here from the math, never the code under test.
 from __future__ import annotations
 
 import math
-import random
 import struct
 
 import pytest

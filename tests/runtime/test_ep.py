@@ -15,8 +15,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megamoe_runtime as mr
-from megamoe_convert.convert import convert
-from megamoe_convert.synth import build_synthetic_checkpoint
 from megamoe_runtime.ep import plan_dispatch
 from megamoe_runtime.errors import MegaMoEError
 
@@ -51,17 +49,15 @@ def _routing(total: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, dict[int, Path]]:
-    root = tmp_path_factory.mktemp("ep")
-    out: dict[str, dict[int, Path]] = {}
-    for row, case in CASES.items():
-        src = root / f"src-{row}"
-        build_synthetic_checkpoint(src, case["fmt"], num_layers=1, hidden=128, intermediate=128,
-                                   num_experts=NUM_EXPERTS, top_k=TOP_K, shared=case["shared"], seed=3)
-        out[row] = {n: root / f"out-{row}-ep{n}" for n in (1, 2, 4)}
-        for n, dst in out[row].items():
-            convert(src, dst, ep_size=n)
-    return out
+def converted(ckpts) -> dict[str, dict[int, Path]]:
+    return {
+        row: {
+            n: ckpts.converted(case["fmt"], ep_size=n, num_layers=1, hidden=128, intermediate=128,
+                               num_experts=NUM_EXPERTS, top_k=TOP_K, shared=case["shared"], seed=3)[1]
+            for n in (1, 2, 4)
+        }
+        for row, case in CASES.items()
+    }
 
 
 def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: str) -> None:
