@@ -67,6 +67,32 @@ def source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> 
     return out
 
 
+def shared_source_names(info: MoELayerInfo, role: str, kind: str = "") -> list[str]:
+    """Best-effort source tensor names of one shared-expert projection (for messages)."""
+    if info.shared is None:
+        return []
+    aliases = _ROLE_ALIASES.get(role, (role,))
+    return [n for n in sorted(info.shared.tensor_names)
+            if any(f".{a}." in n for a in aliases) and (not kind or kind in n.rsplit(".", 1)[-1])]
+
+
+def named_shared(info: MoELayerInfo, role: str, kind: str, source=None) -> str:
+    """' (source tensor NAME in FILE)' for a shared-expert projection, when found."""
+    return _where_names(source_names=shared_source_names(info, role, kind)[:2], source=source)
+
+
+def _where_names(source_names: list[str], source=None) -> str:
+    if not source_names:
+        return ""
+    where = []
+    for n in source_names:
+        try:
+            where.append(f"{n} in {source.file_of(n).name}" if source is not None else n)
+        except Exception:  # naming is best effort
+            where.append(n)
+    return f" (source tensor {', '.join(where)})"
+
+
 def _named(info: MoELayerInfo | None, expert: int | None, role: str, kind: str, source=None) -> str:
     """' (source tensor NAME in FILE)' for messages, when the name can be found."""
     if info is None or expert is None:

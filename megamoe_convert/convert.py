@@ -80,6 +80,7 @@ from .writer import (
     OutputError,
     PlannedTensor,
     ShardWriter,
+    check_output_target,
     copy_source_bytes,
     file_digest,
     finalize_output,
@@ -395,9 +396,7 @@ def convert(
                            f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
     if shared_precision not in SHARED_PRECISION_CHOICES:
         raise MegaMoEError(f"--shared-precision {shared_precision!r}; valid: {', '.join(SHARED_PRECISION_CHOICES)}")
-    if out.exists() and not overwrite:
-        raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it "
-                          "(it is replaced only after the new conversion has finished)")
+    check_output_target(out, overwrite=overwrite, resume=resume)
     log = log or (lambda msg: None)
 
     source = open_source(src, revision)
@@ -708,9 +707,8 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         row=row.name, ep_size=ep_size, layers=layer_entries, tensors=tensors, files=file_entries,
         model=_model_facts(facts),
     )
-    journal.remove()
     write_manifest(tmp, manifest)
-    finalize_output(tmp, out)
+    finalize_output(tmp, out, before_rename=journal.remove)
     return ConvertSummary(
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
@@ -743,7 +741,9 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
             ex.validate(sh.encoding, info.hidden, sh.total_intermediate // len(sexperts),
                         f"{where} shared expert {i}")
             for role, p in ex.projections():
-                checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale")
+                checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale",
+                                          lambda role=role: checks.named_shared(info, role, "scale",
+                                                                                reader.source))
         converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
         if any(run.needed(s) for r in needed for s in lp.slots.get(r, []) if s.role.startswith("shared_")):
             shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)

@@ -480,6 +480,28 @@ def temp_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}{TMP_SUFFIX}"
 
 
+def check_output_target(out: Path, *, overwrite: bool, resume: bool) -> None:
+    """The checks of `prepare_temp_dir`, creating and removing nothing: run
+    before the source is opened, so a refusal comes before a hub download and
+    the preflight, not after."""
+    out = Path(out)
+    tmp = temp_dir_for(out)
+    if out.exists() and not overwrite:
+        raise OutputError(
+            f"output folder {out} already exists; pass --overwrite to replace it "
+            "(it is replaced only after the new conversion has finished)"
+        )
+    if not out.parent.is_dir():
+        raise OutputError(f"cannot create {out}: parent folder {out.parent} does not exist")
+    if tmp.exists() and not overwrite and not (resume and (tmp / JOURNAL_NAME).is_file()):
+        hint = ("it has no progress journal, so it cannot be resumed; " if resume else
+                "pass --resume to continue that run, or ")
+        raise OutputError(
+            f"{tmp} exists: an earlier conversion to {out} was interrupted; {hint}"
+            "pass --overwrite to discard it and start over"
+        )
+
+
 def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool) -> tuple[Path, bool]:
     """Check OUT and create/reuse its temp folder. Returns (tmp, resuming)."""
     out = Path(out)
@@ -506,9 +528,13 @@ def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool) -> tuple[Path,
     return tmp, False
 
 
-def finalize_output(tmp: Path, out: Path) -> None:
+def finalize_output(tmp: Path, out: Path, before_rename: Callable[[], None] | None = None) -> None:
     """fsync every file, then rename the finished temp folder to OUT
-    (replacing an old OUT only now), so OUT never names unwritten data."""
+    (replacing an old OUT only now), so OUT never names unwritten data.
+
+    `before_rename` runs after the sync, just before the rename: the converter
+    removes its resume journal there, so a kill during the (possibly long)
+    sync still leaves a temp folder that ``--resume`` can finish."""
     out = Path(out)
     for p in sorted(tmp.iterdir()):
         if p.is_file():
@@ -518,6 +544,8 @@ def finalize_output(tmp: Path, out: Path) -> None:
             finally:
                 os.close(fd)
     _fsync_dir(tmp)
+    if before_rename is not None:
+        before_rename()
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.megamoe-old"
@@ -733,6 +761,6 @@ __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "OutputError", "parse_size", "format_bytes", "PlannedTensor", "plan_shards",
     "safetensors_header", "ShardWriter", "tensor_bytes", "copy_source_bytes", "sha256_file", "file_digest",
     "safetensors_digests",
-    "write_bytes_atomic", "json_bytes", "temp_dir_for", "prepare_temp_dir", "finalize_output", "Journal",
+    "write_bytes_atomic", "json_bytes", "temp_dir_for", "check_output_target", "prepare_temp_dir", "finalize_output", "Journal",
     "VerifyReport", "verify_output", "PASSTHROUGH_ROLE", "INDEX_NAME", "CRASH_ENV",
 ]

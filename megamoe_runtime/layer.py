@@ -577,9 +577,14 @@ class DeepGemmMegaMoEExperts(nn.Module):
         y = self.backend.forward(self, hidden_states, topk_weights, topk_ids, shared_input=shared_input)
         stats = self.expert_recv_stats
         if stats is not None and not getattr(self.backend, "counts_recv_stats", False):
-            local = topk_ids.to(torch.int64) - spec.local_experts.start
-            local = local[(local >= 0) & (local < spec.experts_per_rank)]
-            stats.add_(torch.bincount(local, minlength=spec.experts_per_rank).to(stats.dtype))
+            # fixed-shape scatter (other ranks' and masked ids into a spill bin): boolean-mask
+            # indexing or bincount would have a data-dependent shape, i.e. a host sync per forward
+            E_l = spec.experts_per_rank
+            local = topk_ids.reshape(-1).to(torch.int64) - spec.local_experts.start
+            local = local.masked_fill((local < 0) | (local >= E_l), E_l)
+            counts = torch.zeros(E_l + 1, dtype=stats.dtype, device=stats.device)
+            counts.scatter_add_(0, local, torch.ones_like(local, dtype=stats.dtype))
+            stats.add_(counts[:E_l])
         extra = shared_experts if shared_experts is not None else self.shared_mlp
         if extra is not None:
             y = (y.to(torch.float32) + extra(hidden_states).to(torch.float32)).to(torch.bfloat16)

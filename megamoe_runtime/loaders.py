@@ -65,6 +65,8 @@ __all__ = [
 
 #: vLLM's shard ids: w1 = gate, w3 = up (the two L1 halves), w2 = down (L2).
 SHARD_IDS = ("w1", "w2", "w3")
+#: relative tolerance within which an expert's w1 and w3 weight_scale_2 agree (REFERENCE.md §7.1)
+W13_RTOL = 1e-5
 _HALF = {"w1": 0, "w3": 1}
 _PROJ_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
 
@@ -602,7 +604,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
                 pair[_HALF[shard_id]] = v
                 if len(pair) == 2:
                     g, u = pair[0], pair[1]
-                    if abs(g - u) > 1e-5 * max(abs(g), abs(u)):
+                    if abs(g - u) > W13_RTOL * max(abs(g), abs(u)):
                         raise ScaleError(
                             _where(layer, f"expert {expert_id}: w1 (gate) weight_scale_2 = {g!r} and w3 (up) "
                                           f"weight_scale_2 = {u!r} differ by more than relative 1e-5 in this load; "

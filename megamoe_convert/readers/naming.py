@@ -266,9 +266,9 @@ def activation_from_config(config: Mapping[str, Any]):
         beta = cfg_get(config, "swiglu_beta", default=0.0)
         return ActivationSpec(
             kind="swiglu",
-            clamp=None if clamp is None else float(clamp),
-            alpha=float(alpha),
-            beta=float(beta),
+            clamp=None if clamp is None else _cfg_float("swiglu_limit", clamp),
+            alpha=_cfg_float("swiglu_alpha", alpha),
+            beta=_cfg_float("swiglu_beta", beta),
         )
     if act == "situ":
         sb = cfg_get(config, "activation_situ_beta", "situ_beta")
@@ -278,16 +278,27 @@ def activation_from_config(config: Mapping[str, Any]):
                 f"config hidden_act='situ' but activation_situ_beta={sb!r}, activation_situ_linear_beta={slb!r}; "
                 "both are needed"
             )
-        return ActivationSpec(kind="situ", situ_beta=float(sb), situ_linear_beta=float(slb))
+        return ActivationSpec(kind="situ", situ_beta=_cfg_float("activation_situ_beta", sb),
+                              situ_linear_beta=_cfg_float("activation_situ_linear_beta", slb))
     raise FormatError(
         f"config hidden_act={act!r} has no MegaMoE kernel; supported: 'silu' (SwiGLU, optional swiglu_limit clamp) "
         "and 'situ' (with activation_situ_beta / activation_situ_linear_beta)"
     )
 
 
+def _cfg_float(key: str, v: Any) -> float:
+    """float(config value), or FormatError naming the key and the value."""
+    if isinstance(v, bool):
+        raise FormatError(f"config {key}={v!r} must be a number")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise FormatError(f"config {key}={v!r} must be a number") from None
+
+
 def routed_scaling_factor(config: Mapping[str, Any]) -> float:
     v = cfg_get(config, "routed_scaling_factor", "route_scale", default=1.0)
-    v = float(v)
+    v = _cfg_float("routed_scaling_factor", v)
     if not math.isfinite(v) or v <= 0:
         raise FormatError(f"config routed_scaling_factor={v!r} must be a finite number > 0")
     return v

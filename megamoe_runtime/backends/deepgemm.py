@@ -64,6 +64,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
+from ..loaders import W13_RTOL
 
 __all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
 
@@ -105,6 +106,9 @@ class MegaAPI:
     nvfp4_buffer: Optional[Any]
     nvfp4_buffer_params: dict[str, inspect.Parameter]
     block_m_fn: Optional[Any]
+    #: DGv's ``get_block_m_for_nvfp4_mega_moe(R, E, T, num_tokens, K)``: the block M
+    #: ``nvfp4_mega_moe`` uses (its shared SF row map follows it, not the upstream one)
+    nvfp4_block_m_fn: Optional[Any] = None
     notes: tuple[str, ...] = field(default=())
 
     def has(self, fn: str) -> bool:
@@ -171,6 +175,9 @@ def detect_api(module: Any) -> MegaAPI:
     block_m = getattr(module, "get_block_m_for_mega_moe", None)
     if block_m is None:
         block_m = getattr(getattr(module, "_C", None), "get_block_m_for_mega_moe", None)
+    nv_block_m = getattr(module, "get_block_m_for_nvfp4_mega_moe", None)
+    if nv_block_m is None:
+        nv_block_m = getattr(getattr(module, "_C", None), "get_block_m_for_nvfp4_mega_moe", None)
     fp = params.get("fp8_fp4_mega_moe", {})
     if "nvfp4_mega_moe" in fns or "activation_linear_beta" in fp:
         flavour = "dgv"
@@ -185,7 +192,7 @@ def detect_api(module: Any) -> MegaAPI:
     else:
         flavour = "none"
     return MegaAPI(module, flavour, fns, params, factory, _params(factory) if factory else {},
-                   nv_buf, _params(nv_buf) if nv_buf else {}, block_m)
+                   nv_buf, _params(nv_buf) if nv_buf else {}, block_m, nv_block_m)
 
 
 class _LocalGroup:
@@ -202,10 +209,15 @@ class _LocalGroup:
         return None
 
 
-def shared_sf_rows(num_tokens: int, block_m: int) -> torch.Tensor:
+#: the one single-rank stand-in: buffers are cached by group identity, so a fresh
+#: stand-in per call would allocate (and zero, barrier, synchronize) a new buffer per forward
+_LOCAL_GROUP = _LocalGroup()
+
+def shared_sf_rows(num_tokens: int, block_m: int, device: Any = None) -> torch.Tensor:
     """Row of ``shared_l1_acts_sf`` for each token (REFERENCE.md §4): with
-    ``i = r % bm``, ``(r//bm)*align(bm,128) + (i//128)*128 + (i%32)*4 + (i%128)//32``."""
-    r = torch.arange(num_tokens, dtype=torch.int64)
+    ``i = r % bm``, ``(r//bm)*align(bm,128) + (i//128)*128 + (i%32)*4 + (i%128)//32``.
+    Built on ``device`` directly (a host tensor moved per forward is a synchronizing copy)."""
+    r = torch.arange(num_tokens, dtype=torch.int64, device=device)
     i = r % block_m
     abm = (block_m + 127) // 128 * 128
     return (r // block_m) * abm + (i // 128) * 128 + (i % 32) * 4 + (i % 128) // 32
@@ -317,6 +329,9 @@ class DeepGemmBackend:
         if fn == "nvfp4_mega_moe":
             if "shared_dtype" not in self.api.nvfp4_buffer_params and prec == "bf16":
                 return False, "this NVFP4SymmBuffer has no shared_dtype (BF16 shared experts)"
+            if prec == "mxfp8" and self.api.nvfp4_block_m_fn is None:
+                return False, ("deep_gemm has no get_block_m_for_nvfp4_mega_moe, needed to lay out "
+                               "shared_l1_acts_sf for fused FP8 shared experts of nvfp4_mega_moe")
             return (True, "") if prec in ("mxfp8", "bf16") else (False, f"nvfp4_mega_moe fuses mxfp8/bf16, not {prec}")
         if not self.api.accepts(fn, "shared_l1_weights"):
             return False, f"{fn} of this DeepGEMM ({self.api.flavour}) takes no shared_l1_weights"
@@ -356,7 +371,7 @@ class DeepGemmBackend:
         if spec.ep_size > 1:
             raise BackendUnavailableError(f"EP size {spec.ep_size} needs torch.distributed to be initialised "
                                           "(or pass group= to the deepgemm backend)")
-        return _LocalGroup()
+        return _LOCAL_GROUP
 
     def _buffer(self, layer: Any, fn: str) -> Any:
         spec = layer.spec
@@ -449,8 +464,9 @@ class DeepGemmBackend:
         w = topk_weights.to(device=dev, dtype=torch.float32)
         rsf_in_kernel = fn == "fp4_fp4_mega_moe"
         if not rsf_in_kernel and spec.routed_scaling_factor != 1.0:
-            w = w * torch.tensor(float(spec.routed_scaling_factor), dtype=torch.float32, device=dev)
-        w = torch.where(ids >= 0, w, torch.zeros((), dtype=torch.float32, device=dev))
+            # a Python scalar, multiplied in fp32 (as the reference folds it): no host tensor to copy
+            w = w * float(spec.routed_scaling_factor)
+        w = w.masked_fill(ids < 0, 0.0)
         buf.topk_idx[:T].copy_(ids)
         buf.topk_weights[:T].copy_(w)
         if T < buf.topk_idx.shape[0]:
@@ -514,10 +530,15 @@ class DeepGemmBackend:
         cached = self._dgv_cache.get(id(layer))
         if cached is not None and cached[0] == gen:
             return cached[1]
-        if not torch.equal(layer.l1_alpha[:, 0], layer.l1_alpha[:, 1]):
-            bad = (layer.l1_alpha[:, 0] != layer.l1_alpha[:, 1]).nonzero().flatten().tolist()
+        g, u = layer.l1_alpha[:, 0], layer.l1_alpha[:, 1]
+        # the loaders' and converter's agreement rule (REFERENCE.md §7.1): relative W13_RTOL; the gate
+        # value is the one passed (l1_alpha_gate), as vLLM does
+        differ = (g - u).abs() > W13_RTOL * torch.maximum(g.abs(), u.abs())
+        if bool(differ.any()):
+            bad = differ.nonzero().flatten().tolist()
             raise LayerSpecError(f"{layer.prefix or 'layer'}: vllm-project/DeepGEMM's nvfp4_mega_moe takes one L1 "
-                                 f"alpha per expert, but gate and up weight_scale_2 differ for local experts {bad[:8]}")
+                                 f"alpha per expert, but gate and up weight_scale_2 differ for local experts {bad[:8]} "
+                                 f"(beyond relative {W13_RTOL:g}); re-convert with --on-scale-mismatch requantize")
         a2 = float(layer.l2_activation_scale)
         self._dgv_cache[id(layer)] = (gen, a2)
         return a2
@@ -546,13 +567,16 @@ class DeepGemmBackend:
         q, sf = codecs.quantize_mxfp8(x)
         if fn == "nvfp4_mega_moe":
             buf.shared_l1_acts[:T].copy_(q)
-        bm_fn = self.api.block_m_fn
-        if bm_fn is None:
-            raise BackendUnavailableError("deep_gemm has no get_block_m_for_mega_moe (needed for shared_l1_acts_sf)")
         group = self._group_of(spec)
-        bm = int(bm_fn(group.size(), spec.num_experts, buf.num_max_tokens_per_rank, T, spec.top_k,
-                       spec.row_spec.mma_type))
-        rows = shared_sf_rows(T, bm).to(x.device)
+        bm_args = (group.size(), spec.num_experts, buf.num_max_tokens_per_rank, T, spec.top_k)
+        if fn == "nvfp4_mega_moe":  # DGv's NVFP4 kernel has its own block-M choice (no mma_type)
+            bm_fn, bm_name = self.api.nvfp4_block_m_fn, "get_block_m_for_nvfp4_mega_moe"
+        else:
+            bm_fn, bm_name = self.api.block_m_fn, "get_block_m_for_mega_moe"
+            bm_args += (spec.row_spec.mma_type,)
+        if bm_fn is None:
+            raise BackendUnavailableError(f"deep_gemm has no {bm_name} (needed for shared_l1_acts_sf)")
+        rows = shared_sf_rows(T, int(bm_fn(*bm_args)), device=x.device)
         buf.shared_l1_acts_sf[rows] = codecs.pack_bytes_int32(sf)
         return {"shared_l1_weights": (s1w, s1s), "shared_l2_weights": (s2w, s2s)}
 

@@ -386,3 +386,70 @@ def test_shared_precision_refused_by_row(tmp_path):
     # the row's own precision is accepted explicitly
     s = convert(src, tmp_path / "out", shared_precision="mxfp8")
     assert s.shared[0]["precision"] == "mxfp8" and "fp8_fp4_mega_moe" in s.shared[0]["note"]
+
+
+def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
+    """A kill after every shard is written but before the final rename (the
+    fsync of every output file can take minutes on a large model) must leave a
+    temp folder that --resume can finish: the journal goes only after the sync."""
+    import megamoe_convert.writer as writer_mod
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=8)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    convert(src, ref)
+
+    def killed(path):
+        raise KeyboardInterrupt("killed during the final fsync")
+
+    monkeypatch.setattr(writer_mod, "_fsync_dir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out)
+    monkeypatch.undo()
+    assert not out.exists() and temp_dir_for(out).is_dir()
+    s = convert(src, out, resume=True)
+    assert s.resumed_files > 0
+    assert tree_bytes(out) == tree_bytes(ref)
+
+
+def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch):
+    """OUT's parent missing, or an interrupted run's temp folder without
+    --resume, is refused before the source is opened (a hub source would be
+    downloaded and every scale read first otherwise)."""
+    import megamoe_convert.convert as convert_mod
+    from megamoe_convert.writer import OutputError
+
+    def no_open(*a, **k):
+        raise AssertionError("the source was opened before the output target was checked")
+
+    monkeypatch.setattr(convert_mod, "open_source", no_open)
+    with pytest.raises(OutputError, match="parent folder .* does not exist"):
+        convert("org/some-model", tmp_path / "nope" / "out")
+    out = tmp_path / "out"
+    temp_dir_for(out).mkdir()
+    with pytest.raises(OutputError, match="interrupted; pass --resume"):
+        convert("org/some-model", out)
+    with pytest.raises(OutputError, match="no progress journal"):
+        convert("org/some-model", out, resume=True)
+    assert not out.exists() and temp_dir_for(out).is_dir()  # nothing created or removed
+
+
+@pytest.mark.parametrize("fmt, key", [
+    ("quark-mxfp4", "model.layers.1.mlp.shared_experts.up_proj.weight_scale"),
+    ("deepseek-v4", "layers.1.ffn.shared_experts.w3.scale"),
+])
+def test_shared_expert_ff_scale_names_source_tensor(tmp_path, fmt, key):
+    from safetensors.torch import load_file, save_file
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SMALL, shared=1)
+    f = next(p for p in sorted(src.glob("*.safetensors")) if key in load_file(p))
+    t = load_file(f)
+    b = t[key].view(torch.uint8).clone()
+    b[0, 0] = 0xFF
+    t[key] = b.view(t[key].dtype)
+    save_file(t, f, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out)
+    assert r.exit_code == 2, r.output
+    for needle in ("MoE layer 1", "shared expert", "up scale", "0xFF", key, f.name):
+        assert needle in r.stderr, (needle, r.stderr)
+    assert not out.exists() and not temp_dir_for(out).exists()

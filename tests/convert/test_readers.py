@@ -681,3 +681,14 @@ def test_quark_mxfp8_row_blocked_scales_expand(make_ckpt):
     save_file(t, p2 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"{n}.*shape \\[8, 4\\], expected \\[256, 4\\]"):
         _reader(p2).moe_layers()
+
+
+@pytest.mark.parametrize("key, value", [("routed_scaling_factor", "2.5x"), ("swiglu_limit", "none"),
+                                        ("swiglu_alpha", [1.0])])
+def test_non_numeric_config_value_is_a_format_error(make_ckpt, key, value):
+    """A config value that is not a number is bad input (FormatError naming the
+    key and value, CLI exit 2), not a ValueError/TypeError traceback (exit 1)."""
+    p = make_ckpt("bf16")
+    _edit_config(p, lambda c: c.update({key: value}))
+    with pytest.raises(FormatError, match=key):
+        _reader(p).model_facts()

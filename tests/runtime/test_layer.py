@@ -216,3 +216,39 @@ def test_ep_rank_forward_needs_a_process_group(ckpts):
     x, w, ids = _inputs()
     with pytest.raises(MegaMoEError, match="EP rank 1 of 2 .* needs torch.distributed initialised"):
         layer(x, w, ids)
+
+
+def test_recv_stats_counting_needs_no_host_sync():
+    """Counting ``cumulative_local_expert_recv_stats`` in the layer (backends that do
+    not count themselves, e.g. triton) is a hot-path op: no data-dependent shapes
+    (boolean-mask indexing, bincount), which would sync the host every forward.
+    Meta tensors have no data, so any such op fails on them."""
+
+    class Stub:
+        name = "stub"
+
+        def supports(self, spec):
+            return True
+
+        def supports_fused_shared(self, spec):
+            return False
+
+        def forward(self, layer, x, w, ids, shared_input=None):
+            return torch.empty_like(x)
+
+    spec = mr.LayerSpec("bf16", hidden=256, intermediate=128, num_experts=8, top_k=2)
+    layer = DeepGemmMegaMoEExperts(spec, device="meta", backend=Stub())
+    stats = layer.track_expert_recv_stats()
+    x = torch.empty(5, 256, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(5, 2, dtype=torch.float32, device="meta")
+    ids = torch.empty(5, 2, dtype=torch.int64, device="meta")
+    layer(x, w, ids)
+    assert layer.expert_recv_stats is stats and stats.shape == (8,) and stats.dtype == torch.int32
+    # and the counts are right on real tensors (masked -1 and other ranks' ids ignored)
+    spec = mr.LayerSpec("bf16", hidden=256, intermediate=128, num_experts=8, top_k=2)
+    layer = DeepGemmMegaMoEExperts(spec, backend=Stub())
+    stats = layer.track_expert_recv_stats()
+    ids = torch.tensor([[0, 3], [3, -1], [7, 0]])
+    layer(torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(3, 2), ids)
+    layer(torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(3, 2), ids)
+    assert stats.tolist() == [4, 0, 0, 4, 0, 0, 0, 2]

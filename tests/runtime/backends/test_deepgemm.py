@@ -286,7 +286,11 @@ def make_standin(version: str) -> types.ModuleType:
                            activation_beta=activation_beta, l1_alpha=l1_alpha, l2_alpha=l2_alpha,
                            l2_activation_scale=l2_activation_scale, use_x_scales=use_x_scales,
                            shared_l1_weights=shared_l1_weights))
+    def get_block_m_for_nvfp4_mega_moe(num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk):
+        return 16
+
     mod.fp8_fp4_mega_moe, mod.nvfp4_mega_moe, mod.NVFP4SymmBuffer = fp8_fp4_mega_moe, nvfp4_mega_moe, NVFP4SymmBuffer
+    mod.get_block_m_for_nvfp4_mega_moe = get_block_m_for_nvfp4_mega_moe
     return mod
 
 
@@ -566,3 +570,88 @@ def test_recv_stats_refused_by_a_version_without_them(standin):
     x, w, ids = _inputs(5, 256, 2, 8)
     with pytest.raises(BackendUnavailableError, match="cumulative_local_expert_recv_stats"):
         layer(x, w, ids)
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_single_rank_without_a_group_reuses_one_buffer(standin):
+    """No group and no torch.distributed: every forward must find the buffer the
+    first one built (a buffer is a collective allocation + barrier + sync)."""
+    mod = standin("dg-main")
+    backend = DeepGemmBackend("cpu", check_device=False, max_num_tokens=20)
+    layer = _filled_layer(_spec("mxfp4"), backend)
+    x, w, ids = _inputs(5, 256, 2, 8)
+    for _ in range(3):
+        layer(x, w, ids)
+    assert len(mod.buffers) == 1
+    # a second layer of the same configuration shares it too
+    _filled_layer(_spec("mxfp4"), DeepGemmBackend("cpu", check_device=False, max_num_tokens=20))(x, w, ids)
+    assert len(mod.buffers) == 1
+
+
+def test_dgv_fp8_shared_sf_rows_use_the_nvfp4_block_m(standin):
+    """DGv's NVFP4 kernel picks its block M with get_block_m_for_nvfp4_mega_moe
+    (no mma_type); the shared SF row map must follow that block M."""
+    mod = standin("dgv")
+    calls = []
+
+    def get_block_m_for_nvfp4_mega_moe(num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk):
+        calls.append((num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk))
+        return 32
+
+    mod.get_block_m_for_nvfp4_mega_moe = get_block_m_for_nvfp4_mega_moe
+    layer = _filled_layer(_spec("nvfp4", shared=mr.SharedSpec("mxfp8", 1, 128)), _backend())
+    assert layer.shared_fused
+    T = 13
+    x, w, ids = _inputs(T, 256, 2, 8)
+    layer(x, w, ids)
+    buf = mod.calls[-1][4]
+    assert calls == [(1, 8, buf.num_max_tokens_per_rank, T, 2)] and mod.block_m_calls == []
+    _, sf = codecs.quantize_mxfp8(x)
+    assert torch.equal(buf.shared_l1_acts_sf[shared_sf_rows(T, 32)], codecs.pack_bytes_int32(sf))
+    # without it, an FP8 shared expert is not fused into nvfp4_mega_moe (the SF row map is unknown)
+    del mod.get_block_m_for_nvfp4_mega_moe
+    layer2 = _filled_layer(_spec("nvfp4", shared=mr.SharedSpec("mxfp8", 1, 128)), _backend())
+    assert not layer2.shared_fused and "get_block_m_for_nvfp4_mega_moe" in layer2.shared_reason
+
+
+def test_dgv_gate_up_alphas_equal_within_the_load_tolerance_pass(standin):
+    """The loaders accept w1/w3 weight_scale_2 within relative 1e-5 (REFERENCE §7.1);
+    DGv's one-alpha check must not refuse what the load accepted."""
+    mod = standin("dgv")
+    layer = _filled_layer(_spec("nvfp4"), _backend())
+    with torch.no_grad():
+        layer.l1_alpha[3, 1] = layer.l1_alpha[3, 0] * (1 + 2e-6)
+    layer.finish_load()
+    assert not torch.equal(layer.l1_alpha[:, 0], layer.l1_alpha[:, 1])
+    x, w, ids = _inputs(3, 256, 2, 8)
+    layer(x, w, ids)
+    assert mod.calls[-1][-1]["l1_alpha"] is layer.l1_alpha_gate
+
+
+def test_forward_makes_no_host_to_device_tensors(standin):
+    """No ``torch.tensor(...)`` of host data on the forward path: on CUDA each is a
+    synchronizing H2D copy (and illegal while capturing a CUDA graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Lifts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.lift_fresh.default:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for version, row, shared in (("dg-newer", "mxfp4", mr.SharedSpec("mxfp8", 1, 128)), ("dgv", "nvfp4", None),
+                                 ("dg-main", "bf16", None)):
+        standin(version)
+        layer = _filled_layer(_spec(row, routed_scaling_factor=2.5, shared=shared), _backend())
+        x, w, ids = _inputs(5, 256, 2, 8)
+        layer(x, w, ids)
+        with Lifts() as m:
+            layer(x, w, ids)
+        assert m.n == 0, (version, row)
+    assert shared_sf_rows(5, 16, device="meta").device.type == "meta"
