@@ -176,7 +176,7 @@ def gate_up_agree(a: float, b: float, rtol: float = GATE_UP_RTOL) -> bool:
 
 def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: Row, *,
                         on_scale_mismatch: str = "error", allow_missing_input_scales: bool = False,
-                        source=None) -> LayerScalarReport:
+                        source=None, l2_activation_scale: float | None = None) -> LayerScalarReport:
     """Check every expert's float scales of one layer and derive the layer scalars.
 
     NVFP4: every global scale present, finite, > 0; w1/w3 agreement (ScaleError
@@ -188,6 +188,9 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     as ``l1_activation_scale`` (used only by a static-dispatch consumer).
     Other rows carry no float scales; any given are refused. `source`
     (optional) lets messages name the file of the offending tensor.
+    ``l2_activation_scale`` supplies a2 for an uncalibrated checkpoint (no
+    expert has a w2 input scale, e.g. ``--quantize nvfp4`` from BF16); it is
+    refused when the checkpoint determines a2 itself.
     """
     if on_scale_mismatch not in SCALE_MISMATCH_POLICIES:
         raise ScaleError(f"on_scale_mismatch={on_scale_mismatch!r}; valid: {', '.join(SCALE_MISMATCH_POLICIES)}")
@@ -245,11 +248,21 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
                              "(a2 = max over all experts)")
         else:
             a2 = float(v) if a2 is None else max(a2, float(v))
+    if l2_activation_scale is not None:
+        if not _finite_pos(l2_activation_scale):
+            raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r} must be finite and > 0")
+        if a2 is not None:
+            raise ScaleError(
+                f"{where}: the checkpoint's w2 input scales determine a2 = {a2!r} (max over the experts); "
+                "--l2-activation-scale is only for uncalibrated checkpoints, drop it")
+        a2 = float(l2_activation_scale)
+        rep.missing_input = []
     if a2 is None:
         raise ScaleError(
             f"{where}: no expert has a w2 (down) input scale, so the global L2 activation scale a2 cannot be "
-            "derived; the checkpoint must be calibrated (ModelOpt input_scale, Quark input_scale_2, "
-            "compressed-tensors input_global_scale)")
+            "derived. Use a calibrated checkpoint (ModelOpt input_scale, Quark input_scale_2, "
+            "compressed-tensors input_global_scale), or give it with --l2-activation-scale (the expected amax "
+            "of the expert intermediate activation divided by 2688; e.g. from a calibration run)")
     if rep.missing_input and not allow_missing_input_scales:
         shown = rep.missing_input[:8]
         raise ScaleError(

@@ -114,6 +114,10 @@ def main() -> None:
 @click.option("--allow-missing-input-scales", is_flag=True,
               help="NVFP4: experts without a w2 input scale take the max of the others for a2 "
                    "(default: refuse, a2 must be the max over ALL experts).")
+@click.option("--l2-activation-scale", type=float, default=None,
+              help="NVFP4, uncalibrated checkpoints only (e.g. --quantize nvfp4): the global L2 activation scale "
+                   "a2 (amax of the expert intermediate / 2688, from your own calibration). Refused when the "
+                   "checkpoint's w2 input scales determine a2.")
 @click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
               help="Precision of the fused shared experts. auto: their own encoding when the row fuses it, else "
                    "the row's first fusable precision (the summary and megamoe.json say which and why). The nvfp4 "
@@ -125,7 +129,8 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
-            allow_missing_input_scales, shared_precision, overwrite, resume, as_json, no_progress):
+            allow_missing_input_scales, l2_activation_scale, shared_precision, overwrite, resume, as_json,
+            no_progress):
     """Convert checkpoint SRC (local folder or hub repo id) into OUT.
 
     Checks everything first (every expert present, shapes and dtypes against
@@ -139,6 +144,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert ./Qwen3-30B-A3B-NVFP4 ./qwen3-megamoe
       megamoe-convert convert nvidia/DeepSeek-R1-NVFP4 ./r1 --revision main --ep-size 8
       megamoe-convert convert ./model-bf16 ./out --quantize mxfp4 --max-shard-size 2GB
+      megamoe-convert convert ./model-bf16 ./out --quantize nvfp4 --l2-activation-scale 0.002
       megamoe-convert convert ./glm-nvfp4 ./out --on-scale-mismatch requantize --json
       megamoe-convert convert ./r1-nvfp4 ./out --shared-precision bf16   # for upstream fp4_fp4_mega_moe
       megamoe-convert convert ./src ./out --resume      # after an interrupted run
@@ -159,7 +165,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
                               max_shard_size=max_bytes, on_scale_mismatch=on_scale_mismatch,
                               allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
                               resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
-                              shared_precision=shared_precision)
+                              shared_precision=shared_precision, l2_activation_scale=l2_activation_scale)
         finally:
             bar.close()
 
@@ -198,6 +204,10 @@ def _print_summary(s) -> None:
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
+@click.option("--l2-activation-scale", type=float, default=None,
+              help="NVFP4, uncalibrated checkpoints only (e.g. --quantize nvfp4): the global L2 activation scale "
+                   "a2 (amax of the expert intermediate / 2688, from your own calibration). Refused when the "
+                   "checkpoint's w2 input scales determine a2.")
 @click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
               help="As for convert: the precision fused shared experts would be written in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")

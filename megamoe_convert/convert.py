@@ -372,6 +372,7 @@ def convert(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     on_scale_mismatch: str = "error",
     allow_missing_input_scales: bool = False,
+    l2_activation_scale: float | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress | None = None,
@@ -409,7 +410,7 @@ def convert(
     check_shared_precision(row, shared_precision)
 
     plans = _preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
-                       allow_missing_input_scales, log, shared_precision)
+                       allow_missing_input_scales, log, shared_precision, l2_activation_scale)
     consumed = set(reader.consumed_tensor_names())
     for lp in plans:  # shared experts the row cannot fuse stay in the pass-through files
         if lp.info.shared is not None and lp.spec.shared is None:
@@ -421,6 +422,7 @@ def convert(
         "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
         "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
         "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
+        "l2_activation_scale": l2_activation_scale,
         "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
     })
 
@@ -447,14 +449,18 @@ def convert(
 
 def _preflight(reader: CheckpointReader, source: CheckpointSource, row: Row, facts, infos, ep_size: int,
                on_scale_mismatch: str, allow_missing: bool, log: Log,
-               shared_precision: str = "auto") -> list[_LayerPlan]:
+               shared_precision: str = "auto", l2_activation_scale: float | None = None) -> list[_LayerPlan]:
     plans = []
     for info in infos:
         shared, shared_rec = choose_shared(info, row, shared_precision)
         spec = checks.layer_spec(info, facts, row, ep_size, shared)
         scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
         rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch=on_scale_mismatch,
-                                         allow_missing_input_scales=allow_missing, source=source)
+                                         allow_missing_input_scales=allow_missing, source=source,
+                                         l2_activation_scale=l2_activation_scale)
+        if l2_activation_scale is not None:
+            log(f"MoE layer {info.index}: a2 = {l2_activation_scale!r} as given (--l2-activation-scale; "
+                "the checkpoint has no w2 input scales)")
         if rep.mismatches:
             log(f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 mismatch "
                 "will be requantized onto the larger scale")

@@ -453,3 +453,31 @@ def test_shared_expert_ff_scale_names_source_tensor(tmp_path, fmt, key):
     for needle in ("MoE layer 1", "shared expert", "up scale", "0xFF", key, f.name):
         assert needle in r.stderr, (needle, r.stderr)
     assert not out.exists() and not temp_dir_for(out).exists()
+
+
+def test_quantize_nvfp4_needs_and_takes_an_explicit_a2(tmp_path):
+    """--quantize nvfp4 has no calibration data: a2 must be given, and is then
+    used as is; a calibrated checkpoint refuses an override."""
+    import megamoe_runtime as mr
+    from megamoe_convert.convert import convert as do_convert
+    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_runtime.errors import ScaleError
+
+    src = build_synthetic_checkpoint(tmp_path / "bf16", "bf16", num_layers=1, hidden=128, intermediate=128,
+                                     num_experts=4, top_k=2)
+    with pytest.raises(ScaleError, match="--l2-activation-scale"):
+        do_convert(src, tmp_path / "a", quantize="nvfp4")
+    assert not (tmp_path / "a").exists()
+    do_convert(src, tmp_path / "b", quantize="nvfp4", l2_activation_scale=0.003)
+    ck = mr.open_checkpoint(tmp_path / "b")
+    assert ck.layers[0].scalars["l2_activation_scale"] == 0.003
+    layer = ck.build_layer(ck.layers[0].index, backend="reference")
+    assert float(layer.l2_activation_scale) == pytest.approx(0.003)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    y = layer(x, torch.rand(5, 2), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [-1, 2]]))
+    assert bool(torch.isfinite(y.float()).all())
+
+    nv = build_synthetic_checkpoint(tmp_path / "nv", "modelopt-nvfp4", num_layers=1, hidden=128, intermediate=128,
+                                    num_experts=4, top_k=2)
+    with pytest.raises(ScaleError, match="determine a2"):
+        do_convert(nv, tmp_path / "c", l2_activation_scale=0.003)
