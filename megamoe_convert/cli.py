@@ -204,10 +204,6 @@ def _print_summary(s) -> None:
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
-@click.option("--l2-activation-scale", type=float, default=None,
-              help="NVFP4, uncalibrated checkpoints only (e.g. --quantize nvfp4): the global L2 activation scale "
-                   "a2 (amax of the expert intermediate / 2688, from your own calibration). Refused when the "
-                   "checkpoint's w2 input scales determine a2.")
 @click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
               help="As for convert: the precision fused shared experts would be written in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
