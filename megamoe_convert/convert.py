@@ -696,6 +696,10 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         dst = tmp / p.name
         if p.name == "config.json":
             write_bytes_atomic(dst, json_bytes(_annotated_config(source.config, row)))
+        elif p.name == "hf_quant_config.json" and isinstance(source.hf_quant_config, dict):
+            # engines read this file too: say the experts are no longer in the producer's layout
+            note = {"format_version": FORMAT_VERSION, "row": row.name, "manifest": "megamoe.json"}
+            write_bytes_atomic(dst, json_bytes({**source.hf_quant_config, "megamoe": note}))
         else:
             shutil.copyfile(p, dst)
         file_entries[p.name] = FileEntry(dst.stat().st_size, sha256_file(dst))

@@ -481,3 +481,16 @@ def test_quantize_nvfp4_needs_and_takes_an_explicit_a2(tmp_path):
                                     num_experts=4, top_k=2)
     with pytest.raises(ScaleError, match="determine a2"):
         do_convert(nv, tmp_path / "c", l2_activation_scale=0.003)
+
+
+def test_quantization_configs_say_megamoe(tmp_path):
+    """Both files an engine reads for the quantization scheme name the megamoe layout."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", num_layers=1, hidden=128,
+                                           intermediate=128, num_experts=4, top_k=2)
+    assert (src / "hf_quant_config.json").exists()
+    convert(src, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
+    for d in (cfg["quantization_config"], hq):
+        assert d["megamoe"] == {"format_version": 1, "row": "nvfp4", "manifest": "megamoe.json"}
+    assert hq["quantization"] == json.loads((src / "hf_quant_config.json").read_text())["quantization"]
