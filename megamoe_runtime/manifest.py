@@ -22,6 +22,7 @@ layer allocated once then gives the kernel bytes (no transform at load).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -374,10 +375,43 @@ def tensor_key(name: str, ep_rank: int | None, ep_size: int) -> str:
     return f"{name}@rank{ep_rank:03d}"
 
 
+#: key of the manifest's digest of itself (sha256 of its canonical JSON without this key)
+SELF_DIGEST_KEY = "manifest_sha256"
+
+
+def _self_digest(d: dict) -> str:
+    body = {k: v for k, v in d.items() if k != SELF_DIGEST_KEY}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
 def manifest_bytes(m: Manifest) -> bytes:
     """Deterministic JSON (sorted tensor and file keys, no timestamps), so the
-    same conversion gives the same bytes."""
-    return (json.dumps(m.to_dict(), indent=1, ensure_ascii=True, allow_nan=False) + "\n").encode()
+    same conversion gives the same bytes. It ends with a digest of itself:
+    the shards are checked against the manifest, and this checks the
+    manifest (a flipped digit in a scale or a checksum is caught)."""
+    d = m.to_dict()
+    d[SELF_DIGEST_KEY] = _self_digest(d)
+    return (json.dumps(d, indent=1, ensure_ascii=True, allow_nan=False) + "\n").encode()
+
+
+def with_self_digest(d: dict) -> dict:
+    """``d`` (a manifest as JSON data) with its self-digest set to match its content."""
+    return {**{k: v for k, v in d.items() if k != SELF_DIGEST_KEY}, SELF_DIGEST_KEY: _self_digest(d)}
+
+
+def check_self_digest(d: dict, where: str) -> None:
+    """ManifestError if the manifest's own digest is present and does not match
+    (absent: a manifest written by hand or by an older writer; accepted)."""
+    want = d.get(SELF_DIGEST_KEY)
+    if want is None:
+        return
+    got = _self_digest(d)
+    if want != got:
+        raise ManifestError(
+            f"{where}: {SELF_DIGEST_KEY} is {want!r} but the manifest's content hashes to {got!r}: "
+            f"{MANIFEST_NAME} was modified or corrupted after it was written; re-run the conversion "
+            "(or `megamoe-convert verify` to see what else changed)")
 
 
 def write_manifest(directory: str | os.PathLike, m: Manifest) -> Path:
@@ -417,7 +451,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
-    return _parse_manifest(d, str(path))
+    m = _parse_manifest(d, str(path))
+    check_self_digest(d, str(path))
+    return m
 
 
 # --------------------------------------------------------------------------

@@ -182,6 +182,11 @@ def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path):
     (a / MANIFEST_NAME).write_text(json.dumps(d))
     r = run_cli("verify", a)
     assert r.exit_code == 1 and "newer megamoe" in r.output
+    d["format_version"] = 1
+    d["layers"][0]["scalars"]["l2_activation_scale"] *= 1.0001  # still a valid manifest, but not the written one
+    (a / MANIFEST_NAME).write_text(json.dumps(d))
+    r = run_cli("verify", a)
+    assert r.exit_code == 1 and "manifest_sha256" in r.output and "modified or corrupted" in r.output
     r = run_cli("verify", tmp_path / "nope")
     assert r.exit_code == 2
 

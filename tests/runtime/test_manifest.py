@@ -87,6 +87,7 @@ def test_ep_keys_and_lookup(tmp_path):
 
 
 def _write_raw(tmp_path, d):
+    d = {k: v for k, v in d.items() if k != "manifest_sha256"}  # hand-edited: no self-digest
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(d))
 
 
@@ -192,3 +193,25 @@ def test_kernel_view_checks():
     assert kernel_view(torch.zeros(2, 16, 8, dtype=torch.int8), entry).is_contiguous()
     with pytest.raises(LayoutError, match="cannot be stored"):
         to_stored(torch.zeros(4, 4, 4)[:, ::2], STORAGE_CONTIGUOUS)
+
+
+def test_self_digest_catches_an_edited_manifest(tmp_path):
+    """The manifest carries a digest of itself: an edit that keeps it valid JSON
+    and a valid schema (a scale, a checksum digit) is refused by name."""
+    from megamoe_runtime.manifest import SELF_DIGEST_KEY, manifest_bytes, read_manifest, with_self_digest
+
+    m = _manifest()
+    (tmp_path / MANIFEST_NAME).write_bytes(manifest_bytes(m))
+    read_manifest(tmp_path)
+    d = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert len(d[SELF_DIGEST_KEY]) == 64
+    d["ep_size"] = d["ep_size"]  # untouched: still fine after a JSON round trip
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(d, indent=3))
+    read_manifest(tmp_path)
+    name = next(iter(d["tensors"]))
+    d["tensors"][name]["sha256"] = "0" * 64
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match="modified or corrupted"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(with_self_digest(d)))
+    read_manifest(tmp_path)  # re-stamped: the self-digest alone does not refuse it

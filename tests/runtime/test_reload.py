@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import megamoe_runtime as mr
+from megamoe_runtime.manifest import with_self_digest
 from megamoe_runtime.checkpoint import SafetensorsFile
 from megamoe_runtime.errors import ReloadError
 from megamoe_runtime.layer import DeepGemmMegaMoEExperts
@@ -102,7 +103,7 @@ def _rewrite_tensor(out, name, fn, *, new_name=None, new_file=None, experts=None
     m["tensors"][new_name or name] = te
     body = (out / target_file).read_bytes()
     m["files"][target_file] = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
-    mpath.write_text(json.dumps(m))
+    mpath.write_text(json.dumps(with_self_digest(m)))  # as a (buggy) writer would have written it
 
 
 def test_missing_expert_prelaid_is_reported(ckpts, tmp_path):
