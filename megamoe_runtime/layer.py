@@ -446,7 +446,17 @@ class DeepGemmMegaMoEExperts(nn.Module):
             return loaders.shared_weight_loader(self, param, loaded_weight, weight_name, shard_id)
 
     def set_l2_activation_scale(self, a2: float) -> None:
-        """Write a2 in place (the buffer keeps its storage)."""
+        """Write a2 in place (the buffer keeps its storage). Outside a load pass
+        the derived device scalars (``a2_scales``, ``l2_alpha``) are refreshed
+        at once and ``load_generation`` advances, so a backend caching host
+        scalars (DGv's ``l2_activation_scale``) re-reads it; inside a load,
+        `finish_load` does both once at the end."""
+        self._write_a2(a2)
+        if self._load_state is None:
+            self.refresh_derived_scalars()
+            self.load_generation += 1
+
+    def _write_a2(self, a2: float) -> None:
         if not (isinstance(a2, (int, float)) and math.isfinite(a2) and a2 > 0):
             raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be finite and > 0")
         with torch.no_grad():
@@ -465,7 +475,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
             if "l2_activation_scale" not in scalars:
                 raise ScaleError(f"{self.prefix or 'layer'}: the manifest scalars lack l2_activation_scale "
                                  f"(have {sorted(scalars)})")
-            self.set_l2_activation_scale(float(scalars["l2_activation_scale"]))
+            self._write_a2(float(scalars["l2_activation_scale"]))
         if nv:
             self._check_nv_scalars()
             self.refresh_derived_scalars()

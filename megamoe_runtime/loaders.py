@@ -713,7 +713,7 @@ def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> None:
         raise ScaleError(_where(layer, "raw NVFP4 load incomplete: " + "; ".join(problems)))
     a2 = max(st.a2_inputs.values())
     _check_scale_value(a2, _where(layer, "global L2 activation scale a2"))
-    layer.set_l2_activation_scale(a2)
+    layer._write_a2(a2)  # finish_load refreshes the derived scalars once
 
 
 def _short(ids: list[int]) -> str:

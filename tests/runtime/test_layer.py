@@ -252,3 +252,18 @@ def test_recv_stats_counting_needs_no_host_sync():
     layer(torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(3, 2), ids)
     layer(torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(3, 2), ids)
     assert stats.tolist() == [4, 0, 0, 4, 0, 0, 0, 2]
+
+
+def test_set_l2_activation_scale_outside_a_load_refreshes_what_kernels_read(ckpts):
+    """a2 set by hand (not through a load) reaches l2_alpha / a2_scales at once,
+    in place, and advances load_generation so cached host scalars are re-read."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    ck = mr.open_checkpoint(out)
+    layer = ck.build_layer(ck.layers[0].index, backend="reference")
+    ptrs = (layer.l2_alpha.data_ptr(), layer.a2_scales.data_ptr())
+    gen = layer.load_generation
+    layer.set_l2_activation_scale(0.5)
+    assert torch.equal(layer.l2_alpha, layer.l2_global_scale * 0.5)
+    assert bool((layer.a2_scales == 0.5).all())
+    assert (layer.l2_alpha.data_ptr(), layer.a2_scales.data_ptr()) == ptrs
+    assert layer.load_generation == gen + 1
