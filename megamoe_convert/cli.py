@@ -295,7 +295,7 @@ def _shared_line(sh: dict) -> str:
 def verify(out, as_json, reload_dry_run, no_progress):
     """Check converted folder OUT against its manifest.
 
-    Manifest schema and version, every file present with its size and
+    Manifest schema, version and self-digest, every file present with its size and
     sha256, every safetensors header consistent with the manifest, every
     tensor's sha256. Exit 1 with a report on any mismatch, missing file or
     flipped byte.
