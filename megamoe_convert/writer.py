@@ -503,27 +503,15 @@ def check_output_target(out: Path, *, overwrite: bool, resume: bool) -> None:
 
 
 def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool) -> tuple[Path, bool]:
-    """Check OUT and create/reuse its temp folder. Returns (tmp, resuming)."""
+    """Check OUT (`check_output_target`) and create or reuse its temp folder.
+    Returns (tmp, resuming)."""
     out = Path(out)
+    check_output_target(out, overwrite=overwrite, resume=resume)
     tmp = temp_dir_for(out)
-    if out.exists() and not overwrite:
-        raise OutputError(
-            f"output folder {out} already exists; pass --overwrite to replace it "
-            "(it is replaced only after the new conversion has finished)"
-        )
-    if not out.parent.is_dir():
-        raise OutputError(f"cannot create {out}: parent folder {out.parent} does not exist")
     if tmp.exists():
         if resume and (tmp / JOURNAL_NAME).is_file():
             return tmp, True
-        if not overwrite:
-            hint = ("it has no progress journal, so it cannot be resumed; " if resume else
-                    "pass --resume to continue that run, or ")
-            raise OutputError(
-                f"{tmp} exists: an earlier conversion to {out} was interrupted; {hint}"
-                "pass --overwrite to discard it and start over"
-            )
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp)  # only reachable with --overwrite
     tmp.mkdir()
     return tmp, False
 
