@@ -97,16 +97,7 @@ def _named(info: MoELayerInfo | None, expert: int | None, role: str, kind: str, 
     """' (source tensor NAME in FILE)' for messages, when the name can be found."""
     if info is None or expert is None:
         return ""
-    names = source_names(info, expert, role, kind)[:2]
-    if not names:
-        return ""
-    where = []
-    for n in names:
-        try:
-            where.append(f"{n} in {source.file_of(n).name}" if source is not None else n)
-        except Exception:  # naming is best effort
-            where.append(n)
-    return f" (source tensor {', '.join(where)})"
+    return _where_names(source_names(info, expert, role, kind)[:2], source)
 
 
 # --------------------------------------------------------------------------- structure
