@@ -39,9 +39,8 @@ from megamoe_runtime.tensor_bytes import byte_view
 
 INDEX_NAME = "model.safetensors.index.json"
 
-#: what a hub snapshot needs for conversion: weights, configs, tokenizer files
-HUB_ALLOW_PATTERNS = [
-    "*.safetensors",
+#: what a hub snapshot needs for conversion besides the weights: configs, tokenizer files
+HUB_META_PATTERNS = [
     "*.json",
     "tokenizer*",
     "*.model",
@@ -50,6 +49,8 @@ HUB_ALLOW_PATTERNS = [
     "*.jinja",
     "*.py",
 ]
+#: everything a hub snapshot needs (the weights are narrowed to the index's shards when there is one)
+HUB_ALLOW_PATTERNS = ["*.safetensors", *HUB_META_PATTERNS]
 #: sub-folders of some repos holding a second copy of the weights
 HUB_IGNORE_PATTERNS = ["original/*", "metal/*", "*/original/*"]
 
@@ -467,15 +468,16 @@ def _open_hub(
     rev = revision or "main"
     where = f"hub repo {repo_id!r} (revision {rev!r})"
     cache_note = f"cache {cache_dir}" if cache_dir else "the default hub cache"
+    def download(allow: list[str]) -> Path:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=allow,
+                                      ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=offline))
+
     try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            cache_dir=cache_dir,
-            allow_patterns=HUB_ALLOW_PATTERNS,
-            ignore_patterns=HUB_IGNORE_PATTERNS,
-            local_files_only=offline,
-        )
+        # configs and the index first: with an index, only the shards it names are fetched, so a
+        # second copy of the weights beside them (e.g. consolidated.safetensors) is never downloaded
+        folder_p = download(HUB_META_PATTERNS)
+        shards = _index_shards(folder_p / INDEX_NAME, where)
+        folder = download(shards if shards is not None else ["*.safetensors"])
     except hf_errors.RevisionNotFoundError as e:
         raise CheckpointError(f"{where}: revision {rev!r} does not exist on the hub") from e
     except (hf_errors.GatedRepoError,) as e:
@@ -507,6 +509,21 @@ def _open_hub(
     if not (folder_p / "config.json").is_file():
         raise CheckpointError(f"{where}: the snapshot at {folder_p} has no config.json (not a transformers model repo?)")
     return CheckpointSource(folder_p, id=repo_id, kind="hub", revision=rev, commit=commit)
+
+
+def _index_shards(index: Path, where: str) -> list[str] | None:
+    """The shard file names ``model.safetensors.index.json`` maps to, or None without an index."""
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where}: {INDEX_NAME} is not a valid index (no weight_map of names to files: {e})")
+    bad = [f for f in shards if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".")]
+    if bad:
+        raise CheckpointError(f"{where}: {INDEX_NAME} names shard files outside the repo root: {bad[:3]}")
+    return shards
 
 
 def matches_any(name: str, patterns: list[str] | tuple[str, ...]) -> bool:

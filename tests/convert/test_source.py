@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -432,3 +433,34 @@ def test_file_changed_after_open(make_ckpt):
         fh.truncate(end - 10)
     with pytest.raises(CheckpointError, match="unexpected end of file"):
         src.get_tensor(n)
+
+
+def test_hub_fetches_only_the_shards_the_index_names(tmp_path, monkeypatch, synth_ckpt):
+    """Configs and the index first, then exactly the indexed shards: a second copy
+    of the weights beside them (consolidated.safetensors) is never downloaded."""
+    import huggingface_hub
+
+    src = synth_ckpt("modelopt-nvfp4", max_shard_bytes=200_000)
+    shards = sorted(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(set(shards)) > 1
+    snap = tmp_path / "snapshots" / "abc123"
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, revision, cache_dir, allow_patterns, ignore_patterns,
+                               local_files_only):
+        calls.append(list(allow_patterns))
+        snap.mkdir(parents=True, exist_ok=True)
+        for p in src.iterdir():
+            if any(fnmatch.fnmatchcase(p.name, pat) for pat in allow_patterns):
+                shutil.copyfile(p, snap / p.name)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    s = open_source("org/model")
+    assert s.kind == "hub" and s.commit == "abc123"
+    assert len(calls) == 2
+    assert "*.json" in calls[0] and not any(p.endswith(".safetensors") for p in calls[0])
+    assert calls[1] == sorted(set(shards))
+    assert sorted(p.name for p in snap.glob("*.safetensors")) == sorted(set(shards))
+    s.close()
