@@ -234,6 +234,40 @@ class CheckpointSource:
             got += n
         return buf
 
+    def tensor_data_range(self, name: str) -> tuple[Path, int, int]:
+        """``(file, absolute byte offset, nbytes)`` of a tensor's data: where
+        `read_into` reads it from."""
+        th = self.tensor_header(name)
+        path = self.file_of(name)
+        return path, 8 + self._headers[path].header_len + th.begin, th.nbytes
+
+    def read_into(self, path: Path, pos: int, views: list[memoryview]) -> None:
+        """Scatter-read consecutive bytes at absolute offset ``pos`` of ``path``
+        straight into ``views`` (in order; e.g. row groups of a kernel buffer):
+        ``os.preadv`` with one iovec per view, at most IOV_MAX per call, short
+        reads resumed. No temporary buffer and no copy after the read."""
+        fd = self._fd(path)
+        total = sum(len(v) for v in views)
+        i, got = 0, 0
+        while i < len(views):
+            batch = views[i:i + _IOV_MAX]
+            n = os.preadv(fd, batch, pos + got) if hasattr(os, "preadv") else _pread_into(fd, batch[0], pos + got)
+            if n <= 0:
+                raise CheckpointError(
+                    f"{path}: unexpected end of file reading {total} bytes at {pos} (file changed since it was opened?)"
+                )
+            got += n
+            while i < len(views) and n >= len(views[i]):  # drop the views filled by this read
+                n -= len(views[i])
+                i += 1
+            if n:  # a short read ended inside views[i]
+                views = views[:i] + [views[i][n:]] + views[i + 1:]
+
+    def meta_tensor(self, name: str) -> torch.Tensor:
+        """A meta tensor with the dtype and shape `get_tensor` would return (no data read)."""
+        t = self.tensor_header(name)
+        return torch.empty(t.shape, dtype=self._torch_dtype(name), device="meta")
+
     def _torch_dtype(self, name: str) -> torch.dtype:
         t = self.tensor_header(name)
         dt = t.torch_dtype
@@ -364,6 +398,10 @@ class LazySlice:
             t = self._source._read_rows(self._name, lo, hi)
             return t[(slice(None), *rest)] if rest else t
         return self._source.get_tensor(self._name)[key]
+
+
+#: iovecs per preadv call (Linux IOV_MAX is 1024)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024, 1024)
 
 
 def _pread_into(fd: int, view: memoryview, pos: int) -> int:  # pragma: no cover - platforms without preadv

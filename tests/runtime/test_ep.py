@@ -60,24 +60,36 @@ def converted(ckpts) -> dict[str, dict[int, Path]]:
     }
 
 
-def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: str) -> None:
+#: NVLink multicast stays off on shared multi-GPU hosts (the device docs' rule)
+_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: str,
+            backend: str = "reference", device: str = "cpu") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        os.environ.update(_NCCL_ENV)
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     try:
         counts = TOKENS_PER_RANK[world]
         lo = sum(counts[:rank])
         results = {}
         for row, d in dirs.items():
             x, w, ids = _routing(sum(counts), seed=11)
-            x, w, ids = (t[lo:lo + counts[rank]] for t in (x, w, ids))
+            x, w, ids = (t[lo:lo + counts[rank]].to(dev) for t in (x, w, ids))
             ckpt = mr.open_checkpoint(d)
             info = ckpt.layers[0]
-            layer = ckpt.build_layer(info.index, device="cpu", backend="reference", ep_rank=rank, ep_size=world)
+            layer = ckpt.build_layer(info.index, device=dev, backend=backend, ep_rank=rank, ep_size=world)
             stats = layer.track_expert_recv_stats()
             ys = [layer(x, w, ids) for _ in range(2)]  # ep_size > 1: the layer goes through ep_forward
-            results[row] = dict(y=ys[0], y_again=ys[1], stats=stats, files=list(ckpt.last_opened_files))
+            results[row] = dict(y=ys[0].cpu(), y_again=ys[1].cpu(), stats=stats.cpu(),
+                                files=list(ckpt.last_opened_files))
         torch.save(results, Path(result_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -161,3 +173,25 @@ def test_ep_layer_without_process_group_is_refused(converted):
     layer = ckpt.build_layer(ckpt.layers[0].index, device="cpu", backend="reference", ep_rank=0, ep_size=2)
     with pytest.raises(MegaMoEError, match="torch.distributed"):
         layer(x, w, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_nccl_triton_equals_single_gpu(converted, tmp_path, world):
+    """The same equality over NCCL, one GPU per rank, with the triton backend
+    against the single-GPU triton forward (needs `world` GPUs)."""
+    pytest.importorskip("triton")
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    dirs = {row: str(paths[world]) for row, paths in converted.items()}
+    mp.spawn(_worker, args=(world, _free_port(), dirs, str(tmp_path), "triton", "cuda"), nprocs=world, join=True)
+    counts = TOKENS_PER_RANK[world]
+    x, w, ids = _routing(sum(counts), seed=11)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for row, paths in converted.items():
+        ckpt = mr.open_checkpoint(paths[1])
+        single = ckpt.build_layer(ckpt.layers[0].index, device="cuda", backend="triton")
+        y_ref = single(x.cuda(), w.cuda(), ids.cuda()).cpu()
+        got = torch.cat([res[row]["y"] for res in results])
+        assert mr.calc_diff(got, y_ref) < 1e-6, row
+        assert torch.equal(got.view(torch.int16), y_ref.view(torch.int16)), f"{row}: EP{world} != single GPU"
