@@ -275,7 +275,8 @@ def _rel(a: float, b: float) -> float:
 
 
 def check_block_scales(p: ProjectionTensors, row: Row, where: str,
-                       name_hint: Callable[[], str] | None = None) -> None:
+                       name_hint: Callable[[], str] | None = None,
+                       weight: Callable[[], torch.Tensor] | None = None) -> None:
     """Block-scale bytes must decode to finite values > 0.
 
     E8M0: 0xFF (NaN) refused. E4M3: NaN and negative refused. A zero scale
@@ -284,6 +285,9 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
     blocks that way, and the block dequantizes to 0 either way. A zero scale
     over nonzero elements would silently erase them, so it is refused.
     `name_hint()` (called only on error) adds the source tensor name.
+    `weight()`, when given, supplies the weight values in place of
+    ``p.weight`` (called only when a scale is zero): the converter's direct
+    reads leave ``p.weight`` a meta tensor and the bytes in the kernel buffer.
 
     Runs on every expert of every layer, so the common case is two
     reductions (min and max of the bytes); the element-wise masks are built
@@ -313,7 +317,7 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
             _raise_first(neg, b, full, "E4M3 block scale(s) are negative; block scales must be > 0")
         zero = (b & 0x7F) == 0
     if bool(zero.any()):
-        bad = zero & _live_blocks(p.weight, row)
+        bad = zero & _live_blocks(p.weight if weight is None else weight(), row)
         if bool(bad.any()):
             _raise_first(bad, b, full, "block scale(s) are zero while their block has nonzero elements "
                                        "(the elements would be erased); block scales must be > 0")
@@ -337,14 +341,18 @@ def _raise_first(mask: torch.Tensor, b: torch.Tensor, where: str, what: str) -> 
         f"(byte 0x{int(b[first]):02X}), scale shape {list(b.shape)}")
 
 
-def check_expert(et: ExpertTensors, row: Row, info: MoELayerInfo, expert: int, source=None) -> None:
+def check_expert(et: ExpertTensors, row: Row, info: MoELayerInfo, expert: int, source=None,
+                 weights: "dict[str, Callable[[], torch.Tensor]] | None" = None) -> None:
     """Shapes and dtypes against the config (CheckpointError) and block-scale
-    values (ScaleError), naming layer, expert, projection and source tensor."""
+    values (ScaleError), naming layer, expert, projection and source tensor.
+    ``weights`` (role -> callable): the weight values where ``et`` holds meta
+    weights (see `check_block_scales`)."""
     where = f"MoE layer {info.index} ({info.prefix}) expert {expert}"
     et.validate(row, info.hidden, info.intermediate, where)
     for role, p in et.projections():
         check_block_scales(p, row, f"{where} {role} scale",
-                           lambda role=role: _named(info, expert, role, "scale", source))
+                           lambda role=role: _named(info, expert, role, "scale", source),
+                           (weights or {}).get(role))
 
 
 # --------------------------------------------------------------------------- repair

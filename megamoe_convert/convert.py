@@ -67,6 +67,7 @@ from megamoe_runtime.manifest import (
     to_stored,
     write_manifest,
 )
+from megamoe_runtime.tensor_bytes import byte_view
 
 from . import checks
 from .readers import detect_reader
@@ -769,13 +770,20 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
             run.advance(int(per_expert * E_l))
             continue
         bset, (kt, alpha, l2g) = run.buffers(row, E_l, info.hidden, info.intermediate)
+        direct = _DirectWeights(reader, kt)
         for e in range(lo, lo + E_l):
-            et = reader.read_expert(info.index, e)
-            checks.check_expert(et, row, info, e, reader.source)
-            if e in mismatched:
-                et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
-                repairs.append({"expert": e, **rr})
-            layout.write_expert(row, kt, e - lo, et, where=f"{where} expert {e}")
+            # the requantize repair needs the weights in hand: those experts take the read_expert path
+            if e not in mismatched and direct.read(info.index, e, e - lo):
+                et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
+                checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - lo))
+                layout.write_expert_scales(row, kt, e - lo, et, where=f"{where} expert {e}")
+            else:
+                et = reader.read_expert(info.index, e)
+                checks.check_expert(et, row, info, e, reader.source)
+                if e in mismatched:
+                    et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
+                    repairs.append({"expert": e, **rr})
+                layout.write_expert(row, kt, e - lo, et, where=f"{where} expert {e}")
             if row.weight.has_global_scale:
                 alpha[e - lo, 0] = et.gate.global_scale
                 alpha[e - lo, 1] = et.up.global_scale
@@ -801,6 +809,57 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
             f"range (they now dequantize to 0; first: expert {zeroed[0]['expert']}, "
             f"max relative change {zeroed[0]['max_rel_change']:.3g})")
     return rec
+
+
+class _DirectWeights:
+    """Routed weights read from the source straight into one rank's kernel
+    buffers, where the reader offers their byte ranges
+    (``reader.weight_byte_ranges``): one ``preadv`` per expert and half for
+    gate/up, with one iovec per 8-row group at its interleaved place (kernel
+    rows ``16g + 8*half .. +8``, contiguous), and one read for down (L2
+    weights are stored unchanged). This skips the temporary source buffer and
+    the ``copy_`` into the kernel layout; the bytes land exactly where
+    ``layout.write_l1_weight`` / ``write_l2_weight`` put them."""
+
+    def __init__(self, reader: CheckpointReader, kt: layout.KernelTensors) -> None:
+        self.reader = reader
+        self.kt = kt
+        E_l, n2, dw = kt.l1_weight.shape
+        isz = kt.l1_weight.element_size()
+        self.groups = n2 // 16
+        self.group_bytes = 8 * dw * isz  # 8 rows of one half
+        self.half_bytes = self.groups * self.group_bytes  # what one gate/up source tensor holds
+        self.l1_bytes = n2 * dw * isz  # one expert's l1_weight
+        self.l2_bytes = kt.l2_weight[0].numel() * kt.l2_weight.element_size()
+        self._l1 = self._l2 = None  # byte views, made on first use
+
+    def read(self, layer: int, e: int, slot: int) -> bool:
+        """Read expert ``e``'s gate/up/down weights into kernel slot ``slot``;
+        False (nothing read) when the reader offers no ranges or their sizes
+        do not fit (the read_expert path then reports any problem)."""
+        ranges = [self.reader.weight_byte_ranges(layer, e, role) for role in ("gate", "up", "down")]
+        if any(r is None for r in ranges) or ranges[0][2] != self.half_bytes or ranges[1][2] != self.half_bytes \
+                or ranges[2][2] != self.l2_bytes or self.groups * 16 != self.kt.l1_weight.shape[1]:
+            return False
+        if self._l1 is None:
+            self._l1, self._l2 = byte_view(self.kt.l1_weight), byte_view(self.kt.l2_weight)
+        src, gb = self.reader.source, self.group_bytes
+        for half in (0, 1):
+            path, pos, _ = ranges[half]
+            base = slot * self.l1_bytes + half * gb
+            src.read_into(path, pos, [self._l1[base + 2 * gb * g: base + 2 * gb * g + gb] for g in range(self.groups)])
+        path, pos, _ = ranges[2]
+        src.read_into(path, pos, [self._l2[slot * self.l2_bytes:(slot + 1) * self.l2_bytes]])
+        return True
+
+    def weights(self, row: Row, slot: int) -> dict[str, Callable[[], torch.Tensor]]:
+        """role -> the weight as read_expert would give it, from the kernel
+        buffer (for checks that look at weight values: a copy, made only then)."""
+        ke = self.kt.expert(slot)
+        wdt = row.weight.checkpoint_dtype
+        return {"gate": lambda: layout.read_l1_weight(ke.l1_weight, 0).view(wdt),
+                "up": lambda: layout.read_l1_weight(ke.l1_weight, 1).view(wdt),
+                "down": lambda: ke.l2_weight.view(wdt)}
 
 
 def _copy_passthrough(source: CheckpointSource, run: _Run) -> None:

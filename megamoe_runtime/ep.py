@@ -39,7 +39,16 @@ class DispatchPlan:
     recv_counts: list[int]
 
 
+def _host_staged(group) -> bool:
+    """gloo moves CPU tensors only: CUDA tensors are staged through host memory
+    (the portable fallback, e.g. several processes sharing one GPU; NCCL
+    exchanges device tensors directly)."""
+    return dist.get_backend(group) == "gloo"
+
+
 def _exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    if _host_staged(group):
+        send_counts = send_counts.cpu()
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts, group=group)
     return recv
@@ -74,9 +83,12 @@ def plan_dispatch(topk_ids: torch.Tensor, experts_per_rank: int, world_size: int
 
 
 def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    device = send.device
+    if _host_staged(group):
+        send = send.cpu()
     out = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=group)
-    return out
+    return out.to(device)
 
 
 def ep_slots(

@@ -73,6 +73,7 @@ __all__ = [
     "read_l2_weight",
     "read_l2_scale",
     "write_expert",
+    "write_expert_scales",
     "read_expert",
     "pack_expert_stack",
     "unpack_expert_stack",
@@ -523,10 +524,23 @@ def write_expert(row: "Row | str", kt: KernelTensors, e: int | None, expert: Exp
     write_l1_weight(sel(kt.l1_weight), expert.gate.weight, 0, where=f"{where}.gate.weight")
     write_l1_weight(sel(kt.l1_weight), expert.up.weight, 1, where=f"{where}.up.weight")
     write_l2_weight(sel(kt.l2_weight), expert.down.weight, where=f"{where}.down.weight")
-    if row.has_scales:
-        write_l1_scale(sel(kt.l1_scale), expert.gate.scale, 0, where=f"{where}.gate.scale")
-        write_l1_scale(sel(kt.l1_scale), expert.up.scale, 1, where=f"{where}.up.scale")
-        write_l2_scale(sel(kt.l2_scale), expert.down.scale, where=f"{where}.down.scale")
+    write_expert_scales(row, kt, e, expert, where=where)
+
+
+def write_expert_scales(row: "Row | str", kt: KernelTensors, e: int | None, expert: ExpertTensors, *,
+                        where: str = "expert") -> None:
+    """The block-scale part of `write_expert` (nothing for rows without scales);
+    for callers that put the weight bytes in place themselves."""
+    row = get_row(row)
+    if not row.has_scales:
+        return
+
+    def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if (t is None or e is None) else t[e]
+
+    write_l1_scale(sel(kt.l1_scale), expert.gate.scale, 0, where=f"{where}.gate.scale")
+    write_l1_scale(sel(kt.l1_scale), expert.up.scale, 1, where=f"{where}.up.scale")
+    write_l2_scale(sel(kt.l2_scale), expert.down.scale, where=f"{where}.down.scale")
 
 
 def read_expert(row: "Row | str", kt: KernelTensors, e: int | None, *, where: str = "expert") -> ExpertTensors:

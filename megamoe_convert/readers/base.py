@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pathlib import Path
+
     from megamoe_runtime.canonical import ExpertTensors
     from megamoe_runtime.formats import ActivationSpec
 
@@ -191,6 +193,18 @@ class CheckpointReader(abc.ABC):
     def read_expert(self, layer_index: int, expert: int) -> "ExpertTensors":
         """Routed expert ``expert`` (global index) of MoE layer ``layer_index``
         in checkpoint encoding; reads only that expert's tensors."""
+
+    def weight_byte_ranges(self, layer_index: int, expert: int, role: str) -> "tuple[Path, int, int] | None":
+        """Where the weight of projection ``role`` ("gate" | "up" | "down") of an
+        expert lies in the source, as ``(file, absolute offset, nbytes)``, when
+        ``read_expert`` would return exactly those bytes, row-major, unchanged
+        (only reinterpreted as the canonical dtype). The converter then reads
+        them straight into the kernel buffer and calls
+        ``read_expert(layer_index, expert, weights=False)`` for the rest.
+
+        None (the default) means "use read_expert": readers that convert,
+        quantize or reassemble weights never return a range."""
+        return None
 
     def read_expert_scalars(self, layer_index: int, expert: int) -> ExpertScalars:
         """Only the float scales of one expert (default: via read_expert)."""

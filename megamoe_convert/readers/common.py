@@ -129,6 +129,9 @@ class SchemeReader(CheckpointReader):
     shared_schemes: ClassVar[tuple[Scheme, ...]] = ()
     #: fused 3-D experts are plain float parameters; only the unquantized reader reads them
     reads_fused: ClassVar[bool] = False
+    #: whether `weight_byte_ranges` may offer the source bytes of routed weights (readers whose
+    #: ``read_expert`` returns the stored weight bytes unchanged; see `weight_byte_ranges`)
+    direct_weight_bytes: ClassVar[bool] = False
 
     def __init__(self, source) -> None:
         super().__init__(source)
@@ -543,9 +546,32 @@ class SchemeReader(CheckpointReader):
             raise ScaleError(f"{where}: {self._where(name)} = {v!r}; a scale must be finite and > 0")
         return v
 
-    def _read_projection(self, scheme: Scheme, r: Resolved, where: str) -> ProjectionTensors:
+    #: (canonical element, stored dtype) pairs whose `_read_projection` is a pure reinterpretation
+    _IDENTITY_WEIGHTS = {("e2m1", "U8"), ("e2m1", "I8"), ("e4m3", "F8_E4M3"), ("bf16", "BF16")}
+
+    def weight_byte_ranges(self, layer_index: int, expert: int, role: str):
+        """The stored weight's ``(file, offset, nbytes)`` when this reader returns
+        it unchanged: ``direct_weight_bytes`` set, per-expert (not fused)
+        tensors, and a stored dtype the canonical one only reinterprets."""
+        if not self.direct_weight_bytes:
+            return None
+        info, ln, res = self._entry(layer_index)
+        if "_fused" in res or not 0 <= expert < info.num_experts:
+            return None
+        r = res.get((expert, role))
+        if r is None:
+            return None
+        name = r.names["weight"]
+        element = get_row(self.scheme.encoding).weight.element
+        if (element, self._hdr(name)[0]) not in self._IDENTITY_WEIGHTS:
+            return None
+        return self.source.tensor_data_range(name)
+
+    def _read_projection(self, scheme: Scheme, r: Resolved, where: str, weights: bool = True) -> ProjectionTensors:
         row = get_row(scheme.encoding)
-        w = self.source.get_tensor(r.names["weight"])
+        # weights=False: a meta tensor with the dtype and shape a real read gives, put through the same
+        # reinterpretation below, so validate() checks it the same way (the caller reads the bytes itself)
+        w = self.source.get_tensor(r.names["weight"]) if weights else self.source.meta_tensor(r.names["weight"])
         if row.weight.element == "bf16":
             w = w.to(torch.bfloat16)
         elif row.weight.element == "e2m1":
@@ -571,7 +597,10 @@ class SchemeReader(CheckpointReader):
             i = self._scalar(r.names["input"], scheme.param("input").invert, where)
         return ProjectionTensors(weight=w, scale=scale, global_scale=g, input_scale=i)
 
-    def read_expert(self, layer_index: int, expert: int) -> ExpertTensors:
+    def read_expert(self, layer_index: int, expert: int, *, weights: bool = True) -> ExpertTensors:
+        """``weights=False`` (only where `weight_byte_ranges` gives ranges):
+        the weights are meta tensors of the right dtype and shape (not read);
+        scales and scalars are read and checked as usual."""
         info, ln, res = self._entry(layer_index)
         if not 0 <= expert < info.num_experts:
             raise CheckpointError(
@@ -579,11 +608,13 @@ class SchemeReader(CheckpointReader):
             )
         where = f"{self.source.id}: layer {layer_index} expert {expert}"
         if "_fused" in res:
+            if not weights:
+                raise CheckpointError(f"{where}: fused experts have no direct weight reads (weights=False)")
             et = self._read_fused(info, res["_fused"], expert)
         else:
             et = ExpertTensors(
                 *(
-                    self._read_projection(self.scheme, res[(expert, role)], f"{where} {role}")
+                    self._read_projection(self.scheme, res[(expert, role)], f"{where} {role}", weights)
                     for role in naming.ROLES
                 )
             )

@@ -66,6 +66,7 @@ def ct_format(source) -> str | None:
 
 
 class _CTReader(SchemeReader):
+    direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
     ct_format: ClassVar[str] = ""
 
     def __init__(self, source) -> None:

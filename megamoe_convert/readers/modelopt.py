@@ -105,6 +105,7 @@ def effective_algo(source) -> str | None:
 
 class _ModelOptReader(SchemeReader):
     algo: ClassVar[str] = ""
+    direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
 
     def __init__(self, source) -> None:
         super().__init__(source)

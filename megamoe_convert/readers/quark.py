@@ -98,6 +98,7 @@ def quark_row(source) -> tuple[str | None, str] | None:
 
 
 class _QuarkReader(SchemeReader):
+    direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
     quark_row: ClassVar[str] = ""
 
     def __init__(self, source) -> None:

@@ -65,17 +65,18 @@ _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 
 
 def _worker(rank: int, world: int, port: int, dirs: dict[str, str], result_dir: str,
-            backend: str = "reference", device: str = "cpu") -> None:
+            backend: str = "reference", device: str = "cpu", transport: str = "gloo") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     if device == "cuda":
         os.environ.update(_NCCL_ENV)
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
+        gpu = rank if transport == "nccl" else 0  # gloo: every rank on the one GPU
+        torch.cuda.set_device(gpu)
+        dev = torch.device("cuda", gpu)
     else:
         dev = torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    dist.init_process_group(transport, rank=rank, world_size=world)
     try:
         counts = TOKENS_PER_RANK[world]
         lo = sum(counts[:rank])
@@ -184,7 +185,25 @@ def test_ep_nccl_triton_equals_single_gpu(converted, tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     dirs = {row: str(paths[world]) for row, paths in converted.items()}
-    mp.spawn(_worker, args=(world, _free_port(), dirs, str(tmp_path), "triton", "cuda"), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), dirs, str(tmp_path), "triton", "cuda", "nccl"), nprocs=world,
+             join=True)
+    _check_triton_ep(converted, tmp_path, world)
+
+
+@pytest.mark.gpu
+def test_ep_triton_processes_sharing_one_gpu(converted, tmp_path):
+    """Two processes on ONE GPU, triton backend, pairs exchanged over gloo
+    (staged through host memory): the real multi-process EP path of the
+    triton backend where only one GPU is available."""
+    pytest.importorskip("triton")
+    world = 2
+    dirs = {row: str(paths[world]) for row, paths in converted.items()}
+    mp.spawn(_worker, args=(world, _free_port(), dirs, str(tmp_path), "triton", "cuda", "gloo"), nprocs=world,
+             join=True)
+    _check_triton_ep(converted, tmp_path, world)
+
+
+def _check_triton_ep(converted, tmp_path, world):
     counts = TOKENS_PER_RANK[world]
     x, w, ids = _routing(sum(counts), seed=11)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
