@@ -16,7 +16,7 @@ only at the end):
   E8M0 0xFF, no E4M3 NaN / negative / zero). These need the block scales,
   which are read once, with their weights, in the streaming pass.
 
-Policy for w1/w3 disagreement (REFERENCE.md section 7): raise ScaleError
+Policy for w1/w3 disagreement (docs/SCALES.md#w1-w3-agreement): raise ScaleError
 naming layer, expert and both values; or, with ``on_scale_mismatch =
 "requantize"``, re-encode the smaller half onto ``s2 = max(s2_w1, s2_w3)``:
 ``ws' = e4m3_RNE(ws * s2_old / s2)`` with the E2M1 nibbles unchanged, and

@@ -253,7 +253,7 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
 
 SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
 
-#: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (REFERENCE.md §2). A row
+#: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (docs/KERNELS.md#feature-matrix). A row
 #: with more than one fusable precision needs the one its server's kernel flavour takes; the converter
 #: cannot know which DeepGEMM the server has, so the manifest records the choice and the alternative.
 SHARED_BY_FLAVOUR = {

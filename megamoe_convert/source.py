@@ -3,7 +3,7 @@
 ``open_source(src, revision)`` resolves ``src`` to a folder (a hub id goes
 through ``huggingface_hub.snapshot_download``, which honours the cache and
 ``HF_HUB_OFFLINE``), validates every safetensors header *before* any tensor is
-read (REFERENCE.md section 9), and returns a :class:`CheckpointSource` that
+read (docs/CHECKPOINTS.md#safetensors), and returns a :class:`CheckpointSource` that
 hands out tensors one at a time through ``safe_open`` handles kept open for
 the life of the source. Nothing is loaded eagerly, so memory stays bounded by
 what the caller holds (about one MoE layer's experts for the converter).

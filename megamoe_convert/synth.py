@@ -3,7 +3,7 @@
 Used by ``megamoe-convert demo``, the tests and the benchmarks, so every part
 of the converter is exercised on the same bytes without downloading
 anything. The files follow the real producers' conventions (names, dtypes,
-shapes, quantization configs; REFERENCE.md section 6) and the experts are
+shapes, quantization configs; docs/CHECKPOINTS.md#source-formats) and the experts are
 quantized with the reference quantizers of ``megamoe_runtime.codecs``.
 
 The float weights are a pure function of ``(seed, layer, expert)``

@@ -15,7 +15,7 @@ An EP rank opens only the files holding its experts: with the checkpoint's
 own EP size that is exactly its rank files; with another EP size it reads the
 overlapping slices of the files that hold its experts.
 
-safetensors headers are parsed up front (`safetensors_header`, REFERENCE.md §9 validation: size limit,
+safetensors headers are parsed up front (`safetensors_header`, docs/CHECKPOINTS.md#safetensors validation: size limit,
 tiling, byte counts, file length, duplicate keys) so that a dry run can build
 meta stand-ins from headers alone, and so that a truncated or corrupt file is
 reported by name before any byte is copied.
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 #: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
-#: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (REFERENCE.md §8).
+#: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (docs/RELOAD.md#dry-run).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = dict(DTYPES)
 
 

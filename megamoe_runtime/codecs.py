@@ -14,7 +14,7 @@ different devices).  The Triton kernels and the reference backend are tested
 against these functions bit for bit.
 
 Sources for each convention are named in the docstrings and in
-``../shared/docs/REFERENCE.md`` sections 1 and 5.
+docs/FORMATS.md and docs/NUMERICS.md.
 """
 from __future__ import annotations
 

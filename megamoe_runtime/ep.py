@@ -106,7 +106,7 @@ def ep_slots(
 
     `recv_stats`, when given, is the int32 [E_l] `cumulative_local_expert_recv_stats`
     of this rank: entry i grows by the number of pairs routed to local expert i
-    from all ranks in this call (REFERENCE.md section 6 semantics; never reset).
+    from all ranks in this call (docs/KERNELS.md#expert-parallelism; never reset).
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)

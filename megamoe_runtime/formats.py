@@ -1,4 +1,4 @@
-"""The feature matrix (REFERENCE.md §2) as data, and layer-spec validation.
+"""The feature matrix (docs/KERNELS.md#feature-matrix) as data, and layer-spec validation.
 
 Every other module asks this one what a row is (element type, scale group,
 kernel dtype, entry point, size rules) instead of hard-coding it, so adding or
@@ -33,7 +33,7 @@ __all__ = [
 #: DeepGEMM's combine has at most 32 slots per token: top-k routed + 1 shared.
 MAX_TOPK_SLOTS = 32
 ACTIVATION_KINDS = ("swiglu", "situ")
-#: Shared-expert precisions the kernels can fuse (2-D tensors, REFERENCE §2).
+#: Shared-expert precisions the kernels can fuse (2-D tensors, docs/KERNELS.md#feature-matrix).
 SHARED_PRECISIONS = ("mxfp8", "bf16")
 
 

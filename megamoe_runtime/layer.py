@@ -1,13 +1,13 @@
 """`DeepGemmMegaMoEExperts`: one MoE layer's routed experts in DeepGEMM kernel layout.
 
 Why this shape. DeepGEMM's mega kernels read the routed-expert weights in one
-exact byte layout (REFERENCE.md §3). This layer allocates those tensors ONCE,
+exact byte layout (docs/LAYOUT.md). This layer allocates those tensors ONCE,
 at construction, as the very tensors a kernel reads (MN-major scale views over
 contiguous physical storage, registered as parameters with
 ``requires_grad=False``), and every loader afterwards only ``copy_``s into
 them. Nothing is reallocated, rebound or transformed at load or reload, so
 pointers captured by a CUDA graph stay valid and a reload cannot leave a
-stale copy behind (the failure mode of REFERENCE.md §8 and §10).
+stale copy behind (docs/RELOAD.md#storage-identity, #field-failures).
 
 Attributes (= manifest roles, `megamoe_runtime.manifest`):
 

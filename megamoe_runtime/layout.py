@@ -4,7 +4,7 @@ This is the only packing code in the project: the converter, the runtime's
 raw (vLLM-style) weight loader and the inverse used by `verify` all call the
 primitives below, so there is exactly one definition of where every byte goes.
 
-What the kernels read (REFERENCE.md §3), per routed expert stack
+What the kernels read (docs/LAYOUT.md), per routed expert stack
 (`[E_l, ...]`) or 2-D shared expert (no expert dim):
 
 * ``l1_weight [.., 2I, Dw]``: gate rows and up rows interleaved in groups of 8,

@@ -18,7 +18,7 @@ Raw checkpoint, vLLM style
     that the global L2 activation scale ``a2`` (a max over ALL experts) agrees
     across ranks. See `raw_weight_loader`.
 
-NVFP4 scalar state (REFERENCE.md section 7). Per expert: ``l1_alpha[e] =
+NVFP4 scalar state (docs/SCALES.md). Per expert: ``l1_alpha[e] =
 (ws2_w1, ws2_w3)`` and ``l2_global_scale[e] = ws2_w2``; per layer: ``a2``.
 The w1/w3 ``weight_scale_2`` pair is checked *within one load*, in whichever
 order the two arrive, through a per-load pending dict -- never against the
@@ -65,7 +65,7 @@ __all__ = [
 
 #: vLLM's shard ids: w1 = gate, w3 = up (the two L1 halves), w2 = down (L2).
 SHARD_IDS = ("w1", "w2", "w3")
-#: relative tolerance within which an expert's w1 and w3 weight_scale_2 agree (REFERENCE.md §7.1)
+#: relative tolerance within which an expert's w1 and w3 weight_scale_2 agree (docs/SCALES.md#w1-w3-agreement)
 W13_RTOL = 1e-5
 _HALF = {"w1": 0, "w3": 1}
 _PROJ_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
@@ -107,7 +107,7 @@ class ExpertWeightRef:
     ``l2_scale``, ``l1_alpha``, ``l2_global_scale``; ``shared_*`` for the
     shared expert), ``l2_activation_scale`` for w2 input scales (they feed the
     layer's a2), or ``""`` for tensors that are validated but not stored (the
-    w1/w3 input scales: dispatch uses a per-token scale, REFERENCE.md §7.2).
+    w1/w3 input scales: dispatch uses a per-token scale, docs/SCALES.md#dispatch-scale).
     ``unsupported`` is a reason when the tensor exists but no row can use it.
     """
 
@@ -152,7 +152,7 @@ def parse_expert_weight_name(name: str) -> Optional[ExpertWeightRef]:
     Understands ``{prefix}.experts.{E}.{gate_proj|up_proj|down_proj|w1|w3|w2}.{suffix}``
     (DeepSeek V2/V3/V4, GLM, Kimi, Qwen3-MoE, Mixtral) and
     ``{prefix}.shared_experts.{proj}.{suffix}``, with the ModelOpt, Quark,
-    compressed-tensors and DeepSeek-V4 suffixes of REFERENCE.md section 6.
+    compressed-tensors and DeepSeek-V4 suffixes of docs/CHECKPOINTS.md#source-formats.
     """
     m = _EXPERT_RE.match(name)
     expert: Optional[int] = None

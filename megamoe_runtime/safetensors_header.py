@@ -3,7 +3,7 @@
 Both the runtime (``checkpoint.SafetensorsFile``, the reload dry run) and the
 converter (``megamoe_convert.source``, the writer's verify) read headers
 through :func:`parse_safetensors_header`, so a file is judged by the same
-rules wherever it is opened (REFERENCE.md section 9): an 8-byte length, a
+rules wherever it is opened (docs/CHECKPOINTS.md#safetensors): an 8-byte length, a
 header of at most 100,000,000 bytes that is a UTF-8 JSON object without
 duplicate keys, known dtypes, non-negative shapes, byte ranges of exactly
 ``numel * bits / 8`` bytes that tile the data section with no gap or overlap,

@@ -6,7 +6,7 @@ tensors (:class:`megamoe_runtime.canonical.ExpertTensors`). Everything
 downstream (checks, writer, inspect) talks only to this interface, so a new
 checkpoint format is one new module and nothing else.
 
-Rules every reader follows (DESIGN.md "Canonical expert tensors"):
+Rules every reader follows (docs/ARCHITECTURE.md#canonical-expert-tensors):
 
 * weights and block scales stay in the checkpoint's own encoding (packed E2M1
   bytes, E4M3 or UE8M0 scale bytes viewed as ``uint8``, bf16); readers never

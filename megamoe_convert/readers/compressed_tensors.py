@@ -3,7 +3,7 @@ mxfp4-pack-quantized, mxfp8-quantized.
 
 Detected from ``config.json`` ``quantization_config`` with ``quant_method ==
 "compressed-tensors"`` and its ``format`` (for ``mixed-precision``, the
-formats of the ``config_groups``). REFERENCE.md section 6.
+formats of the ``config_groups``). docs/CHECKPOINTS.md#compressed-tensors.
 
 Per expert projection module:
 

@@ -1,5 +1,5 @@
-"""DeepSeek-V4-style native checkpoints (REFERENCE.md section 6; third-party
-descriptions, checked against the headers at open).
+"""DeepSeek-V4-style native checkpoints (docs/CHECKPOINTS.md#deepseek-v4;
+third-party descriptions, checked against the headers at open).
 
 Names carry no ``model.`` prefix: routed experts
 ``layers.N.ffn.experts.E.w{1,2,3}.{weight,scale}`` (w1 gate, w3 up, w2 down),

@@ -2,7 +2,7 @@
 
 Detected from ``hf_quant_config.json`` (``producer.name == "modelopt"``,
 ``quantization.quant_algo``) or ``config.json`` ``quantization_config``
-(``quant_method == "modelopt"``, ``quant_algo``). REFERENCE.md section 6.
+(``quant_method == "modelopt"``, ``quant_algo``). docs/CHECKPOINTS.md#modelopt.
 
 Per expert projection module:
 

@@ -1,7 +1,7 @@
 """Expert tensor naming and config facts, shared by every reader.
 
-Checkpoints name the same thing many ways (REFERENCE.md section 6, "Expert
-naming"). This module maps every known spelling onto (layer, expert, role):
+Checkpoints name the same thing many ways
+(docs/CHECKPOINTS.md#expert-naming). This module maps every known spelling onto (layer, expert, role):
 
 * per-expert modules: ``{prefix}.experts.{E}.{gate_proj|up_proj|down_proj}``
   (DeepSeek V2/V3, GLM, Kimi K2, Qwen3-MoE), ``{prefix}.experts.{E}.{w1|w3|w2}``

@@ -3,7 +3,7 @@
 Detected from ``config.json`` ``quantization_config`` with ``quant_method ==
 "quark"``; the weight spec is ``global_quant_config.weight`` unless a
 ``layer_quant_config`` / ``layer_type_quant_config`` entry overrides it for
-the experts (REFERENCE.md section 6, "Quark"). A spec is a dict
+the experts (docs/CHECKPOINTS.md#quark). A spec is a dict
 (``dtype``, ``qscheme``, ``group_size``, ``scale_format``, ...) or, for a
 two-stage quantizer, a list of dicts.
 

@@ -11,7 +11,7 @@ with the reference quantizers of ``megamoe_runtime.codecs``:
 * nvfp4: ``quantize_nvfp4_weight`` (ModelOpt's convention, global =
   amax/2688), with **gate and up quantized together** so they share one
   ``weight_scale_2`` as ModelOpt >= 0.47 exports do (the w1/w3 agreement
-  rule of REFERENCE.md section 7 then holds by construction). There is no
+  rule of docs/SCALES.md#w1-w3-agreement then holds by construction). There is no
   calibration data, so ``input_scale`` is None for every projection: the
   runtime must use per-token dispatch scales, and the static L2 activation
   scale ``a2`` is not available from such a checkpoint.

@@ -11,7 +11,7 @@ stand-ins of every documented API version (``tests/runtime/backends/test_deepgem
 Numerics are the reference backend's; run ``megamoe_runtime.testing.calc_diff``
 against it on real hardware before trusting a new DeepGEMM version.
 
-API versions handled (REFERENCE.md §2, §4; detected by introspection, not by
+API versions handled (docs/KERNELS.md#entry-points, #symmetric-buffer; detected by introspection, not by
 version strings):
 
 =========  ==========================================================================
@@ -214,7 +214,7 @@ class _LocalGroup:
 _LOCAL_GROUP = _LocalGroup()
 
 def shared_sf_rows(num_tokens: int, block_m: int, device: Any = None) -> torch.Tensor:
-    """Row of ``shared_l1_acts_sf`` for each token (REFERENCE.md §4): with
+    """Row of ``shared_l1_acts_sf`` for each token (docs/KERNELS.md#shared-sf-rows): with
     ``i = r % bm``, ``(r//bm)*align(bm,128) + (i//128)*128 + (i%32)*4 + (i%128)//32``.
     Built on ``device`` directly (a host tensor moved per forward is a synchronizing copy)."""
     r = torch.arange(num_tokens, dtype=torch.int64, device=device)
@@ -531,7 +531,7 @@ class DeepGemmBackend:
         if cached is not None and cached[0] == gen:
             return cached[1]
         g, u = layer.l1_alpha[:, 0], layer.l1_alpha[:, 1]
-        # the loaders' and converter's agreement rule (REFERENCE.md §7.1): relative W13_RTOL; the gate
+        # the loaders' and converter's agreement rule (docs/SCALES.md#w1-w3-agreement): relative W13_RTOL; the gate
         # value is the one passed (l1_alpha_gate), as vLLM does
         differ = (g - u).abs() > W13_RTOL * torch.maximum(g.abs(), u.abs())
         if bool(differ.any()):

@@ -1,7 +1,7 @@
 """Reference backend: the MegaMoE forward numerics, defined once.
 
 Every other backend (DeepGEMM kernels, triton) is tested against this module,
-so it follows REFERENCE.md §5 step by step, in plain fp32 torch, from the
+so it follows docs/NUMERICS.md step by step, in plain fp32 torch, from the
 same kernel-layout bytes the GPU kernels read. Weights are decoded exactly
 (through ``layout``'s readers and ``codecs``' dequantizers), activations are
 quantized with the same reference quantizers the kernels reproduce, and every
@@ -100,11 +100,11 @@ class NvScalars:
     """The per-layer NVFP4 scalars the kernels read besides the weight bytes.
 
     * ``l1_alpha`` f32 ``[E_l, 2]``: gate and up ``weight_scale_2`` (the input
-      scale is per token, so it is not folded in, REFERENCE.md §7.2).
+      scale is per token, so it is not folded in, docs/SCALES.md#dispatch-scale).
     * ``l2_global_scale`` f32 ``[E_l]``: w2 ``weight_scale_2`` (newer DG
       ``l2_alphas``; the kernel multiplies it by ``a2`` itself).
     * ``l2_activation_scale`` 0-dim f32: ``a2``, the global scale of the
-      requantized intermediate, max over ALL experts (§7.3).
+      requantized intermediate, max over ALL experts (docs/SCALES.md#a2).
     """
 
     l1_alpha: Tensor

@@ -1,7 +1,7 @@
 """Tests for megamoe_runtime.codecs and megamoe_runtime.testing.
 
-Golden vectors are derived by hand from the format definitions (REFERENCE.md
-section 1) and written out literally; the derivation is in the comment beside
+Golden vectors are derived by hand from the format definitions (docs/FORMATS.md)
+and written out literally; the derivation is in the comment beside
 each one. The independent-implementation checks use slow pure-Python float64
 encoders written here from the math, never the code under test.
 """
@@ -306,7 +306,7 @@ def test_e4m3_encode_golden(device):
 
 
 def test_e4m3_saturation_does_not_depend_on_torch_cast():
-    """Older torch casts overflow to NaN (REFERENCE.md section 1), torch 2.13 on CPU
+    """Older torch casts overflow to NaN (docs/FORMATS.md#e4m3), torch 2.13 on CPU
     saturates; e4m3_encode clamps first, so its result is the same either way."""
     x = t([449.0, 463.9, 464.0, 479.0, 480.0, 1e30, INF])
     assert e4m3_bytes(C.e4m3_encode(x)) == [0x7E] * 7

@@ -2,8 +2,8 @@
 
 Three independent checks of where bytes go:
 1. round trips (pack -> unpack is the identity on canonical bytes);
-2. an element-lookup oracle written here from REFERENCE.md §3 "Kernel-side
-   lookup" with plain Python integers, reading scales through the kernel
+2. an element-lookup oracle written here from docs/LAYOUT.md#kernel-side-lookup
+   with plain Python integers, reading scales through the kernel
    view's strides; it must agree with the canonical dequantization for
    every element, and must FAIL for deliberately broken layouts;
 3. hand-built examples whose expected ints are written out literally.
@@ -97,7 +97,7 @@ def py_bf16(bits: int) -> float:
 
 
 def py_il(n: int, I: int) -> int:
-    # REFERENCE §3 interleave8
+    # docs/LAYOUT.md#interleave8
     if n < I:
         return 16 * (n // 8) + n % 8
     m = n - I
@@ -105,7 +105,7 @@ def py_il(n: int, I: int) -> int:
 
 
 def py_utccp(r: int) -> int:
-    # REFERENCE §3 UTCCP
+    # docs/LAYOUT.md#utccp
     return (r & ~127) + (r % 32) * 4 + (r // 32) % 4
 
 

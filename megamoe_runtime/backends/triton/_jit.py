@@ -1,7 +1,7 @@
 """Triton device helpers shared by the staging and MoE kernels.
 
 Every helper reproduces one rounding step of ``megamoe_runtime.codecs`` bit
-for bit (the reference backend's numerics, REFERENCE.md sections 1 and 5):
+for bit (the reference backend's numerics, docs/FORMATS.md and docs/NUMERICS.md):
 
 * UE8M0 ceil with DeepGEMM's 1e-4 amax floor, from the fp32 bits of a true
   (``div_rn``) division, as ``codecs.ue8m0_ceil_exponent``;

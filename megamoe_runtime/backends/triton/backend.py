@@ -35,7 +35,7 @@ class _NvScalars:
 class TritonBackend:
     """Triton MoE forward on the kernel-layout bytes (CUDA, sm_89+; tuned on H200).
 
-    Computes the reference backend's numerics (REFERENCE.md section 5) for
+    Computes the reference backend's numerics (docs/NUMERICS.md) for
     every row (mxfp4, mxfp8, nvfp4, bf16), swiglu (clamp, alpha, beta) and
     situ, NVFP4 alphas and a2, routed scaling, and the fused shared expert of
     every precision the row allows. Only the fp32 accumulation order of the

@@ -1,7 +1,7 @@
 """Triton MegaMoE forward on the DeepGEMM kernel-layout bytes (Hopper and newer).
 
 The kernels read the converted tensors exactly as the SM100 mega kernels do
-(REFERENCE.md section 3), with no re-layout at load or per call:
+(docs/LAYOUT.md), with no re-layout at load or per call:
 
 * L1 weights ``[E_l, 2I, Dw]`` with gate/up rows interleaved in groups of 8:
   a program owning intermediate columns ``j`` reads gate rows

@@ -2,7 +2,7 @@
 
 DeepGEMM's mega kernels need an SM100 GPU, so the backend is tested against
 recording stand-ins of ``deep_gemm``, one per documented API version
-(REFERENCE.md §2, §4): each stand-in has that version's exact entry-point and
+(docs/KERNELS.md#entry-points, #symmetric-buffer): each stand-in has that version's exact entry-point and
 symmetric-buffer signatures, buffer views with the documented shapes, dtypes
 and strides, and checks every tensor it is handed. The stand-in is injected as
 ``deep_gemm`` into ``sys.modules``.
@@ -617,7 +617,7 @@ def test_dgv_fp8_shared_sf_rows_use_the_nvfp4_block_m(standin):
 
 
 def test_dgv_gate_up_alphas_equal_within_the_load_tolerance_pass(standin):
-    """The loaders accept w1/w3 weight_scale_2 within relative 1e-5 (REFERENCE §7.1);
+    """The loaders accept w1/w3 weight_scale_2 within relative 1e-5 (docs/SCALES.md#w1-w3-agreement);
     DGv's one-alpha check must not refuse what the load accepted."""
     mod = standin("dgv")
     layer = _filled_layer(_spec("nvfp4"), _backend())

@@ -1,7 +1,7 @@
 """Tests for megamoe_runtime.backends.reference, the forward numerics.
 
 The backend decodes KERNEL-layout bytes (layout readers + codecs). The oracle
-here is written independently, straight from REFERENCE.md §5, in float64, on
+here is written independently, straight from docs/NUMERICS.md, in float64, on
 the CANONICAL weights decoded by its own few lines (no layout, no codecs
 dequantizers, its own RNE-on-a-grid quantizers), with the same rounding
 points (bf16 after L1, requant of the intermediate, bf16 slots, combine).
@@ -151,7 +151,7 @@ def o_l1(act, xq, G, U):
 
 
 def oracle(spec: LayerSpec, experts_dq, x, w, ids, a2=None, shared_dq=None, shared_prec=None):
-    """Straightforward per (token, slot) float64 forward, REFERENCE.md §5."""
+    """Straightforward per (token, slot) float64 forward, docs/NUMERICS.md."""
     row, act, rsf = spec.row, spec.activation, spec.routed_scaling_factor
     x = x.double()
     xq = {"mxfp4": o_mxfp8, "mxfp8": o_mxfp8, "nvfp4": o_nvfp4_token, "bf16": lambda v: v}[row](x)
