@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import math
 import os
 import re
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from megamoe_runtime.errors import CheckpointError
+from megamoe_runtime.json_io import read_json
 from megamoe_runtime.safetensors_header import (
     HEADER_DTYPE_BITS,
     HeaderEntry,
@@ -118,13 +118,7 @@ class CheckpointSource:
         p = self.root / name
         if not p.is_file():
             return None
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{p}: not valid JSON ({e})") from e
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{p}: expected a JSON object, found {type(data).__name__}")
-        return data
+        return read_json(p, error=CheckpointError)
 
     def _index_files(self) -> None:
         index = self._read_json(INDEX_NAME)
@@ -553,10 +547,11 @@ def _index_shards(index: Path, where: str) -> list[str] | None:
     """The shard file names ``model.safetensors.index.json`` maps to, or None without an index."""
     if not index.is_file():
         return None
+    data = read_json(index, error=CheckpointError)
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = data["weight_map"]
         shards = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where}: {INDEX_NAME} is not a valid index (no weight_map of names to files: {e})")
     bad = [f for f in shards if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".")]
     if bad:

@@ -36,6 +36,7 @@ import torch
 from megamoe_runtime.tensor_bytes import byte_view
 
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
+from megamoe_runtime.json_io import parse_json
 from megamoe_runtime.manifest import (
     DIGEST_HEADER_AND_TENSORS,
     DIGEST_SHA256,
@@ -577,10 +578,10 @@ class Journal:
 
     def load(self) -> tuple[str | None, dict[str, dict], dict[int, dict]]:
         fingerprint, files, layers = None, {}, {}
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = parse_json(line, str(self.path), error=CheckpointError)
+            except CheckpointError:
                 continue  # torn write of the last record
             kind = rec.get("kind")
             if kind == "run":

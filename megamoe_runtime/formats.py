@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import FormatError, LayerSpecError
+from .limits import check_limit
 
 __all__ = [
     "WeightSpec",
@@ -381,6 +382,9 @@ class SharedSpec:
             raise LayerSpecError(f"shared num_shared={self.num_shared!r} must be an int >= 1")
         if not _is_int(self.intermediate) or self.intermediate <= 0:
             raise LayerSpecError(f"shared intermediate={self.intermediate!r} must be a positive int")
+        check_limit("num_experts", self.num_shared, "shared expert", LayerSpecError, "num_shared")
+        check_limit("intermediate", self.num_shared * self.intermediate, "shared expert (num_shared x intermediate)",
+                    LayerSpecError)
         # K-stacking the L2 scale bytes needs whole scale groups per expert,
         # and the folded L1 (2*S*I_s rows) goes through UTCCP in 128-row blocks.
         if self.precision == "mxfp8" and self.intermediate % 32:
@@ -453,6 +457,10 @@ class LayerSpec:
                 raise LayerSpecError(f"{label}={v!r} must be an int >= 1")
         if not _is_int(self.ep_rank):
             raise LayerSpecError(f"ep_rank={self.ep_rank!r} must be an int")
+        # stated limits before any size-dependent work (a divisor list of 10**9 experts would never end)
+        for label, limit in (("num_experts", "num_experts"), ("ep_size", "num_experts"), ("top_k", "top_k"),
+                             ("hidden", "hidden"), ("intermediate", "intermediate")):
+            check_limit(limit, getattr(self, label), "layer spec", LayerSpecError, label)
         row.check_sizes(self.hidden, self.intermediate)
         if self.num_experts % self.ep_size:
             divs = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]

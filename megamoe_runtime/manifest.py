@@ -34,6 +34,8 @@ from typing import Any, Iterable
 import torch
 
 from .errors import LayoutError, ManifestError, MegaMoEError
+from .json_io import parse_json, read_json
+from .limits import check_limit
 from .safetensors_header import DTYPE_BITS, DTYPES
 
 FORMAT_NAME = "megamoe"
@@ -417,9 +419,9 @@ def check_self_digest(d: dict, where: str) -> None:
 def write_manifest(directory: str | os.PathLike, m: Manifest) -> Path:
     """Validate `m` and write `directory/megamoe.json` atomically (temp file,
     fsync, rename), so a reader never sees half a manifest."""
-    _parse_manifest(json.loads(manifest_bytes(m)), "manifest to write")  # refuse to write what we cannot read
-    directory = Path(directory)
     data = manifest_bytes(m)
+    _parse_manifest(parse_json(data, "manifest to write", error=ManifestError), "manifest to write")  # refuse to write what we cannot read
+    directory = Path(directory)
     tmp = directory / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # mode honours the umask
     try:
@@ -447,10 +449,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "
             "(the manifest is written last: an interrupted conversion has none)"
         )
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path, error=ManifestError, expect=None)
     m = _parse_manifest(d, str(path))
     check_self_digest(d, str(path))
     return m
@@ -514,6 +513,7 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
     ep_size = _need(d, "ep_size", int, where)
     if ep_size < 1:
         raise ManifestError(f"{where}.ep_size: {ep_size}, must be >= 1")
+    check_limit("num_experts", ep_size, f"{where}.ep_size", ManifestError)
     model = d.get("model", {})
     if not isinstance(model, dict):
         raise ManifestError(f"{where}.model: expected an object")
@@ -538,7 +538,9 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
 
     layers: list[LayerEntry] = []
     seen_layers = set()
-    for i, le in enumerate(_need(d, "layers", list, where)):
+    layer_list = _need(d, "layers", list, where)
+    check_limit("num_layers", len(layer_list), f"{where}.layers", ManifestError)
+    for i, le in enumerate(layer_list):
         w = f"{where}.layers[{i}]"
         index = _need(le, "index", int, w)
         if index in seen_layers:
@@ -612,6 +614,8 @@ def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, l
             raise ManifestError(f"{w}.ep_rank: {t.ep_rank}, must be in [0, {ep_size})")
         if t.experts is not None and not t.experts[0] <= t.experts[1]:
             raise ManifestError(f"{w}.experts: {list(t.experts)} is not a range [lo, hi)")
+        if t.experts is not None:
+            check_limit("num_experts", t.experts[1], f"{w}.experts", ManifestError)
     if len(t.kernel_shape) != len(t.kernel_strides):
         raise ManifestError(f"{w}: kernel_shape and kernel_strides differ in length")
     try:

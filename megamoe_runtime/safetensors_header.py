@@ -14,7 +14,6 @@ raised before any tensor byte is read.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import CheckpointError
+from .json_io import parse_json
+from .limits import MAX_HEADER_BYTES
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -34,9 +35,6 @@ __all__ = [
     "SafetensorsHeader",
     "parse_safetensors_header",
 ]
-
-#: the safetensors format's limit on the JSON header's length
-MAX_HEADER_BYTES = 100_000_000
 
 #: safetensors dtype name -> (bits per element as a header counts them, torch dtype or None where this torch
 #: lacks it). F4 counts logical 4-bit elements (its byte size is numel / 2); the 6-bit floats have no torch dtype.
@@ -119,19 +117,6 @@ class SafetensorsHeader:
         return 8 + self.header_len
 
 
-class _DupKey(Exception):
-    pass
-
-
-def _no_dup_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DupKey(k)
-        out[k] = v
-    return out
-
-
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -162,14 +147,8 @@ def parse_safetensors_header(path: Union[str, os.PathLike]) -> SafetensorsHeader
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs)
-    except _DupKey as e:
-        raise CheckpointError(f"{path}: duplicate tensor name {e.args[0]!r} in the safetensors header") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{path}: garbage safetensors header (not valid UTF-8 JSON: {e}); the file is corrupted"
-        ) from None
+    header = parse_json(raw, str(path), error=CheckpointError, max_bytes=MAX_HEADER_BYTES,
+                        what="safetensors header", key_name="tensor name")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is a {type(header).__name__}, expected a JSON object")
     metadata = header.pop("__metadata__", None) or {}

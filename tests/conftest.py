@@ -96,3 +96,26 @@ def make_ckpt(tmp_path) -> Callable[..., Path]:
         return _build(tmp_path / f"ckpt{n[0]}-{fmt}", fmt, **kw)
 
     return build
+
+
+def run_bounded(code: str, *, mem_mb: int = 1400, timeout_s: float = 120.0, env: dict | None = None):
+    """Run python `code` in a subprocess whose address space is capped at `mem_mb` MiB (RLIMIT_AS; importing
+    torch and megamoe takes about 650 MiB of it) and whose wall time is capped at `timeout_s`: hostile-input
+    tests prove a refusal happens in bounded memory and time, not merely that it happens. Returns the
+    CompletedProcess; a MemoryError or kill shows up as a non-zero return code with the traceback in stderr."""
+    import os
+    import subprocess
+    import sys
+
+    pre = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({mem_mb << 20}, {mem_mb << 20}))\n")
+    full_env = {**os.environ, **(env or {})}
+    root = str(Path(__file__).resolve().parents[1])
+    full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", pre + code], capture_output=True, text=True, timeout=timeout_s,
+                          env=full_env)
+
+
+@pytest.fixture
+def bounded_python():
+    """:func:`run_bounded` as a fixture."""
+    return run_bounded

@@ -240,7 +240,7 @@ class SchemeReader(CheckpointReader):
     @cached_property
     def _layers(self) -> dict[int, tuple[MoELayerInfo, naming.LayerNames, dict]]:
         """index -> (info, names, {(expert, role): Resolved}); every header check."""
-        sizes = naming.config_sizes(self.config)
+        sizes = naming.config_sizes(self.config, self._config_where())
         found: dict[int, tuple[MoELayerInfo, naming.LayerNames, dict]] = {}
         if not self._names:
             raise CheckpointError(
@@ -506,8 +506,13 @@ class SchemeReader(CheckpointReader):
                 f"{self.source.id}: layer {layer_index} is not an MoE layer; MoE layers are {sorted(self._layers)}"
             ) from None
 
+    def _config_where(self) -> str:
+        """config.json of the source, as error messages name it."""
+        root = getattr(self.source, "root", None)
+        return str(root / "config.json") if root is not None else f"{self.source.id}: config.json"
+
     def model_facts(self) -> ModelFacts:
-        sizes = naming.config_sizes(self.config)
+        sizes = naming.config_sizes(self.config, self._config_where())
         layers = self.moe_layers()
         E = layers[0].num_experts
         top_k = sizes.top_k

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from megamoe_runtime.errors import CheckpointError, FormatError
+from megamoe_runtime.limits import check_limit
 
 ROLE_OF = {
     "gate_proj": "gate",
@@ -187,8 +188,9 @@ class ConfigSizes:
     num_layers: int | None
 
 
-def config_sizes(config: Mapping[str, Any]) -> ConfigSizes:
-    """MoE sizes from the config under every known spelling (None = unknown)."""
+def config_sizes(config: Mapping[str, Any], where: str = "config.json") -> ConfigSizes:
+    """MoE sizes from the config under every known spelling (None = unknown); CheckpointError naming `where`
+    for a size beyond megamoe_runtime.limits."""
     hidden = cfg_get(config, "routed_expert_hidden_size", "hidden_size", "dim", "d_model")
     inter = cfg_get(config, "moe_intermediate_size", "moe_inter_dim", "expert_intermediate_size")
     if inter is None and cfg_get(config, "num_local_experts") is not None:
@@ -203,15 +205,30 @@ def config_sizes(config: Mapping[str, Any]) -> ConfigSizes:
         n_shared = 1  # Qwen2-MoE style: one shared expert of its own width
     if shared_inter is None and n_shared:
         shared_inter = inter
-    return ConfigSizes(
+    sizes = ConfigSizes(
         hidden=_int_or_none(hidden),
         intermediate=_int_or_none(inter),
         num_experts=_int_or_none(n_exp),
         top_k=_int_or_none(top_k),
-        num_shared=int(n_shared),
+        num_shared=_int_or_none(n_shared) or 0,
         shared_intermediate=_int_or_none(shared_inter),
         num_layers=_int_or_none(cfg_get(config, "num_hidden_layers", "n_layers", "num_layers")),
     )
+    check_config_limits(sizes, where)
+    return sizes
+
+
+def check_config_limits(sizes: ConfigSizes, where: str = "config.json") -> None:
+    """Refuse sizes beyond megamoe_runtime.limits before a reader sizes a list or a buffer from them (a config
+    claiming 10**9 experts would otherwise be enumerated expert by expert)."""
+    for limit, label, value in (("hidden", "hidden_size", sizes.hidden),
+                                ("intermediate", "moe_intermediate_size", sizes.intermediate),
+                                ("num_experts", "num_experts", sizes.num_experts),
+                                ("top_k", "num_experts_per_tok", sizes.top_k),
+                                ("num_experts", "n_shared_experts", sizes.num_shared),
+                                ("intermediate", "shared_expert_intermediate_size", sizes.shared_intermediate),
+                                ("num_layers", "num_hidden_layers", sizes.num_layers)):
+        check_limit(limit, value, where, CheckpointError, label)
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -223,7 +240,7 @@ def _int_or_none(v: Any) -> int | None:
             return None
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         return None
 
 
