@@ -11,12 +11,13 @@ ManifestError for megamoe.json, a CheckpointError for a header), always a MegaMo
 """
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Type, Union
-
-import torch
 
 from .errors import MegaMoEError
 from .limits import MAX_INT_DIGITS, MAX_JSON_BYTES, MAX_JSON_DEPTH
@@ -28,28 +29,40 @@ class JsonError(MegaMoEError):
     """A JSON file is unreadable, malformed, duplicated a key or exceeds a stated limit."""
 
 
-_CHUNK = 1 << 22
-_QUOTE, _OPEN, _CLOSE = 34, (91, 123), (93, 125)
+_CHUNK = 1 << 20
+#: a string literal once escaped backslashes and quotes are gone (no alternation: never backtracks)
+_STRING = re.compile(rb'"[^"]*"')
+#: every byte that is not a bracket, deleted before the depth count
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+#: '[' and '{' -> 2, ']' and '}' -> 0: the depth after k brackets is (sum of the first k) - k
+_STEP = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
 
 
 def json_depth(raw: bytes) -> int:
     """Maximum object/array nesting depth of JSON text `raw`, without parsing it (brackets inside string
-    literals do not count). Linear time, vectorised per 4 MiB chunk, so memory stays bounded whatever the
-    input (a regex over strings would build one object per match)."""
+    literals do not count). Linear time in C-level loops and memory bounded by a 1 MiB chunk whatever the input;
+    pure Python (no torch), so it runs unchanged under a TorchDispatchMode such as the reload dry run's."""
     # escapes pair left to right, as bytes.replace scans: drop escaped backslashes first, then escaped quotes;
     # every quote left delimits a string (in valid JSON; invalid text is refused by the parser anyway)
-    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     depth = best = 0
-    quotes = 0
-    for i in range(0, len(unescaped), _CHUNK):
-        b = torch.frombuffer(bytearray(unescaped[i:i + _CHUNK]), dtype=torch.uint8)
-        q = (b == _QUOTE).to(torch.int32).cumsum(0) + quotes
-        outside = (q % 2) == 0
-        opens = ((b == _OPEN[0]) | (b == _OPEN[1])).to(torch.int32)
-        step = opens - ((b == _CLOSE[0]) | (b == _CLOSE[1])).to(torch.int32)
-        run = (step * outside).cumsum(0) + depth
-        best = max(best, int(run.max()))
-        depth, quotes = int(run[-1]), int(q[-1])
+    inside = False  # whether the chunk starts inside a string literal
+    for i in range(0, len(text), _CHUNK):
+        chunk = text[i:i + _CHUNK]
+        quotes = chunk.count(b'"')
+        if inside:  # skip to the closing quote
+            q = chunk.find(b'"')
+            chunk = chunk[q + 1:] if q >= 0 else b""
+        ends_inside = inside != (quotes % 2 == 1)
+        if ends_inside:  # drop the tail after the opening quote of the unterminated string
+            chunk = chunk[:chunk.rfind(b'"')]
+        inside = ends_inside
+        brackets = _STRING.sub(b"", chunk).translate(None, _NOT_BRACKET)
+        if brackets:
+            best = max(best, max(map(operator.sub, itertools.accumulate(brackets.translate(_STEP), initial=depth),
+                                     itertools.count())))
+            opens = brackets.count(b"[") + brackets.count(b"{")
+            depth += opens - (len(brackets) - opens)
     return best
 
 

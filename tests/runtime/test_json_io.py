@@ -93,13 +93,13 @@ HOSTILE = {
 def test_hostile_text_refused_in_bounded_memory(bounded_python):
     """20 MB of hostile JSON of each kind refused under a 1.4 GiB address-space cap (torch alone takes about
     650 MiB): the depth scan never reaches the recursive parser and works in fixed-size chunks. The negative
-    control shows the cap is real: a 1 GiB allocation in the same process fails."""
+    control shows the cap is real: a 1.4 GiB allocation in the same process fails."""
     code = ["from megamoe_runtime.json_io import parse_json, JsonError"]
     for kind, expr in sorted(HOSTILE.items()):
         code += [f"raw = ({expr}).encode()",
                  "try:\n    parse_json(raw, 'hostile.json')\nexcept JsonError as e:\n"
                  f"    print('REFUSED {kind}', str(e)[:120])", "del raw"]
-    code += ["try:\n    bytearray(1 << 30)\nexcept MemoryError:\n    print('CAPPED')"]
+    code += ["try:\n    bytearray(1400 << 20)\nexcept MemoryError:\n    print('CAPPED')"]
     r = bounded_python("\n".join(code))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
