@@ -35,7 +35,10 @@ dgz        zyongye/DeepGEMM: ``fp8_fp8_mega_moe`` alias for MXFP8 weights
 =========  ==========================================================================
 
 What the backend does per call: stage the inputs into the symmetric buffer
-(``x``/``x_sf`` quantized exactly like the reference's dispatch, ``topk_idx``
+(``x``/``x_sf`` quantized exactly like the reference's dispatch for the entry
+point in use: NVFP4 ``reference.quantize_dispatch_nvfp4``, per-token
+``x_scales`` for DGv, global 1.0 for newer DG; compare with
+``reference_forward(..., nvfp4_entry_point=backend.entry_point(spec))``, ``topk_idx``
 int64, ``topk_weights`` float32; padding tokens id -1 weight 0; masked slots
 weight 0; the routed scaling factor folded into the weights except for newer
 DG's NVFP4 entry which takes it), fill ``shared_l1_acts_sf`` for fused FP8
@@ -65,6 +68,7 @@ import torch
 
 from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
 from ..loaders import W13_RTOL
+from .reference import quantize_dispatch_nvfp4
 
 __all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
 
@@ -355,6 +359,13 @@ class DeepGemmBackend:
     def supports_fused_shared(self, spec: Any) -> bool:
         return self._shared_ok(spec)[0]
 
+    def entry_point(self, spec: Any) -> Optional[str]:
+        """The DeepGEMM function a layer of ``spec`` runs on (None: none here).
+        For nvfp4 pass it as ``reference_forward(..., nvfp4_entry_point=...)``
+        (or ``ReferenceBackend(nvfp4_entry_point=...)``): the two NVFP4 entry
+        points take differently quantized x, and the reference models one."""
+        return self.api.entry_for(spec.row)[0]
+
     def fused_shared_reason(self, spec: Any) -> str:
         """Why ``spec``'s shared expert cannot be fused ('' if it can)."""
         return self._shared_ok(spec)[1]
@@ -449,15 +460,15 @@ class DeepGemmBackend:
             q, sf = codecs.quantize_mxfp8(x)
             buf.x[:T].copy_(q)
             buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
-        elif fn == "nvfp4_mega_moe":
-            packed, sf, tok = codecs.quantize_nvfp4_per_token(x)
+        else:
+            # the entry point's dispatch convention, defined once in the reference
+            # (reference.NVFP4_DISPATCH_BY_ENTRY): DGv nvfp4_mega_moe takes a per-token
+            # FP32 scale in x_scales; upstream fp4_fp4_mega_moe takes x at global 1.0
+            packed, sf, tok = quantize_dispatch_nvfp4(x, fn)
             buf.x[:T].copy_(packed.view(buf.x.dtype))
             buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
-            buf.x_scales[:T].copy_(tok)
-        else:  # newer DG fp4_fp4: global 1.0 (its global folds into l1_alphas, which carry ws2 only)
-            packed, sf = codecs.quantize_nvfp4(x, 1.0)
-            buf.x[:T].copy_(packed.view(buf.x.dtype))
-            buf.x_sf[:T].copy_(codecs.pack_bytes_int32(sf))
+            if tok is not None:
+                buf.x_scales[:T].copy_(tok)
 
         # --- stage routing: int64 ids, f32 weights; masked / padding: id -1, weight 0
         ids = topk_ids.to(device=dev, dtype=torch.int64)

@@ -23,8 +23,15 @@ mxfp4 / mxfp8 (``fp8_fp4_mega_moe``)
 bf16 (``bf16_mega_moe``)
     as above without the two quantizations and with ``a = bf16(act * w)``.
 
-nvfp4 (newer DG ``fp4_fp4_mega_moe``, DGv per-token dispatch scale)
-    (xq, sfx, s_t) = quantize_nvfp4_per_token(x)     ties: NVFP4_DISPATCH_TIES
+nvfp4 (newer DG ``fp4_fp4_mega_moe`` / DGv ``nvfp4_mega_moe``; the dispatch
+quantization follows the entry point, ``nvfp4_entry_point``, see
+`NVFP4_DISPATCH_BY_ENTRY`)
+    per_token   (DGv ``nvfp4_mega_moe(use_x_scales=True)``, the default, and
+                the triton backend):
+                (xq, sfx, s_t) = quantize_nvfp4_per_token(x)
+    unit_global (upstream ``fp4_fp4_mega_moe``): (xq, sfx) = quantize_nvfp4(x, 1.0),
+                s_t = 1.0 (the kernel has no per-token or input-global scale)
+                ties: NVFP4_DISPATCH_TIES
     acc = dequant(xq, sfx) @ dequant(W13 nibbles, e4m3 sf)^T    fp32, no globals
     g   = bf16(acc_g * (s_t * l1_alpha[e,0]))         scalar product first
     u   = bf16(acc_u * (s_t * l1_alpha[e,1]))
@@ -80,7 +87,61 @@ _ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
 #: comparison against x quantized by that helper has to pass "down".
 NVFP4_DISPATCH_TIES = "even"
 
+#: The two NVFP4 dispatch conventions (how x reaches the L1 GEMM).
+#:
+#: ``unit_global``: upstream deepseek-ai/DeepGEMM ``fp4_fp4_mega_moe`` has no
+#: per-token and no input-global scale: its test stages x quantized with
+#: global scale 1.0 (``tests/test_nvfp4_mega_moe.py`` @794783a, L26-38
+#: ``_cast_to_nvfp4`` with ``global_scale=None`` -> ``inv_global = 1.0``,
+#: ``sf = e4m3(max(amax/6, 2^-9))``, RNE codes; ``run_fused`` copies it into
+#: ``buffer.x`` / ``buffer.x_sf``) and its reference scales the L1
+#: accumulator by ``l1_alphas`` only (same file, L71-73:
+#: ``gate = bf16(h1[:, :I] * l1_alpha[0])``).
+#:
+#: ``per_token``: vllm-project/DeepGEMM ``nvfp4_mega_moe(use_x_scales=True)``
+#: reads one FP32 dequant scale per token from ``sym_buffer.x_scales`` and
+#: multiplies it into the L1 accumulator together with ``l1_alpha`` before the
+#: bf16 rounding (``deep_gemm/mega/nvfp4.py`` @6901431, L113-115, the
+#: ``nvfp4_mega_moe`` docstring); the scale is ``amax_t / 2688``
+#: (`codecs.quantize_nvfp4_per_token`). The triton backend follows this one.
+#:
+#: Per entry point, the convention the reference must model for a layer that
+#: runs on it (docs/NUMERICS.md, nvfp4); on the reference test layer the two
+#: forwards differ by a calc_diff of 4.8e-3, far above any kernel-vs-reference
+#: tolerance, so a kernel compared with the other convention's reference fails.
+NVFP4_DISPATCH_BY_ENTRY = {"fp4_fp4_mega_moe": "unit_global", "nvfp4_mega_moe": "per_token"}
+#: the entry point ``reference_forward`` models when none is named
+DEFAULT_NVFP4_ENTRY = "nvfp4_mega_moe"
+
+
+def nvfp4_dispatch_convention(entry_point: Optional[str]) -> str:
+    """``"per_token"`` or ``"unit_global"`` for an NVFP4 entry point name
+    (None: `DEFAULT_NVFP4_ENTRY`); MegaMoEError listing the known ones."""
+    name = DEFAULT_NVFP4_ENTRY if entry_point is None else entry_point
+    try:
+        return NVFP4_DISPATCH_BY_ENTRY[name]
+    except KeyError:
+        raise MegaMoEError(f"unknown NVFP4 entry point {entry_point!r}; known: "
+                           f"{', '.join(sorted(NVFP4_DISPATCH_BY_ENTRY))}") from None
+
+
+def quantize_dispatch_nvfp4(x: Tensor, entry_point: Optional[str] = None
+                            ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The NVFP4 dispatch input of ``entry_point``: ``(packed uint8 [T, H/2],
+    sf float8_e4m3fn [T, H/16], token_scale float32 [T] or None)``.
+
+    The one definition both the reference forward and the deepgemm backend's
+    staging use, so the bytes the kernel reads are the bytes the reference
+    decodes (``token_scale`` is None for ``unit_global``: the kernel takes none).
+    """
+    if nvfp4_dispatch_convention(entry_point) == "per_token":
+        return codecs.quantize_nvfp4_per_token(x.to(torch.float32), NVFP4_DISPATCH_TIES)
+    packed, sf = codecs.quantize_nvfp4(x.to(torch.float32), 1.0, NVFP4_DISPATCH_TIES)
+    return packed, sf, None
+
 __all__ = [
+    "DEFAULT_NVFP4_ENTRY",
+    "NVFP4_DISPATCH_BY_ENTRY",
     "NVFP4_DISPATCH_TIES",
     "NvScalars",
     "ReferenceBackend",
@@ -88,6 +149,8 @@ __all__ = [
     "activation_fp32",
     "apply_clamp",
     "combine_slots",
+    "nvfp4_dispatch_convention",
+    "quantize_dispatch_nvfp4",
     "reference_forward",
     "reference_pairs",
     "reference_slots",
@@ -319,7 +382,7 @@ def _check_routed(spec: LayerSpec, kt: Any, scalars: Optional[NvScalars]) -> Non
 
 
 def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
-           scalars: Optional[NvScalars], fast_math: bool) -> Tensor:
+           scalars: Optional[NvScalars], fast_math: bool, nvfp4_entry_point: Optional[str] = None) -> Tensor:
     """Unchecked body of :func:`reference_pairs`."""
     row = spec.row_spec
     element = row.weight.element
@@ -337,9 +400,10 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
     # Dispatch quantization is per row (token), so quantizing all rows at once
     # is identical to the kernels' per-(token, slot) quantization.
     if is_nv:
-        xq, xsf, tok_scale = codecs.quantize_nvfp4_per_token(rows.to(torch.float32),
-                                                             NVFP4_DISPATCH_TIES)
+        xq, xsf, tok_scale = quantize_dispatch_nvfp4(rows, nvfp4_entry_point)
         x_l1 = codecs.dequantize_nvfp4(xq, xsf, 1.0)  # token scale NOT applied
+        if tok_scale is None:  # unit_global: s_t = 1.0, so s_t * alpha == alpha exactly
+            tok_scale = torch.ones(N, dtype=torch.float32, device=dev)
         tok_scale = tok_scale.to(device=dev, dtype=torch.float32).reshape(N)
         a2 = _f32(scalars.l2_activation_scale, dev).reshape(())
         l1_alpha = _f32(scalars.l1_alpha, dev)
@@ -382,7 +446,8 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
 
 
 def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
-                    scalars: Optional[NvScalars] = None, fast_math: bool = False) -> Tensor:
+                    scalars: Optional[NvScalars] = None, fast_math: bool = False,
+                    nvfp4_entry_point: Optional[str] = None) -> Tensor:
     """Slot outputs of (token row, top-k weight, expert) pairs, bf16 ``[N, H]``.
 
     The expert-side half of the forward, with the signature of
@@ -391,6 +456,8 @@ def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids
     ``[N]`` (mx/bf16 rows fold ``spec.routed_scaling_factor`` in here; nvfp4
     applies it in the combine), ``ids`` GLOBAL expert ids ``[N]``, every one
     local to ``spec``'s rank. Each output row depends only on its own pair.
+    ``nvfp4_entry_point`` picks the NVFP4 dispatch convention (see
+    `NVFP4_DISPATCH_BY_ENTRY`).
     """
     if rows.dim() != 2 or rows.shape[1] != spec.hidden or rows.dtype != torch.bfloat16:
         raise MegaMoEError(f"rows must be bf16 [N, {spec.hidden}], got {rows.dtype} "
@@ -406,13 +473,15 @@ def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids
         raise MegaMoEError(f"pair {i} names expert {int(ids[i])}, which rank {spec.ep_rank} of "
                            f"{spec.ep_size} does not own; valid: {loc.start}..{loc.stop - 1}")
     _check_routed(spec, kt, scalars)
-    return _pairs(spec, kt, rows, weights, ids, scalars, fast_math)
+    nvfp4_dispatch_convention(nvfp4_entry_point)  # an unknown name fails before any work
+    return _pairs(spec, kt, rows, weights, ids, scalars, fast_math, nvfp4_entry_point)
 
 
 def reference_slots(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weights: Tensor,
                     topk_ids: Tensor, scalars: Optional[NvScalars] = None, shared: Any = None,
                     fast_math: bool = False,
-                    shared_input: Optional[Tensor] = None) -> ReferenceSlots:
+                    shared_input: Optional[Tensor] = None,
+                    nvfp4_entry_point: Optional[str] = None) -> ReferenceSlots:
     """Per-slot bf16 partials ``(slots [T, K(+1), H], valid [T, K(+1)])``.
 
     Slot k of token t holds that expert's bf16 output already multiplied by
@@ -425,6 +494,7 @@ def reference_slots(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weight
     """
     _check_inputs(spec, hidden_states, topk_weights, topk_ids)
     _check_routed(spec, kt, scalars)
+    nvfp4_dispatch_convention(nvfp4_entry_point)
     if shared is not None and spec.shared is None:
         raise LayerSpecError("shared kernel tensors were given but the layer spec has no shared "
                              "experts (spec.shared is None); pass shared=None or set spec.shared")
@@ -441,7 +511,7 @@ def reference_slots(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weight
     t_idx, k_idx = hit[:, 0], hit[:, 1]
     if hit.shape[0]:
         slots[t_idx, k_idx] = _pairs(spec, kt, hidden_states[t_idx], topk_weights[t_idx, k_idx],
-                                     ids[t_idx, k_idx], scalars, fast_math)
+                                     ids[t_idx, k_idx], scalars, fast_math, nvfp4_entry_point)
         valid[t_idx, k_idx] = True
     if shared is not None:
         x_sh = hidden_states if shared_input is None else shared_input
@@ -490,7 +560,8 @@ def combine_slots(spec: LayerSpec, slots: Tensor, valid: Tensor) -> Tensor:
 def reference_forward(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weights: Tensor,
                       topk_ids: Tensor, scalars: Optional[NvScalars] = None, shared: Any = None,
                       fast_math: bool = False, return_slots: bool = False,
-                      shared_input: Optional[Tensor] = None):
+                      shared_input: Optional[Tensor] = None,
+                      nvfp4_entry_point: Optional[str] = None):
     """The MegaMoE forward of one layer on this EP rank, bf16 ``[T, H]``.
 
     ``kt`` holds the routed experts in kernel layout (``layout.KernelTensors``
@@ -499,9 +570,14 @@ def reference_forward(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weig
     contribute (the EP combine is elsewhere). ``scalars`` is required for
     nvfp4. ``shared`` (2-D shared kernel tensors) fuses the shared expert as
     slot K. With ``return_slots`` the result is ``(out, ReferenceSlots)``.
+    ``nvfp4_entry_point`` (nvfp4 row): the DeepGEMM entry point the layer runs
+    on, ``"nvfp4_mega_moe"`` (default, per-token dispatch scale) or
+    ``"fp4_fp4_mega_moe"`` (global 1.0); the reference then quantizes x as
+    that entry point receives it (`NVFP4_DISPATCH_BY_ENTRY`).
     """
     rs = reference_slots(spec, kt, hidden_states, topk_weights, topk_ids, scalars=scalars,
-                         shared=shared, fast_math=fast_math, shared_input=shared_input)
+                         shared=shared, fast_math=fast_math, shared_input=shared_input,
+                         nvfp4_entry_point=nvfp4_entry_point)
     out = combine_slots(spec, rs.slots, rs.valid)
     return (out, rs) if return_slots else out
 
@@ -524,6 +600,13 @@ class ReferenceBackend:
 
     name = "reference"
 
+    def __init__(self, nvfp4_entry_point: Optional[str] = None) -> None:
+        """``nvfp4_entry_point``: the DeepGEMM NVFP4 entry point whose dispatch
+        convention nvfp4 layers follow (default `DEFAULT_NVFP4_ENTRY`; pass
+        ``"fp4_fp4_mega_moe"`` to model upstream DeepGEMM)."""
+        nvfp4_dispatch_convention(nvfp4_entry_point)
+        self.nvfp4_entry_point = DEFAULT_NVFP4_ENTRY if nvfp4_entry_point is None else nvfp4_entry_point
+
     def supports(self, spec: LayerSpec) -> bool | str:
         return True
 
@@ -541,7 +624,8 @@ class ReferenceBackend:
         slot outputs of (row, raw top-k weight, global expert id) pairs that
         all belong to this rank."""
         return reference_pairs(layer.spec, _layer_kernel_tensors(layer, ""), rows, weights, ids,
-                               scalars=self._scalars(layer, rows.device))
+                               scalars=self._scalars(layer, rows.device),
+                               nvfp4_entry_point=self.nvfp4_entry_point)
 
     def shared_slot(self, layer: Any, shared_input: Tensor) -> Tensor:
         """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
@@ -571,4 +655,4 @@ class ReferenceBackend:
                                    "shared_input=None and run the shared expert outside")
         return reference_forward(spec, _layer_kernel_tensors(layer, ""), hidden_states,
                                  topk_weights, topk_ids, scalars=scalars, shared=shared,
-                                 shared_input=shared_input)
+                                 shared_input=shared_input, nvfp4_entry_point=self.nvfp4_entry_point)

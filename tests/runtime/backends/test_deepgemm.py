@@ -655,3 +655,69 @@ def test_forward_makes_no_host_to_device_tensors(standin):
             layer(x, w, ids)
         assert m.n == 0, (version, row)
     assert shared_sf_rows(5, 16, device="meta").device.type == "meta"
+
+
+# --------------------------------------------------------------------------- NVFP4 dispatch per entry point
+
+
+def _dg_cast_to_nvfp4(x: torch.Tensor, token_scale: torch.Tensor | None = None):
+    """Independent model of DeepGEMM's NVFP4 input quantizer, written from its tests
+    (deepseek-ai/DeepGEMM tests/test_nvfp4_mega_moe.py @794783a L14-38: per 16,
+    ``sf = e4m3(max(amax/6, 2^-9))`` at global 1.0, RNE on the E2M1 grid by midpoint
+    counting, sign only on a nonzero code). ``token_scale``: first divide each token
+    by it (DGv's per-token ``x_scales``). Returns (decoded E2M1 values, sf bytes)."""
+    xf = x.float()
+    if token_scale is not None:
+        xf = xf / token_scale[:, None]
+    blocks = xf.view(x.shape[0], -1, 16)
+    sf = (blocks.abs().amax(dim=2) / 6.0).clamp_min(2.0 ** -9).to(torch.float8_e4m3fn)
+    v = (blocks / sf.float().unsqueeze(2)).abs()
+    code = torch.zeros_like(v, dtype=torch.int64)
+    for b in (0.25, 1.25, 2.5, 5.0):
+        code += (v > b).long()
+    for b in (0.75, 1.75, 3.5):
+        code += (v >= b).long()
+    mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[code]
+    vals = torch.where((blocks < 0) & (code != 0), -mag, mag)
+    return vals.reshape(x.shape), sf.view(torch.uint8)
+
+
+@pytest.mark.parametrize("version", ["dg-newer", "dgv"])
+def test_nvfp4_staged_x_is_the_reference_dispatch_of_the_entry_point(standin, version):
+    """Each NVFP4 entry point gets x the way its own DeepGEMM test quantizes it
+    (upstream fp4_fp4_mega_moe: global 1.0, no token scale; DGv nvfp4_mega_moe:
+    per-token x_scales), byte for byte what `reference_forward(...,
+    nvfp4_entry_point=backend.entry_point(spec))` decodes. Negative control: the
+    other entry point's bytes differ on these tokens (amaxes over 5 decades)."""
+    from megamoe_runtime.backends.reference import quantize_dispatch_nvfp4
+
+    mod = standin(version)
+    H, I = (512, 512) if version == "dg-newer" else (256, 128)
+    spec = _spec("nvfp4", H, I)
+    layer = _filled_layer(spec, _backend())
+    entry = layer.backend.entry_point(spec)
+    assert entry == {"dg-newer": "fp4_fp4_mega_moe", "dgv": "nvfp4_mega_moe"}[version]
+    T = 6
+    x, w, ids = _inputs(T, H, 2, 8)
+    x = (x.float() * torch.logspace(-3, 2, T)[:, None]).to(torch.bfloat16)
+    layer(x, w, ids)
+    buf = mod.calls[-1][4]
+    packed, sf, tok = quantize_dispatch_nvfp4(x, entry)
+    assert torch.equal(buf.x[:T].view(torch.uint8), packed)
+    assert torch.equal(buf.x_sf[:T], codecs.pack_bytes_int32(sf))
+    staged_vals = codecs.e2m1_decode(codecs.unpack_e2m1(buf.x[:T].view(torch.uint8)))
+    staged_sf = codecs.unpack_int32_bytes(buf.x_sf[:T], H // 16)
+    if version == "dgv":
+        assert torch.equal(buf.x_scales[:T], tok)
+        assert torch.equal(tok, x.float().abs().amax(-1) / 2688.0)
+        want_vals, want_sf = _dg_cast_to_nvfp4(x, tok)
+    else:
+        assert tok is None and not hasattr(buf, "x_scales")
+        want_vals, want_sf = _dg_cast_to_nvfp4(x)
+    assert torch.equal(staged_sf, want_sf)
+    assert torch.equal(staged_vals, want_vals)  # -0.0 == 0.0: DeepGEMM writes +0, the codecs -0
+    other = "nvfp4_mega_moe" if entry == "fp4_fp4_mega_moe" else "fp4_fp4_mega_moe"
+    p2, sf2, _ = quantize_dispatch_nvfp4(x, other)
+    assert not torch.equal(sf2.view(torch.uint8), sf.view(torch.uint8))
+    assert not torch.equal(_dg_cast_to_nvfp4(x, None if version == "dgv" else x.float().abs().amax(-1) / 2688.0)[1],
+                           staged_sf)

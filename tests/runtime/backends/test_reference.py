@@ -28,6 +28,7 @@ from megamoe_runtime.backends.reference import (
     combine_slots,
     reference_forward,
     reference_pairs,
+    quantize_dispatch_nvfp4,
     reference_slots,
     shared_slot,
 )
@@ -150,11 +151,21 @@ def o_l1(act, xq, G, U):
     return o_act(act, g, u)
 
 
-def oracle(spec: LayerSpec, experts_dq, x, w, ids, a2=None, shared_dq=None, shared_prec=None):
+def o_nvfp4_unit_global(x):
+    """Upstream DG fp4_fp4_mega_moe dispatch: NVFP4 with global 1, no token scale
+    (DG tests/test_nvfp4_mega_moe.py ``_cast_to_nvfp4(x)``)."""
+    return o_nvfp4(x, 1.0)
+
+
+O_NVFP4_DISPATCH = {"nvfp4_mega_moe": o_nvfp4_token, "fp4_fp4_mega_moe": o_nvfp4_unit_global}
+
+
+def oracle(spec: LayerSpec, experts_dq, x, w, ids, a2=None, shared_dq=None, shared_prec=None,
+           nvfp4_entry="nvfp4_mega_moe"):
     """Straightforward per (token, slot) float64 forward, docs/NUMERICS.md."""
     row, act, rsf = spec.row, spec.activation, spec.routed_scaling_factor
     x = x.double()
-    xq = {"mxfp4": o_mxfp8, "mxfp8": o_mxfp8, "nvfp4": o_nvfp4_token, "bf16": lambda v: v}[row](x)
+    xq = {"mxfp4": o_mxfp8, "mxfp8": o_mxfp8, "nvfp4": O_NVFP4_DISPATCH[nvfp4_entry], "bf16": lambda v: v}[row](x)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         routed = []
@@ -273,7 +284,8 @@ class Case:
     def oracle(self, **kw):
         return oracle(kw.get("spec", self.spec), kw.get("dq", self.dq()), kw.get("x", self.x),
                       kw.get("w", self.w), kw.get("ids", self.ids), self.a2,
-                      self.shared_dq(), None if self.spec.shared is None else self.spec.shared.precision)
+                      self.shared_dq(), None if self.spec.shared is None else self.spec.shared.precision,
+                      kw.get("nvfp4_entry", "nvfp4_mega_moe"))
 
 
 def make_case(row, act="swiglu", shared=None, rsf=RSF, seed=0, t=T) -> Case:
@@ -316,6 +328,44 @@ def test_matches_float64_oracle(case_key):
     assert d < TOL, d
     # the result is not trivially small
     assert float(ref.float().abs().mean()) > 1e-3
+
+
+ENTRIES = ("nvfp4_mega_moe", "fp4_fp4_mega_moe")
+
+
+@pytest.mark.parametrize("shared", [None, "bf16"])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_nvfp4_reference_models_the_dispatch_of_its_entry_point(entry, shared):
+    """DGv nvfp4_mega_moe takes x with a per-token scale, upstream fp4_fp4_mega_moe
+    at global 1.0: reference_forward follows the entry point it is told (and the
+    backend built for it), and the other entry point's oracle does not match
+    (negative control: the conventions really differ on this input)."""
+    c = make_case("nvfp4", "swiglu_clamp_ab", shared)
+    ref = c.run(nvfp4_entry_point=entry)
+    assert calc_diff(ref, c.oracle(nvfp4_entry=entry)) < TOL
+    other = next(e for e in ENTRIES if e != entry)
+    assert calc_diff(ref, c.oracle(nvfp4_entry=other)) > 1e3 * TOL
+    if entry == "nvfp4_mega_moe":  # the default
+        assert torch.equal(ref.view(torch.int16), c.run().view(torch.int16))
+    layer = SimpleNamespace(spec=c.spec, l1_weight=c.kt.l1_weight, l1_scale=c.kt.l1_scale,
+                                  l2_weight=c.kt.l2_weight, l2_scale=c.kt.l2_scale,
+                                  l1_alpha=c.scalars.l1_alpha, l2_global_scale=c.scalars.l2_global_scale,
+                                  l2_activation_scale=c.scalars.l2_activation_scale)
+    via_backend = ReferenceBackend(nvfp4_entry_point=entry).forward(layer, c.x, c.w, c.ids)
+    assert torch.equal(via_backend.view(torch.int16), c.run(nvfp4_entry_point=entry, shared=None).view(torch.int16))
+
+
+def test_nvfp4_dispatch_quantizers():
+    x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 40).to(torch.bfloat16)
+    p, sf, tok = quantize_dispatch_nvfp4(x, "fp4_fp4_mega_moe")
+    assert tok is None and torch.equal(codecs.dequantize_nvfp4(p, sf, 1.0).double(), o_nvfp4_unit_global(x.double()))
+    p, sf, tok = quantize_dispatch_nvfp4(x, "nvfp4_mega_moe")
+    assert torch.equal(codecs.dequantize_nvfp4(p, sf, 1.0).double() * tok.double()[:, None], o_nvfp4_token(x.double()))
+    assert quantize_dispatch_nvfp4(x)[2] is not None  # default: DGv per-token
+    with pytest.raises(MegaMoEError, match="unknown NVFP4 entry point 'nvfp4_moe'"):
+        quantize_dispatch_nvfp4(x, "nvfp4_moe")
+    with pytest.raises(MegaMoEError, match="known: fp4_fp4_mega_moe, nvfp4_mega_moe"):
+        ReferenceBackend(nvfp4_entry_point="bogus")
 
 
 @pytest.mark.parametrize("case_key", CASES, ids=_id)
