@@ -50,7 +50,7 @@ def _layer(spec, full, device, backend):
             dst = getattr(layer, role)
             if dst is not None:
                 dst.copy_(getattr(full, role)[lo:hi])
-        if spec.row == "nvfp4":
+        if spec.row_spec.has_alphas:
             layer.l1_alpha.copy_(full.l1_alpha[lo:hi])
             layer.l2_global_scale.copy_(full.l2_global_scale[lo:hi])
             layer.set_l2_activation_scale(float(full.l2_activation_scale))

@@ -24,21 +24,20 @@ report the numeric change (`requantize_gate_up`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from megamoe_runtime import codecs
+from megamoe_runtime import codecs, scales
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
 from megamoe_runtime.formats import LayerSpec, Row, SharedSpec
 
 from .readers.base import ExpertScalars, ModelFacts, MoELayerInfo
 
-#: relative tolerance within which w1 and w3 weight_scale_2 count as equal
-GATE_UP_RTOL = 1e-5
+#: relative tolerance within which w1 and w3 weight_scale_2 count as equal (the runtime's rule)
+GATE_UP_RTOL = scales.W13_RTOL
 #: smallest E4M3 subnormal; a rescaled block scale below it loses precision or becomes 0
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 SCALE_MISMATCH_POLICIES = ("error", "requantize")
@@ -47,8 +46,7 @@ _ROLE_ALIASES = {"gate": ("gate_proj", "w1", "gate_up_proj"), "up": ("up_proj", 
                  "down": ("down_proj", "w2")}
 
 
-def _finite_pos(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+_finite_pos = scales.is_valid_scale
 
 
 def source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> list[str]:
@@ -161,8 +159,7 @@ class LayerScalarReport:
     down_global: list[float] = field(default_factory=list)
 
 
-def gate_up_agree(a: float, b: float, rtol: float = GATE_UP_RTOL) -> bool:
-    return abs(a - b) <= rtol * max(abs(a), abs(b))
+gate_up_agree = scales.gate_up_agree
 
 
 def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: Row, *,
@@ -189,13 +186,13 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     where = f"MoE layer {info.index} ({info.prefix})"
     if len(scalars) != info.num_experts:
         raise CheckpointError(f"{where}: {len(scalars)} experts' scales read, config says {info.num_experts}")
-    if not row.weight.has_global_scale:
+    if not row.has_alphas:
         for e, s in enumerate(scalars):
             given = {k: v for k, v in vars(s).items() if v is not None}
             if given:
                 raise ScaleError(f"{where} expert {e}: row {row.name} has no float scales, got {given}")
         return rep
-    a2 = None
+    w2_inputs: list[float] = []
     a13_ok = True
     a13 = 0.0
     for e, s in enumerate(scalars):
@@ -238,7 +235,8 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
                              f"{_named(info, e, 'down', 'input', source)}; it must be finite and > 0 "
                              "(a2 = max over all experts)")
         else:
-            a2 = float(v) if a2 is None else max(a2, float(v))
+            w2_inputs.append(float(v))
+    a2 = scales.global_l2_activation_scale(w2_inputs)
     if l2_activation_scale is not None:
         if not _finite_pos(l2_activation_scale):
             raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r} must be finite and > 0")
@@ -267,8 +265,7 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     return rep
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b))
+_rel = scales.gate_up_relative_difference
 
 
 # --------------------------------------------------------------------------- block scales

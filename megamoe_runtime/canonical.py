@@ -7,13 +7,13 @@ dtype each role has for each row.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import CheckpointError, MegaMoEError, ScaleError
 from .formats import Row, get_row
+from .scales import is_valid_scale
 
 __all__ = ["ProjectionTensors", "ExpertTensors", "ROLES", "expected_shapes"]
 
@@ -37,8 +37,7 @@ def expected_shapes(row: "Row | str", hidden: int, intermediate: int, role: str)
     return w, s
 
 
-def _finite_pos(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+_finite_pos = is_valid_scale
 
 
 @dataclass
@@ -98,7 +97,7 @@ class ProjectionTensors:
                     f"{where}: scale shape {list(self.scale.shape)} != expected {list(sshape)} "
                     f"for {role} of row {row.name} (group {row.weight.scale_group} along K)"
                 )
-        if row.weight.has_global_scale:
+        if row.has_alphas:
             for label in ("global_scale", "input_scale"):
                 v = getattr(self, label)
                 if v is not None and not _finite_pos(v):

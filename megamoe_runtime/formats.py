@@ -174,7 +174,40 @@ class Row:
 
     @property
     def has_scales(self) -> bool:
+        """Block scales beside the weights (l1_scale / l2_scale roles)."""
         return self.weight.has_scales
+
+    @property
+    def has_alphas(self) -> bool:
+        """Per-expert fp32 global scales (``l1_alpha [E_l, 2]``,
+        ``l2_global_scale [E_l]``) and the layer's a2 (docs/SCALES.md#alphas):
+        the NVFP4 scalar state every loader, check and backend handles."""
+        return self.weight.has_global_scale
+
+    @property
+    def packed_e2m1(self) -> bool:
+        """Weights are two E2M1 codes per byte (``[.., N, D/2]`` int8)."""
+        return self.weight.element == "e2m1"
+
+    @property
+    def rsf_in_combine(self) -> bool:
+        """``routed_scaling_factor`` multiplies the routed sum in the combine
+        (the top-k weight applies after L2), instead of being folded into the
+        top-k weights applied in L1 (docs/NUMERICS.md)."""
+        return self.topk_weight_stage == "l2"
+
+    def embeds_exactly_in(self, other: "Row | str") -> bool:
+        """Weights of this row re-encode into ``other``'s format with no
+        rounding and the scale bytes unchanged: the same row, or E2M1 into E4M3
+        under the same UE8M0 groups (every E2M1 value is an E4M3 value). NVFP4
+        into MXFP8 is not: its E4M3 block scales and global scale would need a
+        re-quantization."""
+        o = get_row(other)
+        if o.name == self.name:
+            return True
+        w, ow = self.weight, o.weight
+        return (w.element == "e2m1" and ow.element == "e4m3" and w.scale_encoding == ow.scale_encoding == "ue8m0"
+                and w.scale_group == ow.scale_group)
 
     def entry_point(self, flavour: str) -> str:
         """DeepGEMM function name for an API flavour ('dg', 'dgv', 'dgz', ...)."""

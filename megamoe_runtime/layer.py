@@ -52,7 +52,7 @@ from torch import nn
 from . import layout, loaders
 from .backends import get_backend
 from .errors import LayerSpecError, LayoutError, MegaMoEError, ScaleError
-from .formats import LayerSpec, SharedSpec
+from .formats import LayerSpec, SharedSpec, get_row
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -514,7 +514,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
         def proj(key: str) -> ProjectionTensors:
             w, s = tensors[key]
-            if prec == "mxfp8":
+            if get_row(prec).has_scales:  # a shared precision names the row whose 2-D layout it uses
                 return ProjectionTensors(w.to(self.device), s.to(self.device).view(torch.uint8))
             return ProjectionTensors(w.to(self.device), None)
 

@@ -33,7 +33,6 @@ dict, no a2), as `megamoe_runtime.reload.verify_reload` requires.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
@@ -42,8 +41,9 @@ import torch
 
 from .tensor_bytes import byte_view
 
-from . import layout
+from . import layout, scales
 from .errors import CheckpointError, LayoutError, ScaleError
+from .formats import get_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import DeepGemmMegaMoEExperts
@@ -66,7 +66,7 @@ __all__ = [
 #: vLLM's shard ids: w1 = gate, w3 = up (the two L1 halves), w2 = down (L2).
 SHARD_IDS = ("w1", "w2", "w3")
 #: relative tolerance within which an expert's w1 and w3 weight_scale_2 agree (docs/SCALES.md#w1-w3-agreement)
-W13_RTOL = 1e-5
+W13_RTOL = scales.W13_RTOL
 _HALF = {"w1": 0, "w3": 1}
 _PROJ_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
 
@@ -264,7 +264,7 @@ def _scalar(src: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _check_scale_value(v: float, what: str) -> None:
-    if not math.isfinite(v) or v <= 0:
+    if not scales.is_valid_scale(v):
         raise ScaleError(f"{what} = {v!r}; scales must be finite and > 0")
 
 
@@ -570,7 +570,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
     where = _where(layer, f"{weight_name} (expert {expert_id}, {shard_id})")
 
     if kind == "input_scale":
-        if not row.weight.has_global_scale:
+        if not row.has_alphas:
             raise CheckpointError(f"{where}: row {row.name} has no input scales")
         if meta:
             return True
@@ -585,7 +585,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
         return False
 
     if kind == "global_scale":
-        if not row.weight.has_global_scale:
+        if not row.has_alphas:
             raise CheckpointError(f"{where}: row {row.name} has no global scales ({suf})")
         src = _scalar_value(_scalar(loaded_weight, where), divisor)
         if shard_id == "w2":
@@ -604,7 +604,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
                 pair[_HALF[shard_id]] = v
                 if len(pair) == 2:
                     g, u = pair[0], pair[1]
-                    if abs(g - u) > W13_RTOL * max(abs(g), abs(u)):
+                    if not scales.gate_up_agree(g, u):
                         raise ScaleError(
                             _where(layer, f"expert {expert_id}: w1 (gate) weight_scale_2 = {g!r} and w3 (up) "
                                           f"weight_scale_2 = {u!r} differ by more than relative 1e-5 in this load; "
@@ -661,7 +661,8 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
             # packed E2M1. In an mxfp4 checkpoint (UE8M0 group scales) every E2M1 value is an
             # E4M3 value, so mxfp4 -> mxfp8 is exact with the scales unchanged, as in the
             # converter. NVFP4 (E4M3 scales, global scale) would need a re-quantization.
-            if layer.spec.row != "mxfp4":
+            row = layer.spec.row_spec
+            if not (row.packed_e2m1 and row.embeds_exactly_in(prec)):
                 raise CheckpointError(
                     f"{where}: packed E2M1 shared expert in a {layer.spec.row} checkpoint; turning it into "
                     f"{prec} is a re-quantization, which is the converter's job (megamoe-convert)")
@@ -677,7 +678,7 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
         else:
             layout.write_l1_weight(dst, src, _HALF[shard_id], where=where)
     else:
-        if prec != "mxfp8":
+        if not get_row(prec).has_scales:
             raise CheckpointError(f"{where}: shared precision {prec} has no block scales")
         if shard_id == "w2":
             layout.write_l2_scale(dst, src, where=where)
@@ -691,7 +692,7 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
 def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> None:
     """End of a raw load: every NVFP4 pair complete, a2 from ALL experts."""
     spec = layer.spec
-    if not spec.row_spec.weight.has_global_scale:
+    if not spec.row_spec.has_alphas:
         return
     if st.written == 0 and not st.a2_inputs:
         return  # nothing loaded in this pass (e.g. a dry run): leave state alone
@@ -711,7 +712,7 @@ def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> None:
         )
     if problems:
         raise ScaleError(_where(layer, "raw NVFP4 load incomplete: " + "; ".join(problems)))
-    a2 = max(st.a2_inputs.values())
+    a2 = scales.global_l2_activation_scale(st.a2_inputs.values())
     _check_scale_value(a2, _where(layer, "global L2 activation scale a2"))
     layer._write_a2(a2)  # finish_load refreshes the derived scalars once
 

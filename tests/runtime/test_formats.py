@@ -215,3 +215,19 @@ def test_shared_spec_folds():
     s = SharedSpec("mxfp8", 2, 64)
     assert s.folded_intermediate == 128
     assert SharedSpec.from_dict(s.to_dict()) == s
+
+
+def test_row_properties_are_the_only_row_branches():
+    """What the properties answer for each row (the code asks these instead of comparing names)."""
+    from megamoe_runtime.formats import ROWS
+
+    got = {n: (r.has_scales, r.has_alphas, r.packed_e2m1, r.rsf_in_combine) for n, r in ROWS.items()}
+    assert got == {
+        "mxfp4": (True, False, True, False),
+        "mxfp8": (True, False, False, False),
+        "nvfp4": (True, True, True, True),
+        "bf16": (False, False, False, False),
+    }
+    exact = {n: [o for o in ROWS if r.embeds_exactly_in(o)] for n, r in ROWS.items()}
+    # E2M1 under UE8M0 groups is exact in MXFP8; NVFP4's E4M3 block scales are not (negative control)
+    assert exact == {"mxfp4": ["mxfp4", "mxfp8"], "mxfp8": ["mxfp8"], "nvfp4": ["nvfp4"], "bf16": ["bf16"]}

@@ -1,0 +1,53 @@
+"""The NVFP4 scale rules, written once (docs/SCALES.md).
+
+The converter's checks (`megamoe_convert.checks`), the runtime's raw loader
+(`megamoe_runtime.loaders`) and the deepgemm backend all decide "do w1 and w3
+agree", "is this scale usable" and "what is a2" here, so the three cannot
+drift apart: a tolerance the loader accepts is one the converter accepted and
+the backend will not refuse.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["W13_RTOL", "is_valid_scale", "gate_up_agree", "gate_up_relative_difference",
+           "gate_up_disagreeing", "global_l2_activation_scale"]
+
+#: relative tolerance within which an expert's w1 (gate) and w3 (up)
+#: weight_scale_2 count as one value (docs/SCALES.md#w1-w3-agreement)
+W13_RTOL = 1e-5
+
+
+def is_valid_scale(v: object) -> bool:
+    """A float scale is usable: a real number (not a bool), finite and > 0."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def gate_up_agree(gate: float, up: float, rtol: float = W13_RTOL) -> bool:
+    """w1/w3 agreement: ``|gate - up| <= rtol * max(|gate|, |up|)``."""
+    return abs(gate - up) <= rtol * max(abs(gate), abs(up))
+
+
+def gate_up_relative_difference(gate: float, up: float) -> float:
+    """``|gate - up| / max(|gate|, |up|)``, for messages."""
+    return abs(gate - up) / max(abs(gate), abs(up))
+
+
+def gate_up_disagreeing(gate: torch.Tensor, up: torch.Tensor, rtol: float = W13_RTOL) -> list[int]:
+    """Indices where per-expert gate and up scale tensors break the agreement
+    rule (the tensor form of :func:`gate_up_agree`, in the tensors' dtype)."""
+    differ = (gate - up).abs() > rtol * torch.maximum(gate.abs(), up.abs())
+    return differ.nonzero().flatten().tolist() if bool(differ.any()) else []
+
+
+def global_l2_activation_scale(w2_input_scales: Iterable[float]) -> Optional[float]:
+    """a2, the global L2 activation scale: the max of the w2 input scales over
+    ALL experts of the layer (docs/SCALES.md#a2), as a float; None when there
+    are none. Callers decide whether a missing expert is an error."""
+    a2: Optional[float] = None
+    for v in w2_input_scales:
+        a2 = float(v) if a2 is None else max(a2, float(v))
+    return a2
