@@ -75,13 +75,23 @@ from megamoe_runtime.tensor_bytes import byte_view
 from . import checks
 from .readers import detect_reader
 from .readers.base import CheckpointReader, MoELayerInfo
-from .source import CheckpointSource, open_source
+from .output_dir import (
+    OutputError,
+    OutputLock,
+    StepHook,
+    check_placement,
+    ensure_parent,
+    recover,
+    remove_created,
+    resolve_out,
+    temp_dir_for,
+)
+from .source import CheckpointSource, open_source, source_roots
 from .writer import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     ST_METADATA,
     Journal,
-    OutputError,
     PlannedTensor,
     ShardWriter,
     check_output_target,
@@ -93,7 +103,6 @@ from .writer import (
     plan_shards,
     prepare_temp_dir,
     sha256_file,
-    temp_dir_for,
     write_bytes_atomic,
 )
 
@@ -382,6 +391,7 @@ def convert(
     progress: Progress | None = None,
     log: Log | None = None,
     shared_precision: str = "auto",
+    on_step: StepHook | None = None,
 ) -> ConvertSummary:
     """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
 
@@ -390,9 +400,19 @@ def convert(
     row cannot fuse raises FormatError.
 
     Raises MegaMoEError subclasses for bad input (nothing is left under `out`).
+
+    Output safety (``output_dir``): OUT may not overlap the source or contain
+    the working directory; ``overwrite`` replaces only a megamoe output; the
+    run holds an exclusive lock on OUT throughout (a second run raises
+    OutputError naming the holder) and first finishes any swap an earlier run
+    was killed in. OUT's missing parent folders are created.
+
+    ``on_step(name)`` (tests): called at each step of ``output_dir`` (after
+    every tensor, and between the renames of the final swap), so a test can
+    stop the run at exactly that point.
     """
     t0 = time.perf_counter()
-    out = Path(out)
+    out = resolve_out(out)
     max_bytes = parse_size(max_shard_size)
     if not isinstance(ep_size, int) or ep_size < 1:
         raise MegaMoEError(f"--ep-size {ep_size!r} must be an int >= 1")
@@ -401,54 +421,106 @@ def convert(
                            f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
     if shared_precision not in SHARED_PRECISION_CHOICES:
         raise MegaMoEError(f"--shared-precision {shared_precision!r}; valid: {', '.join(SHARED_PRECISION_CHOICES)}")
-    check_output_target(out, overwrite=overwrite, resume=resume)
     log = log or (lambda msg: None)
-
-    source = open_source(src, revision)
-    reader = detect_reader(source, format=format, quantize=quantize)
-    row = get_row(reader.row)
-    facts = reader.model_facts()
-    infos = reader.moe_layers()
-    if not infos:
-        raise CheckpointError(f"{source.id}: no MoE layers found (format {reader.format_name}); nothing to convert")
-    check_shared_precision(row, shared_precision)
-
-    plans = _preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
-                       allow_missing_input_scales, log, shared_precision, l2_activation_scale)
-    consumed = set(reader.consumed_tensor_names())
-    for lp in plans:  # shared experts the row cannot fuse stay in the pass-through files
-        if lp.info.shared is not None and lp.spec.shared is None:
-            consumed -= set(lp.info.shared.tensor_names)
-    slots_by_file = _plan_files(plans, source, consumed, row, ep_size, max_bytes)
-
-    fingerprint = _fingerprint({
-        "converter": converter_version(), "format_version": FORMAT_VERSION, "source": source.content_hash(),
-        "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
-        "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
-        "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
-        "l2_activation_scale": l2_activation_scale,
-        "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
-    })
-
-    tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume)
-    threads = torch.get_num_threads()
-    # Every op touches one expert (a few MB) and is memory-bound: torch's
-    # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
-    # 2-core VM). Hashing and file writes get their own thread (ShardWriter).
-    torch.set_num_threads(1)
+    check_placement(out, source_roots(src))
+    created = ensure_parent(out)
     try:
-        summary = _run(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
-                       fingerprint, ep_size, progress, log)
-    except OutputError:
-        raise  # e.g. --resume of a different run: keep that run's temp folder
-    except MegaMoEError:
-        shutil.rmtree(tmp, ignore_errors=True)  # bad input: a resume cannot fix it
+        with OutputLock(out) as lock:
+            if lock.stale is not None:
+                log(f"note: {lock.path} was left by an earlier run ({lock.stale.describe()}) that is no longer "
+                    "running; taking it over")
+            summary = _convert_locked(
+                src, out, revision=revision, format=format, quantize=quantize, ep_size=ep_size,
+                max_bytes=max_bytes, on_scale_mismatch=on_scale_mismatch,
+                allow_missing_input_scales=allow_missing_input_scales, l2_activation_scale=l2_activation_scale,
+                overwrite=overwrite, resume=resume, progress=progress, log=log, shared_precision=shared_precision,
+                on_step=on_step)
+    except BaseException:
+        remove_created(created)  # only the parents this run made, and only while empty
         raise
-    finally:
-        torch.set_num_threads(threads)
-        source.close()
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int, max_bytes: int,
+                    on_scale_mismatch: str, allow_missing_input_scales: bool, l2_activation_scale,
+                    overwrite: bool, resume: bool, progress, log: Log, shared_precision: str,
+                    on_step: StepHook | None) -> ConvertSummary:
+    """`convert` once it holds OUT's lock."""
+    recovered = recover(out, log)
+    check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
+
+    source = open_source(src, revision)
+    try:
+        check_placement(out, source.roots())
+        reader = detect_reader(source, format=format, quantize=quantize)
+        row = get_row(reader.row)
+        facts = reader.model_facts()
+        infos = reader.moe_layers()
+        if not infos:
+            raise CheckpointError(f"{source.id}: no MoE layers found (format {reader.format_name}); "
+                                  "nothing to convert")
+        check_shared_precision(row, shared_precision)
+
+        plans = _preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
+                           allow_missing_input_scales, log, shared_precision, l2_activation_scale)
+        consumed = set(reader.consumed_tensor_names())
+        for lp in plans:  # shared experts the row cannot fuse stay in the pass-through files
+            if lp.info.shared is not None and lp.spec.shared is None:
+                consumed -= set(lp.info.shared.tensor_names)
+        slots_by_file = _plan_files(plans, source, consumed, row, ep_size, max_bytes)
+
+        fingerprint = _fingerprint({
+            "converter": converter_version(), "format_version": FORMAT_VERSION, "source": source.content_hash(),
+            "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
+            "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
+            "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
+            "l2_activation_scale": l2_activation_scale,
+            "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
+        })
+        if recovered is not None:
+            if recovered == fingerprint:
+                log(f"{out} is this conversion, completed from the interrupted run: nothing left to do")
+                return _summary_of_output(out, source, reader, row, plans, slots_by_file, ep_size)
+            if not overwrite:
+                raise OutputError(
+                    f"output folder {out} already exists (an interrupted conversion of other inputs or options "
+                    "was just completed into it); pass --overwrite to replace it")
+
+        tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume, fingerprint=fingerprint)
+        threads = torch.get_num_threads()
+        # Every op touches one expert (a few MB) and is memory-bound: torch's
+        # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
+        # 2-core VM). Hashing and file writes get their own thread (ShardWriter).
+        torch.set_num_threads(1)
+        try:
+            return _run(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
+                        fingerprint, ep_size, progress, log, on_step)
+        except OutputError:
+            raise  # e.g. --resume of a different run: keep that run's temp folder
+        except MegaMoEError:
+            shutil.rmtree(tmp, ignore_errors=True)  # bad input: a resume cannot fix it (the folder is ours)
+            raise
+        finally:
+            torch.set_num_threads(threads)
+    finally:
+        source.close()
+
+
+def _summary_of_output(out: Path, source, reader, row: Row, plans, slots_by_file, ep_size: int) -> ConvertSummary:
+    """The summary of a conversion found complete in OUT (an interrupted run's swap just finished)."""
+    from megamoe_runtime.manifest import read_manifest
+
+    m = read_manifest(out)
+    total = sum(lp.source_bytes for lp in plans) + sum(
+        s.planned.nbytes for slots in slots_by_file.values() for s in slots if s.role == PASSTHROUGH_ROLE)
+    return ConvertSummary(
+        out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
+        layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
+        bytes_out=sum(f.size for f in m.files.values()) + (out / "megamoe.json").stat().st_size,
+        seconds=0.0, files=len(m.files) + 1, resumed_files=len(m.files),
+        warnings=["completed from an interrupted earlier run of the same conversion: only its final rename "
+                  "was left"], shared=_shared_decisions(plans))
 
 
 def _preflight(reader: CheckpointReader, source: CheckpointSource, row: Row, facts, infos, ep_size: int,
@@ -538,8 +610,10 @@ class _Run:
     NUM_BUFFER_SETS = 2
 
     def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[_Slot]],
-                 done_files: dict[str, dict], total: int, progress: Progress | None):
+                 done_files: dict[str, dict], total: int, progress: Progress | None,
+                 on_step: StepHook | None = None):
         self.tmp = tmp
+        self.on_step = on_step
         self.journal = journal
         self.slots_by_file = slots_by_file
         self.done_files = done_files  # name -> journal record (size, sha256, digest, tensors)
@@ -567,7 +641,7 @@ class _Run:
             meta = dict(ST_METADATA)
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
                 meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
-            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta)
+            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step)
             self.writers[fname] = w
         return w
 
@@ -634,7 +708,7 @@ class _Run:
 
 def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
          slots_by_file: dict[str, list[_Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
-         ep_size: int, progress: Progress | None, log: Log) -> ConvertSummary:
+         ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None) -> ConvertSummary:
     journal = Journal(tmp)
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
@@ -665,7 +739,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
     passthrough_bytes = sum(s.planned.nbytes for slots in slots_by_file.values() for s in slots
                             if s.role == PASSTHROUGH_ROLE)
     total = sum(lp.source_bytes for lp in plans) + passthrough_bytes
-    run = _Run(tmp, journal, slots_by_file, done_files, total, progress)
+    run = _Run(tmp, journal, slots_by_file, done_files, total, progress, on_step)
     repaired = 0
     layer_entries = []
     try:
@@ -722,7 +796,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         model=_model_facts(facts),
     )
     write_manifest(tmp, manifest)
-    finalize_output(tmp, out, before_rename=journal.remove)
+    finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step)
     return ConvertSummary(
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,

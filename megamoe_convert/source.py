@@ -102,6 +102,8 @@ class CheckpointSource:
         self.commit = commit
         if not self.root.is_dir():
             raise CheckpointError(f"{self.id}: {self.root} is not a folder")
+        #: every file the source reads must resolve inside this folder (see `containment_base`)
+        self.base = containment_base(self.root)
         self.config: dict[str, Any] = self._read_json("config.json") or {}
         hf_quant = self._read_json("hf_quant_config.json")
         self.hf_quant_config: dict[str, Any] | None = hf_quant
@@ -166,6 +168,12 @@ class CheckpointSource:
                         f"{INDEX_NAME} saying which to use"
                     )
                 self._weight_map[name] = path
+
+    def roots(self) -> list[Path]:
+        """The folders this source reads from (resolved): its root and, for a
+        hub-cache snapshot, the repo's cache folder (its blobs)."""
+        root = Path(os.path.realpath(self.root))
+        return [root] if self.base == root else [root, self.base]
 
     # -- lookups ------------------------------------------------------------------
     def files(self) -> list[Path]:
@@ -451,6 +459,43 @@ def _env_offline() -> bool:
 
 def is_hub_id(src: str) -> bool:
     return bool(_HUB_ID.match(src)) and ".." not in src
+
+
+def containment_base(root: Path) -> Path:
+    """The folder a source's files must resolve into: the root itself (symlinks
+    resolved), or for a hub-cache snapshot (``.../models--org--name/snapshots/<commit>``,
+    whose files are symlinks to ``../../blobs/<sha256>``) the repo's cache folder."""
+    real = Path(os.path.realpath(root))
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
+
+
+def hub_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The hub cache `open_source` reads: `cache_dir`, else ``$HF_HUB_CACHE``,
+    else huggingface_hub's default (``$HF_HOME/hub``)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    try:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE).expanduser()
+    except Exception:  # pragma: no cover - dependency
+        return Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+
+
+def source_roots(src: str | Path, cache_dir: str | Path | None = None) -> list[Path]:
+    """The folders reading `src` may touch, known before it is opened (the
+    output must stay clear of them): a local folder itself, or the hub cache
+    for a hub id (a cached snapshot's files are symlinks into it)."""
+    p = Path(src).expanduser()
+    if p.exists():
+        return [Path(os.path.realpath(p))]
+    if is_hub_id(str(src)):
+        return [hub_cache_dir(cache_dir)]
+    return []
 
 
 def open_source(

@@ -16,9 +16,10 @@ size, and the plan puts 4-byte dtypes first within a layer, so offsets stay
 aligned. Output is deterministic: no timestamps, fixed key order.
 
 Also here: the progress journal that makes ``--resume`` possible, the
-temporary-folder protocol (``.OUT.megamoe-tmp`` beside OUT, renamed at the
-end), and :func:`verify_output`, which re-reads a finished folder and checks
-it against its manifest (used by ``megamoe-convert verify``).
+temporary-folder protocol (``.OUT.megamoe-tmp`` beside OUT, swapped into place
+at the end by ``output_dir.swap_into_place``), and :func:`verify_output`,
+which re-reads a finished folder and checks it against its manifest (used by
+``megamoe-convert verify``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -48,23 +48,30 @@ from megamoe_runtime.manifest import (
     read_manifest,
 )
 
+from .output_dir import (
+    JOURNAL_NAME,
+    OutputError,
+    StepHook,
+    STEP_COMPLETE,
+    STEP_SYNCED,
+    STEP_TENSOR,
+    TMP_MARKER,
+    _fsync_dir,
+    check_replaceable,
+    discard_temp,
+    is_our_temp,
+    journal_state,
+    swap_into_place,
+    temp_dir_for,
+    write_temp_marker,
+)
 from .source import read_safetensors_header
 
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 ST_METADATA = {"format": "pt"}
-JOURNAL_NAME = "megamoe-journal.jsonl"
 INDEX_NAME = "model.safetensors.index.json"
-TMP_SUFFIX = ".megamoe-tmp"
-#: test hook: the writer calls os._exit after this many tensors (simulates a kill mid-write)
-CRASH_ENV = "MEGAMOE_TEST_CRASH_AFTER_TENSORS"
-CRASH_EXIT_CODE = 99
 
 _CHUNK = 16 << 20
-
-
-class OutputError(MegaMoEError):
-    """The output folder cannot be written as asked (exists, stale temp folder,
-    resume of a different conversion)."""
 
 
 # --------------------------------------------------------------------------- sizes
@@ -149,18 +156,6 @@ def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str] | 
 
 # --------------------------------------------------------------------------- shard writer
 
-_written_tensors = 0
-
-
-def _crash_hook() -> None:
-    """Test hook (env CRASH_ENV=N): die like a killed process after N tensors."""
-    global _written_tensors
-    _written_tensors += 1
-    limit = os.environ.get(CRASH_ENV)
-    if limit is not None and _written_tensors >= int(limit):
-        os._exit(CRASH_EXIT_CODE)
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor (a view; contiguous copy if needed)."""
     t = t.detach()
@@ -213,8 +208,12 @@ class ShardWriter:
 
     _SLICE = 4 << 20
 
-    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
+                 on_step: StepHook | None = None):
+        """`on_step` is called with ``"tensor"`` after each tensor is queued
+        (tests plant a crash there, see ``output_dir``)."""
         self.path = Path(path)
+        self._on_step = on_step
         self.plan = list(tensors)
         self._next = 0
         self._spans = []
@@ -296,7 +295,8 @@ class ShardWriter:
         wfut = self._submit_write(data)
         self._digests.append((*self._spans[self._next], name, hfut))
         self._next += 1
-        _crash_hook()
+        if self._on_step is not None:
+            self._on_step(STEP_TENSOR)
         return _Digest(hfut, wfut)
 
     def write(self, name: str, tensor: torch.Tensor) -> str:
@@ -325,7 +325,8 @@ class ShardWriter:
         done.set_result(h.digest())
         self._digests.append((*self._spans[self._next], name, done))
         self._next += 1
-        _crash_hook()
+        if self._on_step is not None:
+            self._on_step(STEP_TENSOR)
         return h.hexdigest()
 
     def close(self) -> tuple[int, str]:
@@ -475,55 +476,69 @@ def json_bytes(obj) -> bytes:
 # --------------------------------------------------------------------------- temp folder + journal
 
 
-def temp_dir_for(out: Path) -> Path:
-    """`.OUT.megamoe-tmp` beside OUT (same filesystem, so the final rename is atomic)."""
-    out = Path(out)
-    return out.parent / f".{out.name}{TMP_SUFFIX}"
-
-
-def check_output_target(out: Path, *, overwrite: bool, resume: bool) -> None:
+def check_output_target(out: Path, *, overwrite: bool, resume: bool, recovered: bool = False) -> None:
     """The checks of `prepare_temp_dir`, creating and removing nothing: run
-    before the source is opened, so a refusal comes before a hub download and
-    the preflight, not after."""
+    (under the output lock) before the source is opened, so a refusal comes
+    before a hub download and the preflight, not after. `recovered`: this run
+    has just finished an earlier run's swap into OUT (OUT may then exist)."""
     out = Path(out)
     tmp = temp_dir_for(out)
-    if out.exists() and not overwrite:
-        raise OutputError(
-            f"output folder {out} already exists; pass --overwrite to replace it "
-            "(it is replaced only after the new conversion has finished)"
-        )
-    if not out.parent.is_dir():
-        raise OutputError(f"cannot create {out}: parent folder {out.parent} does not exist")
-    if tmp.exists() and not overwrite and not (resume and (tmp / JOURNAL_NAME).is_file()):
+    if out.exists() or out.is_symlink():
+        if not overwrite and not recovered:
+            raise OutputError(
+                f"output folder {out} already exists; pass --overwrite to replace it "
+                "(only a megamoe output is replaced, and only after the new conversion has finished)"
+            )
+        if overwrite:
+            check_replaceable(out)
+    if tmp.exists() or tmp.is_symlink():
+        if not is_our_temp(tmp):
+            discard_temp(tmp)  # raises: not ours, left alone
+        fp, complete = journal_state(tmp)
+        if complete or overwrite or (resume and (tmp / JOURNAL_NAME).is_file()):
+            return  # a complete one is resumed when this run's fingerprint matches (prepare_temp_dir)
         hint = ("it has no progress journal, so it cannot be resumed; " if resume else
                 "pass --resume to continue that run, or ")
         raise OutputError(
-            f"{tmp} exists: an earlier conversion to {out} was interrupted; {hint}"
-            "pass --overwrite to discard it and start over"
+            f"{tmp} exists: an earlier conversion to {out} was interrupted (no process holds its lock, so it "
+            f"is not running); {hint}pass --overwrite to discard it and start over"
         )
 
 
-def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool) -> tuple[Path, bool]:
+def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
+                     fingerprint: str | None = None) -> tuple[Path, bool]:
     """Check OUT (`check_output_target`) and create or reuse its temp folder.
-    Returns (tmp, resuming)."""
+    Returns (tmp, resuming). A complete temp folder (killed just before its
+    swap) whose journal has this run's `fingerprint` is resumed without
+    --resume: only the swap is left to do."""
     out = Path(out)
     check_output_target(out, overwrite=overwrite, resume=resume)
     tmp = temp_dir_for(out)
     if tmp.exists():
+        fp, complete = journal_state(tmp)
         if resume and (tmp / JOURNAL_NAME).is_file():
             return tmp, True
-        shutil.rmtree(tmp)  # only reachable with --overwrite
+        if complete and fingerprint is not None and fp == fingerprint:
+            return tmp, True
+        if not overwrite:
+            raise OutputError(
+                f"{tmp} holds a finished conversion to {out} of different inputs or options (run fingerprint "
+                f"{str(fp)[:12]}..., this run {str(fingerprint)[:12]}...); pass --overwrite to discard it")
+        discard_temp(tmp)  # only reachable with --overwrite; only our own
     tmp.mkdir()
+    write_temp_marker(tmp, out)
     return tmp, False
 
 
-def finalize_output(tmp: Path, out: Path, before_rename: Callable[[], None] | None = None) -> None:
-    """fsync every file, then rename the finished temp folder to OUT
-    (replacing an old OUT only now), so OUT never names unwritten data.
+def finalize_output(tmp: Path, out: Path, mark_complete: Callable[[], None] | None = None,
+                    on_step: StepHook | None = None) -> None:
+    """fsync every file, mark the journal complete, then swap the temp folder
+    into place (``output_dir.swap_into_place``: an old OUT is replaced only
+    now), so OUT never names unwritten data.
 
-    `before_rename` runs after the sync, just before the rename: the converter
-    removes its resume journal there, so a kill during the (possibly long)
-    sync still leaves a temp folder that ``--resume`` can finish."""
+    `mark_complete` runs after the sync: the converter appends the journal's
+    ``complete`` record there. A kill before it leaves a temp folder that
+    ``--resume`` finishes; a kill after it, one the next run swaps in itself."""
     out = Path(out)
     for p in sorted(tmp.iterdir()):
         if p.is_file():
@@ -533,31 +548,13 @@ def finalize_output(tmp: Path, out: Path, before_rename: Callable[[], None] | No
             finally:
                 os.close(fd)
     _fsync_dir(tmp)
-    if before_rename is not None:
-        before_rename()
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.megamoe-old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+    if on_step is not None:
+        on_step(STEP_SYNCED)
+    if mark_complete is not None:
+        mark_complete()
+        if on_step is not None:
+            on_step(STEP_COMPLETE)
+    swap_into_place(tmp, out, on_step)
 
 
 class Journal:
@@ -600,6 +597,10 @@ class Journal:
 
     def record_layer(self, index: int, record: dict) -> None:
         self._append({"kind": "layer", "index": index, **record})
+
+    def mark_complete(self) -> None:
+        """Every file and the manifest are written and synced: only the swap is left."""
+        self._append({"kind": "complete"})
 
     def _append(self, rec: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -751,5 +752,5 @@ __all__ = [
     "safetensors_header", "ShardWriter", "tensor_bytes", "copy_source_bytes", "sha256_file", "file_digest",
     "safetensors_digests",
     "write_bytes_atomic", "json_bytes", "temp_dir_for", "check_output_target", "prepare_temp_dir", "finalize_output", "Journal",
-    "VerifyReport", "verify_output", "PASSTHROUGH_ROLE", "INDEX_NAME", "CRASH_ENV",
+    "VerifyReport", "verify_output", "PASSTHROUGH_ROLE", "INDEX_NAME", "JOURNAL_NAME", "TMP_MARKER", "OutputError",
 ]

@@ -16,3 +16,27 @@ def _one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+CRASHING_CLI = __import__("pathlib").Path(__file__).with_name("crashing_cli.py")
+#: what a run killed by crashing_cli.py exits with
+CRASH_EXIT_CODE = 99
+
+
+@pytest.fixture
+def crashing_run():
+    """run(step, n, *cli_args, wait=True): `megamoe-convert *cli_args` in a real
+    subprocess that dies (os._exit, like kill -9) at the n-th `step`
+    (``output_dir.STEP_*``), or with n = "N:SECONDS" pauses there. With
+    wait=False returns the Popen (stderr piped)."""
+    import subprocess
+    import sys
+
+    def run(step: str, n, *args, wait: bool = True):
+        cmd = [sys.executable, str(CRASHING_CLI), step, str(n), *map(str, args)]
+        if not wait:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    return run
+

@@ -38,8 +38,11 @@ def test_usage_errors_exit_2(tmp_path):
     assert run_cli("nonsense").exit_code == 2
     r = run_cli("convert", tmp_path / "absent", tmp_path / "o")
     assert r.exit_code == 2 and "neither an existing folder nor a hub repo id" in r.stderr
-    r = run_cli("convert", tmp_path, tmp_path / "o")  # empty folder
+    (tmp_path / "empty").mkdir()
+    r = run_cli("convert", tmp_path / "empty", tmp_path / "o")  # empty folder
     assert r.exit_code == 2 and "no *.safetensors" in r.stderr
+    r = run_cli("convert", tmp_path, tmp_path / "o")  # OUT inside the source
+    assert r.exit_code == 2 and "may not overlap" in r.stderr
 
 
 def test_unknown_format_and_ep_size(tmp_path):

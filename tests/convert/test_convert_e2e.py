@@ -27,12 +27,15 @@ from megamoe_convert.cli import main
 from megamoe_convert.convert import convert, shared_to_precision
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
-from megamoe_convert.writer import CRASH_ENV, CRASH_EXIT_CODE, parse_size, temp_dir_for
+from megamoe_convert.writer import parse_size, temp_dir_for
 from megamoe_runtime import layout
 from megamoe_runtime.layout import KernelTensors
 from megamoe_runtime.manifest import MANIFEST_NAME, kernel_view, read_manifest
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+
+
+CRASH_EXIT_CODE = 99  # tests/convert/crashing_cli.py
 
 
 def run_cli(*args):
@@ -268,16 +271,18 @@ def test_bad_input_refused(tmp_path, name, fmt, defect, mutate, needles):
 
 
 def test_out_exists_refused_then_overwrite(tmp_path):
+    """OUT exists: refused without --overwrite; with it, only a megamoe output
+    is replaced (a foreign folder: see tests/convert/test_output_dir.py)."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-mxfp4", **SMALL, seed=4)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("x")
+    assert run_cli("convert", src, out).exit_code == 0
+    before = tree_bytes(out)
     r = run_cli("convert", src, out)
     assert r.exit_code == 2 and f"output folder {out} already exists; pass --overwrite" in r.stderr
-    assert (out / "keep.txt").exists()
+    assert tree_bytes(out) == before
     r = run_cli("convert", src, out, "--overwrite")
     assert r.exit_code == 0, r.output
-    assert not (out / "keep.txt").exists() and (out / MANIFEST_NAME).is_file()
+    assert tree_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
 def test_requantize_policy_end_to_end(tmp_path):
@@ -301,15 +306,13 @@ def test_requantize_policy_end_to_end(tmp_path):
 # --------------------------------------------------------------------------- interrupted run
 
 
-def test_interrupted_run_resumes_to_identical_output(tmp_path):
+def test_interrupted_run_resumes_to_identical_output(tmp_path, crashing_run):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["--max-shard-size", "60KB", "--ep-size", "2"]
     assert run_cli("convert", src, ref, *args).exit_code == 0
     n_tensors = len(read_manifest(ref).tensors)
-    env = {**os.environ, CRASH_ENV: "9"}
-    p = subprocess.run([sys.executable, "-m", "megamoe_convert", "convert", str(src), str(out), *args],
-                       env=env, capture_output=True, text=True, timeout=120)
+    p = crashing_run("tensor", 9, "convert", src, out, *args)
     assert p.returncode == CRASH_EXIT_CODE, p.stderr
     tmp = temp_dir_for(out)
     assert not out.exists() and tmp.is_dir()
@@ -417,21 +420,29 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
 
 
 def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch):
-    """OUT's parent missing, or an interrupted run's temp folder without
-    --resume, is refused before the source is opened (a hub source would be
-    downloaded and every scale read first otherwise)."""
+    """An interrupted run's temp folder without --resume is refused before the
+    source is opened (a hub source would be downloaded and every scale read
+    first otherwise); OUT's missing parents are created, and removed again
+    when the run fails."""
     import megamoe_convert.convert as convert_mod
-    from megamoe_convert.writer import OutputError
+    from megamoe_convert.writer import OutputError, write_temp_marker
+
+    class Opened(Exception):
+        pass
 
     def no_open(*a, **k):
-        raise AssertionError("the source was opened before the output target was checked")
+        raise Opened("the source is opened only now")
 
     monkeypatch.setattr(convert_mod, "open_source", no_open)
-    with pytest.raises(OutputError, match="parent folder .* does not exist"):
-        convert("org/some-model", tmp_path / "nope" / "out")
+    with pytest.raises(Opened):  # every output check passed, parents created ...
+        convert("org/some-model", tmp_path / "nope" / "deeper" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # ... and removed again with the lock
     out = tmp_path / "out"
     temp_dir_for(out).mkdir()
-    with pytest.raises(OutputError, match="interrupted; pass --resume"):
+    with pytest.raises(OutputError, match="not made by megamoe-convert"):  # no marker: not ours
+        convert("org/some-model", out, overwrite=True)
+    write_temp_marker(temp_dir_for(out), out)
+    with pytest.raises(OutputError, match=r"interrupted \(no process holds its lock.*\); pass --resume"):
         convert("org/some-model", out)
     with pytest.raises(OutputError, match="no progress journal"):
         convert("org/some-model", out, resume=True)

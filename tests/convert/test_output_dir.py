@@ -1,0 +1,286 @@
+"""output_dir.py: the converter never deletes, loses or mixes what the user has.
+
+Each dangerous placement is tried for real through the CLI with
+``--overwrite`` and the whole tree is hashed before and after (not a byte may
+change); two runs on one OUT (the second refused naming the live pid); a lock
+left by a ``kill -9`` recognised; a real process killed at every step of the
+final swap, then the same command again completes and leaves no
+``.megamoe-old``, temp folder or lock behind.
+"""
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from megamoe_convert.cli import main
+from megamoe_convert.convert import convert
+from megamoe_convert.output_dir import (
+    SWAP_STEPS,
+    OutputError,
+    OutputLock,
+    check_replaceable,
+    lock_path_for,
+    old_dir_for,
+    temp_dir_for,
+)
+from megamoe_convert.writer import verify_output
+
+
+SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+CRASH_EXIT_CODE = 99  # tests/convert/crashing_cli.py
+
+
+def tree_digest(root) -> dict:
+    """Every entry under `root` (not following symlinks): relative path ->
+    sha256 of a file, the target of a link, or 'dir'. Equal before and after
+    means not a byte changed."""
+    import hashlib
+
+    root = Path(root)
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "link:" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def siblings(out: Path) -> list[str]:
+    """Our names beside OUT that exist."""
+    return sorted(p.name for p in (temp_dir_for(out), old_dir_for(out), lock_path_for(out))
+                  if p.exists() or p.is_symlink())
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def _user_tree(root: Path) -> Path:
+    """A folder of the user's: a project with files and a sub-folder."""
+    root.mkdir(parents=True)
+    (root / "notes.txt").write_text("my notes")
+    (root / "code").mkdir()
+    (root / "code" / "main.py").write_text("print('hi')")
+    return root
+
+
+def test_out_equal_to_inside_or_above_the_source_is_refused(tmp_path, make_ckpt):
+    src = make_ckpt("quark-mxfp4", **SMALL)
+    (src.parent / "sibling.txt").write_text("keep me")
+    before = tree_digest(tmp_path)
+    for out, why in [(src, "is the source folder"), (src.parent, "contains the source folder"),
+                     (src / "sub", "is inside the source folder")]:
+        r = run_cli("convert", src, out, "--overwrite")
+        assert r.exit_code == 2 and why in r.stderr and "may not overlap" in r.stderr, (out, r.output)
+        assert "Traceback" not in r.output
+        assert tree_digest(tmp_path) == before, out
+    # through a symlink to the source: resolved first
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    before = tree_digest(tmp_path)
+    r = run_cli("convert", link, tmp_path / "out", "--overwrite")  # fine: a sibling
+    assert r.exit_code == 0, r.output
+    os.symlink(src, tmp_path / "link2")
+    r = run_cli("convert", src, tmp_path / "link2", "--overwrite")
+    assert r.exit_code == 2 and "is a symlink" in r.stderr
+    assert {k: v for k, v in tree_digest(tmp_path).items() if not k.startswith("out")} == \
+        {**before, "link2": f"link:{src}"}
+
+
+def test_foreign_folder_is_not_overwritten(tmp_path, synth_ckpt):
+    src = synth_ckpt("ct-mxfp8")
+    home = _user_tree(tmp_path / "home")
+    before = tree_digest(tmp_path)
+    r = run_cli("convert", src, home, "--overwrite")
+    assert r.exit_code == 2, r.output
+    assert "is not a megamoe output (no readable megamoe.json) and holds 2 entries (code, notes.txt)" in r.stderr
+    assert tree_digest(tmp_path) == before and siblings(home) == []
+    # a file as OUT
+    r = run_cli("convert", src, home / "notes.txt", "--overwrite")
+    assert r.exit_code == 2 and "is a file" in r.stderr
+    assert tree_digest(tmp_path) == before
+    # an empty folder may be replaced
+    (tmp_path / "empty").mkdir()
+    assert run_cli("convert", src, tmp_path / "empty", "--overwrite").exit_code == 0
+    assert verify_output(tmp_path / "empty").ok
+
+
+def test_megamoe_output_with_foreign_files_is_not_overwritten(tmp_path, synth_ckpt):
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    (out / "my-readme.md").write_text("added by the user")
+    (out / "sub").mkdir()
+    before = tree_digest(tmp_path)
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 2 and "also holds 2 entries its manifest does not list (my-readme.md, sub)" in r.stderr
+    assert tree_digest(tmp_path) == before and siblings(out) == []
+    # a manifest that only claims to be ours is not enough when the files it lists are not what is there
+    with pytest.raises(OutputError, match="does not list"):
+        check_replaceable(out)
+
+
+def test_out_is_the_working_directory_or_above_it(tmp_path, synth_ckpt, monkeypatch):
+    src = synth_ckpt("ct-mxfp8")
+    work = _user_tree(tmp_path / "proj")
+    monkeypatch.chdir(work / "code")
+    before = tree_digest(tmp_path)
+    for out in (".", "..", str(work), "./"):
+        r = run_cli("convert", src, out, "--overwrite")
+        assert r.exit_code == 2 and "is the working directory" in r.stderr, (out, r.output)
+        assert "Device or resource busy" not in r.output and "Traceback" not in r.output
+        assert tree_digest(tmp_path) == before, out
+    assert not any(p.name.startswith(".") for p in tmp_path.rglob("*"))  # no hidden copy left anywhere
+
+
+def test_hub_cache_counts_as_source(tmp_path, synth_ckpt, monkeypatch):
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    (cache / "models--org--name").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    before = tree_digest(tmp_path)
+    for out in (cache, cache / "models--org--name" / "out", tmp_path):
+        with pytest.raises(OutputError, match="may not overlap"):
+            convert("org/name", out, overwrite=True)
+    assert tree_digest(tmp_path) == before
+
+
+def test_missing_parents_are_created(tmp_path, synth_ckpt):
+    out = tmp_path / "a" / "b" / "out"
+    r = run_cli("convert", synth_ckpt("ct-mxfp8"), out, "--json")
+    assert r.exit_code == 0, r.output
+    assert verify_output(out).ok and siblings(out) == []
+
+
+# --------------------------------------------------------------------------- lock
+
+
+def test_second_run_refused_naming_the_live_process(tmp_path, synth_ckpt, crashing_run):
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    first = crashing_run("tensor", "2:6", "convert", src, out, "--no-progress", wait=False)
+    try:
+        deadline = time.time() + 120
+        while b"pausing" not in (_peek_stderr(first)) and time.time() < deadline:
+            time.sleep(0.1)
+        holder = json.loads(lock_path_for(out).read_text())
+        assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            r = run_cli("convert", src, out, *extra)
+            assert r.exit_code == 2, r.output
+            assert f"another megamoe-convert run is writing {out} right now (pid {first.pid} on " in r.stderr
+            assert "interrupted" not in r.stderr
+        assert not out.exists()  # the second run touched nothing
+        _, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert verify_output(out).ok and siblings(out) == []
+
+
+_STDERR_SEEN: dict[int, bytes] = {}
+
+
+def _peek_stderr(p) -> bytes:
+    """What the process has written to stderr so far (non-blocking)."""
+    import fcntl
+
+    fd = p.stderr.fileno()
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+    try:
+        chunk = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        chunk = b""
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl)
+    _STDERR_SEEN[p.pid] = _STDERR_SEEN.get(p.pid, b"") + chunk
+    return _STDERR_SEEN[p.pid]
+
+
+def test_lock_in_process_and_stale_lock(tmp_path, synth_ckpt):
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    with OutputLock(out):
+        with pytest.raises(OutputError, match=rf"right now \(pid {os.getpid()} on"):
+            convert(src, out)
+    assert not lock_path_for(out).exists()  # released and removed
+    # a lock file left by a dead process (kill -9 leaves it; the kernel dropped its flock)
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    lock_path_for(out).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "earlier"}))
+    logs = []
+    convert(src, out, log=logs.append)
+    assert any(f"left by an earlier run (pid {pid} on {socket.gethostname()}, started earlier) that is no longer "
+               "running" in m for m in logs), logs
+    assert verify_output(out).ok and siblings(out) == []
+
+
+# --------------------------------------------------------------------------- killed at every swap step
+
+
+@pytest.mark.parametrize("step", SWAP_STEPS)
+def test_killed_at_each_swap_step_then_plain_rerun_completes(tmp_path, synth_ckpt, ckpts, crashing_run, step):
+    """--overwrite of an existing output, the process killed (os._exit) right
+    after `step`: every byte is under a known name (the old or the new output
+    verifies), and the same command again completes, leaving no
+    .megamoe-old, temp folder or lock."""
+    src_old = synth_ckpt("quark-mxfp4", **SMALL, seed=1)
+    src = synth_ckpt("quark-mxfp4", **SMALL, seed=2)
+    _, ref = ckpts.converted("quark-mxfp4", **SMALL, seed=2)
+    out = tmp_path / "out"
+    convert(src_old, out)
+    old_tree = tree_digest(out)
+    p = crashing_run(step, 1, "convert", src, out, "--overwrite", "--no-progress")
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr
+    # nothing lost: each output is whole under a known name at every step
+    old_home = {"synced": out, "complete": out, "old-moved": old_dir_for(out), "new-moved": old_dir_for(out),
+                "cleaned": old_dir_for(out), "old-removed": None}[step]
+    new_home = {"synced": temp_dir_for(out), "complete": temp_dir_for(out), "old-moved": temp_dir_for(out)}.get(
+        step, out)
+    if old_home is not None:
+        assert tree_digest(old_home) == old_tree, step
+    else:
+        assert not old_dir_for(out).exists()
+    got = {k: v for k, v in tree_digest(new_home).items() if k not in ("megamoe-journal.jsonl", "megamoe-tmp.json")}
+    assert got == tree_digest(ref), step
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 0, (step, r.output)
+    assert tree_digest(out) == tree_digest(ref), step
+    assert siblings(out) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"], step
+
+
+@pytest.mark.parametrize("step", ["complete", "new-moved"])
+def test_killed_before_or_after_the_rename_of_a_first_run(tmp_path, synth_ckpt, ckpts, crashing_run, step):
+    """No OUT before: killed with the temp folder complete (before its rename)
+    or just after it; the plain command again (no --overwrite, no --resume)
+    completes without converting again."""
+    src = synth_ckpt("quark-mxfp4", **SMALL, seed=2)
+    _, ref = ckpts.converted("quark-mxfp4", **SMALL, seed=2)
+    out = tmp_path / "out"
+    p = crashing_run(step, 1, "convert", src, out, "--no-progress")
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr
+    r = run_cli("convert", src, out, "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["resumed_files"] == s["files"] - 1 or "nothing left to do" in r.stderr, r.output
+    assert tree_digest(out) == tree_digest(ref)
+    assert siblings(out) == []
