@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from megamoe_runtime.errors import MegaMoEError
+from megamoe_runtime.json_io import parse_json
+from megamoe_runtime.json_io import read_json
 from megamoe_runtime.manifest import MANIFEST_NAME
 
 TMP_SUFFIX = ".megamoe-tmp"
@@ -47,8 +49,6 @@ LOCK_SUFFIX = ".megamoe-lock"
 #: written first into every temp folder the converter creates: what makes it provably ours
 TMP_MARKER = "megamoe-tmp.json"
 JOURNAL_NAME = "megamoe-journal.jsonl"
-#: a manifest larger than this is not read to decide whether a folder is ours
-_MAX_MANIFEST_BYTES = 256 << 20
 
 #: the steps of a run the converter reports to an ``on_step`` callback (tests plant crashes there)
 STEP_TENSOR = "tensor"  # a tensor was queued to its shard
@@ -168,13 +168,13 @@ def remove_created(created: list[Path]) -> None:
 
 
 def _read_json_object(path: Path) -> dict | None:
-    try:
-        if path.stat().st_size > _MAX_MANIFEST_BYTES:
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+    """A JSON object through the runtime's guarded reader, or None when absent or invalid."""
+    if not path.is_file():
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        return read_json(path)
+    except MegaMoEError:
+        return None
 
 
 def manifest_files(folder: Path) -> set[str] | None:
@@ -255,8 +255,8 @@ def journal_state(tmp: Path) -> tuple[str | None, bool]:
         return None, False
     for line in lines:
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = parse_json(line, str(p))
+        except MegaMoEError:
             continue
         if not isinstance(rec, dict):
             continue
