@@ -1,41 +1,58 @@
-"""Conversion benchmark: throughput against `cp`, and peak memory at two sizes.
+"""Conversion benchmark: megamoe-convert beside ``cp -r`` + ``sync`` in the same run.
 
-    python bench/convert.py                    # >= 2 GB of expert weights (default)
-    python bench/convert.py --expert-gb 8      # scale up
-    python bench/convert.py --format modelopt-nvfp4 --workdir /mnt/fast/bench
+    python bench/convert.py                              # 1 GiB and ~3 GB, 3 rounds
+    python bench/convert.py --gb 1 --repeat 5 --cpus "0;0,1"  # 1- vs 2-core scaling
+    python bench/convert.py --peer-python /path/venv/bin/python   # + compressed-tensors column
+    python bench/convert.py --baseline-tree /tmp/old-checkout     # + the same converter at another commit
 
-What it does, all on the same disk (``--workdir``, default a temporary folder
-beside the current directory):
+The workload (issue 13) is the format NVIDIA publishes its large MoE
+checkpoints in: a ModelOpt NVFP4 export with NVFP4 shared experts and
+DeepSeek-V3 naming (``model.layers.N.mlp.experts.E.{gate,up,down}_proj``,
+``mlp.shared_experts``, ``model_type: deepseek_v3``), built with
+``megamoe_convert.synth``. Every layer: hidden 2048, moe_intermediate 768,
+64 routed experts, 2 shared experts (one MLP of width 1536, re-encoded to
+MXFP8 for the nvfp4 row's fused shared path) and bf16 attention weights
+(passed through). The layer count is chosen per ``--gb`` target.
 
-1. builds two synthetic checkpoints with ``megamoe_convert.synth`` that have
-   the same MoE layer shape (default Qwen3-30B-A3B-like: hidden 2048,
-   intermediate 768, 128 experts) and different layer counts: the large one
-   holds at least ``--expert-gb`` of expert weights, the small one a quarter
-   of the layers (at least 2);
-2. for each: copies the source's ``*.safetensors`` with ``cp`` (then
-   ``sync``), and converts it with ``megamoe-convert`` in a subprocess
-   (which fsyncs every shard), best of ``--repeat`` runs each;
-3. reports GB/s (source bytes / seconds), the ratio to ``cp`` (+sync), and
-   the converter subprocess's peak RSS (``VmHWM`` from /proc/self/status, read
-   by the subprocess itself at exit) next to one layer's expert bytes.
+Method, per size: sources are built once (cached under ``--workdir`` with
+``--keep``), warmed into the page cache, and then every contender runs once
+per round, round-robin, with the order rotated each round, so load from other
+jobs on the machine hits all of them alike:
 
-The goal: conversion >= 0.7x cp, and peak RSS ~ two layers + a constant
-(the converter double-buffers), the same at both model sizes. Prints a
-Markdown section for BENCHMARKS.md.
+* ``cp``: ``cp -r SRC DST`` then ``sync DST/*`` (fsync of every copied file:
+  the converter also fsyncs each file it writes, and a global ``sync`` would
+  also wait for other jobs' dirty pages);
+* ``convert``: ``megamoe_convert.convert.convert()`` in a fresh subprocess
+  (fsyncs every file before its final rename). Reported: the time of the call
+  (imports excluded, as for ``cp``) and of the whole process, and its peak RSS
+  (``VmHWM``);
+* ``ct`` (``--peer-python``): compressed-tensors' ``convert_checkpoint`` with
+  its ModelOpt NVFP4 converter, in that interpreter (its own venv);
+* ``baseline`` (``--baseline-tree``): the converter from another source tree
+  (e.g. ``git archive`` of an older commit), to show before/after paired.
+
+``--cpus "0;0,1"`` runs every contender under ``taskset -c 0`` and ``-c
+0,1`` in the same rounds. A global ``sync`` (untimed) precedes each timed
+run. Reported: medians over rounds, GB/s of source bytes, each contender's
+ratio to the cp + sync median, and the load average. Prints Markdown for
+BENCHMARKS.md (stdout) and per-run JSON lines (stderr, or ``--json FILE``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+H, I, E, S = 2048, 768, 64, 2
+FMT = "modelopt-nvfp4"
 
 
 def _status_kb(field: str) -> int:
@@ -45,118 +62,180 @@ def _status_kb(field: str) -> int:
     return -1
 
 
-def child(src: str, out: str, max_shard: str) -> None:
+def child(src: str, out: str, checksum: str | None) -> None:
     """Runs in the measured subprocess: convert, then report time and memory."""
+    t_start = float(os.environ.get("MEGAMOE_BENCH_T0", time.time()))
     from megamoe_convert.convert import convert
 
+    kwargs = {"checksum": checksum} if checksum else {}
     base = _status_kb("VmRSS")
     t = time.perf_counter()
-    s = convert(src, out, max_shard_size=max_shard)
+    r0 = os.times()
+    s = convert(src, out, **kwargs)
+    r1 = os.times()
     dt = time.perf_counter() - t
-    print(json.dumps({"seconds": dt, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "layers": s.layers,
-                      "experts": s.experts, "rss_base_kb": base, "vmhwm_kb": _status_kb("VmHWM")}))
+    print(json.dumps({"seconds": dt, "process_s": time.time() - t_start, "bytes_in": s.bytes_in,
+                      "user_s": r1.user - r0.user, "sys_s": r1.system - r0.system,
+                      "rss_base_kb": base, "vmhwm_kb": _status_kb("VmHWM")}))
 
 
-def layer_expert_bytes(fmt: str, H: int, I: int, E: int) -> int:
-    per = {"mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32, "bf16": 2.0}
-    from megamoe_convert.synth import ROW_OF
+def ct_child(src: str, out: str) -> None:
+    """compressed-tensors' converter (run with --peer-python's interpreter)."""
+    t_start = float(os.environ.get("MEGAMOE_BENCH_T0", time.time()))
+    from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter, convert_checkpoint
 
-    return int(3 * H * I * E * per[ROW_OF[fmt]])
+    experts = r"re:.*\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj$"
+    t = time.perf_counter()
+    convert_checkpoint(model_stub=src, save_directory=out, converter=ModelOptNvfp4Converter(targets=[experts]))
+    for p in Path(out).rglob("*"):  # fsync like the other contenders
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    dt = time.perf_counter() - t
+    print(json.dumps({"seconds": dt, "process_s": time.time() - t_start, "vmhwm_kb": _status_kb("VmHWM")}))
 
 
-def build(path: Path, fmt: str, layers: int, H: int, I: int, E: int) -> float:
+def layer_bytes() -> int:
+    """Source bytes of one layer: routed + shared NVFP4 experts, bf16 attention, norms, router."""
+    nv = 0.5 + 1 / 16
+    return int(3 * H * I * (E + S) * nv) + 4 * H * H * 2 + E * H * 2
+
+
+def build(path: Path, layers: int) -> None:
     from megamoe_convert import synth
 
-    t = time.perf_counter()
-    synth.build_synthetic_checkpoint(path, fmt, num_layers=layers, hidden=H, intermediate=I, num_experts=E,
-                                     top_k=8, max_shard_bytes=2_000_000_000, vocab_size=1024)
-    return time.perf_counter() - t
+    synth.build_synthetic_checkpoint(path, FMT, num_layers=layers, hidden=H, intermediate=I, num_experts=E,
+                                     shared=S, top_k=8, model_type="deepseek_v3",
+                                     max_shard_bytes=2_000_000_000, vocab_size=1024)
 
 
 def src_bytes(src: Path) -> int:
-    return sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    return sum(p.stat().st_size for p in src.iterdir() if p.is_file())
 
 
-def time_cp(src: Path, dst: Path) -> tuple[float, float]:
-    """(cp seconds, cp + sync seconds) for the source's safetensors files."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir()
+def _sync_all() -> None:
     subprocess.run(["sync"], check=True)
+
+
+def _taskset(cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus] if cpus else []
+
+
+def run_cp(src: Path, dst: Path, cpus: str | None) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    _sync_all()
     t = time.perf_counter()
-    subprocess.run(["cp", *map(str, sorted(src.glob("*.safetensors"))), str(dst)], check=True)
+    subprocess.run([*_taskset(cpus), "cp", "-r", str(src), str(dst)], check=True)
     t_cp = time.perf_counter() - t
-    subprocess.run(["sync"], check=True)
-    return t_cp, time.perf_counter() - t
+    subprocess.run([*_taskset(cpus), "sync", *map(str, sorted(p for p in dst.iterdir()))], check=True)
+    return {"seconds": time.perf_counter() - t, "cp_only_s": t_cp}
 
 
-def time_convert(src: Path, out: Path, max_shard: str) -> dict:
-    if out.exists():
-        shutil.rmtree(out)
-    subprocess.run(["sync"], check=True)
-    p = subprocess.run([sys.executable, __file__, "--child", str(src), str(out), max_shard],
-                       check=True, capture_output=True, text=True)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def run_child(args: list[str], out: Path, cpus: str | None, python: str, env_path: str | None) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    _sync_all()
+    env = dict(os.environ, MEGAMOE_BENCH_T0=repr(time.time()))
+    if env_path is not None:
+        env["PYTHONPATH"] = env_path
+    t = time.perf_counter()
+    p = subprocess.run([*_taskset(cpus), python, __file__, *args], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r["process_s"] = wall
+    return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--expert-gb", type=float, default=2.0, help="expert weight GB of the large model (>= 2)")
-    ap.add_argument("--format", default="modelopt-mxfp4", help="synthetic source format")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--max-shard-size", default="5GB")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
-    ap.add_argument("--workdir", type=Path, default=None, help="folder on the disk to measure (default: ./)")
-    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
+    ap.add_argument("--gb", default="1.074,3.2", help="source sizes in GB, comma separated (1.074 GB = 1 GiB)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (every contender once per round); medians")
+    ap.add_argument("--cpus", default="", help="taskset CPU lists separated by ';' (e.g. '0;0,1'); default: all")
+    ap.add_argument("--checksum", default=None, help="convert --checksum (default: the converter's default)")
+    ap.add_argument("--peer-python", default=None, help="python with compressed-tensors for the CT column")
+    ap.add_argument("--baseline-tree", type=Path, default=None, help="another megamoe source tree to compare")
+    ap.add_argument("--workdir", type=Path, default=None, help="folder on the disk to measure (default: /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep (and reuse) the generated sources in --workdir")
+    ap.add_argument("--json", type=Path, default=None, help="also write every run as JSON lines here")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--ct-child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(*a.child)
+        child(a.child[0], a.child[1], a.child[2] if a.child[2] != "-" else None)
+        return
+    if a.ct_child:
+        ct_child(*a.ct_child)
         return
 
-    H, I, E = a.hidden, a.intermediate, a.experts
-    per_layer = layer_expert_bytes(a.format, H, I, E)
-    big_layers = max(1, math.ceil(a.expert_gb * 1e9 / per_layer))
-    # at least 2 layers: the converter double-buffers (layer L+1 is packed while layer L is hashed and
-    # written), so a 1-layer model would not show the steady-state memory
-    small_layers = max(2, big_layers // 4)
-    root = Path(tempfile.mkdtemp(prefix="megamoe-bench-", dir=a.workdir or Path.cwd()))
+    workdir = a.workdir or Path(tempfile.gettempdir())
+    root = workdir / "megamoe-bench-convert" if a.keep else Path(tempfile.mkdtemp(prefix="megamoe-bench-", dir=workdir))
+    root.mkdir(parents=True, exist_ok=True)
+    cpu_sets = [c.strip() or None for c in a.cpus.split(";")] if a.cpus else [None]
+    here = str(Path(__file__).resolve().parents[1])
+    contenders = [("cp", None), ("convert", here)]
+    if a.baseline_tree:
+        contenders.append(("baseline", str(a.baseline_tree.resolve())))
+    if a.peer_python:
+        contenders.append(("ct", None))
+    log = open(a.json, "a") if a.json else None
     rows = []
     try:
-        for name, layers in (("small", small_layers), ("large", big_layers)):
-            src = root / f"src-{name}"
-            gen = build(src, a.format, layers, H, I, E)
+        for gb in (float(x) for x in a.gb.split(",")):
+            layers = max(2, round(gb * 1e9 / layer_bytes()))
+            src = root / f"src-{layers}"
+            if not (src / "config.json").is_file():
+                shutil.rmtree(src, ignore_errors=True)
+                build(src, layers)
             nbytes = src_bytes(src)
-            cps, cpss, convs = [], [], []
-            for _ in range(a.repeat):
-                c, cs = time_cp(src, root / "cp")
-                cps.append(c)
-                cpss.append(cs)
-                convs.append(time_convert(src, root / "out", a.max_shard_size))
-            shutil.rmtree(root / "cp", ignore_errors=True)
-            shutil.rmtree(root / "out", ignore_errors=True)
-            conv = min(convs, key=lambda r: r["seconds"])
-            rows.append({
-                "model": name, "layers": layers, "expert_bytes": per_layer * layers, "source_bytes": nbytes,
-                "gen_s": gen, "cp_s": min(cps), "cp_sync_s": min(cpss), "convert_s": conv["seconds"],
-                "convert_gbps": nbytes / conv["seconds"] / 1e9, "cp_gbps": nbytes / min(cps) / 1e9,
-                "cp_sync_gbps": nbytes / min(cpss) / 1e9,
-                "ratio_cp": min(cps) / conv["seconds"], "ratio_cp_sync": min(cpss) / conv["seconds"],
-                "peak_rss_mb": conv["vmhwm_kb"] / 1024, "base_rss_mb": conv["rss_base_kb"] / 1024,
-                "layer_mb": per_layer / 1e6,
-            })
-            print(json.dumps(rows[-1]), file=sys.stderr)
+            run_cp(src, root / "dst", None)  # warm-up: source into the page cache
+            load_start = os.getloadavg()
+            runs: dict[tuple[str, str | None], list[dict]] = {}
+            jobs = [(c, cpus) for cpus in cpu_sets for c in contenders]
+            for rnd in range(a.repeat):
+                k = rnd % len(jobs)
+                for (name, tree), cpus in jobs[k:] + jobs[:k]:
+                    if name == "cp":
+                        r = run_cp(src, root / "dst", cpus)
+                    elif name == "ct":
+                        r = run_child(["--ct-child", str(src), str(root / "dst")], root / "dst", cpus,
+                                      a.peer_python, None)
+                    else:
+                        r = run_child(["--child", str(src), str(root / "dst"), a.checksum or "-"], root / "dst",
+                                      cpus, sys.executable, tree)
+                    shutil.rmtree(root / "dst", ignore_errors=True)
+                    r.update(contender=name, cpus=cpus or "all", round=rnd, gb=nbytes / 1e9, layers=layers,
+                             load=os.getloadavg()[0])
+                    runs.setdefault((name, cpus), []).append(r)
+                    print(json.dumps(r), file=log or sys.stderr, flush=True)
+            load_end = os.getloadavg()
+            for cpus in cpu_sets:
+                cp_med = statistics.median(r["seconds"] for r in runs[("cp", cpus)])
+                for name, _ in contenders:
+                    rs = runs[(name, cpus)]
+                    med = statistics.median(r["seconds"] for r in rs)
+                    rows.append({
+                        "gb": nbytes / 1e9, "layers": layers, "cpus": cpus or f"all ({os.cpu_count()})",
+                        "contender": name, "median_s": med, "min_s": min(r["seconds"] for r in rs),
+                        "max_s": max(r["seconds"] for r in rs), "gbps": nbytes / med / 1e9,
+                        "ratio": cp_med / med,
+                        "process_s": statistics.median(r.get("process_s", r["seconds"]) for r in rs),
+                        "peak_rss_mb": max((r.get("vmhwm_kb", 0) for r in rs), default=0) / 1024 or None,
+                        "load": f"{load_start[0]:.1f} -> {load_end[0]:.1f}",
+                        "cpu_s": statistics.median(r["user_s"] + r["sys_s"] for r in rs) if "user_s" in rs[0] else None,
+                    })
             if not a.keep:
                 shutil.rmtree(src)
     finally:
+        if log:
+            log.close()
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print_markdown(a, rows, H, I, E)
+    print_markdown(a, rows)
 
 
-def print_markdown(a, rows: list[dict], H: int, I: int, E: int) -> None:
+def print_markdown(a, rows: list[dict]) -> None:
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -165,21 +244,19 @@ def print_markdown(a, rows: list[dict], H: int, I: int, E: int) -> None:
                 break
     except OSError:
         pass
-    print(f"## Conversion ({time.strftime('%Y-%m-%d')})\n")
-    print(f"Command: `python bench/convert.py --expert-gb {a.expert_gb:g} --format {a.format}` "
-          f"(layer: hidden {H}, intermediate {I}, {E} experts; best of {a.repeat}).")
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"## Conversion ({time.strftime('%Y-%m-%d %H:%M')})\n")
+    print(f"Command: `python bench/convert.py {' '.join(sys.argv[1:])}` ({FMT}, DeepSeek-V3 naming; layer: hidden "
+          f"{H}, moe_intermediate {I}, {E} routed + {S} shared experts; median of {a.repeat} rounds).")
     print(f"Machine: {os.cpu_count()}-core CPU VM ({cpu or platform.processor()}), "
-          f"{platform.system()} {platform.release()}, Python {platform.python_version()}; "
-          f"load average at the end {load}.\n")
-    print("| model | MoE layers | source bytes | cp | cp + sync | convert (fsynced) | vs cp | vs cp+sync "
-          "| peak RSS | RSS after imports | one layer's experts |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{platform.system()} {platform.release()}, Python {platform.python_version()}.\n")
+    print("| source | cpus | tool | median s (min-max) | GB/s | vs cp + sync | process s | CPU s | peak RSS | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['layers']} | {r['source_bytes'] / 1e9:.2f} GB | {r['cp_gbps']:.2f} GB/s "
-              f"| {r['cp_sync_gbps']:.2f} GB/s | {r['convert_gbps']:.2f} GB/s ({r['convert_s']:.1f} s) "
-              f"| {r['ratio_cp']:.2f}x | {r['ratio_cp_sync']:.2f}x | {r['peak_rss_mb']:.0f} MB "
-              f"| {r['base_rss_mb']:.0f} MB | {r['layer_mb']:.0f} MB |")
+        rss = f"{r['peak_rss_mb']:.0f} MB" if r["peak_rss_mb"] else "-"
+        cpu_s = f"{r['cpu_s']:.1f}" if r["cpu_s"] is not None else "-"
+        print(f"| {r['gb']:.2f} GB ({r['layers']} layers) | {r['cpus']} | {r['contender']} "
+              f"| {r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gbps']:.3f} | {r['ratio']:.2f}x "
+              f"| {r['process_s']:.2f} | {cpu_s} | {rss} | {r['load']} |")
 
 
 if __name__ == "__main__":

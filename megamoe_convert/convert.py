@@ -234,14 +234,19 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
     src_row = get_row(encoding)
     if encoding == "mxfp4" and precision == "mxfp8":
         def up(p: ProjectionTensors) -> ProjectionTensors:
-            vals = codecs.e2m1_decode(codecs.unpack_e2m1(p.weight))
-            return ProjectionTensors(codecs.e4m3_encode(vals), p.scale)
+            return ProjectionTensors(codecs.e2m1_packed_to_e4m3(p.weight), p.scale)
         return [ExpertTensors(up(e.gate), up(e.up), up(e.down)) for e in experts], \
             {"conversion": "mxfp4->mxfp8 (exact)", "max_abs_change": 0.0}
     out, worst = [], 0.0
     for e in experts:
         projs = []
         for _, p in e.projections():
+            if encoding == "nvfp4" and precision == "mxfp8":  # the same bits as the general path, fused
+                g = 1.0 if p.global_scale is None else float(p.global_scale)
+                w, s, change = codecs.nvfp4_to_mxfp8(p.weight, p.scale, g)
+                worst = max(worst, float(change) if w.numel() else 0.0)
+                projs.append(ProjectionTensors(w, s))
+                continue
             x = p.dequantize(src_row)
             if precision == "bf16":
                 q = ProjectionTensors(x.to(torch.bfloat16))

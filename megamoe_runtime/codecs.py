@@ -35,6 +35,8 @@ __all__ = [
     "NVFP4_GROUP",
     "NVFP4_TOKEN_AMAX_FLOOR",
     "e2m1_decode",
+    "e2m1_decode_packed",
+    "e2m1_packed_to_e4m3",
     "e2m1_encode",
     "pack_e2m1",
     "unpack_e2m1",
@@ -50,6 +52,7 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_per_token",
     "quantize_nvfp4_weight",
+    "nvfp4_to_mxfp8",
     "dequantize_mx",
     "dequantize_nvfp4",
 ]
@@ -172,7 +175,8 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """Decode 4-bit E2M1 codes (low nibble of each uint8/int8 element) to float32.
 
     Built from the fp32 bit pattern, so it is exact by construction and needs
-    no lookup table on the device. Code 8 decodes to -0.0.
+    no lookup table on the device. Code 8 decodes to -0.0. (For packed bytes
+    on the CPU, :func:`e2m1_decode_packed` gives the same bits from a table.)
     """
     c = _as_bytes(codes, "e2m1_decode codes").to(torch.int32) & 0xF
     mag = c & 7
@@ -182,6 +186,90 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     bits = torch.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
     v = bits.view(torch.float32)
     return torch.where(c >= 8, -v, v)
+
+
+# --------------------------------------------------------------------------
+# Byte lookup tables (CPU)
+#
+# The converter decodes and re-encodes whole checkpoints on the CPU, where
+# the arithmetic decoders above cost about ten int32 passes per element.
+# A table indexed by the packed byte touches each byte once: one widening to
+# an int32 index and one gather (``index_select``). Every table is built
+# from the arithmetic codec itself, so the bits are the same by construction
+# (the tests compare all 256 bytes). CUDA tensors keep the arithmetic path:
+# it needs no table on the device (no copy, nothing to capture in a graph).
+# --------------------------------------------------------------------------
+
+_TABLES: dict[str, tuple[torch.Tensor, torch.dtype, int]] = {}
+
+
+def _table(name: str) -> tuple[torch.Tensor, torch.dtype, int]:
+    """(1-D CPU table of 256 entries, the output dtype, output elements per byte).
+
+    Built once from the arithmetic codecs. An entry holding two output
+    elements is stored as one wider integer (two fp32 -> one int64, two E4M3
+    bytes -> one int16): the gather then copies whole entries, which is the
+    fast path of ``index_select``, and viewing the result back needs no
+    assumption about byte order (the bytes are copied as they are)."""
+    t = _TABLES.get(name)
+    if t is None:
+        every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        if name == "e2m1_pair_f32":  # byte -> (low-nibble value, high-nibble value)
+            vals, out, wide = e2m1_decode(unpack_e2m1(every.view(256, 1))), torch.float32, torch.int64
+        elif name == "e4m3_f32":  # E4M3 byte -> its fp32 value
+            vals, out, wide = every.view(torch.float8_e4m3fn).to(torch.float32).view(256, 1), torch.float32, None
+        elif name == "e2m1_pair_e4m3":  # byte -> two E4M3 bytes (exact: E2M1 values are E4M3 values)
+            vals = e4m3_encode(e2m1_decode(unpack_e2m1(every.view(256, 1)))).view(torch.uint8)
+            out, wide = torch.float8_e4m3fn, torch.int16
+        else:  # pragma: no cover - internal names only
+            raise KeyError(name)
+        vals = vals.contiguous()
+        entries = vals.view(wide).view(256) if wide is not None else vals.view(256)
+        _TABLES[name] = t = (entries, out, vals.shape[1])
+    return t
+
+
+def _lookup(b: torch.Tensor, name: str) -> torch.Tensor:
+    """``table[b]`` for uint8 ``b [..., n]`` -> ``[..., n * width]`` of the table's
+    output dtype (one widening of the bytes to int32 indices, one gather)."""
+    entries, out, width = _table(name)
+    got = torch.index_select(entries, 0, b.reshape(-1).to(torch.int32))
+    got = got.view(torch.uint8).view(out) if got.dtype != out else got
+    return got.view(*b.shape[:-1], b.shape[-1] * width)
+
+
+def _use_tables(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes ``[..., n]`` -> float32 ``[..., 2n]`` (low nibble first).
+
+    Equals ``e2m1_decode(unpack_e2m1(packed))`` bit for bit; on the CPU it is
+    one table lookup per byte instead of an unpack and ten int32 passes.
+    """
+    b = _as_bytes(packed, "e2m1_decode_packed bytes")
+    if b.dim() == 0:
+        raise LayoutError("e2m1_decode_packed: expected at least one dim of packed bytes, got a 0-d tensor")
+    if not _use_tables(b):
+        return e2m1_decode(unpack_e2m1(b))
+    return _lookup(b, "e2m1_pair_f32")
+
+
+def e2m1_packed_to_e4m3(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes ``[..., n]`` -> float8_e4m3fn ``[..., 2n]``: the same values (exact).
+
+    Every E2M1 value is an E4M3 value, so MXFP4 -> MXFP8 keeps the UE8M0
+    scales and changes only the element encoding. Equals
+    ``e4m3_encode(e2m1_decode(unpack_e2m1(packed)))``; on the CPU one table
+    lookup per byte gives both output bytes.
+    """
+    b = _as_bytes(packed, "e2m1_packed_to_e4m3 bytes")
+    if b.dim() == 0:
+        raise LayoutError("e2m1_packed_to_e4m3: expected at least one dim of packed bytes, got a 0-d tensor")
+    if not _use_tables(b):
+        return e4m3_encode(e2m1_decode(unpack_e2m1(b)))
+    return _lookup(b, "e2m1_pair_e4m3").view(torch.float8_e4m3fn)
 
 
 def e2m1_encode(x: torch.Tensor, ties: str = "even") -> torch.Tensor:
@@ -263,6 +351,8 @@ def e4m3_decode(x: torch.Tensor) -> torch.Tensor:
     """Decode E4M3fn (a float8_e4m3fn tensor, or its raw uint8/int8 bytes) to float32. Exact."""
     if x.dtype != torch.float8_e4m3fn:
         x = _as_bytes(x, "e4m3_decode").view(torch.float8_e4m3fn)
+    if _use_tables(x) and x.dim() > 0 and x.numel() >= 4096:  # the CPU cast is ~25x slower than a lookup
+        return _lookup(x.view(torch.uint8), "e4m3_f32")
     return x.to(torch.float32)
 
 
@@ -543,7 +633,7 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def _element_values(elems: torch.Tensor, element: str) -> torch.Tensor:
     if element == "e2m1":
-        return e2m1_decode(unpack_e2m1(elems))
+        return e2m1_decode_packed(elems)
     if element == "e4m3":
         return e4m3_decode(elems)
     raise FormatError(f"element={element!r} is not a known element format; use 'e2m1' or 'e4m3'")
@@ -585,9 +675,67 @@ def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: Scale
     value per row (a per-token scale). The block factor is formed first, as
     ModelOpt and DGv do.
     """
-    vals = e2m1_decode(unpack_e2m1(packed))
+    vals = e2m1_decode_packed(packed)
     _check_group_shape(vals, sf, NVFP4_GROUP, "dequantize_nvfp4")
     gs = _per_group(_scalar_or_rows(global_scale, vals, "dequantize_nvfp4"))
     block = e4m3_decode(sf) * gs
     out = vals.unflatten(-1, (block.shape[-1], NVFP4_GROUP)) * block.unsqueeze(-1)
     return out.reshape(vals.shape)
+
+
+#: elements per chunk of `nvfp4_to_mxfp8` (its fp32 temporaries stay in the L2 cache)
+_REENCODE_CHUNK = 1 << 18
+
+
+def nvfp4_to_mxfp8(
+    packed: torch.Tensor, sf: torch.Tensor, global_scale: ScaleLike
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-encode NVFP4 as MXFP8: ``(q float8_e4m3fn [..., K], sf uint8 [..., K/32], max_abs_change)``.
+
+    What the converter does to NVFP4 shared experts for a row that fuses them
+    as MXFP8, bit for bit equal to::
+
+        x = dequantize_nvfp4(packed, sf, global_scale)
+        q, e = quantize_mxfp8(x)
+        max_abs_change = (dequantize_mx(q, e, "e4m3") - x).abs().max()   # 0-d fp32; 0 if empty
+
+    but done in chunks of rows, so that the fp32 temporaries stay in cache,
+    with table decodes and in-place ops: each source byte is read once and
+    each output byte written once (the composition above makes about twenty
+    full-size fp32 passes).
+    """
+    b = _as_bytes(packed, "nvfp4_to_mxfp8 packed")
+    if b.dim() == 0 or tuple(sf.shape[:-1]) != tuple(b.shape[:-1]) or b.shape[-1] * 2 != sf.shape[-1] * NVFP4_GROUP:
+        raise LayoutError(
+            f"nvfp4_to_mxfp8: packed {tuple(b.shape)} (K/2 bytes per row) needs block scales "
+            f"{tuple(b.shape[:-1])} + (K/16,); got {tuple(sf.shape)}")
+    K = 2 * b.shape[-1]
+    if K % MX_GROUP != 0:
+        raise LayoutError(f"nvfp4_to_mxfp8: K = {K} must be a multiple of {MX_GROUP} (one MXFP8 scale per 32)")
+    lead = tuple(b.shape[:-1])
+    rows = b.reshape(-1, K // 2)
+    sfb = _as_bytes(sf, "nvfp4_to_mxfp8 scale").reshape(-1, K // NVFP4_GROUP)
+    gs = _scalar_or_rows(global_scale, torch.empty(lead + (0,), device=b.device), "nvfp4_to_mxfp8")
+    gs = gs.reshape(-1, 1) if gs.dim() > 0 else gs
+    R = rows.shape[0]
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=b.device)
+    e = torch.empty(R, K // MX_GROUP, dtype=torch.uint8, device=b.device)
+    worst = torch.zeros((), dtype=torch.float32, device=b.device)
+    step = max(1, _REENCODE_CHUNK // max(K, 1)) if K else R + 1
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        n = r1 - r0
+        g_rows = gs[r0:r1] if gs.dim() > 0 else gs
+        block = e4m3_decode(sfb[r0:r1]) * g_rows  # [n, K/16], the block factor first (as dequantize_nvfp4)
+        x = e2m1_decode_packed(rows[r0:r1]).view(n, K // NVFP4_GROUP, NVFP4_GROUP)
+        x.mul_(block.unsqueeze(-1))
+        g = x.view(n, K // MX_GROUP, MX_GROUP)
+        ec, inv = _mx_scale(g, E4M3_MAX)
+        e[r0:r1] = ec
+        y = g * inv.unsqueeze(-1)
+        qc = e4m3_encode(y)
+        q[r0:r1] = qc.view(n, K)
+        back = e4m3_decode(qc).view(n, K // MX_GROUP, MX_GROUP)
+        back.mul_(ue8m0_decode(ec, check=False).unsqueeze(-1))
+        worst = torch.maximum(worst, back.sub_(g).abs_().amax())
+    return q.view(*lead, K), e.view(*lead, K // MX_GROUP), worst

@@ -381,6 +381,33 @@ def test_shared_precision_nvfp4(tmp_path, precision):
     assert results and all(r.ok and r.shared_fused for r in results), results
 
 
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "quark-mxfp4"])
+def test_fast_codecs_write_the_same_bytes(tmp_path, monkeypatch, fmt):
+    """The table and fused codecs (NVFP4 -> MXFP8 and MXFP4 -> MXFP8 shared experts,
+    table decodes) write exactly the bytes the composed arithmetic codecs wrote
+    before them: the whole output folder, manifest included, is compared."""
+    from megamoe_runtime import codecs as C
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SMALL, shared=1, seed=5)
+    convert(src, tmp_path / "fast")
+
+    def composed_nvfp4_to_mxfp8(packed, sf, g):
+        x = C.dequantize_nvfp4(packed, sf, g)
+        q, e = C.quantize_mxfp8(x)
+        return q, e, (C.dequantize_mx(q, e, "e4m3") - x).abs().max()
+
+    monkeypatch.setattr(C, "_use_tables", lambda t: False)  # every decode on the arithmetic path
+    monkeypatch.setattr(C, "nvfp4_to_mxfp8", composed_nvfp4_to_mxfp8)
+    monkeypatch.setattr(C, "e2m1_packed_to_e4m3", lambda p: C.e4m3_encode(C.e2m1_decode(C.unpack_e2m1(p))))
+    convert(src, tmp_path / "slow")
+    fast, slow = tree_bytes(tmp_path / "fast"), tree_bytes(tmp_path / "slow")
+    assert fast.keys() == slow.keys() and all(fast[k] == slow[k] for k in fast), \
+        [k for k in fast if fast[k] != slow.get(k)]
+    conversions = {le.shared["conversion"] for le in read_manifest(tmp_path / "fast").layers}
+    assert conversions == {"nvfp4->mxfp8 (dequantize, re-encode)" if fmt == "modelopt-nvfp4"
+                           else "mxfp4->mxfp8 (exact)"}
+
+
 def test_shared_precision_refused_by_row(tmp_path):
     from megamoe_runtime.errors import FormatError
 

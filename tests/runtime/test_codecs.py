@@ -7,6 +7,7 @@ encoders written here from the math, never the code under test.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -781,6 +782,132 @@ def test_dequantize_nvfp4_golden(device):
     # raw E4M3 bytes are accepted too; a per-row global multiplies each row
     out2 = C.dequantize_nvfp4(packed, sf.view(U8), t([0.5], device=device))
     assert torch.equal(out, out2)
+
+
+# ---------------------------------------------------------------------------
+# Byte tables (the CPU fast paths of the converter), bit for bit against the arithmetic codecs
+# ---------------------------------------------------------------------------
+
+EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(U8)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """Raw bits of a float tensor, so -0.0 vs 0.0 and NaN payloads count."""
+    return x.contiguous().view({4: torch.int32, 1: U8}[x.element_size()])
+
+
+def test_e2m1_decode_packed_every_byte():
+    want = C.e2m1_decode(C.unpack_e2m1(EVERY_BYTE.view(16, 16)))  # the arithmetic path
+    got = C.e2m1_decode_packed(EVERY_BYTE.view(16, 16))
+    assert got.shape == (16, 32) and got.dtype == F32
+    assert torch.equal(bits(got), bits(want))
+    # int8 bytes, batch dims and a non-contiguous view give the same bits
+    assert torch.equal(bits(C.e2m1_decode_packed(EVERY_BYTE.view(torch.int8).view(4, 4, 16))), bits(want.view(4, 4, 32)))
+    nc = EVERY_BYTE.view(16, 16).t()
+    assert torch.equal(bits(C.e2m1_decode_packed(nc)), bits(C.e2m1_decode(C.unpack_e2m1(nc.contiguous()))))
+    # low nibble first: byte 0x71 -> (0.5, 6.0); 0x8F -> (-6.0, -0.0)
+    assert lst(C.e2m1_decode_packed(t([[0x71, 0x8F]], dtype=U8))) == [[0.5, 6.0, -6.0, -0.0]]
+
+
+def test_e2m1_packed_to_e4m3_every_byte():
+    want = C.e4m3_encode(C.e2m1_decode(C.unpack_e2m1(EVERY_BYTE.view(8, 32))))
+    got = C.e2m1_packed_to_e4m3(EVERY_BYTE.view(8, 32))
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (8, 64)
+    assert torch.equal(bits(got), bits(want))
+    # exact: decoding the E4M3 bytes gives the E2M1 values back
+    assert torch.equal(bits(C.e4m3_decode(got)), bits(C.e2m1_decode_packed(EVERY_BYTE.view(8, 32))))
+
+
+def test_e4m3_decode_table_every_byte():
+    """Large inputs take the table (small ones the cast): both give the cast's bits, NaNs included."""
+    many = EVERY_BYTE.repeat(64).view(64, 256)  # 16384 bytes: the table path
+    want = many.view(torch.float8_e4m3fn).to(F32)
+    assert torch.equal(bits(C.e4m3_decode(many)), bits(want))
+    assert torch.equal(bits(C.e4m3_decode(many.view(torch.float8_e4m3fn))), bits(want))
+    assert torch.equal(bits(C.e4m3_decode(many.t())), bits(want.t()))  # a strided view
+
+
+def test_byte_tables_negative_control(monkeypatch):
+    """A table with the nibbles swapped (the classic packing bug) is caught by the comparisons above."""
+    entries, out, width = C._table("e2m1_pair_f32")
+    swapped = entries.view(F32).view(256, 2).flip(1).contiguous().view(torch.int64).view(256)
+    monkeypatch.setitem(C._TABLES, "e2m1_pair_f32", (swapped, out, width))
+    want = C.e2m1_decode(C.unpack_e2m1(EVERY_BYTE.view(16, 16)))
+    assert not torch.equal(bits(C.e2m1_decode_packed(EVERY_BYTE.view(16, 16))), bits(want))
+
+
+def _reencode_reference(packed, sf, g):
+    """NVFP4 -> MXFP8 as the converter did before the fused codec: compose the public pieces,
+    on the arithmetic decoders (tables off)."""
+    x = C.e2m1_decode(C.unpack_e2m1(packed)).unflatten(-1, (sf.shape[-1], 16))
+    gs = g if isinstance(g, float) else g.unsqueeze(-1)
+    x = (x * (sf.view(torch.float8_e4m3fn).to(F32) * gs).unsqueeze(-1)).flatten(-2)
+    q, e = C.quantize_mxfp8(x)
+    back = (q.to(F32).unflatten(-1, (e.shape[-1], 32)) * C.ue8m0_decode(e).unsqueeze(-1)).flatten(-2)
+    return q, e, (back - x).abs().max() if x.numel() else torch.zeros(())
+
+
+@functools.lru_cache(maxsize=1)
+def _nvfp4_cases():
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for rows, k in ((1, 32), (5, 64), (300, 2048), (2048, 96), (3, 4096)):  # chunk edges: rows not a multiple
+        w = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=gen).float())
+        p, s, g = C.quantize_nvfp4_weight(w)
+        cases.append((p, s, g))
+    # every byte in every block position, and every E4M3 block scale (NaN excluded: checks refuse it),
+    # with a large and a tiny global scale; all-zero blocks; zero scales
+    finite = EVERY_BYTE[(EVERY_BYTE & 0x7F) != 0x7F]
+    p = EVERY_BYTE.repeat(8).view(16, 128)
+    s = finite.repeat(4)[: 16 * 16].view(16, 16).view(torch.float8_e4m3fn)
+    for g in (1.0, 3.0e-3, 2.0 ** -20, 1.0e20):
+        cases.append((p, s, g))
+    cases.append((torch.zeros(4, 64, dtype=U8), torch.zeros(4, 8, dtype=U8).view(torch.float8_e4m3fn), 0.5))
+    # a per-row global scale (one value per row)
+    cases.append((p, s, torch.linspace(0.01, 4.0, 16)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(_nvfp4_cases())))
+def test_nvfp4_to_mxfp8_bit_exact(case, monkeypatch):
+    p, s, g = _nvfp4_cases()[case]
+    got_q, got_e, got_change = C.nvfp4_to_mxfp8(p, s, g)
+    monkeypatch.setattr(C, "_use_tables", lambda t: False)  # the reference runs on the arithmetic decoders
+    want_q, want_e, want_change = _reencode_reference(p, s, g)
+    assert torch.equal(got_q.view(U8), want_q.view(U8))
+    assert torch.equal(got_e, want_e)
+    assert bits(got_change).item() == bits(want_change.to(F32).reshape(())).item()
+    # and against the public composition the converter used before (tables on or off: same bits)
+    monkeypatch.undo()
+    x = C.dequantize_nvfp4(p, s, g)
+    q2, e2 = C.quantize_mxfp8(x)
+    assert torch.equal(got_q.view(U8), q2.view(U8)) and torch.equal(got_e, e2)
+    assert got_change.item() == (C.dequantize_mx(q2, e2, "e4m3") - x).abs().max().item()
+
+
+def test_nvfp4_to_mxfp8_negative_control(monkeypatch):
+    """Break one step (scale the block factor by 2) and the equality with the composition fails."""
+    p, s, g = _nvfp4_cases()[2]
+    monkeypatch.setattr(C, "e4m3_decode", lambda x: x.view(torch.float8_e4m3fn).to(F32) * 2)
+    q, e, _ = C.nvfp4_to_mxfp8(p, s, g)
+    monkeypatch.undo()
+    q2, e2 = C.quantize_mxfp8(C.dequantize_nvfp4(p, s, g))
+    assert not (torch.equal(q.view(U8), q2.view(U8)) and torch.equal(e, e2))
+
+
+def test_nvfp4_to_mxfp8_shapes_and_errors():
+    p = torch.zeros(2, 3, 32, dtype=U8)
+    s = torch.ones(2, 3, 4).to(torch.float8_e4m3fn)
+    q, e, change = C.nvfp4_to_mxfp8(p, s, 1.0)
+    assert q.shape == (2, 3, 64) and e.shape == (2, 3, 2) and change.item() == 0.0
+    q, e, change = C.nvfp4_to_mxfp8(torch.zeros(0, 16, dtype=U8), torch.zeros(0, 2, dtype=U8), 1.0)
+    assert q.shape == (0, 32) and e.shape == (0, 1) and change.item() == 0.0
+    with pytest.raises(LayoutError, match="block scales"):
+        C.nvfp4_to_mxfp8(p, torch.ones(2, 3, 3).to(torch.float8_e4m3fn), 1.0)
+    with pytest.raises(LayoutError, match="multiple of 32"):
+        C.nvfp4_to_mxfp8(torch.zeros(1, 8, dtype=U8), torch.ones(1, 1).to(torch.float8_e4m3fn), 1.0)
+    with pytest.raises(ScaleError):
+        C.nvfp4_to_mxfp8(p, s, 0.0)
 
 
 # ---------------------------------------------------------------------------
