@@ -107,6 +107,26 @@ class ProjectionTensors:
                 if getattr(self, label) is not None:
                     raise error(f"{where}: row {row.name} has no {label}, got {getattr(self, label)!r}")
 
+    @classmethod
+    def quantize(cls, row: "Row | str", w: torch.Tensor) -> "ProjectionTensors":
+        """Encode a float weight ``[out, in]`` in ``row``'s checkpoint encoding
+        with the reference quantizers: the inverse of :meth:`dequantize`, and
+        the one place that picks a quantizer from a row's weight format.
+        NVFP4 takes its own global scale (ModelOpt's convention,
+        ``codecs.quantize_nvfp4_weight``); no input scale (uncalibrated)."""
+        from . import codecs
+
+        spec = get_row(row).weight
+        if spec.element == "bf16":
+            return cls(w.to(torch.bfloat16).contiguous())
+        if spec.scale_encoding == "ue8m0":
+            quant = codecs.quantize_mxfp4 if spec.element == "e2m1" else codecs.quantize_mxfp8
+            return cls(*quant(w))
+        if spec.element == "e2m1" and spec.has_global_scale:
+            p, sf, g = codecs.quantize_nvfp4_weight(w)
+            return cls(p, sf, global_scale=g)
+        raise MegaMoEError(f"no reference quantizer for row {get_row(row).name} ({spec})")  # pragma: no cover
+
     def dequantize(self, row: "Row | str") -> torch.Tensor:
         """float32 [out, in]. nvfp4 multiplies by global_scale (1.0 if None,
         e.g. after unpacking kernel bytes, which carry no globals)."""
@@ -151,6 +171,25 @@ class ExpertTensors:
             if not isinstance(p, ProjectionTensors):
                 raise error(f"{where}.{role}: expected ProjectionTensors, got {type(p).__name__}")
             p.validate(row, hidden, intermediate, role, f"{where}.{role}", error)
+
+    @classmethod
+    def quantize(cls, row: "Row | str", gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                 shared_gate_up_global: bool = True) -> "ExpertTensors":
+        """Encode one expert's float weights (:meth:`ProjectionTensors.quantize`
+        per projection). With a global scale and ``shared_gate_up_global``,
+        gate and up are quantized together so they share one global scale, as
+        ModelOpt >= 0.47 exports do (docs/SCALES.md#w1-w3-agreement holds by
+        construction)."""
+        r = get_row(row)
+        if not (r.has_alphas and shared_gate_up_global):
+            return cls(*(ProjectionTensors.quantize(r, t) for t in (gate, up, down)))
+        I = gate.shape[0]
+        l1 = ProjectionTensors.quantize(r, torch.cat([gate.float(), up.float()], 0))
+        return cls(
+            gate=ProjectionTensors(l1.weight[:I].contiguous(), l1.scale[:I].contiguous(), l1.global_scale, None),
+            up=ProjectionTensors(l1.weight[I:].contiguous(), l1.scale[I:].contiguous(), l1.global_scale, None),
+            down=ProjectionTensors.quantize(r, down),
+        )
 
     def dequantize(self, row: "Row | str") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, H], up [I, H], down [H, I]) float32, global scales applied."""

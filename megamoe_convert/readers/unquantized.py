@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_runtime import codecs
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.canonical import ExpertTensors
 from megamoe_runtime.errors import FormatError
+from megamoe_runtime.formats import get_row
 
 from .base import ExpertScalars, register_reader
 from .common import BF16_SCHEME, SchemeReader, quant_config_of
@@ -94,27 +94,11 @@ class UnquantizedReader(SchemeReader):
         return et
 
     def _encode(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
-        q = self.quantize
-        if q is None:
-            return ExpertTensors(
-                *(ProjectionTensors(t.to(torch.bfloat16).contiguous()) for t in (gate, up, down))
-            )
-        if q == "mxfp8":
-            return ExpertTensors(*(ProjectionTensors(*codecs.quantize_mxfp8(t)) for t in (gate, up, down)))
-        if q == "mxfp4":
-            return ExpertTensors(*(ProjectionTensors(*codecs.quantize_mxfp4(t)) for t in (gate, up, down)))
-        # nvfp4: gate and up share one global scale
-        I = gate.shape[0]
-        p13, s13, g13 = codecs.quantize_nvfp4_weight(torch.cat([gate.float(), up.float()], 0))
-        p2, s2, g2 = codecs.quantize_nvfp4_weight(down)
-        return ExpertTensors(
-            gate=ProjectionTensors(p13[:I].contiguous(), s13[:I].contiguous(), g13, None),
-            up=ProjectionTensors(p13[I:].contiguous(), s13[I:].contiguous(), g13, None),
-            down=ProjectionTensors(p2, s2, g2, None),
-        )
+        # --quantize nvfp4: gate and up share one global scale (ExpertTensors.quantize)
+        return ExpertTensors.quantize(self.row, gate, up, down)
 
     def read_expert_scalars(self, layer_index: int, expert: int) -> ExpertScalars:
-        if self.quantize != "nvfp4":
+        if not get_row(self.row).has_alphas:
             return ExpertScalars()
         et = self.read_expert(layer_index, expert)
         return ExpertScalars(

@@ -67,7 +67,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
-from ..loaders import W13_RTOL
+from ..formats import get_row
+from ..scales import W13_RTOL, gate_up_disagreeing
 from .reference import quantize_dispatch_nvfp4
 
 __all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
@@ -396,7 +397,7 @@ class DeepGemmBackend:
         if fn == "nvfp4_mega_moe":
             factory, fparams = api.nvfp4_buffer, api.nvfp4_buffer_params
             if shared is not None:
-                shared_dtype = torch.bfloat16 if shared.precision == "bf16" else torch.float8_e4m3fn
+                shared_dtype = get_row(shared.precision).weight.kernel_dtype  # bf16 | float8_e4m3fn
         else:
             factory, fparams = api.buffer_factory, api.buffer_params
         if factory is None:
@@ -544,9 +545,8 @@ class DeepGemmBackend:
         g, u = layer.l1_alpha[:, 0], layer.l1_alpha[:, 1]
         # the loaders' and converter's agreement rule (docs/SCALES.md#w1-w3-agreement): relative W13_RTOL; the gate
         # value is the one passed (l1_alpha_gate), as vLLM does
-        differ = (g - u).abs() > W13_RTOL * torch.maximum(g.abs(), u.abs())
-        if bool(differ.any()):
-            bad = differ.nonzero().flatten().tolist()
+        bad = gate_up_disagreeing(g, u)
+        if bad:
             raise LayerSpecError(f"{layer.prefix or 'layer'}: vllm-project/DeepGEMM's nvfp4_mega_moe takes one L1 "
                                  f"alpha per expert, but gate and up weight_scale_2 differ for local experts {bad[:8]} "
                                  f"(beyond relative {W13_RTOL:g}); re-convert with --on-scale-mismatch requantize")

@@ -77,7 +77,7 @@ from torch import Tensor
 
 from megamoe_runtime import codecs, layout
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
-from megamoe_runtime.formats import ActivationSpec, LayerSpec, Row, get_row
+from megamoe_runtime.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
 
 _ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
 
@@ -357,17 +357,18 @@ def shared_slot(spec: LayerSpec, shared: Any, hidden_states: Tensor,
         raise LayerSpecError("shared_slot needs spec.shared (a SharedSpec)")
     prec = spec.shared.precision
     inter = spec.shared.folded_intermediate
-    if prec not in ("mxfp8", "bf16"):
+    if prec not in SHARED_PRECISIONS:
         raise LayerSpecError(f"shared precision {prec!r}; valid: 'mxfp8', 'bf16'")
     srow = get_row(prec)  # a shared precision names the row whose 2-D layout it uses
     kt = _as_kernel_tensors(shared)
     layout.check_kernel_tensors(srow, kt, None, spec.hidden, inter, "shared kernel tensors")
     w13, w2 = _decode_expert(srow, kt, None)
-    x = _mxfp8_qdq(hidden_states) if prec == "mxfp8" else hidden_states.to(torch.float32)
+    requant = srow.has_scales  # mxfp8: dispatch and intermediate quantized as the mx rows; bf16: neither
+    x = _mxfp8_qdq(hidden_states) if requant else hidden_states.to(torch.float32)
     h = x @ w13.t()
     g, u = apply_clamp(h[:, :inter], h[:, inter:], spec.activation.clamp)
     a = activation_fp32(spec.activation, g, u, fast_math)
-    if prec == "mxfp8":
+    if requant:
         a = _mxfp8_qdq(a)  # weight 1.0: a * 1.0 == a
     else:
         a = a.to(torch.bfloat16).to(torch.float32)
@@ -377,7 +378,7 @@ def shared_slot(spec: LayerSpec, shared: Any, hidden_states: Tensor,
 def _check_routed(spec: LayerSpec, kt: Any, scalars: Optional[NvScalars]) -> None:
     layout.check_kernel_tensors(spec.row_spec, _as_kernel_tensors(kt), spec.experts_per_rank,
                                 spec.hidden, spec.intermediate, "routed kernel tensors")
-    if spec.row == "nvfp4":
+    if spec.row_spec.has_alphas:
         _check_scalars(spec, scalars)
 
 
@@ -393,7 +394,7 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
     out = torch.zeros(N, H, dtype=torch.bfloat16, device=dev)
     if N == 0:
         return out
-    is_nv = spec.row == "nvfp4"
+    is_nv = row.has_alphas
     w_all = weights.to(device=dev, dtype=torch.float32)
     ids = ids.to(device=dev, dtype=torch.long)
 
@@ -542,7 +543,7 @@ def combine_slots(spec: LayerSpec, slots: Tensor, valid: Tensor) -> Tensor:
     def add(acc: Tensor, k: int) -> Tensor:
         return torch.where(valid[:, k, None], acc + slots[:, k].to(torch.float32), acc)
 
-    if spec.row != "nvfp4":
+    if not spec.row_spec.rsf_in_combine:
         for k in range(n_slots):
             acc = add(acc, k)
         return acc.to(torch.bfloat16)
@@ -615,7 +616,7 @@ class ReferenceBackend:
 
     @staticmethod
     def _scalars(layer: Any, device: torch.device) -> Optional[NvScalars]:
-        if layer.spec.row != "nvfp4":
+        if not layer.spec.row_spec.has_alphas:
             return None
         return NvScalars(layer.l1_alpha, layer.l2_global_scale, _f32(layer.l2_activation_scale, device))
 

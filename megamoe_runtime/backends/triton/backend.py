@@ -85,7 +85,7 @@ class TritonBackend:
         from .moe import moe_forward
 
         spec = dataclasses.replace(layer.spec, top_k=1, shared=None)
-        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), ids.reshape(-1, 1),
                                scalars=scalars, config=self.config, return_slots=True)
         return slots[:, 0]
@@ -100,7 +100,7 @@ class TritonBackend:
         t, k = shared_input.shape[0], spec.top_k
         ids = torch.full((t, k), -1, dtype=torch.int64, device=shared_input.device)  # no routed pair
         w = torch.zeros(t, k, dtype=torch.float32, device=shared_input.device)
-        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), shared_input, w, ids, scalars=scalars,
                                shared=_Roles(layer, "shared_"), config=self.config, return_slots=True,
                                shared_input=shared_input)
@@ -120,7 +120,7 @@ class TritonBackend:
                                    "tensors (shared_l1_weight is missing); pass shared_input=None and "
                                    "run the shared expert outside")
             shared = _Roles(layer, "shared_")
-        scalars = _NvScalars(layer) if spec.row == "nvfp4" else None
+        scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         from .moe import moe_forward
 
         return moe_forward(spec, _Roles(layer, ""), hidden_states, topk_weights, topk_ids,

@@ -40,16 +40,7 @@ class SynthLayer:
 
 
 def _proj(row: str, w: torch.Tensor) -> ProjectionTensors:
-    if row == "mxfp4":
-        p, s = codecs.quantize_mxfp4(w)
-        return ProjectionTensors(p, s)
-    if row == "mxfp8":
-        q, s = codecs.quantize_mxfp8(w)
-        return ProjectionTensors(q, s)
-    if row == "nvfp4":
-        p, s, g = codecs.quantize_nvfp4_weight(w)
-        return ProjectionTensors(p, s, global_scale=g)
-    return ProjectionTensors(w.to(torch.bfloat16))
+    return ProjectionTensors.quantize(row, w)
 
 
 def _expert(row: str, H: int, I: int, gen: torch.Generator, std: float, device: Any = "cpu") -> ExpertTensors:
@@ -68,7 +59,7 @@ def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Option
     experts = [_expert(row, H, I, gen, std, device) for _ in range(E_l)]
     kt = layout.pack_expert_stack(row, experts, device=device)
     lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
-    if row == "nvfp4":
+    if spec.row_spec.has_alphas:
         lay.l1_alpha = torch.tensor([[e.gate.global_scale, e.up.global_scale] for e in experts],
                                     dtype=torch.float32, device=device)
         lay.l2_global_scale = torch.tensor([e.down.global_scale for e in experts], dtype=torch.float32,
@@ -111,7 +102,7 @@ def random_kernel_bytes(spec: LayerSpec, device: Any, seed: int = 0) -> SynthLay
     def fill_s(t: Optional[torch.Tensor]) -> None:
         if t is None:
             return
-        lo, hi = (118, 125) if row in ("mxfp4", "mxfp8") else (0x28, 0x51)
+        lo, hi = (118, 125) if spec.row_spec.weight.scale_encoding == "ue8m0" else (0x28, 0x51)
         phys = layout.physical(t)
         b = torch.randint(lo, hi, phys.shape + (4,), generator=g, device=device, dtype=torch.int32)
         phys.copy_(b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24))
@@ -122,7 +113,7 @@ def random_kernel_bytes(spec: LayerSpec, device: Any, seed: int = 0) -> SynthLay
     fill_s(kt.l2_scale)
     del shapes
     lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
-    if row == "nvfp4":
+    if spec.row_spec.has_alphas:
         lay.l1_alpha = torch.full((E_l, 2), 1e-3, dtype=torch.float32, device=device)
         lay.l2_global_scale = torch.full((E_l,), 1e-3, dtype=torch.float32, device=device)
         lay.l2_activation_scale = torch.tensor(1.0 / 448, dtype=torch.float32, device=device)
