@@ -3,6 +3,7 @@
 
     python bench/kernel.py                      # full table (DeepSeek-V3-like and GLM-like shapes)
     python bench/kernel.py --shapes dsv3 --rows mxfp4 --tokens 1,8 --tune
+    python bench/kernel.py --peer-path ../shared/peers   # + OpenAI triton_kernels column
 
 What it measures, per (shape, row, tokens):
 * median time of the whole layer forward (staging + routing + L1 + L2 +
@@ -15,7 +16,11 @@ What it measures, per (shape, row, tokens):
 * TFLOP/s (2 * pairs * (2I*H + H*I)) -- meaningful at 4096 tokens;
 * the baseline in the same run: the same layer with bf16 weights through
   ``torch._grouped_mm`` (sort by expert, grouped GEMM, SwiGLU, grouped GEMM,
-  index_add), also graph-captured; ratio = baseline time / triton time.
+  index_add), also graph-captured; ratio = baseline time / triton time;
+* with ``--peer-path``: the peer (OpenAI triton_kernels ``matmul_ogs``, MXFP4
+  weights in its Hopper layout) on the same routing, same method; vs peer =
+  peer time / triton time (> 1: megamoe is faster);
+* the MX rows once per GEMM path (``--mma fp8,bf16``).
 And the staging kernels (MXFP8 / NVFP4 quantization of the hidden states)
 in GB/s against the copy bandwidth.
 
@@ -25,6 +30,7 @@ Writes a markdown table to stdout and, with --out DIR, ``bench.md`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -127,6 +133,86 @@ class Baseline:
             torch.bfloat16)
 
 
+class Peer:
+    """OpenAI triton_kernels' MoE (what vLLM runs for MXFP4 MoE models on Hopper), measured
+    side by side only: imported from ``--peer-path`` at run time, never by the project.
+
+    Weights: random bf16 -> its ``downcast_to_mxfp`` (MXFP4 along K) -> its Hopper value and
+    scale layouts (``convert_layout``). Per call: routing metadata from the same top-k ids
+    (sort by expert, histogram, its ragged-tensor metadata), ``matmul_ogs`` gate/up with the
+    fused SwiGLU (gather), ``matmul_ogs`` down with the top-k weights and the scatter combine.
+    bf16 activations, as the peer runs them."""
+
+    def __init__(self, path, H, I, E, K):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        import triton_kernels.matmul_ogs as mo
+        from triton_kernels.numerics_details.mxfp import downcast_to_mxfp
+        from triton_kernels.specialize import FnSpecs
+        from triton_kernels.swiglu import swiglu_fn
+        from triton_kernels.tensor import FP4, convert_layout, make_ragged_tensor_metadata, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+
+        self.mo, self.meta = mo, make_ragged_tensor_metadata
+        self.H, self.I, self.E, self.K = H, I, E, K
+
+        def quant(kdim, n):
+            w = torch.randn(E, n, kdim, device="cuda", dtype=torch.bfloat16).mul_(kdim ** -0.5).transpose(1, 2)
+            wq, ws = downcast_to_mxfp(w, torch.uint8, axis=1)
+            del w
+            vl, vk = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+            sl, sk = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
+            return (convert_layout(wrap_torch_tensor(wq, dtype=FP4), vl, **vk),
+                    convert_layout(wrap_torch_tensor(ws), sl, **sk))
+
+        self.w1, s1 = quant(H, 2 * I)
+        self.w2, s2 = quant(I, H)
+        torch.cuda.empty_cache()
+        self.pc1 = mo.PrecisionConfig(weight_scale=s1)
+        self.pc2 = mo.PrecisionConfig(weight_scale=s2)
+        self.act = mo.FusedActivation(FnSpecs("swiglu", swiglu_fn, ("alpha", "limit"), reduction_n=2), (1.702, 7.0))
+
+    def __call__(self, x, tw, ids):
+        mo = self.mo
+        T, K = ids.shape
+        flat = ids.reshape(-1).to(torch.int32)
+        topk_indx = torch.argsort(flat, stable=True).to(torch.int32)
+        gate_indx = torch.argsort(topk_indx, stable=True).to(torch.int32)
+        gate_scal = tw.reshape(-1)[topk_indx.long()].to(torch.bfloat16)
+        hist = torch.zeros(self.E, dtype=torch.int32, device=x.device).index_add_(
+            0, flat.long(), torch.ones_like(flat))
+        rdata = mo.RoutingData(gate_scal, hist, self.E, K, self.meta(hist, T * K))
+        h = mo.matmul_ogs(x, self.w1, None, rdata, gather_indx=mo.GatherIndx(topk_indx, gate_indx),
+                          precision_config=self.pc1, fused_activation=self.act)
+        return mo.matmul_ogs(h, self.w2, None, rdata, scatter_indx=mo.ScatterIndx(gate_indx, topk_indx),
+                             precision_config=self.pc2, gammas=rdata.gate_scal)
+
+
+def bench_peer(path, H, I, E, K, tokens):
+    """{T: (ms, graph captured?)} of the peer's MoE on the same routing as bench_moe."""
+    res = {}
+    try:
+        peer = Peer(path, H, I, E, K)
+    except Exception as e:
+        print(f"# peer unavailable: {type(e).__name__}: {str(e)[:400]}")
+        return res
+    for T in tokens:
+        tw, ids = routing(T, E, K, seed=T)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        for graph in (True, False):
+            try:
+                res[T] = (_bench(lambda: peer(x, tw, ids), graph=graph), graph)
+                break
+            except Exception as e:
+                print(f"# peer T={T} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
+                torch.cuda.synchronize()
+        if T in res:
+            print(f"peer  T={T:5d} {res[T][0] * 1e3:9.1f} us{'' if res[T][1] else ' (eager)'}", flush=True)
+    del peer
+    torch.cuda.empty_cache()
+    return res
+
+
 def bench_staging(tokens, H, bw):
     from megamoe_runtime.backends.triton import staging
 
@@ -169,7 +255,12 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
                     base_ms[T] = float("nan")
         del base
         torch.cuda.empty_cache()
+    peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens) if args.peer_path else {}
+    variants = []
     for row in rows:
+        for mma in (args.mma.split(",") if row in ("mxfp4", "mxfp8") else ["bf16"]):
+            variants.append((row, mma))
+    for row, mma in variants:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -182,9 +273,13 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             touched = int(torch.unique(ids).numel())
             pairs = T * K
-            configs = [None]
-            if args.tune:
-                configs = moe.candidate_configs(pairs, E)
+            configs = [moe.KernelConfig(mma=mma)]
+            if args.tune and mma == "fp8":
+                from megamoe_runtime.backends.triton import mma8
+
+                configs = [moe.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]
+            elif args.tune:
+                configs = [dataclasses.replace(c, mma=mma) for c in moe.candidate_configs(pairs, E)]
             best = None
             for cfg in configs:
                 try:
@@ -203,13 +298,16 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             wbytes = touched * ebytes
             gbps = (wbytes + act_bytes) / ms / 1e6
             flops = 2 * pairs * (2 * I * H + H * I)
-            r = dict(shape=shape_name, row=row, T=T, ms=ms, us=ms * 1e3, touched=touched,
+            pms, pgraph = peer_ms.get(T, (float("nan"), None))
+            r = dict(shape=shape_name, row=row, mma=mma, T=T, peer_us=pms * 1e3, peer_graph=pgraph,
+                     vs_peer=pms / ms, ms=ms, us=ms * 1e3, touched=touched,
                      weight_MB=wbytes / 1e6, GBps=gbps, frac_copy=gbps / bw, TFLOPs=flops / ms / 1e9,
                      baseline_us=base_ms.get(T, float("nan")) * 1e3,
                      speedup=base_ms.get(T, float("nan")) / ms, config=str(cfg) if cfg else "default",
                      baseline_graph=base_graph.get(T) if not args.no_baseline else None)
             results.append(r)
-            print(f"{shape_name:5s} {row:6s} T={T:5d} {r['us']:9.1f} us  touched={touched:3d} "
+            print(f"{shape_name:5s} {row:6s} {mma:4s} T={T:5d} {r['us']:9.1f} us  peer {r['peer_us']:8.1f} us "
+                  f"x{r['vs_peer']:.2f}  touched={touched:3d} "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac_copy']:4.0f}% copy)  {r['TFLOPs']:6.1f} TFLOP/s  "
                   f"baseline {r['baseline_us']:9.1f} us  x{r['speedup']:.2f}", flush=True)
         del lay, kt
@@ -219,10 +317,13 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="dsv3,glm")
-    ap.add_argument("--rows", default="mxfp4,nvfp4,bf16")
+    ap.add_argument("--rows", default="mxfp4,mxfp8,nvfp4,bf16")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--tune", action="store_true", help="time candidate tile configs per point, keep the best")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--mma", default="fp8,bf16", help="GEMM paths of the MX rows to time (fp8, bf16)")
+    ap.add_argument("--peer-path", default=None,
+                    help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--no-staging", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -263,13 +364,16 @@ def render(info, results, staging_rows) -> str:
          f"triton {info['triton']}, CUDA {info['cuda']}. Copy bandwidth {info['copy_GBps']:.0f} GB/s "
          f"(read+write), bf16 matmul {info['bf16_matmul_TFLOPs']:.0f} TFLOP/s. E2M1 decode: "
          f"{info.get('e2m1_decode')}.", "",
-         "| shape | row | tokens | time (us) | experts touched | weight MB | GB/s | % of copy BW | TFLOP/s "
-         "| bf16 grouped_mm (us) | speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| shape | row | GEMM | tokens | time (us) | experts touched | weight MB | GB/s | % of copy BW | TFLOP/s "
+         "| bf16 grouped_mm (us) | speedup | peer triton_kernels (us) | vs peer |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         star = "" if r.get("baseline_graph") in (True, None) else " (eager)"
-        L.append(f"| {r['shape']} | {r['row']} | {r['T']} | {r['us']:.1f} | {r['touched']} | {r['weight_MB']:.0f} | "
-                 f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['TFLOPs']:.1f} | {r['baseline_us']:.1f}{star} | "
-                 f"{r['speedup']:.2f}x |")
+        pstar = "" if r.get("peer_graph") in (True, None) else " (eager)"
+        L.append(f"| {r['shape']} | {r['row']} | {r['mma']} | {r['T']} | {r['us']:.1f} | {r['touched']} | "
+                 f"{r['weight_MB']:.0f} | {r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['TFLOPs']:.1f} | "
+                 f"{r['baseline_us']:.1f}{star} | {r['speedup']:.2f}x | {r['peer_us']:.1f}{pstar} | "
+                 f"{r['vs_peer']:.2f}x |")
     if staging_rows:
         L += ["", "| staging | tokens | H | time (us) | GB/s | % of copy BW |", "|---|---|---|---|---|---|"]
         for r in staging_rows:

@@ -358,6 +358,11 @@ class KernelConfig:
     l2_warps: int = 4
     l2_stages: int = 3
     combine_bh: int = 1024
+    #: GEMM path of the MX rows: "fp8" (E4M3 wgmma, ``mma8``), "bf16" (decode to bf16) or
+    #: None = env ``MEGAMOE_TRITON_MMA`` (default "auto" = bf16, the exact path). Other rows: bf16.
+    mma: Optional[str] = None
+    #: tiles of the fp8 path (None: ``mma8.default_fp8_config``)
+    fp8: Any = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -603,6 +608,12 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     e2m1 = w_kind in (W_E2M1_MX, W_E2M1_NV)
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
 
+    cfg = config or default_config(T * K, E_l)
+    from . import mma8
+
+    if mma8.selected(row, hw, cfg.mma):
+        return _forward_fp8(spec, kt, cfg, x_bf16, x_sh, tw, ids, shared, out, nslot, return_slots, act_spec, rsf,
+                            w_kind, asm)
     # ---- staging: quantize the dispatch, and keep its exact bf16 dequantization for the GEMMs
     xts = dummy_f
     alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
@@ -622,7 +633,6 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
 
     slots = torch.empty(T, nslot, H, dtype=torch.bfloat16, device=dev)
     # ---- routed experts
-    cfg = config or default_config(T * K, E_l)
     bm = cfg.pick_block_m(T * K, E_l)
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
@@ -651,12 +661,69 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
                    1.0, dummy_f, s_kind, False, s_req, False, True, False, sbm, hw, False)
         _launch_l2(scfg, act_s, shared.l2_weight, s_l2s, None, tw, dummy_f, slots, T, H, I_s, K, nslot, dummy_f,
                    s_kind, False, True, sbm, hw, False)
-    # ---- combine
+    _combine(spec, cfg, slots, ids, out, has_shared, rsf, hw)
+    return (out, slots) if return_slots else out
+
+
+def _combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:
+    H, K, E_l = spec.hidden, spec.top_k, spec.experts_per_rank
+    row = spec.row
     bh = min(cfg.combine_bh, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, bh))](
+    _combine_kernel[(out.shape[0], triton.cdiv(H, bh))](
         slots, ids, out, H, spec.ep_rank * E_l, E_l, rsf,
         TOPK=K, HAS_SHARED=has_shared, NV=row == "nvfp4", APPLY_RSF=(row == "nvfp4" and rsf != 1.0),
         BH=bh, GPU=hw, num_warps=4, **_opts())
+
+
+def _forward_fp8(spec, kt, cfg, x_bf16, x_sh, tw, ids, shared, out, nslot, return_slots, act_spec, rsf,
+                 w_kind, asm):
+    """The MX rows on FP8 tensor cores (``mma8``): E4M3 dispatch bytes + UE8M0 scales in,
+    MXFP8 intermediate between L1 and L2, the same slots and combine as the bf16 path."""
+    from . import mma8
+
+    H, I, K = spec.hidden, spec.intermediate, spec.top_k
+    E_l = spec.experts_per_rank
+    T = x_bf16.shape[0]
+    dev = x_bf16.device
+    has_shared = shared is not None
+    fc = cfg.fp8 or mma8.default_fp8_config(T * K, E_l, w_kind)
+    q, sf, _ = quantize_mxfp8(x_bf16, hw_cvt=True)
+    q = q.view(torch.uint8)
+    slots = torch.empty(T, nslot, H, dtype=torch.bfloat16, device=dev)
+    bm = cfg.pick_block_m(T * K, E_l)
+    plan = route(ids, E_l, spec.ep_rank * E_l, bm)
+    act8 = torch.empty(plan.max_blocks * bm, I, dtype=torch.uint8, device=dev)
+    asf = torch.empty(plan.max_blocks * bm, I // 32, dtype=torch.uint8, device=dev)
+    w1, w2 = _bytes_if_fp8(kt.l1_weight), _bytes_if_fp8(kt.l2_weight)
+    mma8.launch_l1(fc, q, sf, w1, _scale_bytes(kt.l1_scale, dev), _scale_stride(kt.l1_scale), plan, tw, act8, asf,
+                   T, H, I, K, act_spec, rsf, w_kind, True, False, bm, asm or w_kind == W_E4M3_MX)
+    mma8.launch_l2(fc, act8, asf, w2, _scale_bytes(kt.l2_scale, dev), _scale_stride(kt.l2_scale), plan, slots,
+                   T, H, I, K, nslot, w_kind, False, bm, asm or w_kind == W_E4M3_MX)
+    if has_shared:
+        I_s = spec.shared.folded_intermediate
+        scfg = default_config(T, 1)
+        sbm = (cfg.block_m if cfg is not None and cfg.block_m else None) or scfg.block_m or 16
+        if spec.shared.precision == "mxfp8":
+            if x_sh is x_bf16:
+                sq, ssf = q, sf
+            else:
+                sq, ssf, _ = quantize_mxfp8(x_sh, hw_cvt=True)
+                sq = sq.view(torch.uint8)
+            sfc = mma8.default_fp8_config(T, 1, W_E4M3_MX)
+            a8 = torch.empty(T, I_s, dtype=torch.uint8, device=dev)
+            af = torch.empty(T, I_s // 32, dtype=torch.uint8, device=dev)
+            mma8.launch_l1(sfc, sq, ssf, _bytes_if_fp8(shared.l1_weight), _scale_bytes(shared.l1_scale, dev), 0,
+                           None, tw, a8, af, T, H, I_s, K, act_spec, 1.0, W_E4M3_MX, False, True, sbm, True)
+            mma8.launch_l2(sfc, a8, af, _bytes_if_fp8(shared.l2_weight), _scale_bytes(shared.l2_scale, dev), 0,
+                           None, slots, T, H, I_s, K, nslot, W_E4M3_MX, True, sbm, True)
+        else:  # bf16 shared expert: the bf16 path's kernels on the bf16 input
+            dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
+            act_s = torch.empty(T, I_s, dtype=torch.bfloat16, device=dev)
+            _launch_l1(scfg, x_sh, dummy_f, shared.l1_weight, None, dummy_f, None, tw, act_s, T, H, I_s, K, act_spec,
+                       1.0, dummy_f, W_BF16, False, REQ_BF16, False, True, False, sbm, True, False)
+            _launch_l2(scfg, act_s, shared.l2_weight, None, None, tw, dummy_f, slots, T, H, I_s, K, nslot, dummy_f,
+                       W_BF16, False, True, sbm, True, False)
+    _combine(spec, cfg, slots, ids, out, has_shared, rsf, True)
     return (out, slots) if return_slots else out
 
 
