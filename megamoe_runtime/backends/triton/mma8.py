@@ -15,7 +15,7 @@ before HBM does. Here both operands stay 8-bit:
   is scaled by ``2^(s_w) * 2^(s_x)`` (powers of two: exact) and added to the
   fp32 accumulator with one rounding, as the bf16 path's tensor cores do.
 
-So the math is the reference's (REFERENCE.md section 5) except the order of
+So the math is the reference's (docs/NUMERICS.md) except the order of
 the fp32 sums, and inside one k32 MMA the tensor core's own summation of 32
 exact products. Swap-AB: weights are the M side (L1 takes a contiguous block
 of 2*BN interleaved gate/up rows, split in the epilogue), the expert's tokens
