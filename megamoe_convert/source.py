@@ -17,7 +17,6 @@ time with an error naming the file.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
 import os
@@ -602,8 +601,3 @@ def _index_shards(index: Path, where: str) -> list[str] | None:
     if bad:
         raise CheckpointError(f"{where}: {INDEX_NAME} names shard files outside the repo root: {bad[:3]}")
     return shards
-
-
-def matches_any(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
-    """fnmatch-style matching used for ignore/exclude lists (helper for readers)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

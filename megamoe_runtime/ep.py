@@ -180,7 +180,7 @@ def ep_forward(
     if shared_experts is not None and layer.shared_fused:
         raise MegaMoEError("the shared expert is fused into this layer; do not pass shared_experts as well")
     backend = layer.backend
-    if not hasattr(backend, "pairs"):
+    if getattr(backend, "pairs", None) is None:
         raise MegaMoEError(f"backend {backend.name!r} has no expert-parallel pair compute")
 
     def compute(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

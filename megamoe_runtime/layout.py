@@ -55,7 +55,6 @@ __all__ = [
     "utccp_row",
     "utccp_inverse_row",
     "l1_scale_row",
-    "l2_scale_row",
     "KernelTensors",
     "allocate_kernel_tensors",
     "allocate_scale",
@@ -134,10 +133,6 @@ def utccp_inverse_row(s: int) -> int:
 def l1_scale_row(n: int, intermediate: int) -> int:
     """Where the scale of logical L1 row n lives: utccp(interleave(n))."""
     return utccp_row(interleave_row(n, intermediate))
-
-
-def l2_scale_row(r: int) -> int:
-    return utccp_row(r)
 
 
 # --------------------------------------------------------------------------- kernel tensors
@@ -330,7 +325,6 @@ def check_kernel_tensors(
 
 # --------------------------------------------------------------------------- source coercion
 
-_BYTE_LIKE = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 _SCALE_BYTE_DTYPES = tuple(
     d for d in (torch.uint8, torch.int8, torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", None)) if d is not None
 )

@@ -51,9 +51,22 @@ class Backend(Protocol):
     fusion from ``layer.shared_fused`` (a layer may hold ``spec.shared`` but
     run it outside). Optional: ``available(device)`` (static, True or a
     reason) and ``fused_shared_reason(spec)`` (why fusion is off).
+
+    Expert parallelism through `megamoe_runtime.ep` needs the expert side of
+    the forward split off: ``pairs(layer, rows, weights, ids)`` returns the
+    bf16 slot outputs of (token row, raw top-k weight, global expert id)
+    pairs that all belong to this rank, and ``shared_slot(layer,
+    shared_input)`` the fused shared expert's slot. A backend whose kernels do
+    their own EP (deepgemm) sets both to None; `ep_forward` then refuses it.
+    Optional flags read by the layer: ``native_ep`` (the kernels dispatch and
+    combine over the EP group themselves) and ``counts_recv_stats`` (the
+    kernels increment ``cumulative_local_expert_recv_stats``); both default
+    to False.
     """
 
     name: str
+    pairs: Optional[Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
+    shared_slot: Optional[Callable[[Any, torch.Tensor], torch.Tensor]]
 
     def supports(self, spec: Any) -> Union[bool, str]: ...
 

@@ -252,6 +252,9 @@ class DeepGemmBackend:
     counts_recv_stats = True
     #: the mega kernels dispatch and combine over the EP group themselves (NVLink, symmetric memory)
     native_ep = True
+    #: so there is no separate expert-side compute for `megamoe_runtime.ep` (Backend protocol)
+    pairs = None
+    shared_slot = None
 
     def __init__(self, device: Any = "cuda", *, max_num_tokens: int = 1024, group: Any = None,
                  fast_math: bool = True, check_device: bool = True, module: Any = None):

@@ -58,9 +58,9 @@ def test_stored_physical_copy_reaches_the_kernel_view():
     ptr = layer.l1_scale.data_ptr()
     layer.load_stored("l1_scale", phys, storage="mn_major_physical", experts=(0, 2))
     assert torch.equal(layer.l1_scale, phys.transpose(-1, -2)) and layer.l1_scale.data_ptr() == ptr
-    with pytest.raises(mr.LayoutError, match="stored dtype torch.int64"):
+    with pytest.raises(mr.errors.LayoutError, match="stored dtype torch.int64"):
         layer.load_stored("l1_scale", phys.long(), storage="mn_major_physical")
-    with pytest.raises(mr.LayoutError, match="not all local"):
+    with pytest.raises(mr.errors.LayoutError, match="not all local"):
         layer.load_stored("l1_scale", phys[:1], storage="mn_major_physical", experts=(2, 3))
 
 

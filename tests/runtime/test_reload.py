@@ -149,7 +149,7 @@ def test_duplicated_shard_prelaid_is_reported(ckpts, tmp_path):
     assert set(cov.duplicated_by) == {"model.layers.1.mlp.megamoe.l1_weight",
                                       "model.layers.1.mlp.megamoe.l1_weight.patch"}
     assert "written more than once (experts 2, 3)" in rep.summary()
-    with pytest.raises(mr.CheckpointError, match=r"l1_weight for experts \[2, 4\) is stored more than once"):
+    with pytest.raises(mr.errors.CheckpointError, match=r"l1_weight for experts \[2, 4\) is stored more than once"):
         mr.open_checkpoint(out).load_layer(model["layer1"])
 
 

@@ -529,7 +529,7 @@ def test_dgv_needs_one_l1_alpha_per_expert(standin):
         layer.l1_alpha[3, 1] *= 2
     layer.finish_load()
     x, w, ids = _inputs(3, 256, 2, 8)
-    with pytest.raises(mr.LayerSpecError, match=r"gate and up weight_scale_2 differ for local experts \[3\]"):
+    with pytest.raises(mr.errors.LayerSpecError, match=r"gate and up weight_scale_2 differ for local experts \[3\]"):
         layer(x, w, ids)
 
 
