@@ -27,11 +27,13 @@ from pathlib import Path
 from megamoe_convert.selfcheck import THRESHOLDS, LayerResult, compare_with_source, routing, source_forward  # noqa: F401
 
 
-def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool = True) -> list[LayerResult]:
-    """Convert ``src`` into ``out``, serve every layer, compare with the source."""
+def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool = True,
+        **convert_kwargs) -> list[LayerResult]:
+    """Convert ``src`` into ``out`` (``convert_kwargs``: e.g. accept_activation_change,
+    l2_activation_scale), serve every layer, compare with the source."""
     from megamoe_convert.convert import convert
 
-    summary = convert(src, out)
+    summary = convert(src, out, **convert_kwargs)
     if verbose:
         print(f"converted {src} -> {out} ({getattr(summary, 'row', '?')})")
     results = compare_with_source(src, out, tokens=tokens, seed=seed)

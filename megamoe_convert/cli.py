@@ -123,14 +123,17 @@ def main() -> None:
                    "the row's first fusable precision (the summary and megamoe.json say which and why). The nvfp4 "
                    "row fuses both: mxfp8 for vLLM's DeepGEMM fork (nvfp4_mega_moe), bf16 for newer upstream "
                    "DeepGEMM (fp4_fp4_mega_moe) and the fork. A precision the row cannot fuse is refused.")
+@click.option("--accept-activation-change", is_flag=True,
+              help="Convert a checkpoint whose activations the kernel quantizes more coarsely than the producer "
+                   "did (weight-only W4A16 exports, FP8 activations on the nvfp4 row); recorded in megamoe.json.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp (finished shards "
                                              "are re-checked by checksum and kept).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
-            allow_missing_input_scales, l2_activation_scale, shared_precision, overwrite, resume, as_json,
-            no_progress):
+            allow_missing_input_scales, l2_activation_scale, shared_precision, accept_activation_change, overwrite,
+            resume, as_json, no_progress):
     """Convert checkpoint SRC (local folder or hub repo id) into OUT.
 
     Checks everything first (every expert present, shapes and dtypes against
@@ -148,6 +151,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert ./glm-nvfp4 ./out --on-scale-mismatch requantize --json
       megamoe-convert convert ./r1-nvfp4 ./out --shared-precision bf16   # for upstream fp4_fp4_mega_moe
       megamoe-convert convert ./src ./out --resume      # after an interrupted run
+      megamoe-convert convert ./w4a16-nvfp4 ./out --accept-activation-change --l2-activation-scale 0.002
 
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT).
     """
@@ -165,7 +169,8 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
                               max_shard_size=max_bytes, on_scale_mismatch=on_scale_mismatch,
                               allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
                               resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
-                              shared_precision=shared_precision, l2_activation_scale=l2_activation_scale)
+                              shared_precision=shared_precision, l2_activation_scale=l2_activation_scale,
+                              accept_activation_change=accept_activation_change)
         finally:
             bar.close()
 
@@ -182,6 +187,11 @@ def _print_summary(s) -> None:
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
     click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s")
+    act = (s.recipe or {}).get("activations")
+    if act:
+        src, ker = act["source"]["description"], act["kernel"]["description"]
+        click.echo(f"  activations: {act['relation']}: source {src} -> kernel {ker}"
+                   + (f" (accepted with {act['accepted_with']})" if act.get("accepted_with") else ""))
     if s.repaired_experts:
         click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
     for d in s.shared:
@@ -240,6 +250,7 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, as_json):
 def _print_inspect(rep: dict) -> None:
     click.echo(f"source: {rep['source']}  ({rep['files']} safetensors file(s), {format_bytes(rep['bytes'])})")
     click.echo(f"format: {rep['format']}  ->  row {rep['row']}")
+    click.echo(rep["activations"])
     m = rep["model"]
     act = m["activation"]
     click.echo(f"model: {m['model_type']}  experts {m['num_experts']}  top_k {m['top_k']}  "

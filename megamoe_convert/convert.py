@@ -36,6 +36,7 @@ lists the rest.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -74,6 +75,7 @@ from megamoe_runtime.tensor_bytes import byte_view
 
 from . import checks
 from .readers import detect_reader
+from .readers.recipe import manifest_record
 from .readers.base import CheckpointReader, MoELayerInfo
 from .output_dir import (
     OutputError,
@@ -148,6 +150,8 @@ class ConvertSummary:
     warnings: list[str] = field(default_factory=list)
     #: the shared-expert decisions, one per distinct decision: layers, precision, requested, reason, note
     shared: list[dict] = field(default_factory=list)
+    #: megamoe.json ``source.recipe``: the source's activation recipe and what the kernel does instead
+    recipe: dict | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -159,7 +163,7 @@ class ConvertSummary:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 3),
                 "gb_per_s": round(self.gb_per_s, 3), "files": self.files,
                 "repaired_experts": self.repaired_experts, "resumed_files": self.resumed_files,
-                "warnings": self.warnings, "shared": self.shared}
+                "warnings": self.warnings, "shared": self.shared, "recipe": self.recipe}
 
 
 # --------------------------------------------------------------------------- planning
@@ -397,12 +401,15 @@ def convert(
     log: Log | None = None,
     shared_precision: str = "auto",
     on_step: StepHook | None = None,
+    accept_activation_change: bool = False,
 ) -> ConvertSummary:
     """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
 
     ``shared_precision`` ("auto" | "mxfp8" | "bf16"): the precision fused
     shared experts are written in (see `choose_shared`); an explicit one the
-    row cannot fuse raises FormatError.
+    row cannot fuse raises FormatError. ``accept_activation_change``: convert a
+    source whose activation recipe the kernel makes coarser (weight-only,
+    FP8 activations on nvfp4; `readers.recipe`), recorded in megamoe.json.
 
     Raises MegaMoEError subclasses for bad input (nothing is left under `out`).
 
@@ -439,7 +446,7 @@ def convert(
                 max_bytes=max_bytes, on_scale_mismatch=on_scale_mismatch,
                 allow_missing_input_scales=allow_missing_input_scales, l2_activation_scale=l2_activation_scale,
                 overwrite=overwrite, resume=resume, progress=progress, log=log, shared_precision=shared_precision,
-                on_step=on_step)
+                on_step=on_step, accept_activation_change=accept_activation_change)
     except BaseException:
         remove_created(created)  # only the parents this run made, and only while empty
         raise
@@ -450,7 +457,7 @@ def convert(
 def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int, max_bytes: int,
                     on_scale_mismatch: str, allow_missing_input_scales: bool, l2_activation_scale,
                     overwrite: bool, resume: bool, progress, log: Log, shared_precision: str,
-                    on_step: StepHook | None) -> ConvertSummary:
+                    on_step: StepHook | None, accept_activation_change: bool = False) -> ConvertSummary:
     """`convert` once it holds OUT's lock."""
     recovered = recover(out, log)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
@@ -458,7 +465,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
     source = open_source(src, revision)
     try:
         check_placement(out, source.roots())
-        reader = detect_reader(source, format=format, quantize=quantize)
+        reader = detect_reader(source, format=format, quantize=quantize,
+                               accept_activation_change=accept_activation_change)
         row = get_row(reader.row)
         facts = reader.model_facts()
         infos = reader.moe_layers()
@@ -480,7 +488,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
             "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
             "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
-            "l2_activation_scale": l2_activation_scale,
+            "l2_activation_scale": l2_activation_scale, "accept_activation_change": bool(accept_activation_change),
             "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
         })
         if recovered is not None:
@@ -500,7 +508,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         torch.set_num_threads(1)
         try:
             return _run(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
-                        fingerprint, ep_size, progress, log, on_step)
+                        fingerprint, ep_size, progress, log, on_step,
+                        recipe=manifest_record(reader, l2_activation_scale is not None))
         except OutputError:
             raise  # e.g. --resume of a different run: keep that run's temp folder
         except MegaMoEError:
@@ -525,7 +534,7 @@ def _summary_of_output(out: Path, source, reader, row: Row, plans, slots_by_file
         bytes_out=sum(f.size for f in m.files.values()) + (out / "megamoe.json").stat().st_size,
         seconds=0.0, files=len(m.files) + 1, resumed_files=len(m.files),
         warnings=["completed from an interrupted earlier run of the same conversion: only its final rename "
-                  "was left"], shared=_shared_decisions(plans))
+                  "was left"], shared=_shared_decisions(plans), recipe=m.source.recipe)
 
 
 def _preflight(reader: CheckpointReader, source: CheckpointSource, row: Row, facts, infos, ep_size: int,
@@ -713,7 +722,8 @@ class _Run:
 
 def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
          slots_by_file: dict[str, list[_Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
-         ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None) -> ConvertSummary:
+         ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None,
+         recipe: dict | None = None) -> ConvertSummary:
     journal = Journal(tmp)
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
@@ -796,7 +806,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
     manifest = Manifest(
         converter_version=converter_version(),
         source=SourceInfo(id=str(source.id), kind=source.kind, revision=source.commit or source.revision,
-                          format=reader.format_name, content_hash=source.content_hash()),
+                          format=reader.format_name, content_hash=source.content_hash(), recipe=recipe),
         row=row.name, ep_size=ep_size, layers=layer_entries, tensors=tensors, files=file_entries,
         model=_model_facts(facts),
     )
@@ -807,7 +817,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
         bytes_out=sum(f.size for f in file_entries.values()) + (out / "megamoe.json").stat().st_size,
         seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed,
-        shared=_shared_decisions(plans))
+        shared=_shared_decisions(plans), recipe=recipe)
 
 
 def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, journaled: dict | None,
@@ -970,11 +980,16 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
     """
     source = open_source(src, revision)
     try:
-        reader = detect_reader(source, format=format, quantize=quantize)
+        # accepted here so the report can show the recipe; a change convert would refuse is a problem below
+        reader = detect_reader(source, format=format, quantize=quantize, accept_activation_change=True)
         row = get_row(reader.row)
         facts = reader.model_facts()
         infos = reader.moe_layers()
         problems: list[str] = []
+        change = reader.activation_change = dataclasses.replace(reader.activation_change,
+                                                                accepted=quantize is not None)
+        if change.needs_flag and not change.accepted:
+            problems.append(change.summary())
         layers, groups = [], []
         expert_bytes = 0
         pairs = mismatched = 0
@@ -1048,6 +1063,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
             "source": str(source.id), "kind": source.kind, "revision": source.revision,
             "files": len(source.files()), "bytes": sum(p.stat().st_size for p in source.files()),
             "format": reader.format_name, "row": row.name, "model": _model_facts(facts),
+            "recipe": manifest_record(reader), "activations": change.summary(),
             "layers": layers,
             "layer_groups": [{"layers": _ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
                               "num_experts": g["key"][2]} for g in groups],

@@ -199,10 +199,17 @@ class SourceInfo:
     revision: str | None
     format: str
     content_hash: str | None
+    #: the source's quantization recipe and what the kernel does instead (activations: the producer's
+    #: recipe, the row's kernel recipe, finer / coarser, the opt-in if any; how a2 was derived).
+    #: Informational and optional (absent in manifests written before it), so no format_version bump.
+    recipe: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "revision": self.revision,
-                "format": self.format, "content_hash": self.content_hash}
+        d = {"id": self.id, "kind": self.kind, "revision": self.revision,
+             "format": self.format, "content_hash": self.content_hash}
+        if self.recipe is not None:
+            d["recipe"] = self.recipe
+        return d
 
 
 #: `files[name].digest`: how `files[name].sha256` was computed.
@@ -506,6 +513,7 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         revision=_need(src, "revision", (str, type(None)), f"{where}.source"),
         format=_need(src, "format", str, f"{where}.source"),
         content_hash=_need(src, "content_hash", (str, type(None)), f"{where}.source"),
+        recipe=_need(src, "recipe", dict, f"{where}.source") if "recipe" in src else None,
     )
     if source.kind not in ("local", "hub"):
         raise ManifestError(f"{where}.source.kind: {source.kind!r}, expected 'local' or 'hub'")

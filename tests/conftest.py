@@ -119,3 +119,24 @@ def run_bounded(code: str, *, mem_mb: int = 1400, timeout_s: float = 120.0, env:
 def bounded_python():
     """:func:`run_bounded` as a fixture."""
     return run_bounded
+
+
+#: convert() keyword arguments a real producer export (tests/fixtures/real) needs to convert: the exports
+#: whose activation recipe the kernel makes coarser need the opt-in (and NVFP4 ones without a w2 input
+#: scale the L2 activation scale); Quark's weight-only NVFP4 quantizes gate and up with separate global
+#: scales. Every other fixture converts with no options.
+REAL_CONVERT_OPTIONS: dict[str, dict] = {
+    "modelopt-w4a16-nvfp4-qwen3moe": dict(accept_activation_change=True, l2_activation_scale=0.002),
+    "modelopt-w4a8-nvfp4-fp8-qwen3moe": dict(accept_activation_change=True),
+    "llmcompressor-nvfp4a16-qwen3moe": dict(accept_activation_change=True, l2_activation_scale=0.002),
+    "llmcompressor-mxfp4a16-qwen3moe": dict(accept_activation_change=True),
+    "quark-mxfp4-weight-only-qwen3moe": dict(accept_activation_change=True),
+    "quark-nvfp4-weight-only-qwen3moe": dict(accept_activation_change=True, l2_activation_scale=0.002,
+                                             on_scale_mismatch="requantize"),
+}
+
+
+@pytest.fixture
+def real_convert_options():
+    """:data:`REAL_CONVERT_OPTIONS`: fixture name -> convert() kwargs."""
+    return REAL_CONVERT_OPTIONS

@@ -46,13 +46,14 @@ def _real_exports() -> list[Path]:
 
 
 @pytest.mark.skipif(not _real_exports(), reason="no real producer exports under tests/fixtures/real")
-def test_real_producer_exports_match_their_source(serve_example, tmp_path):
+def test_real_producer_exports_match_their_source(serve_example, tmp_path, real_convert_options):
     """Every committed real export (ModelOpt, Quark, llm-compressor, plain bf16):
     convert -> build_layer(backend="reference") -> forward matches the fp32
     MoE computed from the source's dequantized experts."""
     failures = []
     for src in _real_exports():
-        results = serve_example.run(src, tmp_path / src.name, tokens=8, verbose=False)
+        results = serve_example.run(src, tmp_path / src.name, tokens=8, verbose=False,
+                                    **real_convert_options.get(src.name, {}))
         assert results, src.name
         failures += [f"{src.name} layer {r.index}: {r.diff:.2e} >= {r.threshold:.0e}" for r in results if not r.ok]
     assert not failures, failures

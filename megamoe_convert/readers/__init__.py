@@ -20,6 +20,13 @@ Decisions shared by every reader:
   writer converts them to the row's fusable shared precision.
 * ``quantize=`` is accepted only for unquantized checkpoints (no stacking of
   a second quantization on a first).
+* The kernels quantize activations themselves (`recipe`): a source recipe
+  whose activations the kernel makes coarser (weight-only exports, FP8
+  activations on the nvfp4 row) is refused unless
+  ``accept_activation_change=True`` (``--accept-activation-change``); a finer
+  or equal one converts. Either way the reader's ``activation_change``
+  records both recipes. ``quantize=`` is itself that choice for unquantized
+  checkpoints.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .base import (
     registered_readers,
 )
 
+from . import recipe as _recipe  # noqa: E402
 # registration order = detection order
 from . import modelopt as _modelopt  # noqa: F401,E402
 from . import quark as _quark  # noqa: F401,E402
@@ -105,13 +113,27 @@ def _resolve_name(format: str) -> type[CheckpointReader]:
     return regs[name]
 
 
-def detect_reader(source, format: str | None = None, quantize: str | None = None) -> CheckpointReader:
+def detect_reader(source, format: str | None = None, quantize: str | None = None,
+                  accept_activation_change: bool = False) -> CheckpointReader:
     """The reader for ``source``: forced by ``format`` or detected.
 
     ``quantize`` ("mxfp4" | "mxfp8" | "nvfp4") applies only to unquantized
     checkpoints; on an already-quantized one it is refused rather than
     silently stacking a second quantization on the first.
+    ``accept_activation_change``: convert a checkpoint whose activations the
+    kernel quantizes more coarsely than the producer did (FormatError naming
+    ``--accept-activation-change`` otherwise).
     """
+    reader = _detect(source, format, quantize)
+    change = _recipe.compare(type(reader).activation_recipe(source), reader.row,
+                             accepted=bool(accept_activation_change) or quantize is not None)
+    if change.needs_flag and not change.accepted:
+        raise FormatError(change.refusal(str(source.id), reader.format_name))
+    reader.activation_change = change
+    return reader
+
+
+def _detect(source, format: str | None, quantize: str | None) -> CheckpointReader:
     regs = registered_readers()
     if format is not None:
         cls = _resolve_name(format)

@@ -160,6 +160,18 @@ class CheckpointReader(abc.ABC):
 
     def __init__(self, source: "CheckpointSource") -> None:
         self.source = source
+        #: how the kernel's activations relate to the source recipe (`recipe.ActivationChange`);
+        #: set by ``detect_reader``, which refuses a coarser one without the opt-in
+        self.activation_change = None
+
+    @classmethod
+    def activation_recipe(cls, source: "CheckpointSource"):
+        """What the producer did to the expert inputs (`recipe.ActivationRecipe`),
+        from the quantization config; a per-format fact, so each format's reader
+        overrides this. Default: undeclared (never refused)."""
+        from .recipe import UNDECLARED
+
+        return UNDECLARED
 
     # -- detection -----------------------------------------------------------
     @classmethod

@@ -39,6 +39,9 @@ class Param:
     dtypes: tuple[str, ...]
     required: bool = True
     invert: bool = False  # stored as a divisor (compressed-tensors): canonical = 1 / stored
+    #: (a, b): canonical = fl32(fl32(stored * a) / b), a change of convention (ModelOpt W4A8_NVFP4_FP8's
+    #: FP8 input_scale, amax/448, as the NVFP4 global activation scale, amax/2688: (448, 2688))
+    rescale: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,10 @@ class Scheme:
     #: since every element of a block shares the byte (DeepSeek-V4 FP8 128x128,
     #: Quark per_block [R, 32]).
     blocked_scales: bool = False
+    #: E4M3 block scales stored per this many elements (a multiple of the row's group, e.g. 32 for
+    #: ModelOpt W4A8_NVFP4_FP8) and repeated to the row's per-16 scales: exact, every element of a
+    #: stored block keeps its scale byte
+    stored_scale_group: int | None = None
 
     def param(self, key: str) -> Param | None:
         for p in self.params:
@@ -204,6 +211,14 @@ class SchemeReader(CheckpointReader):
                     raise CheckpointError(
                         f"{where}: {self._where(name)} has shape {list(shape)}, expected {list(wshape)} "
                         f"({role}: out={out}, in={k}{', packed 2 per byte' if wshape[1] != k else ''})"
+                    )
+            elif p.key == "scale" and scheme.stored_scale_group:
+                g = scheme.stored_scale_group
+                want = (out, k // g)
+                if k % g or shape != want:
+                    raise CheckpointError(
+                        f"{where}: {self._where(name)} has shape {list(shape)}, expected {list(want)} "
+                        f"(one scale per {g} along in={k})"
                     )
             elif p.key == "scale":
                 assert sshape is not None
@@ -537,8 +552,14 @@ class SchemeReader(CheckpointReader):
         )
 
     # ------------------------------------------------------------------ data
-    def _scalar(self, name: str, invert: bool, where: str) -> float:
+    def _scalar(self, name: str, invert: bool, where: str, rescale: tuple[float, float] | None = None) -> float:
         v = float(self.source.get_tensor(name).float().reshape(-1)[0])
+        if rescale is not None:
+            if not (math.isfinite(v) and v > 0):
+                raise ScaleError(f"{where}: {self._where(name)} = {v!r}; a scale must be finite and > 0")
+            a, b = rescale
+            t = torch.tensor(v, dtype=torch.float32) * torch.tensor(a, dtype=torch.float32)
+            return float(t / torch.tensor(b, dtype=torch.float32))
         if invert:
             if not (math.isfinite(v) and v > 0):
                 raise ScaleError(
@@ -594,12 +615,15 @@ class SchemeReader(CheckpointReader):
                     s = s.repeat_interleave(R, 0)[: r.out].repeat_interleave(C // g, 1)[:, : r.k // g].contiguous()
             else:
                 s = s.view(torch.float8_e4m3fn) if s.dtype != torch.float8_e4m3fn else s
+                if scheme.stored_scale_group:
+                    rep = scheme.stored_scale_group // row.weight.scale_group
+                    s = s.view(torch.uint8).repeat_interleave(rep, 1).view(torch.float8_e4m3fn)
             scale = s
         g = i = None
         if "global" in r.names:
-            g = self._scalar(r.names["global"], scheme.param("global").invert, where)
+            g = self._scalar(r.names["global"], scheme.param("global").invert, where, scheme.param("global").rescale)
         if "input" in r.names:
-            i = self._scalar(r.names["input"], scheme.param("input").invert, where)
+            i = self._scalar(r.names["input"], scheme.param("input").invert, where, scheme.param("input").rescale)
         return ProjectionTensors(weight=w, scale=scale, global_scale=g, input_scale=i)
 
     def read_expert(self, layer_index: int, expert: int, *, weights: bool = True) -> ExpertTensors:
@@ -652,7 +676,7 @@ class SchemeReader(CheckpointReader):
             for key, label in (("global", "global"), ("input", "input")):
                 p = self.scheme.param(key)
                 vals[f"{role}_{label}"] = (
-                    self._scalar(r.names[key], p.invert, f"{where} {role}") if key in r.names else None
+                    self._scalar(r.names[key], p.invert, f"{where} {role}", p.rescale) if key in r.names else None
                 )
         return ExpertScalars(**vals)
 

@@ -17,6 +17,12 @@ Per expert projection module:
 * mxfp8: ``weight`` F8_E4M3 + ``weight_scale`` U8 ``[out, in/32]``.
 
 ``weight_shape`` (kept by some packed compressors) is consumed and ignored.
+
+The experts' config group ``input_activations`` is the activation recipe
+(`recipe`): ``null`` (the weight-only presets NVFP4A16, MXFP4A16, MXFP8A16:
+no ``input_global_scale``) means BF16 activations, which every quantized row
+makes coarser, so they need ``--accept-activation-change`` (NVFP4A16 also
+``--l2-activation-scale``: it has no w2 input scale).
 Refused with the reason: float-quantized (FP8 per-tensor/channel/block),
 pack-quantized / int-quantized (INT4/INT8, e.g. Kimi-K2-Thinking),
 naive-quantized, sparse formats, and mixed-precision whose groups use
@@ -29,6 +35,7 @@ from typing import ClassVar
 
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
+from .recipe import UNDECLARED, ActivationRecipe
 
 SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}
 WHY_NOT = {
@@ -65,6 +72,36 @@ def ct_format(source) -> str | None:
     return fmt or None
 
 
+def ct_input_activations(source) -> ActivationRecipe:
+    """The activation recipe of the config group whose format is the experts' one."""
+    qc = quant_config_of(source)
+    fmt = ct_format(source)
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+    match = [g for g in groups if g.get("format") in (fmt, None)] or groups
+    if not match:
+        return UNDECLARED
+    ia = match[0].get("input_activations")
+    if ia is None:
+        return ActivationRecipe("bf16", False, "compressed-tensors weight-only (input_activations: null): not "
+                                               "quantized (BF16)")
+    if not isinstance(ia, dict):
+        return UNDECLARED
+    bits, typ, gs, strat = ia.get("num_bits"), ia.get("type"), ia.get("group_size"), ia.get("strategy")
+    dyn = ia.get("dynamic")
+    how = {True: "dynamic", False: "static, calibrated", "local": "dynamic per group, calibrated global"}.get(
+        dyn, f"dynamic={dyn!r}")
+    if typ == "float" and bits == 4 and gs == 16:
+        return ActivationRecipe("nvfp4", dyn in (False, "local"), f"compressed-tensors NVFP4 per 16 ({how})")
+    if typ == "float" and bits == 4 and gs == 32:
+        return ActivationRecipe("mxfp4", dyn is False, f"compressed-tensors MXFP4 per 32 ({how})")
+    if typ == "float" and bits == 8 and gs == 32:
+        return ActivationRecipe("mxfp8", dyn is False, f"compressed-tensors MXFP8 per 32 ({how})")
+    if typ == "float" and bits == 8 and strat in ("tensor", "token"):
+        return ActivationRecipe("fp8", dyn is False, f"compressed-tensors FP8 per {strat} ({how})")
+    return ActivationRecipe("undeclared", False, f"compressed-tensors input_activations num_bits={bits} "
+                                                 f"type={typ} strategy={strat} group_size={gs}")
+
+
 class _CTReader(SchemeReader):
     direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
     ct_format: ClassVar[str] = ""
@@ -76,6 +113,10 @@ class _CTReader(SchemeReader):
     @classmethod
     def detect(cls, source) -> bool:
         return ct_format(source) == cls.ct_format
+
+    @classmethod
+    def activation_recipe(cls, source) -> ActivationRecipe:
+        return ct_input_activations(source)
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
@@ -90,7 +131,9 @@ class _CTReader(SchemeReader):
             why = WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
         return (
             f"compressed-tensors format {fmt!r} is not supported: {why}. "
-            f"Supported compressed-tensors formats: {', '.join(SUPPORTED)}"
+            f"Supported compressed-tensors formats: {', '.join(SUPPORTED)}. To convert this model: re-export it "
+            "with llm-compressor scheme NVFP4, MXFP4 or MXFP8 (the weight-only NVFP4A16 / MXFP4A16 / MXFP8A16 with "
+            "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
         )
 
 

@@ -17,6 +17,13 @@ two-stage quantizer, a list of dicts.
 * MXFP8: ``dtype: fp8_e4m3`` per_group 32 with e8m0 scales: ``weight`` F8_E4M3
   + ``weight_scale`` U8, per row or per block of R rows (vLLM reports
   ``per_block [R, 32]``), expanded exactly to per-row scales.
+
+The experts' ``input_tensors`` spec is the activation recipe (`recipe`):
+``None`` (weight-only, e.g. ``mxfp4_weight_only``) means BF16 activations,
+which every quantized row makes coarser: ``--accept-activation-change``.
+``mxfp4_fp8`` (per-tensor FP8 activations, a BF16 ``input_scale`` per
+module) converts by default on the mxfp4 row (MXFP8 per 32 is finer); the
+``input_scale`` is consumed unused.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, ClassVar
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, quant_config_of
 from .naming import EXPERT_RE
+from .recipe import ActivationRecipe
 
 
 def _norm_dtype(d: Any) -> str:
@@ -70,22 +78,60 @@ def classify_spec(spec: Any) -> tuple[str | None, str]:
     return None, f"dtype {d or '?'} qscheme {qs or '?'} group_size {gs} scale_format {sf or '?'}"
 
 
-def _expert_spec(qc: dict, source) -> tuple[Any, str]:
-    """The weight spec that applies to routed experts, and where it came from."""
+def _expert_config(qc: dict, source) -> tuple[dict, str]:
+    """The quant config (weight, input_tensors, ...) that applies to routed
+    experts, and where it came from."""
     layer_cfg = qc.get("layer_quant_config") or {}
     expert_mods = [n[: n.rfind(".")] for n in source.tensor_names() if EXPERT_RE.match(n)]
     sample = expert_mods[0] if expert_mods else None
     if sample is not None:
         for pat, cfg in layer_cfg.items():
             if fnmatchcase(sample, pat) and isinstance(cfg, dict) and "weight" in cfg:
-                return cfg["weight"], f"layer_quant_config[{pat!r}]"
+                return cfg, f"layer_quant_config[{pat!r}]"
     type_cfg = qc.get("layer_type_quant_config") or {}
     for key in ("Linear", "nn.Linear", "torch.nn.Linear"):
         cfg = type_cfg.get(key)
         if isinstance(cfg, dict) and "weight" in cfg:
-            return cfg["weight"], f"layer_type_quant_config[{key!r}]"
+            return cfg, f"layer_type_quant_config[{key!r}]"
     g = qc.get("global_quant_config") or {}
-    return g.get("weight"), "global_quant_config"
+    return (g if isinstance(g, dict) else {}), "global_quant_config"
+
+
+def _expert_spec(qc: dict, source) -> tuple[Any, str]:
+    """The weight spec that applies to routed experts, and where it came from."""
+    cfg, where = _expert_config(qc, source)
+    return cfg.get("weight"), where
+
+
+def classify_input_spec(spec: Any) -> ActivationRecipe:
+    """The activation recipe of a Quark ``input_tensors`` spec (dict, list or None)."""
+    if spec is None:
+        return ActivationRecipe("bf16", False, "Quark weight-only (input_tensors: null): not quantized (BF16)")
+    if isinstance(spec, list):
+        if len(spec) == 1:
+            return classify_input_spec(spec[0])
+        first = spec[0] if spec and isinstance(spec[0], dict) else {}
+        if _norm_dtype(first.get("dtype")) == "fp4" and first.get("group_size") == 16 and len(spec) == 2:
+            return ActivationRecipe("nvfp4", True, "Quark two-stage [fp4 per_group 16, fp8 per_tensor] (NVFP4, "
+                                                   "calibrated input_scale_2)")
+        return ActivationRecipe("undeclared", False, f"Quark multi-stage input spec ({len(spec)} stages)")
+    if not isinstance(spec, dict):
+        return ActivationRecipe("undeclared", False, f"Quark input spec {spec!r}")
+    d, gs, qs = _norm_dtype(spec.get("dtype")), spec.get("group_size"), spec.get("qscheme")
+    dyn = bool(spec.get("is_dynamic"))
+    how = "dynamic" if dyn else "static, calibrated"
+    if d == "fp8_e4m3" and qs == "per_tensor":
+        return ActivationRecipe("fp8", not dyn, f"Quark fp8_e4m3 per_tensor ({how}): FP8 E4M3 with one scale per "
+                                                f"tensor")
+    if d == "fp4" and gs == 32:
+        return ActivationRecipe("mxfp4", not dyn, f"Quark fp4 per_group 32 (MXFP4, {how})")
+    if d == "fp8_e4m3" and gs == 32:
+        return ActivationRecipe("mxfp8", not dyn, f"Quark fp8_e4m3 per_group 32 (MXFP8, {how})")
+    if d == "mx":
+        el = _norm_dtype(spec.get("mx_element_dtype"))
+        kind = {"fp4": "mxfp4", "fp8_e4m3": "mxfp8", "fp8": "mxfp8"}.get(el, "undeclared")
+        return ActivationRecipe(kind, not dyn, f"Quark legacy mx/{el} input ({how})")
+    return ActivationRecipe("undeclared", False, f"Quark input dtype {d or '?'} qscheme {qs or '?'} group_size {gs}")
 
 
 def quark_row(source) -> tuple[str | None, str] | None:
@@ -111,13 +157,21 @@ class _QuarkReader(SchemeReader):
         return r is not None and r[0] == cls.quark_row
 
     @classmethod
+    def activation_recipe(cls, source) -> ActivationRecipe:
+        cfg, _ = _expert_config(quant_config_of(source), source)
+        return classify_input_spec(cfg.get("input_tensors"))
+
+    @classmethod
     def unsupported_reason(cls, source) -> str | None:
         r = quark_row(source)
         if r is None or r[0] is not None:
             return None
         return (
             f"Quark export with {r[1]} is not supported. Supported Quark weight specs: fp4 per_group 32 e8m0 "
-            "(MXFP4), [fp4 per_group 16, fp8 per_tensor] (NVFP4), fp8_e4m3 per_group 32 e8m0 (MXFP8)"
+            "(MXFP4), [fp4 per_group 16, fp8 per_tensor] (NVFP4), fp8_e4m3 per_group 32 e8m0 (MXFP8). To convert "
+            "this model: re-export it with one of those (Quark schemes mxfp4, mxfp4_fp8, nvfp4; the weight-only "
+            "mxfp4_weight_only with --accept-activation-change), or convert the unquantized model with "
+            "--quantize mxfp4|mxfp8|nvfp4"
         )
 
 
@@ -134,6 +188,7 @@ class QuarkMXFP4Reader(_QuarkReader):
             Param("weight", ("weight",), ("U8", "I8")),
             Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
         ),
+        ignored=("input_scale",),  # mxfp4_fp8's per-tensor FP8 activation scale: the kernel quantizes per 32
     )
 
 
@@ -169,4 +224,5 @@ class QuarkMXFP8Reader(_QuarkReader):
             Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
         ),
         blocked_scales=True,
+        ignored=("input_scale",),  # a per-tensor FP8 activation scale: the kernel quantizes per 32 itself
     )

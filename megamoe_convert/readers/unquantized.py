@@ -58,6 +58,13 @@ class UnquantizedReader(SchemeReader):
     row = "bf16"
     description = "BF16/FP16/FP32 experts -> bf16 row, or quantize= mxfp4|mxfp8|nvfp4 with the reference quantizers"
     scheme = BF16_SCHEME
+
+    @classmethod
+    def activation_recipe(cls, source):
+        from .recipe import ActivationRecipe
+
+        # quantize= (choosing a quantized row for an unquantized model) is itself the opt-in
+        return ActivationRecipe("bf16", False, "unquantized model: BF16 activations")
     shared_schemes = (BF16_SCHEME,)
     reads_fused = True
 

@@ -512,11 +512,8 @@ def _set_quant(p: Path, qc: dict | None, hf: dict | None = None) -> None:
     "algo, match",
     [
         ("W4A8_AWQ", "W4A8_AWQ"),
-        ("W4A8_MXFP4_FP8", "per-tensor FP8 activation"),
-        ("W4A8_NVFP4_FP8", "W4A8_NVFP4_FP8"),
         ("FP8", "per-tensor FP8"),
         ("NVFP4_AWQ", "pre_quant_scale"),
-        ("W4A16_NVFP4", "weight-only"),
     ],
 )
 def test_modelopt_refusals(make_ckpt, algo, match):
@@ -527,6 +524,32 @@ def test_modelopt_refusals(make_ckpt, algo, match):
     with pytest.raises(FormatError, match=match) as ei:
         _reader(p)
     assert "Supported ModelOpt algorithms: NVFP4, MXFP4, MXFP8" in str(ei.value)
+    assert "To convert this model: re-export" in str(ei.value) and "--quantize" in str(ei.value)
+
+
+@pytest.mark.parametrize("base, algo, fmt, needs_flag", [
+    ("modelopt-mxfp4", "W4A8_MXFP4_FP8", "modelopt-mxfp4", False),
+    ("modelopt-nvfp4", "W4A16_NVFP4", "modelopt-nvfp4", True),
+    ("modelopt-nvfp4", "W4A8_NVFP4_FP8", "modelopt-w4a8-nvfp4-fp8", True),
+])
+def test_modelopt_activation_recipes(make_ckpt, base, algo, fmt, needs_flag):
+    """The activation variants of the formats the rows read: W4A8_MXFP4_FP8 converts
+    (MXFP8 per 32 is finer than per-tensor FP8); the others name the flag."""
+    from megamoe_convert.readers import detect_reader
+    from megamoe_convert.source import open_source
+
+    p = make_ckpt(base, num_layers=1)
+    hf = json.loads((p / "hf_quant_config.json").read_text())
+    hf["quantization"]["quant_algo"] = algo
+    (p / "hf_quant_config.json").write_text(json.dumps(hf))
+    if needs_flag:
+        with pytest.raises(FormatError, match="--accept-activation-change"):
+            _reader(p)
+    r = detect_reader(open_source(p), accept_activation_change=True)
+    assert r.format_name == fmt and r.activation_change.needs_flag == needs_flag
+    if algo == "W4A8_NVFP4_FP8":  # its block scales are per 32: a per-16 export is not one
+        with pytest.raises(CheckpointError, match="one scale per 32"):
+            r.moe_layers()
 
 
 def test_modelopt_config_only_detection(make_ckpt):
