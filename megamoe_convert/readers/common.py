@@ -180,7 +180,8 @@ class SchemeReader(CheckpointReader):
         if "bias" in unknown:
             raise FormatError(
                 f"{where}: expert bias {tensors['bias']} found; no MegaMoE kernel has a slot for expert biases "
-                "(gpt-oss style), so this checkpoint cannot be converted"
+                "(gpt-oss style), so this checkpoint cannot be converted (no producer recipe or --quantize removes "
+                "the bias term)"
             )
         if unknown:
             raise CheckpointError(
@@ -405,7 +406,8 @@ class SchemeReader(CheckpointReader):
                 raise FormatError(f"{where}: expert biases {names} have no slot in any MegaMoE kernel")
             raise FormatError(
                 f"{where}: quantized fused experts {names} are not supported (only plain float fused "
-                "gate_up_proj [E, 2I, H] / down_proj [E, H, I])"
+                "gate_up_proj [E, 2I, H] / down_proj [E, H, I]); to convert it, export per-expert modules with the "
+                "producer, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
             )
         gname = gu.get("") or gu.get("weight")
         dname = dn.get("") or dn.get("weight")

@@ -109,5 +109,7 @@ class DeepSeekV4Reader(SchemeReader):
             f"{'and scale_fmt ' + repr(sf) + ' ' if sf else ''}is DeepSeek-V3-style block FP8 (float "
             "weight_scale_inv per 128x128 block). No MegaMoE row holds it exactly (MX scales are powers of two "
             "per 32 along K); supported native DeepSeek format: V4 FP4 experts (expert_dtype 'fp4', "
-            "scale_fmt 'ue8m0')"
+            "scale_fmt 'ue8m0'). To convert this model: dequantize it to BF16 (e.g. DeepSeek's fp8_cast_bf16.py) "
+            "and convert that with --quantize mxfp4|mxfp8|nvfp4, or use a ModelOpt / llm-compressor / Quark "
+            "NVFP4 or MXFP4 export of it"
         )

@@ -126,7 +126,8 @@ def effective_algo(source) -> str | None:
         detail = "; ".join(f"{a}: {len(m)} modules (e.g. {m[0]})" for a, m in sorted(algos.items()))
         raise FormatError(
             f"{source.id}: ModelOpt MIXED_PRECISION export quantizes routed experts with different algorithms "
-            f"({detail}); a MegaMoE layer needs one format for all experts"
+            f"({detail}); a MegaMoE layer needs one format for all experts. To convert it: re-export with one "
+            "algorithm for every routed expert"
         )
     return next(iter(algos))
 
