@@ -53,6 +53,22 @@ MUTANTS = [
     ("swiglu: clamp on up one-sided", "megamoe_runtime/backends/reference.py",
      "u = torch.maximum(torch.minimum(u, c), -c)", "u = torch.minimum(u, c)",
      ["tests/runtime/backends/test_reference.py"]),
+    ("nvfp4 dispatch: upstream fp4_fp4 given DGv's per-token x", "megamoe_runtime/backends/reference.py",
+     'NVFP4_DISPATCH_BY_ENTRY = {"fp4_fp4_mega_moe": "unit_global", "nvfp4_mega_moe": "per_token"}',
+     'NVFP4_DISPATCH_BY_ENTRY = {"fp4_fp4_mega_moe": "per_token", "nvfp4_mega_moe": "per_token"}',
+     ["tests/runtime/backends/test_reference.py", "tests/runtime/backends/test_deepgemm.py"]),
+    ("W4A8_NVFP4_FP8: per-32 scales tiled, not split in place", "megamoe_convert/readers/common.py",
+     "s = s.view(torch.uint8).repeat_interleave(rep, 1).view(torch.float8_e4m3fn)",
+     "s = s.view(torch.uint8).repeat(1, rep).view(torch.float8_e4m3fn)",
+     ["tests/convert/test_recipe.py"]),
+    ("W4A8_NVFP4_FP8: FP8 input scale used as the NVFP4 a2 unconverted", "megamoe_convert/readers/modelopt.py",
+     'Param("input", ("input_scale",), ("F32",), required=False, rescale=(448.0, 2688.0)),',
+     'Param("input", ("input_scale",), ("F32",), required=False),',
+     ["tests/convert/test_recipe.py"]),
+    ("recipe: weight-only activations not refused", "megamoe_convert/readers/recipe.py",
+     'return ActivationChange(source, row, kk, kdesc, relation, relation == "coarser", accepted)',
+     'return ActivationChange(source, row, kk, kdesc, relation, False, accepted)',
+     ["tests/convert/test_recipe.py"]),
     ("combine: rsf not applied (nvfp4)", "megamoe_runtime/backends/reference.py",
      "    if rsf != 1.0:\n        r = (r.to(torch.float32)", "    if False:\n        r = (r.to(torch.float32)",
      ["tests/runtime/backends/test_reference.py"]),
@@ -64,6 +80,8 @@ def _run(mutant, keep: bool) -> bool:
     with tempfile.TemporaryDirectory(prefix="megamoe-mutant-") as tmp:
         dst = Path(tmp) / "repo"
         shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "fixtures"))
+        # the checkpoint fixtures (real producer exports) are read only: link them instead of copying
+        (dst / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures", target_is_directory=True)
         path = dst / rel
         text = path.read_text()
         if text.count(old) < 1:
