@@ -75,6 +75,9 @@ ALIASES = {
     "mxfp4-pack-quantized": "ct-mxfp4",
     "mxfp8-quantized": "ct-mxfp8",
     "deepseek-v4-fp4": "deepseek-v4",
+    # ModelOpt quant_algo names of the activation variants (same weight encoding as the row's reader)
+    "modelopt-w4a8-mxfp4-fp8": "modelopt-mxfp4",
+    "modelopt-w4a16-nvfp4": "modelopt-nvfp4",
     "dsv4": "deepseek-v4",
 }
 

@@ -253,6 +253,13 @@ def test_policy_table_and_negative_controls():
     assert not compare(bf16, r.row).accepted and compare(bf16, r.row).refusal("x", "y").count(ACCEPT_FLAG) == 1
 
 
+def test_format_aliases_of_the_activation_variants():
+    src = open_source(REAL / "modelopt-w4a8-mxfp4-fp8-qwen3moe")
+    assert detect_reader(src, format="modelopt-w4a8-mxfp4-fp8").format_name == "modelopt-mxfp4"
+    with pytest.raises(FormatError, match=ACCEPT_FLAG):  # forcing the format does not skip the policy
+        detect_reader(open_source(REAL / "modelopt-w4a16-nvfp4-qwen3moe"), format="modelopt-w4a16-nvfp4")
+
+
 def test_bf16_quantize_is_its_own_opt_in(tmp_path):
     """--quantize picks a quantized row for an unquantized model: no second flag."""
     r = detect_reader(open_source(REAL / "bf16-plain-qwen3moe"), quantize="mxfp4")
