@@ -603,10 +603,20 @@ class ReferenceBackend:
 
     def __init__(self, nvfp4_entry_point: Optional[str] = None) -> None:
         """``nvfp4_entry_point``: the DeepGEMM NVFP4 entry point whose dispatch
-        convention nvfp4 layers follow (default `DEFAULT_NVFP4_ENTRY`; pass
-        ``"fp4_fp4_mega_moe"`` to model upstream DeepGEMM)."""
+        convention nvfp4 layers follow. None: the one the layer's own backend
+        names (``layer.backend.entry_point(spec)``, e.g. a layer built for the
+        deepgemm backend on upstream DeepGEMM gets ``"fp4_fp4_mega_moe"``), else
+        `DEFAULT_NVFP4_ENTRY`."""
         nvfp4_dispatch_convention(nvfp4_entry_point)
-        self.nvfp4_entry_point = DEFAULT_NVFP4_ENTRY if nvfp4_entry_point is None else nvfp4_entry_point
+        self.nvfp4_entry_point = nvfp4_entry_point
+
+    def entry_point_for(self, layer: Any) -> str:
+        """The NVFP4 entry point whose dispatch this backend models for ``layer``."""
+        if self.nvfp4_entry_point is not None:
+            return self.nvfp4_entry_point
+        own = getattr(getattr(layer, "backend", None), "entry_point", None)
+        name = own(layer.spec) if callable(own) else None
+        return name if name in NVFP4_DISPATCH_BY_ENTRY else DEFAULT_NVFP4_ENTRY
 
     def supports(self, spec: LayerSpec) -> bool | str:
         return True
@@ -626,7 +636,7 @@ class ReferenceBackend:
         all belong to this rank."""
         return reference_pairs(layer.spec, _layer_kernel_tensors(layer, ""), rows, weights, ids,
                                scalars=self._scalars(layer, rows.device),
-                               nvfp4_entry_point=self.nvfp4_entry_point)
+                               nvfp4_entry_point=self.entry_point_for(layer))
 
     def shared_slot(self, layer: Any, shared_input: Tensor) -> Tensor:
         """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
@@ -656,4 +666,4 @@ class ReferenceBackend:
                                    "shared_input=None and run the shared expert outside")
         return reference_forward(spec, _layer_kernel_tensors(layer, ""), hidden_states,
                                  topk_weights, topk_ids, scalars=scalars, shared=shared,
-                                 shared_input=shared_input, nvfp4_entry_point=self.nvfp4_entry_point)
+                                 shared_input=shared_input, nvfp4_entry_point=self.entry_point_for(layer))

@@ -721,3 +721,30 @@ def test_nvfp4_staged_x_is_the_reference_dispatch_of_the_entry_point(standin, ve
     assert not torch.equal(sf2.view(torch.uint8), sf.view(torch.uint8))
     assert not torch.equal(_dg_cast_to_nvfp4(x, None if version == "dgv" else x.float().abs().amax(-1) / 2688.0)[1],
                            staged_sf)
+
+
+@pytest.mark.parametrize("version, entry", [("dg-newer", "fp4_fp4_mega_moe"), ("dgv", "nvfp4_mega_moe")])
+def test_reference_backend_takes_the_entry_point_of_the_layers_backend(standin, version, entry):
+    """ReferenceBackend().forward(layer) on a layer built for the deepgemm backend models
+    the dispatch of the entry point that layer runs; an explicit entry point wins."""
+    from megamoe_runtime.backends.reference import ReferenceBackend, reference_forward
+
+    standin(version)
+    H, I = (512, 512) if version == "dg-newer" else (256, 128)
+    spec = _spec("nvfp4", H, I)
+    layer = _filled_layer(spec, _backend())
+    T = 4
+    x, w, ids = _inputs(T, H, 2, 8)
+    x = (x.float() * torch.logspace(-3, 2, T)[:, None]).to(torch.bfloat16)
+    ref = ReferenceBackend()
+    assert ref.entry_point_for(layer) == entry
+    got = ref.forward(layer, x, w, ids)
+    kt = layer.kernel_tensors()
+    sc = ref._scalars(layer, x.device)
+    want = reference_forward(spec, kt, x, w, ids, scalars=sc, nvfp4_entry_point=entry)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    other = "nvfp4_mega_moe" if entry == "fp4_fp4_mega_moe" else "fp4_fp4_mega_moe"
+    forced = ReferenceBackend(nvfp4_entry_point=other).forward(layer, x, w, ids)
+    assert torch.equal(forced.view(torch.int16),
+                       reference_forward(spec, kt, x, w, ids, scalars=sc, nvfp4_entry_point=other).view(torch.int16))
+    assert not torch.equal(forced.view(torch.int16), got.view(torch.int16))
