@@ -65,9 +65,15 @@ def _status_kb(field: str) -> int:
 def child(src: str, out: str, checksum: str | None) -> None:
     """Runs in the measured subprocess: convert, then report time and memory."""
     t_start = float(os.environ.get("MEGAMOE_BENCH_T0", time.time()))
-    from megamoe_convert.convert import convert
+    import megamoe_convert.convert as mc
 
-    kwargs = {"checksum": checksum} if checksum else {}
+    convert = mc.convert
+    kwargs = {}
+    if checksum:  # "blake3" or "blake3:2" (hash threads per tensor)
+        alg, _, threads = checksum.partition(":")
+        kwargs["checksum"] = alg
+        if threads:
+            mc.HASH_THREADS = int(threads)
     base = _status_kb("VmRSS")
     t = time.perf_counter()
     r0 = os.times()
@@ -153,7 +159,9 @@ def main() -> None:
     ap.add_argument("--gb", default="1.074,3.2", help="source sizes in GB, comma separated (1.074 GB = 1 GiB)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (every contender once per round); medians")
     ap.add_argument("--cpus", default="", help="taskset CPU lists separated by ';' (e.g. '0;0,1'); default: all")
-    ap.add_argument("--checksum", default=None, help="convert --checksum (default: the converter's default)")
+    ap.add_argument("--checksum", default=None,
+                    help="comma-separated convert --checksum values, each a contender (e.g. 'sha256,blake3,blake3:2'; "
+                         "':N' = blake3 threads per tensor); default: the converter's default")
     ap.add_argument("--peer-python", default=None, help="python with compressed-tensors for the CT column")
     ap.add_argument("--baseline-tree", type=Path, default=None, help="another megamoe source tree to compare")
     ap.add_argument("--workdir", type=Path, default=None, help="folder on the disk to measure (default: /tmp)")
@@ -174,7 +182,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     cpu_sets = [c.strip() or None for c in a.cpus.split(";")] if a.cpus else [None]
     here = str(Path(__file__).resolve().parents[1])
-    contenders = [("cp", None), ("convert", here)]
+    contenders = [("cp", None)]
+    contenders += [(f"convert[{c}]", here) for c in a.checksum.split(",")] if a.checksum else [("convert", here)]
     if a.baseline_tree:
         contenders.append(("baseline", str(a.baseline_tree.resolve())))
     if a.peer_python:
@@ -202,7 +211,8 @@ def main() -> None:
                         r = run_child(["--ct-child", str(src), str(root / "dst")], root / "dst", cpus,
                                       a.peer_python, None)
                     else:
-                        r = run_child(["--child", str(src), str(root / "dst"), a.checksum or "-"], root / "dst",
+                        ck = name[len("convert["):-1] if name.startswith("convert[") else "-"
+                        r = run_child(["--child", str(src), str(root / "dst"), ck], root / "dst",
                                       cpus, sys.executable, tree)
                     shutil.rmtree(root / "dst", ignore_errors=True)
                     r.update(contender=name, cpus=cpus or "all", round=rnd, gb=nbytes / 1e9, layers=layers,

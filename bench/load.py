@@ -20,7 +20,16 @@ megamoe-convert, then measures in one process, on the same bytes:
 * ``original_then_transform``: what engines do today -- allocate the
   checkpoint-format parameters, load the original tensors into them, then
   build the kernel layout from them (gate/up interleave, int32 scale packing,
-  UTCCP, MN-major) into new tensors, and free the originals.
+  UTCCP, MN-major) into new tensors, and free the originals;
+* ``pinned_h2d`` (CUDA): one ``copy_`` of the same byte count from a pinned
+  host buffer into a resident device buffer -- the host-to-device link's
+  practical limit, measured in the same run (issue 13: the warm-cache load
+  and reload should reach >= 70% of it);
+* ``safetensors``: ``safetensors.torch.load_file(f, device=...)`` of the same
+  converted expert files (what a plain safetensors loader gets from them).
+
+With ``--cold`` every phase starts from an evicted page cache, and
+``raw_read`` is the disk's own read rate (plus the link, on CUDA).
 
 Goals (issue 4): prelaid >= 0.85x the raw read's throughput, and >= 3x faster
 than original-then-transform. Peak EXTRA memory is what a phase needs beyond
@@ -49,6 +58,7 @@ from megamoe_runtime.tensor_bytes import byte_view
 
 import megamoe_runtime as mr
 from megamoe_runtime import codecs, layout
+from megamoe_runtime.loaders import read_workers
 
 H, I, E = 2048, 1024, 64  # per layer: 64 * 3 * 2048 * 1024 * (1 + 1/32) B ~= 415 MB (mxfp8)
 
@@ -195,6 +205,32 @@ def phase_raw_read(files: list[Path], device: torch.device,
     return total, run
 
 
+def phase_pinned_h2d(total: int, device: torch.device) -> Callable[[], Any]:
+    """The link limit: pinned host -> resident device buffer, one copy."""
+    src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def run() -> Any:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        return None
+
+    return run
+
+
+def phase_safetensors(files: list[Path], device: torch.device) -> Callable[[], Any]:
+    from safetensors.torch import load_file
+
+    def run() -> Any:
+        out = [load_file(str(p), device=str(device)) for p in files]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
 def phase_prelaid(ck: mr.Checkpoint, device: torch.device) -> Callable[[], Any]:
     def run() -> Any:
         layers = [ck.build_layer(li.index, device=device, backend="reference") for li in ck.layers]
@@ -323,7 +359,8 @@ def _one(run: Callable[[], Any], device: torch.device, mem_dest: int, cold_files
     return dt, m
 
 
-def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold: bool) -> list[dict]:
+def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold: bool,
+                 skip: frozenset = frozenset()) -> list[dict]:
     """Every phase once per round, ``repeats`` rounds (round-robin, so that a
     transient load on the machine hits all phases alike); best and median."""
     ck = mr.open_checkpoint(out)
@@ -343,7 +380,11 @@ def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold:
         ("prelaid_reload", phase_reload(ck, built, device), dest, 0, cold_out),
         ("raw_direct", phase_raw_direct(ck, src, device), dest, dest, cold_src),
         ("original_then_transform", phase_original_then_transform(ck, src, device), dest, dest, cold_src),
+        ("safetensors", phase_safetensors(files, device), total, total, cold_out),
     ]
+    if device.type == "cuda":
+        phases.append(("pinned_h2d", phase_pinned_h2d(total, device), total, 0, None))
+    phases = [p for p in phases if p[0] not in skip]
     times: dict[str, list[float]] = {p[0]: [] for p in phases}
     mem: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
@@ -370,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before every run")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--skip", default="", help="comma-separated phases to leave out (e.g. raw_direct)")
     args = ap.parse_args(argv)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -381,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     all_results = []
     for d in devices:
         dev = torch.device(d)
-        res = bench_device(dev, src, out, args.repeats, args.cold)
+        res = bench_device(dev, src, out, args.repeats, args.cold, frozenset(filter(None, args.skip.split(","))))
         all_results += res
         by = {r["phase"]: r for r in res}
         print(f"\n== {d}: {n_layers} layers, {by['prelaid']['bytes'] / 1e9:.2f} GB of kernel-layout expert "
-              f"tensors ({'cold' if args.cold else 'warm'} page cache, best of {args.repeats})")
+              f"tensors ({'cold' if args.cold else 'warm'} page cache, best of {args.repeats}; "
+              f"{read_workers()} reader threads, {os.cpu_count()} cores)")
         print(f"{'phase':26s} {'best s':>8s} {'median s':>9s} {'GB/s':>7s} {'host anon extra':>16s} "
               f"{'host file rss':>14s}" + (f" {'device extra':>13s}" if d == "cuda" else ""))
         for r in res:
@@ -396,19 +439,30 @@ def main(argv: list[str] | None = None) -> int:
             return (by[b][key] / by[b]["bytes"]) / (by[a][key] / by[a]["bytes"])  # throughput a / b
 
         print("ratios (best / median):")
+        if "pinned_h2d" in by:
+            link = by["pinned_h2d"]
+            print(f"  pinned H2D (same run): {link['gbps']:.1f} GB/s best")
+            for ph in ("prelaid", "prelaid_reload", "safetensors", "raw_read"):
+                if ph in by:
+                    print(f"  {ph} vs pinned H2D: {ratio(ph, 'pinned_h2d', 'best_s'):.2f}x / "
+                          f"{ratio(ph, 'pinned_h2d', 'median_s'):.2f}x of the link"
+                          + (" (goal >= 0.70x)" if ph.startswith("prelaid") else ""))
+        if "safetensors" in by:
+            print(f"  prelaid vs safetensors.load_file: {ratio('prelaid', 'safetensors', 'best_s'):.2f}x / "
+                  f"{ratio('prelaid', 'safetensors', 'median_s'):.2f}x throughput")
         print(f"  prelaid (allocate + load) vs raw read into a fresh buffer: "
               f"{ratio('prelaid', 'raw_read', 'best_s'):.2f}x / {ratio('prelaid', 'raw_read', 'median_s'):.2f}x "
               f"throughput (goal >= 0.85x)")
         print(f"  prelaid reload vs raw read into a resident buffer: "
               f"{ratio('prelaid_reload', 'raw_read_resident', 'best_s'):.2f}x / "
               f"{ratio('prelaid_reload', 'raw_read_resident', 'median_s'):.2f}x throughput (goal >= 0.85x)")
-        for other in ("original_then_transform", "raw_direct"):
+        for other in [o for o in ("original_then_transform", "raw_direct") if o in by]:
             print(f"  prelaid vs {other}: {by[other]['best_s'] / by['prelaid']['best_s']:.1f}x / "
                   f"{by[other]['median_s'] / by['prelaid']['median_s']:.1f}x faster"
                   + (" (goal >= 3x)" if other == "original_then_transform" else ""))
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "gb": args.gb, "cold": args.cold, "shape": {"H": H, "I": I, "E": E, "layers": n_layers, "row": "mxfp8"}}
+            "gb": args.gb, "cold": args.cold, "load_threads": read_workers(), "shape": {"H": H, "I": I, "E": E, "layers": n_layers, "row": "mxfp8"}}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": all_results}, indent=1))
     return 0

@@ -29,7 +29,22 @@ import click  # noqa: E402
 
 from megamoe_runtime.errors import MegaMoEError  # noqa: E402
 
-from .writer import format_bytes, parse_size  # noqa: E402
+from megamoe_runtime.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
+
+# Nothing above imports torch: `--help`, `--version` and usage errors answer at
+# once; each command imports what it needs (torch among it) when it runs.
+
+
+def parse_size(text):
+    from .writer import parse_size as parse
+
+    return parse(text)
+
+
+def format_bytes(n: float) -> str:
+    from .writer import format_bytes as fmt
+
+    return fmt(n)
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -126,14 +141,17 @@ def main() -> None:
 @click.option("--accept-activation-change", is_flag=True,
               help="Convert a checkpoint whose activations the kernel quantizes more coarsely than the producer "
                    "did (weight-only W4A16 exports, FP8 activations on the nvfp4 row); recorded in megamoe.json.")
+@click.option("--checksum", type=click.Choice(["sha256", "blake3"]), default=DEFAULT_CHECKSUM, show_default=True,
+              help="Algorithm of the manifest's tensor checksums and file digests. blake3 hashes several times "
+                   "faster per core; verifying a blake3 folder needs the blake3 package; sha256 needs nothing extra.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp (finished shards "
                                              "are re-checked by checksum and kept).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
-            allow_missing_input_scales, l2_activation_scale, shared_precision, accept_activation_change, overwrite,
-            resume, as_json, no_progress):
+            allow_missing_input_scales, l2_activation_scale, shared_precision, accept_activation_change, checksum,
+            overwrite, resume, as_json, no_progress):
     """Convert checkpoint SRC (local folder or hub repo id) into OUT.
 
     Checks everything first (every expert present, shapes and dtypes against
@@ -152,6 +170,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert ./r1-nvfp4 ./out --shared-precision bf16   # for upstream fp4_fp4_mega_moe
       megamoe-convert convert ./src ./out --resume      # after an interrupted run
       megamoe-convert convert ./w4a16-nvfp4 ./out --accept-activation-change --l2-activation-scale 0.002
+      megamoe-convert convert ./src ./out --checksum sha256   # verifiable without the blake3 package
 
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT).
     """
@@ -170,7 +189,8 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
                               allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
                               resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
                               shared_precision=shared_precision, l2_activation_scale=l2_activation_scale,
-                              accept_activation_change=accept_activation_change)
+                              accept_activation_change=accept_activation_change,
+                              checksum=checksum)
         finally:
             bar.close()
 
@@ -307,9 +327,10 @@ def verify(out, as_json, reload_dry_run, no_progress):
     """Check converted folder OUT against its manifest.
 
     Manifest schema, version and self-digest, every file present with its size and
-    sha256, every safetensors header consistent with the manifest, every
-    tensor's sha256. Exit 1 with a report on any mismatch, missing file or
-    flipped byte.
+    digest, every safetensors header consistent with the manifest, every
+    tensor's checksum (sha256 or blake3, as the manifest says; a blake3 folder
+    needs the blake3 package). Exit 1 with a report on any mismatch, missing
+    file or flipped byte.
 
     \b
     Examples:
@@ -317,7 +338,8 @@ def verify(out, as_json, reload_dry_run, no_progress):
       megamoe-convert verify ./qwen3-megamoe --json
       megamoe-convert verify ./qwen3-megamoe --reload-dry-run
 
-    Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder.
+    Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder (or its blake3
+    checksums cannot be computed here).
     """
     from .writer import verify_output
 

@@ -37,6 +37,7 @@ lists the rest.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import shutil
@@ -47,13 +48,13 @@ from typing import Callable
 
 import torch
 
-from megamoe_runtime import codecs, layout
+from megamoe_runtime import codecs, digests, layout
+from megamoe_runtime.digests import SHA256
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors, expected_shapes
 from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
 from megamoe_runtime.errors import CheckpointError, FormatError, LayerSpecError, MegaMoEError
 from megamoe_runtime.formats import LayerSpec, Row, SharedSpec, get_row
 from megamoe_runtime.manifest import (
-    DIGEST_HEADER_AND_TENSORS,
     DIGEST_SHA256,
     FORMAT_VERSION,
     PASSTHROUGH_ROLE,
@@ -104,11 +105,14 @@ from .writer import (
     parse_size,
     plan_shards,
     prepare_temp_dir,
-    sha256_file,
     write_bytes_atomic,
 )
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+DEFAULT_CHECKSUM = digests.DEFAULT_CHECKSUM
+#: threads blake3 may use within one large tensor (sha256 is sequential)
+HASH_THREADS = 1
 Log = Callable[[str], None]
 
 
@@ -184,12 +188,12 @@ class _Slot:
     kernel_strides: tuple[int, ...]
     storage: str
 
-    def entry(self, sha256: str) -> TensorEntry:
+    def entry(self, checksum: str, kind: str = SHA256) -> TensorEntry:
         return TensorEntry(
             name=self.planned.name, layer=self.layer, role=self.role, ep_rank=self.ep_rank,
             experts=self.experts, file=self.file, dtype=self.planned.dtype, stored_shape=self.planned.shape,
             kernel_shape=self.kernel_shape, kernel_strides=self.kernel_strides, storage=self.storage,
-            sha256=sha256)
+            checksum=checksum, checksum_kind=kind)
 
 
 @dataclass
@@ -402,6 +406,7 @@ def convert(
     shared_precision: str = "auto",
     on_step: StepHook | None = None,
     accept_activation_change: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> ConvertSummary:
     """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
 
@@ -410,6 +415,11 @@ def convert(
     row cannot fuse raises FormatError. ``accept_activation_change``: convert a
     source whose activation recipe the kernel makes coarser (weight-only,
     FP8 activations on nvfp4; `readers.recipe`), recorded in megamoe.json.
+
+    ``checksum`` ("sha256" | "blake3", see ``megamoe_runtime.digests``): the
+    algorithm of the manifest's tensor checksums and file digests. blake3
+    hashes several times faster per core (BENCHMARKS.md); sha256 needs no
+    extra package to verify and gives the bytes earlier versions wrote.
 
     Raises MegaMoEError subclasses for bad input (nothing is left under `out`).
 
@@ -433,6 +443,8 @@ def convert(
                            f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
     if shared_precision not in SHARED_PRECISION_CHOICES:
         raise MegaMoEError(f"--shared-precision {shared_precision!r}; valid: {', '.join(SHARED_PRECISION_CHOICES)}")
+    digests.check_algorithm(checksum, "--checksum")
+    digests.new_hasher(checksum)  # blake3 without its package: a clear error before any work
     log = log or (lambda msg: None)
     check_placement(out, source_roots(src))
     created = ensure_parent(out)
@@ -446,7 +458,8 @@ def convert(
                 max_bytes=max_bytes, on_scale_mismatch=on_scale_mismatch,
                 allow_missing_input_scales=allow_missing_input_scales, l2_activation_scale=l2_activation_scale,
                 overwrite=overwrite, resume=resume, progress=progress, log=log, shared_precision=shared_precision,
-                on_step=on_step, accept_activation_change=accept_activation_change)
+                on_step=on_step, accept_activation_change=accept_activation_change,
+                checksum=checksum)
     except BaseException:
         remove_created(created)  # only the parents this run made, and only while empty
         raise
@@ -457,7 +470,8 @@ def convert(
 def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int, max_bytes: int,
                     on_scale_mismatch: str, allow_missing_input_scales: bool, l2_activation_scale,
                     overwrite: bool, resume: bool, progress, log: Log, shared_precision: str,
-                    on_step: StepHook | None, accept_activation_change: bool = False) -> ConvertSummary:
+                    on_step: StepHook | None, accept_activation_change: bool = False,
+                    checksum: str = SHA256) -> ConvertSummary:
     """`convert` once it holds OUT's lock."""
     recovered = recover(out, log)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
@@ -490,6 +504,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             "allow_missing_input_scales": allow_missing_input_scales, "shared_precision": shared_precision,
             "l2_activation_scale": l2_activation_scale, "accept_activation_change": bool(accept_activation_change),
             "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
+            **({"checksum": checksum} if checksum != SHA256 else {}),
         })
         if recovered is not None:
             if recovered == fingerprint:
@@ -506,10 +521,15 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
         # 2-core VM). Hashing and file writes get their own thread (ShardWriter).
         torch.set_num_threads(1)
+        # The cyclic garbage collector would rescan the many small objects of the
+        # headers and plans again and again while tensors come and go (10-15% of the
+        # wall time, measured); a conversion makes no reference cycles worth collecting.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             return _run(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
                         fingerprint, ep_size, progress, log, on_step,
-                        recipe=manifest_record(reader, l2_activation_scale is not None))
+                        recipe=manifest_record(reader, l2_activation_scale is not None), checksum=checksum)
         except OutputError:
             raise  # e.g. --resume of a different run: keep that run's temp folder
         except MegaMoEError:
@@ -517,6 +537,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             raise
         finally:
             torch.set_num_threads(threads)
+            if gc_was_enabled:
+                gc.enable()
     finally:
         source.close()
 
@@ -625,8 +647,9 @@ class _Run:
 
     def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[_Slot]],
                  done_files: dict[str, dict], total: int, progress: Progress | None,
-                 on_step: StepHook | None = None):
+                 on_step: StepHook | None = None, checksum: str = SHA256):
         self.tmp = tmp
+        self.checksum = checksum
         self.on_step = on_step
         self.journal = journal
         self.slots_by_file = slots_by_file
@@ -639,6 +662,7 @@ class _Run:
         self._buffers: dict = {}
         self._turn = 0  # which buffer set the next layer packs into
         self._queued: list[tuple[_Slot, object, int]] = []  # (slot, pending digest, buffer set or -1)
+        self._side = None
 
     def advance(self, n: int) -> None:
         self.done_bytes += n
@@ -655,19 +679,20 @@ class _Run:
             meta = dict(ST_METADATA)
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
                 meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
-            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step)
+            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step,
+                            algorithm=self.checksum, hash_threads=HASH_THREADS)
             self.writers[fname] = w
         return w
 
-    def finish_tensor(self, slot: _Slot, sha: str) -> None:
-        self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(sha).to_dict()
+    def finish_tensor(self, slot: _Slot, checksum: str) -> None:
+        self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(checksum, self.checksum).to_dict()
         w = self.writers[slot.file]
         if len(self.entries[slot.file]) == len(w.plan):  # its last tensor is hashed and written
             size, fsha = w.close()
             del self.writers[slot.file]
-            rec = {"name": slot.file, "size": size, "sha256": fsha, "digest": DIGEST_HEADER_AND_TENSORS,
+            rec = {"name": slot.file, "size": size, "sha256": fsha, "digest": w.digest_kind,
                    "tensors": self.entries.pop(slot.file)}
-            self.journal.record_file(slot.file, size, fsha, rec["tensors"], DIGEST_HEADER_AND_TENSORS)
+            self.journal.record_file(slot.file, size, fsha, rec["tensors"], w.digest_kind)
             self.done_files[slot.file] = rec
 
     def write(self, slot: _Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
@@ -715,7 +740,21 @@ class _Run:
                        torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
         return k, sets[k]
 
+    def side_pool(self):
+        """One extra worker thread for per-layer work that overlaps the main loop."""
+        if self._side is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._side = ThreadPoolExecutor(1, thread_name_prefix="megamoe-layer")
+        return self._side
+
+    def close_side_pool(self) -> None:
+        if self._side is not None:
+            self._side.shutdown(wait=True)
+            self._side = None
+
     def abort(self) -> None:
+        self.close_side_pool()
         for w in self.writers.values():
             w.abort()
 
@@ -723,7 +762,7 @@ class _Run:
 def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
          slots_by_file: dict[str, list[_Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
          ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None,
-         recipe: dict | None = None) -> ConvertSummary:
+         recipe: dict | None = None, checksum: str = SHA256) -> ConvertSummary:
     journal = Journal(tmp)
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
@@ -754,7 +793,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
     passthrough_bytes = sum(s.planned.nbytes for slots in slots_by_file.values() for s in slots
                             if s.role == PASSTHROUGH_ROLE)
     total = sum(lp.source_bytes for lp in plans) + passthrough_bytes
-    run = _Run(tmp, journal, slots_by_file, done_files, total, progress, on_step)
+    run = _Run(tmp, journal, slots_by_file, done_files, total, progress, on_step, checksum)
     repaired = 0
     layer_entries = []
     try:
@@ -764,6 +803,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
             layer_entries.append(LayerEntry(
                 index=lp.info.index, prefix=lp.info.prefix, spec=lp.spec.to_dict(), scalars=lp.scalar_report.scalars,
                 shared={**lp.shared_record, **rec["shared"]}, repairs=tuple(rec["repairs"])))
+        run.close_side_pool()
         run.settle()
         _copy_passthrough(source, run)
     except BaseException:
@@ -780,7 +820,8 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
                 name=d["name"], layer=d["layer"], role=d["role"], ep_rank=d["ep_rank"],
                 experts=tuple(d["experts"]) if d["experts"] is not None else None, file=d["file"],
                 dtype=d["dtype"], stored_shape=tuple(d["stored_shape"]), kernel_shape=tuple(d["kernel_shape"]),
-                kernel_strides=tuple(d["kernel_strides"]), storage=d["storage"], sha256=d["sha256"])
+                kernel_strides=tuple(d["kernel_strides"]), storage=d["storage"], checksum=d[checksum],
+                checksum_kind=checksum)
     missing = [f for f in slots_by_file if f not in done_files]
     if missing:  # pragma: no cover - every planned file is written above
         raise MegaMoEError(f"internal error: files {missing} were planned but not written")
@@ -795,20 +836,22 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
             write_bytes_atomic(dst, json_bytes({**source.hf_quant_config, "megamoe": note}))
         else:
             shutil.copyfile(p, dst)
-        file_entries[p.name] = FileEntry(dst.stat().st_size, sha256_file(dst))
+        file_entries[p.name] = FileEntry(dst.stat().st_size, digests.hash_file(dst, checksum),
+                                         digests.whole_kind(checksum))
     weight_map = {t.name: t.file for t in tensors.values() if t.ep_rank is None or ep_size == 1}
     index = {"metadata": {"total_size": sum(tensors[k].nbytes for k in tensors
                                             if tensors[k].ep_rank is None or ep_size == 1)},
              "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(tmp / INDEX_NAME, json_bytes(index))
-    file_entries[INDEX_NAME] = FileEntry((tmp / INDEX_NAME).stat().st_size, sha256_file(tmp / INDEX_NAME))
+    file_entries[INDEX_NAME] = FileEntry((tmp / INDEX_NAME).stat().st_size,
+                                         digests.hash_file(tmp / INDEX_NAME, checksum), digests.whole_kind(checksum))
 
     manifest = Manifest(
         converter_version=converter_version(),
         source=SourceInfo(id=str(source.id), kind=source.kind, revision=source.commit or source.revision,
                           format=reader.format_name, content_hash=source.content_hash(), recipe=recipe),
         row=row.name, ep_size=ep_size, layers=layer_entries, tensors=tensors, files=file_entries,
-        model=_model_facts(facts),
+        model=_model_facts(facts), checksum=checksum,
     )
     write_manifest(tmp, manifest)
     finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step)
@@ -834,24 +877,51 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
     repairs: list[dict] = []
     where = f"MoE layer {info.index} ({info.prefix})"
 
-    shared_kt, shared_rec = None, {}
+    # The shared experts (read, checked, re-encoded, packed) are prepared on a
+    # second thread while this one reads the routed experts: torch ops and
+    # positional reads release the GIL, so the two overlap on two cores.
+    shared_fut = None
     if lp.spec.shared is not None:
-        sh = info.shared
-        sexperts = reader.read_shared(info.index)
-        if not sexperts:
-            raise CheckpointError(f"{where}: config declares shared experts but the reader found none")
-        for i, ex in enumerate(sexperts):
-            ex.validate(sh.encoding, info.hidden, sh.total_intermediate // len(sexperts),
-                        f"{where} shared expert {i}")
-            for role, p in ex.projections():
-                checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale",
-                                          lambda role=role: checks.named_shared(info, role, "scale",
-                                                                                reader.source))
-        converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
-        if any(run.needed(s) for r in needed for s in lp.slots.get(r, []) if s.role.startswith("shared_")):
-            shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
-        del sexperts, converted
+        shared_fut = run.side_pool().submit(_prepare_shared, reader, lp, run, needed, where)
+    try:
+        return _convert_routed(reader, row, lp, ep_size, run, log, needed, mismatched, repairs, where, shared_fut)
+    finally:
+        if shared_fut is not None and not shared_fut.done():
+            shared_fut.cancel()
+            try:  # an error elsewhere: let the side thread finish before the source closes
+                shared_fut.result()
+            except BaseException:
+                pass
 
+
+def _prepare_shared(reader, lp: _LayerPlan, run: _Run, needed: list[int], where: str
+                    ) -> tuple[layout.KernelTensors | None, dict]:
+    """One layer's fused shared expert, packed (None if no rank needs it), and its record."""
+    info = lp.info
+    sh = info.shared
+    sexperts = reader.read_shared(info.index)
+    if not sexperts:
+        raise CheckpointError(f"{where}: config declares shared experts but the reader found none")
+    for i, ex in enumerate(sexperts):
+        ex.validate(sh.encoding, info.hidden, sh.total_intermediate // len(sexperts),
+                    f"{where} shared expert {i}")
+        for role, p in ex.projections():
+            checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale",
+                                      lambda role=role: checks.named_shared(info, role, "scale",
+                                                                            reader.source))
+    converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
+    shared_kt = None
+    if any(run.needed(s) for r in needed for s in lp.slots.get(r, []) if s.role.startswith("shared_")):
+        shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
+    return shared_kt, shared_rec
+
+
+def _convert_routed(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, log: Log, needed: list[int],
+                    mismatched: set, repairs: list, where: str, shared_fut) -> dict:
+    """The routed experts of one layer, rank by rank (see `_convert_layer`)."""
+    info = lp.info
+    E_l = lp.spec.experts_per_rank
+    shared_kt, shared_rec = None, {}
     per_expert = lp.source_bytes / max(info.num_experts, 1)
     for r in range(ep_size):
         lo = r * E_l
@@ -886,12 +956,17 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
         if row.weight.has_global_scale:
             tensors["l1_alpha"] = alpha
             tensors["l2_global_scale"] = l2g
+        if shared_fut is not None:
+            shared_kt, shared_rec = shared_fut.result()
+            shared_fut = None
         if shared_kt is not None:
             tensors.update({f"shared_{k}": v for k, v in shared_kt.named().items()})
         for slot in lp.slots.get(r, []):
             if run.needed(slot):
                 run.write(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
         del tensors
+    if shared_fut is not None:  # no rank wrote anything this time (all finished earlier)
+        shared_kt, shared_rec = shared_fut.result()
     rec = {"repairs": repairs, "shared": shared_rec}
     run.journal.record_layer(info.index, rec)
     zeroed = [r for r in repairs if r["zeroed_blocks"]]

@@ -23,7 +23,6 @@ which re-reads a finished folder and checks it against its manifest (used by
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -37,11 +36,20 @@ from megamoe_runtime.tensor_bytes import byte_view
 
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
 from megamoe_runtime.json_io import parse_json
+from megamoe_runtime.digests import (
+    SHA256,
+    is_composite,
+    composite_kind,
+    digest_bytes,
+    file_digest,
+    hash_file,
+    header_and_tensor_digest,
+    new_hasher,
+    safetensors_digests,
+)
 from megamoe_runtime.manifest import (
-    DIGEST_HEADER_AND_TENSORS,
     DIGEST_SHA256,
     MANIFEST_NAME,
-    header_and_tensor_digest,
     PASSTHROUGH_ROLE,
     dtype_from_name,
     nbytes_of,
@@ -168,7 +176,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class _Digest:
-    """A tensor's pending sha256 (hex): done when both its hash and its write
+    """A tensor's pending checksum (hex): done when both its hash and its write
     have finished. ``result()`` re-raises a write or hash error."""
 
     __slots__ = ("_hash", "_write")
@@ -184,23 +192,48 @@ class _Digest:
         return self._hash.result().hex()
 
 
+_sync_file_range = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of `fd` back
+    to disk without waiting for it (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``;
+    the pages stay cached). Durability still comes from the fsync before the
+    final rename; this only moves the disk writes earlier, overlapping the
+    conversion. A no-op where the call is unavailable."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            f = ctypes.CDLL(None, use_errno=True).sync_file_range
+            f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            _sync_file_range = f
+        except (OSError, AttributeError):  # not Linux / not glibc
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; errors only lose the head start
+
+
 class ShardWriter:
     """Writes one safetensors file: header first, then tensors in plan order.
 
     ``write_async(name, tensor)`` checks name, dtype and shape against the
     plan, queues the bytes and returns a pending digest whose ``result()`` is
-    the tensor's sha256 (``write`` waits for it). ``close()`` returns (size,
-    file digest); the file digest is of kind
-    ``sha256-of-header-and-tensor-digests`` (see ``megamoe_runtime.manifest``):
-    sha256 over the header bytes and the per-tensor digests, so every data
-    byte is hashed once, not twice, and nothing is read back. There is no
+    the tensor's checksum of ``algorithm`` (``write`` waits for it).
+    ``close()`` returns (size, file digest); the file digest is of kind
+    ``{algorithm}-of-header-and-tensor-digests`` (see
+    ``megamoe_runtime.digests``): the hash of the header bytes and the
+    per-tensor digests, so every data byte is hashed once, not twice, and
+    nothing is read back. There is no
     fsync per shard: the kernel writes finished shards back while later
     layers are converted, and `finalize_output` fsyncs every file before the
     rename. (The journal needs no fsynced shards either: ``--resume``
     re-hashes every file it lists, so a shard lost in a crash is redone.)
 
-    Threads: the tensor hash runs on one background thread and the file
-    write on another (hashlib and file writes release the GIL), both reading
+    Threads: the tensor hash runs on one background thread (blake3 may use
+    ``hash_threads`` for one large tensor) and the file write on another
+    (hashlib, blake3 and file writes release the GIL), both reading
     the caller's memory, while the caller packs the next layer. Writes stay
     in order. The memory of a queued tensor must stay untouched until its
     digest is done (``flush()`` waits for everything; ``close()`` flushes).
@@ -209,10 +242,14 @@ class ShardWriter:
     _SLICE = 4 << 20
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
-                 on_step: StepHook | None = None):
+                 on_step: StepHook | None = None, algorithm: str = SHA256, hash_threads: int = 1):
         """`on_step` is called with ``"tensor"`` after each tensor is queued
         (tests plant a crash there, see ``output_dir``)."""
         self.path = Path(path)
+        self.algorithm = algorithm
+        self.digest_kind = composite_kind(algorithm)
+        self._hash_threads = hash_threads
+        new_hasher(algorithm)  # an unknown or unavailable algorithm fails here, before any byte is written
         self._on_step = on_step
         self.plan = list(tensors)
         self._next = 0
@@ -230,18 +267,22 @@ class ShardWriter:
         self._write_all(memoryview(self._header))
 
     def _write_all(self, mv: memoryview) -> None:
-        """Write `mv` to the file (runs on the write thread)."""
+        """Write `mv` to the file (runs on the write thread), and start the
+        kernel writing it back to disk now (`start_writeback`), so that the
+        final fsync waits only for the tail instead of the whole file."""
         step = self._SLICE
+        start = self._size
         for i in range(0, len(mv), step):
             piece = mv[i:i + step]
             while piece:
                 n = self._f.write(piece)
                 piece = piece[n:]
         self._size += len(mv)
+        if len(mv) >= self._SLICE:
+            start_writeback(self._f.fileno(), start, len(mv))
 
-    @staticmethod
-    def _sha256(mv: memoryview) -> bytes:
-        return hashlib.sha256(mv).digest()
+    def _digest(self, mv: memoryview) -> bytes:
+        return digest_bytes(self.algorithm, mv, self._hash_threads)
 
     def _pools(self):
         if self._write_pool is None:
@@ -280,7 +321,7 @@ class ShardWriter:
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Digest:
         """Queue the tensor's bytes; the returned digest's ``result()`` is their
-        sha256. The tensor's memory must stay untouched until it is done."""
+        checksum. The tensor's memory must stay untouched until it is done."""
         p = self._expect(name)
         want = dtype_from_name(p.dtype)
         if tensor.dtype != want or tuple(tensor.shape) != p.shape:
@@ -290,7 +331,7 @@ class ShardWriter:
             )
         data = tensor_bytes(tensor)
         hash_pool, _ = self._pools()
-        hfut = hash_pool.submit(self._sha256, data)
+        hfut = hash_pool.submit(self._digest, data)
         self._pending.append(hfut)
         wfut = self._submit_write(data)
         self._digests.append((*self._spans[self._next], name, hfut))
@@ -300,15 +341,15 @@ class ShardWriter:
         return _Digest(hfut, wfut)
 
     def write(self, name: str, tensor: torch.Tensor) -> str:
-        """`write_async` and wait: the tensor's sha256."""
+        """`write_async` and wait: the tensor's checksum."""
         return self.write_async(name, tensor).result()
 
     def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview]) -> str:
         """Write a tensor's raw bytes from an iterable (pass-through copies);
         each chunk is written before the next is requested, so the producer
-        may reuse its buffer. Returns the tensor's sha256."""
+        may reuse its buffer. Returns the tensor's checksum."""
         p = self._expect(name)
-        h = hashlib.sha256()
+        h = new_hasher(self.algorithm)
         n = 0
         for c in chunks:
             mv = memoryview(c).cast("B")
@@ -330,7 +371,7 @@ class ShardWriter:
         return h.hexdigest()
 
     def close(self) -> tuple[int, str]:
-        """Finish the file: (size, its ``sha256-of-header-and-tensor-digests``)."""
+        """Finish the file: (size, its digest of kind ``self.digest_kind``)."""
         if not self.done:
             raise MegaMoEError(
                 f"{self.path.name}: closed with {len(self.pending)} planned tensor(s) unwritten, "
@@ -339,7 +380,8 @@ class ShardWriter:
         self.flush()
         self._shutdown()
         self._f.close()  # no fsync here: finalize_output syncs every file once, at the end
-        digest = header_and_tensor_digest(self._header, [(b, e, n, f.result()) for b, e, n, f in self._digests])
+        digest = header_and_tensor_digest(self._header, [(b, e, n, f.result()) for b, e, n, f in self._digests],
+                                          self.algorithm)
         return self._size, digest
 
     def _shutdown(self) -> None:
@@ -379,84 +421,11 @@ def copy_source_bytes(path: Path, offset: int, nbytes: int, progress: Callable[[
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        mv = memoryview(buf)
-        while True:
-            k = f.readinto(mv)
-            if not k:
-                break
-            h.update(mv[:k])
-    return h.hexdigest()
+    """sha256 of the whole file (hex), what ``sha256sum`` prints."""
+    return hash_file(path, SHA256)
 
 
-def _hash_spans(path: Path, spans: list, start: int = 0, whole=None,
-                progress: Callable[[int], None] | None = None) -> None:
-    """One sequential read of `path` from byte `start`: each ``(begin, end,
-    hasher)`` span (absolute offsets, sorted by begin, not overlapping) gets
-    its bytes, and `whole` (if given) every byte read."""
-    pos, i = start, 0
-    buf = bytearray(_CHUNK)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        while True:
-            k = f.readinto(mv)
-            if not k:
-                break
-            chunk = mv[:k]
-            if whole is not None:
-                whole.update(chunk)
-            end = pos + k
-            j = i
-            while j < len(spans) and spans[j][0] < end:
-                b, e, h = spans[j]
-                lo, hi = max(b, pos), min(e, end)
-                if hi > lo:
-                    h.update(chunk[lo - pos:hi - pos])
-                j += 1
-            while i < len(spans) and spans[i][1] <= end:
-                i += 1
-            pos = end
-            if progress:
-                progress(k)
-
-
-def safetensors_digests(path: Path, fh=None, *, whole: bool = False,
-                        progress: Callable[[int], None] | None = None) -> tuple[str, dict[str, str], str | None]:
-    """From one read of a safetensors file: its ``sha256-of-header-and-tensor-
-    digests``, every tensor's sha256 (hex, by name) and, with `whole`, the
-    sha256 of the whole file. `fh` is its validated header (read if None;
-    CheckpointError for an invalid one, which guarantees header + data
-    offsets tile the file exactly, so the digest covers every byte)."""
-    path = Path(path)
-    fh = fh if fh is not None else read_safetensors_header(path)
-    base = 8 + fh.header_len
-    with open(path, "rb", buffering=0) as f:
-        header = f.read(base)
-    if len(header) != base:
-        raise CheckpointError(f"{path}: changed while being read (header is {len(header)} bytes, expected {base})")
-    hashers = {name: hashlib.sha256() for name in fh.tensors}
-    spans = sorted(((base + t.begin, base + t.end, hashers[n]) for n, t in fh.tensors.items()),
-                   key=lambda s: (s[0], s[1]))
-    wh = hashlib.sha256(header) if whole else None
-    if progress:
-        progress(base)
-    _hash_spans(path, spans, start=base, whole=wh, progress=progress)
-    raw = {n: h.digest() for n, h in hashers.items()}
-    composite = header_and_tensor_digest(header, [(t.begin, t.end, n, raw[n]) for n, t in fh.tensors.items()])
-    return composite, {n: d.hex() for n, d in raw.items()}, (wh.hexdigest() if wh is not None else None)
-
-
-def file_digest(path: Path, kind: str) -> str:
-    """The digest of `path` as the manifest's `files[name].digest` kind defines it
-    (what ``--resume`` re-checks finished files with)."""
-    if kind == DIGEST_SHA256:
-        return sha256_file(path)
-    if kind == DIGEST_HEADER_AND_TENSORS:
-        return safetensors_digests(path)[0]
-    raise ManifestError(f"{path}: unknown digest kind {kind!r}; known: {DIGEST_SHA256}, {DIGEST_HEADER_AND_TENSORS}")
+# safetensors_digests, file_digest, hash_file: megamoe_runtime.digests (re-exported here)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -651,8 +620,10 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
     ``megamoe_runtime.manifest.DIGEST_KINDS``), every safetensors header valid
     (data offsets tiling the file exactly) and consistent with the manifest
     (names, dtypes, stored shapes; no unlisted tensors), and every tensor's
-    sha256. One sequential read per file computes all its tensor hashes and,
-    from them, the file digest. Raises nothing for a damaged folder: all
+    checksum (sha256 or blake3, the manifest's ``checksum``; a blake3 folder
+    needs the ``blake3`` package: DigestUnavailableError without it). One sequential
+    read per file computes all its tensor hashes and, from them, the file
+    digest. Raises nothing for a damaged folder: all
     findings go into the report (a missing folder raises OutputError).
     """
     out = Path(out)
@@ -665,6 +636,8 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
         rep.problems.append(str(e))
         return rep
     rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
+    for alg in sorted({m.checksum} | {fe.algorithm for fe in m.files.values()}):
+        new_hasher(alg)  # DigestUnavailableError (blake3 not installed) before reading anything: not a mismatch
 
     by_file: dict[str, dict[str, tuple[str, object]]] = {}
     for key, t in m.tensors.items():
@@ -693,12 +666,12 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
             rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
         tensors = by_file.pop(fname, {})
         if fname.endswith(".safetensors"):
-            _verify_safetensors(path, fe, tensors, rep, progress)
-        else:  # read_manifest allows the header-and-tensors kind for safetensors files only
-            digest = sha256_file(path)
+            _verify_safetensors(path, fe, tensors, rep, progress, m.checksum)
+        else:  # read_manifest allows the header-and-tensors kinds for safetensors files only
+            digest = hash_file(path, fe.algorithm)
             progress(size)
-            if digest != fe.sha256:
-                rep.problems.append(f"{path}: sha256 {digest} does not match the manifest's {fe.sha256}")
+            if digest != fe.checksum:
+                rep.problems.append(f"{path}: {fe.algorithm} {digest} does not match the manifest's {fe.checksum}")
         rep.files_checked += 1
     for fname, tensors in by_file.items():  # pragma: no cover - read_manifest refuses this
         rep.problems.append(f"tensors {sorted(tensors)[:3]} name file {fname!r}, which the manifest does not list")
@@ -706,8 +679,8 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
 
 
 def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
-                        progress: Callable[[int], None]) -> None:
-    """One read of the file checks every tensor's sha256 and the file digest
+                        progress: Callable[[int], None], checksum: str = SHA256) -> None:
+    """One read of the file checks every tensor's checksum and the file digest
     (of the entry's kind). The header must be valid (header + data offsets
     tiling the file exactly, which is what lets the header-and-tensors digest
     cover every byte); an invalid header is itself a failure."""
@@ -731,20 +704,21 @@ def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
                 f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
                 f"{t.dtype} {list(t.stored_shape)}")
             continue
-        checks.append((name, key, t.sha256))
-    whole = fe.digest == DIGEST_SHA256
+        checks.append((name, key, t.checksum))
+    whole = not is_composite(fe.digest)
     try:
-        composite, got, whole_sha = safetensors_digests(path, fh, whole=whole, progress=progress)
+        composite, got, whole_sha = safetensors_digests(path, fh, algorithm=checksum, whole=whole,
+                                                        whole_algorithm=fe.algorithm, progress=progress)
     except (OSError, CheckpointError) as e:
         rep.problems.append(f"{path}: cannot read it to check its digests: {e}")
         return
     digest = whole_sha if whole else composite
-    if digest != fe.sha256:
-        rep.problems.append(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.sha256}")
+    if digest != fe.checksum:
+        rep.problems.append(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.checksum}")
     for name, key, want in checks:
         rep.tensors_checked += 1
         if got[name] != want:
-            rep.problems.append(f"{path}: tensor {key!r} sha256 {got[name]} does not match the manifest's {want}")
+            rep.problems.append(f"{path}: tensor {key!r} {checksum} {got[name]} does not match the manifest's {want}")
 
 
 __all__ = [

@@ -36,3 +36,7 @@ class ReloadError(MegaMoEError):
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here (missing package or unsupported GPU)."""
+
+
+class DigestUnavailableError(MegaMoEError):
+    """A checksum of an algorithm this machine cannot compute (its package is not installed)."""

@@ -408,8 +408,29 @@ def _cpu_chunks(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any
         f.result()
 
 
-def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: list[tuple[int, int]], slot: int, path: Any) -> None:
-    """One reader: its own two pinned chunks and stream; reads overlap its H2D copies."""
+class _SharedChunks:
+    """A thread-safe iterator over (begin, end) chunks, shared by the reader threads."""
+
+    def __init__(self, chunks: list[tuple[int, int]]):
+        import threading
+
+        self._chunks, self._i, self._lock = chunks, 0, threading.Lock()
+
+    def __iter__(self) -> "_SharedChunks":
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        with self._lock:
+            if self._i >= len(self._chunks):
+                raise StopIteration
+            self._i += 1
+            return self._chunks[self._i - 1]
+
+
+def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: Iterable[tuple[int, int]], slot: int,
+                path: Any) -> None:
+    """One reader: its own two pinned chunks and stream; reads overlap its H2D copies.
+    `spans` may be shared with the other readers (each takes the next chunk when free)."""
     key = (flat.device, slot)
     st = _worker_staging.get(key)
     if st is None:
@@ -460,15 +481,15 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
             return
         # the destination may still be in use by work queued on the current stream
         torch.cuda.current_stream(flat.device).synchronize()
-        workers = 1 if nbytes < _READ_MIN_PARALLEL else read_workers()
-        spans: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
-        step = max(_READ_CHUNK, -(-nbytes // workers) // _READ_CHUNK * _READ_CHUNK)
-        for w, a in enumerate(range(0, nbytes, step)):
-            spans[w % workers].append((a, min(a + step, nbytes)))
+        chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
+        workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
         if workers == 1:
-            _gpu_worker(fd, flat, offset, spans[0], 0, path)
+            _gpu_worker(fd, flat, offset, chunks, 0, path)
         else:
-            futs = [_pool().submit(_gpu_worker, fd, flat, offset, sp, w, path) for w, sp in enumerate(spans) if sp]
+            # one shared queue of 16 MiB chunks: a reader takes the next one as soon as its
+            # pinned buffer is free, so no reader idles while another still has two spans to do
+            shared = _SharedChunks(chunks)
+            futs = [_pool().submit(_gpu_worker, fd, flat, offset, shared, w, path) for w in range(workers)]
             for f in futs:
                 f.result()
     finally:

@@ -212,52 +212,45 @@ class SourceInfo:
         return d
 
 
-#: `files[name].digest`: how `files[name].sha256` was computed.
-#: ``sha256``: sha256 of the whole file's bytes (what ``sha256sum`` prints; the
-#: converter uses it for the JSON / tokenizer files it copies or writes).
-DIGEST_SHA256 = "sha256"
-#: ``sha256-of-header-and-tensor-digests``: sha256 over the file's first
-#: ``8 + N`` bytes (the little-endian header length and the N-byte JSON header,
-#: padding included) followed by the raw 32-byte sha256 of each tensor's data,
-#: in data-offset order (ties, only possible between empty tensors, by name).
-#: Used for the safetensors files the converter writes: the per-tensor digests
-#: (the manifest's tensor checksums) are computed anyway, so the file digest
-#: costs no second pass over the data. It still covers every byte: a valid
-#: safetensors file is exactly header + data, the data offsets tile the data
-#: with no gap (``verify`` checks both), so each byte is in the header or in
-#: exactly one tensor. Unlike ``sha256`` it does not equal ``sha256sum`` of
-#: the file (or a hub LFS oid).
-DIGEST_HEADER_AND_TENSORS = "sha256-of-header-and-tensor-digests"
-DIGEST_KINDS = (DIGEST_SHA256, DIGEST_HEADER_AND_TENSORS)
-
-
-def header_and_tensor_digest(header: bytes, tensor_digests: Iterable[tuple[int, int, str, bytes]]) -> str:
-    """The ``sha256-of-header-and-tensor-digests`` file digest (hex).
-
-    `header`: the file's first ``8 + N`` bytes; `tensor_digests`: ``(begin,
-    end, name, raw 32-byte sha256 of the tensor's data)`` per tensor, in any
-    order (sorted here by data offsets, then name)."""
-    import hashlib
-
-    h = hashlib.sha256(header)
-    for _, _, _, d in sorted(tensor_digests, key=lambda t: (t[0], t[1], t[2])):
-        if len(d) != 32:
-            raise MegaMoEError(f"tensor digest must be 32 raw bytes, got {len(d)}")
-        h.update(d)
-    return h.hexdigest()
+# Checksum algorithms and file digest kinds: defined in digests.py (the runtime
+# verifies folders too); re-exported here, where the manifest names them.
+from .digests import (  # noqa: E402
+    ALGORITHMS,
+    DIGEST_BLAKE3,
+    DIGEST_BLAKE3_HEADER_AND_TENSORS,
+    DIGEST_HEADER_AND_TENSORS,
+    DIGEST_KINDS,
+    DIGEST_SHA256,
+    SHA256,
+    header_and_tensor_digest,
+    is_composite,
+    kind_algorithm,
+)
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A file of the output: size and digest (`digest` names how `sha256` was
-    computed, see DIGEST_KINDS; a manifest without it means ``sha256``)."""
+    """A file of the output: size and digest (`digest` names the kind of
+    `checksum`, see DIGEST_KINDS; a manifest without it means ``sha256``). In
+    JSON the value's key is the kind's algorithm (``sha256`` or ``blake3``)."""
 
     size: int
-    sha256: str
+    checksum: str
     digest: str = DIGEST_SHA256
 
+    @property
+    def algorithm(self) -> str:
+        return kind_algorithm(self.digest)
+
+    @property
+    def sha256(self) -> str:
+        """The digest value of a sha256 kind (kept for readers written before blake3)."""
+        if self.algorithm != SHA256:
+            raise ManifestError(f"file digest is of kind {self.digest!r}, not a sha256 kind")
+        return self.checksum
+
     def to_dict(self) -> dict:
-        return {"size": self.size, "sha256": self.sha256, "digest": self.digest}
+        return {"size": self.size, self.algorithm: self.checksum, "digest": self.digest}
 
 
 @dataclass(frozen=True)
@@ -275,11 +268,20 @@ class TensorEntry:
     kernel_shape: tuple[int, ...]
     kernel_strides: tuple[int, ...]
     storage: str
-    sha256: str
+    #: the tensor data's digest (hex) of algorithm `checksum_kind`, the manifest's ``checksum``
+    checksum: str
+    checksum_kind: str = SHA256
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.dtype, self.stored_shape)
+
+    @property
+    def sha256(self) -> str:
+        """The checksum of a sha256 manifest (kept for readers written before blake3)."""
+        if self.checksum_kind != SHA256:
+            raise ManifestError(f"tensor {self.name!r} has a {self.checksum_kind} checksum, not sha256")
+        return self.checksum
 
     def to_dict(self) -> dict:
         return {
@@ -287,7 +289,7 @@ class TensorEntry:
             "experts": list(self.experts) if self.experts is not None else None,
             "file": self.file, "dtype": self.dtype, "stored_shape": list(self.stored_shape),
             "kernel_shape": list(self.kernel_shape), "kernel_strides": list(self.kernel_strides),
-            "storage": self.storage, "sha256": self.sha256,
+            "storage": self.storage, self.checksum_kind: self.checksum,
         }
 
 
@@ -330,6 +332,8 @@ class Manifest:
     files: dict[str, FileEntry]
     model: dict = field(default_factory=dict)  # checkpoint-level facts (activation, routing...)
     format_version: int = FORMAT_VERSION
+    #: the tensors' checksum algorithm (``sha256`` | ``blake3``); JSON key ``checksum``, written only when not sha256
+    checksum: str = SHA256
 
     # ---- lookups
     def tensor_key(self, name: str, ep_rank: int | None) -> str:
@@ -360,18 +364,23 @@ class Manifest:
 
     # ---- (de)serialisation
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "converter_version": self.converter_version,
             "source": self.source.to_dict(),
             "row": self.row,
             "ep_size": self.ep_size,
+        }
+        if self.checksum != SHA256:  # absent means sha256: sha256 manifests read (and hash) as before
+            d["checksum"] = self.checksum
+        d.update({
             "model": self.model,
             "layers": [le.to_dict() for le in sorted(self.layers, key=lambda le: le.index)],
             "tensors": {k: self.tensors[k].to_dict() for k in sorted(self.tensors)},
             "files": {k: self.files[k].to_dict() for k in sorted(self.files)},
-        }
+        })
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str = MANIFEST_NAME) -> "Manifest":
@@ -525,6 +534,11 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
     model = d.get("model", {})
     if not isinstance(model, dict):
         raise ManifestError(f"{where}.model: expected an object")
+    checksum = d.get("checksum", SHA256)
+    if checksum not in ALGORITHMS:
+        raise ManifestError(
+            f"{where}.checksum: unknown checksum algorithm {checksum!r}; this megamoe knows {', '.join(ALGORITHMS)} "
+            "(a newer megamoe may have written it: upgrade to verify or load this folder)")
 
     files: dict[str, FileEntry] = {}
     for name, fe in _need(d, "files", dict, where).items():
@@ -532,16 +546,20 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         if "/" in name or "\\" in name or name.startswith(".") or name == MANIFEST_NAME:
             raise ManifestError(f"{w}: file names must be plain names inside the folder")
         size = _need(fe, "size", int, w)
-        sha = _need(fe, "sha256", str, w)
-        if size < 0 or not _HEX64.match(sha):
-            raise ManifestError(f"{w}: size must be >= 0 and sha256 64 lowercase hex digits, got {size}, {sha!r}")
         kind = fe.get("digest", DIGEST_SHA256)
         if kind not in DIGEST_KINDS:
             raise ManifestError(
                 f"{w}.digest: unknown digest kind {kind!r}; this megamoe knows {', '.join(DIGEST_KINDS)} "
                 "(a newer megamoe may have written it: upgrade to verify or load this folder)")
-        if kind == DIGEST_HEADER_AND_TENSORS and not name.endswith(".safetensors"):
+        alg = kind_algorithm(kind)
+        sha = _need(fe, alg, str, w)
+        if size < 0 or not _HEX64.match(sha):
+            raise ManifestError(f"{w}: size must be >= 0 and {alg} 64 lowercase hex digits, got {size}, {sha!r}")
+        if is_composite(kind) and not name.endswith(".safetensors"):
             raise ManifestError(f"{w}.digest: {kind!r} applies to safetensors files only")
+        if is_composite(kind) and alg != checksum:  # it is composed from the tensor checksums
+            raise ManifestError(f"{w}.digest: {kind!r} is composed from {alg} tensor digests, but the manifest's "
+                                f"checksum is {checksum!r}")
         files[name] = FileEntry(size, sha, kind)
 
     layers: list[LayerEntry] = []
@@ -590,13 +608,15 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
             kernel_shape=_int_list(_need(te, "kernel_shape", list, w), f"{w}.kernel_shape"),
             kernel_strides=_int_list(_need(te, "kernel_strides", list, w), f"{w}.kernel_strides"),
             storage=_need(te, "storage", str, w),
-            sha256=_need(te, "sha256", str, w),
+            checksum=_need(te, checksum, str, w),
+            checksum_kind=checksum,
         )
         _check_tensor(t, key, w, ep_size, files, seen_layers)
         tensors[key] = t
 
     return Manifest(converter_version=converter_version, source=source, row=row, ep_size=ep_size,
-                    layers=layers, tensors=tensors, files=files, model=model, format_version=version)
+                    layers=layers, tensors=tensors, files=files, model=model, format_version=version,
+                    checksum=checksum)
 
 
 def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, layers: set) -> None:
@@ -608,8 +628,8 @@ def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, l
         raise ManifestError(f"{w}.storage: {t.storage!r}, valid: {', '.join(STORAGES)}")
     if t.file not in files:
         raise ManifestError(f"{w}.file: {t.file!r} is not listed in 'files'")
-    if not _HEX64.match(t.sha256):
-        raise ManifestError(f"{w}.sha256: expected 64 lowercase hex digits, got {t.sha256!r}")
+    if not _HEX64.match(t.checksum):
+        raise ManifestError(f"{w}.{t.checksum_kind}: expected 64 lowercase hex digits, got {t.checksum!r}")
     if key != tensor_key(t.name, t.ep_rank, ep_size):
         raise ManifestError(f"{w}: key does not match name {t.name!r} and ep_rank {t.ep_rank}")
     if t.role == PASSTHROUGH_ROLE:

@@ -218,3 +218,41 @@ def test_verify_reload_dry_run(tmp_path):
     assert rep["ok"] and rep["reload"] == {"ok": True, "ranks": 2, "layers": 4, "problems": []}
     r = run_cli("verify", out, "--reload-dry-run")
     assert r.exit_code == 0 and "ok: reload dry run over 4 layer(s) of 2 EP rank(s)" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["convert", "--help"], ["verify", "--help"]])
+def test_help_and_version_do_not_import_torch(args):
+    """Start-up: answering --help / --version must not pay the torch import (seconds)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from megamoe_convert.cli import main
+        try:
+            main({args!r})
+        except SystemExit as e:
+            assert e.code in (0, None), e.code
+        assert "torch" not in sys.modules, "torch was imported"
+        print("ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_blake3_folder_without_blake3(tmp_path, monkeypatch):
+    """A machine without the blake3 package: convert --checksum blake3 and verify of a blake3
+    folder exit 2 naming the package; a sha256 folder verifies; a blake3 folder still loads."""
+    pytest.importorskip("blake3")
+    import megamoe_runtime as mr
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
+    assert run_cli("convert", src, tmp_path / "b3", "--checksum", "blake3").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "sha", "--checksum", "sha256").exit_code == 0
+    monkeypatch.setitem(sys.modules, "blake3", None)
+    r = run_cli("convert", src, tmp_path / "again", "--checksum", "blake3")
+    assert r.exit_code == 2 and "'blake3' is not installed" in r.stderr
+    assert not (tmp_path / "again").exists()
+    r = run_cli("verify", tmp_path / "b3")
+    assert r.exit_code == 2 and "'blake3' is not installed" in r.stderr and "--checksum sha256" in r.stderr
+    assert run_cli("verify", tmp_path / "sha").exit_code == 0
+    layer = mr.open_checkpoint(tmp_path / "b3").build_layer(0, device="cpu", backend="reference")
+    assert layer.l1_weight.numel() > 0

@@ -134,11 +134,13 @@ def test_converted_bytes_equal_source(tmp_path, fmt, extra, ep):
     source.close()
 
 
-def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path):
+@pytest.mark.parametrize("checksum", ["sha256", "blake3"])
+def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path, checksum):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, seed=2)
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
-        r = run_cli("convert", src, out, "--max-shard-size", "100KB", "--ep-size", "2", "--json")
+        r = run_cli("convert", src, out, "--max-shard-size", "100KB", "--ep-size", "2", "--json",
+                    "--checksum", checksum)
         assert r.exit_code == 0, r.output
     assert tree_bytes(a) == tree_bytes(b)
     summary = json.loads(r.stdout)
@@ -149,9 +151,11 @@ def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path):
     shards = sorted(p for p in a.iterdir() if p.suffix == ".safetensors")
     assert len(shards) >= 3
     m = read_manifest(a)
+    assert m.checksum == checksum and all(t.checksum_kind == checksum for t in m.tensors.values())
+    assert {fe.digest for n, fe in m.files.items() if not n.endswith(".safetensors")} == {checksum}
     for shard in shards:
         # expert and pass-through shards: file digest over header + tensor digests
-        assert m.files[shard.name].digest == "sha256-of-header-and-tensor-digests"
+        assert m.files[shard.name].digest == f"{checksum}-of-header-and-tensor-digests"
         raw = bytearray(shard.read_bytes())
         n = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8:8 + n])
@@ -167,7 +171,7 @@ def test_deterministic_and_verify_catches_every_flipped_byte(tmp_path):
             assert r.exit_code == 1, (shard.name, pos, r.output)
             assert "FAILED" in r.output and shard.name in r.output
             if pos in data_positions:  # the damaged tensor is named too
-                assert "sha256" in r.output and "tensor '" in r.output, r.output
+                assert checksum in r.output and "tensor '" in r.output, r.output
             raw[pos] ^= 0x01
             shard.write_bytes(bytes(raw))
     assert run_cli("verify", a).exit_code == 0

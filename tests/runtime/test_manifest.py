@@ -36,7 +36,7 @@ def _entry(name, role, shape, dtype="I32", ep_rank=0, layer=3, file="f.safetenso
     stored = tuple(shape[:-2]) + (shape[-1], shape[-2]) if storage == STORAGE_MN_MAJOR else tuple(shape)
     return TensorEntry(name=name, layer=layer, role=role, ep_rank=ep_rank, experts=experts, file=file,
                        dtype=dtype, stored_shape=stored, kernel_shape=tuple(shape),
-                       kernel_strides=kernel_strides_of(storage, shape), storage=storage, sha256=SHA)
+                       kernel_strides=kernel_strides_of(storage, shape), storage=storage, checksum=SHA)
 
 
 def _manifest(ep_size=1):
