@@ -231,7 +231,7 @@ def bench_staging(tokens, H, bw):
 
 def bench_moe(shape_name, rows, tokens, bw, args, results):
     from megamoe_runtime.backends.triton import moe, synth
-    from megamoe_runtime.formats import ActivationSpec, LayerSpec
+    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
 
     sh = SHAPES[shape_name]
     H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
@@ -258,7 +258,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
     peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens) if args.peer_path else {}
     variants = []
     for row in rows:
-        for mma in (args.mma.split(",") if row in ("mxfp4", "mxfp8") else ["bf16"]):
+        for mma in (args.mma.split(",") if get_row(row).dispatch == "mxfp8" else ["bf16"]):
             variants.append((row, mma))
     for row, mma in variants:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
@@ -266,7 +266,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
         kt = _Roles(lay, "")
-        sc = _NvScalars(lay) if row == "nvfp4" else None
+        sc = _NvScalars(lay) if get_row(row).has_alphas else None
         ebytes = expert_bytes(row, H, I)
         for T in tokens:
             tw, ids = routing(T, E, K, seed=T)

@@ -585,7 +585,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     T = hidden_states.shape[0]
     _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared)
     if asm is None:
-        asm = asm_decode_ok(dev) if row in ("mxfp4", "nvfp4") else False
+        asm = asm_decode_ok(dev) if spec.row_spec.packed_e2m1 else False
     has_shared = shared is not None
     nslot = K + (1 if has_shared else 0)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
@@ -617,10 +617,10 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     # ---- staging: quantize the dispatch, and keep its exact bf16 dequantization for the GEMMs
     xts = dummy_f
     alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
-    if row in ("mxfp4", "mxfp8"):
+    if spec.row_spec.dispatch == "mxfp8":
         xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant="split" if e2m1 else "natural")[3]
         req, apply_w = REQ_MX8, True
-    elif row == "nvfp4":
+    elif spec.row_spec.dispatch == "nvfp4":
         _, _, _, xts, xq = quantize_nvfp4_per_token(x_bf16, hw_cvt=hw, dequant="split")
         alpha = scalars.l1_alpha.to(device=dev, dtype=torch.float32).contiguous()
         l2s = scalars.l2_global_scale.to(device=dev, dtype=torch.float32).contiguous()
@@ -637,9 +637,9 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
-               rsf, a2, w_kind, row == "nvfp4", req, apply_w, False, e2m1, bm, hw, asm)
+               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               row == "nvfp4", False, bm, hw, asm)
+               spec.row_spec.has_alphas, False, bm, hw, asm)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate
@@ -647,7 +647,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
         sbm = scfg.block_m or 16
         act_s = torch.empty(T, I_s, dtype=torch.bfloat16, device=dev)
         if spec.shared.precision == "mxfp8":
-            if row in ("mxfp4", "mxfp8") and x_sh is x_bf16 and not e2m1:
+            if spec.row_spec.dispatch == "mxfp8" and x_sh is x_bf16 and not e2m1:
                 sx = xq
             else:
                 sx = quantize_mxfp8(x_sh, hw_cvt=hw, dequant="natural")[3]
@@ -667,11 +667,11 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
 
 def _combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:
     H, K, E_l = spec.hidden, spec.top_k, spec.experts_per_rank
-    row = spec.row
+    row = spec.row_spec
     bh = min(cfg.combine_bh, triton.next_power_of_2(H))
     _combine_kernel[(out.shape[0], triton.cdiv(H, bh))](
         slots, ids, out, H, spec.ep_rank * E_l, E_l, rsf,
-        TOPK=K, HAS_SHARED=has_shared, NV=row == "nvfp4", APPLY_RSF=(row == "nvfp4" and rsf != 1.0),
+        TOPK=K, HAS_SHARED=has_shared, NV=row.rsf_in_combine, APPLY_RSF=(row.rsf_in_combine and rsf != 1.0),
         BH=bh, GPU=hw, num_warps=4, **_opts())
 
 
@@ -749,7 +749,7 @@ def _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared) -> 
     for tname in ("l1_weight", "l2_weight"):
         if not getattr(kt, tname).is_contiguous():
             raise LayoutError(f"triton routed.{tname} must be contiguous (kernel layout)")
-    if spec.row == "nvfp4" and scalars is None:
+    if spec.row_spec.has_alphas and scalars is None:
         raise ScaleError("row nvfp4 needs l1_alpha, l2_global_scale and l2_activation_scale")
     if shared is not None:
         if spec.shared is None:
