@@ -35,6 +35,7 @@ import torch
 from megamoe_runtime.tensor_bytes import byte_view
 
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
+from megamoe_runtime.folder import inside_folder
 from megamoe_runtime.json_io import parse_json
 from megamoe_runtime.digests import (
     SHA256,
@@ -47,6 +48,7 @@ from megamoe_runtime.digests import (
     new_hasher,
     safetensors_digests,
 )
+from megamoe_runtime.load_checks import spec_tensor_problems
 from megamoe_runtime.manifest import (
     DIGEST_SHA256,
     MANIFEST_NAME,
@@ -638,6 +640,7 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
     rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
     for alg in sorted({m.checksum} | {fe.algorithm for fe in m.files.values()}):
         new_hasher(alg)  # DigestUnavailableError (blake3 not installed) before reading anything: not a mismatch
+    rep.problems += spec_tensor_problems(m, str(out / MANIFEST_NAME))
 
     by_file: dict[str, dict[str, tuple[str, object]]] = {}
     for key, t in m.tensors.items():
@@ -657,7 +660,11 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
 
     for fname in sorted(m.files):
         fe = m.files[fname]
-        path = out / fname
+        try:
+            path = inside_folder(out, fname)
+        except CheckpointError as e:
+            rep.problems.append(str(e))
+            continue
         if not path.is_file():
             rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes)")
             continue

@@ -30,9 +30,10 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from .errors import CheckpointError, LayoutError
+from .errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
 from .formats import LayerSpec
-from .safetensors_header import HeaderEntry, parse_safetensors_header
+from .folder import inside_folder
+from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header
 from .manifest import (DTYPES, EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
@@ -75,9 +76,11 @@ class SafetensorsFile:
     header only (a dry-run stand-in).
     """
 
-    def __init__(self, path: Union[str, os.PathLike]):
+    def __init__(self, path: Union[str, os.PathLike], header: Optional[SafetensorsHeader] = None):
         self.path = Path(path)
-        self.entries, self.metadata, self.data_start = read_safetensors_header(self.path)
+        if header is None:
+            header = parse_safetensors_header(self.path)
+        self.entries, self.metadata, self.data_start = header.tensors, header.metadata, header.data_start
         self._file = None
         self._mm: Optional[mmap.mmap] = None
 
@@ -190,11 +193,39 @@ class PlanItem:
 class Checkpoint:
     """A converted megamoe output folder (validated manifest + lazy files)."""
 
-    def __init__(self, root: Union[str, os.PathLike]):
+    def __init__(self, root: Union[str, os.PathLike], verify: str = "headers"):
+        from .load_checks import check_verify_level
+
         self.root = Path(root)
+        #: default `load_layer` check level (load_checks.VERIFY_LEVELS)
+        self.verify = check_verify_level(verify)
         self.manifest: Manifest = read_manifest(self.root)
+        self._manifest_stat = _stat_identity(self.root / MANIFEST_NAME)
         #: files opened by the latest load (a test can check a rank read only its own)
         self.last_opened_files: list[str] = []
+
+    def check_unchanged(self) -> None:
+        """CheckpointError unless megamoe.json is still the one this handle read (same file, else same
+        self-digest): a folder replaced under an open handle (``convert --overwrite``) must not be served with
+        the old manifest's scalars and plan. A stat when nothing changed; a re-read when the file was touched."""
+        path = self.root / MANIFEST_NAME
+        try:
+            now = _stat_identity(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: gone since this checkpoint was opened ({e.strerror}); the folder was "
+                                  "removed or replaced: open_checkpoint it again") from None
+        if now == self._manifest_stat:
+            return
+        try:
+            digest = read_manifest(self.root).self_digest
+        except MegaMoEError as e:
+            raise CheckpointError(f"{path}: changed since this checkpoint was opened and no longer reads: {e}") from None
+        if digest != self.manifest.self_digest:
+            raise CheckpointError(
+                f"{self.root}: the folder was replaced since this checkpoint was opened ({MANIFEST_NAME} digest "
+                f"{str(digest)[:16]}... now, {str(self.manifest.self_digest)[:16]}... then): its files belong to "
+                "another conversion; open_checkpoint it again to load the new one")
+        self._manifest_stat = now  # same content (rewritten or copied back): keep serving
 
     def __repr__(self) -> str:
         return (f"Checkpoint({str(self.root)!r}, row={self.manifest.row}, layers={len(self.manifest.layers)}, "
@@ -222,7 +253,8 @@ class Checkpoint:
         return self.manifest.layer(layer_index).layer_spec(ep_rank, ep_size or self.manifest.ep_size)
 
     def path_of(self, file: str) -> Path:
-        return self.root / file
+        """The path of a listed file; CheckpointError when it resolves outside the folder (a symlink out)."""
+        return inside_folder(self.root, file)
 
     # ------------------------------------------------------------------ plan
 
@@ -306,12 +338,13 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ sources
 
-    def iter_sources(self, items: list[PlanItem], *, meta: bool = False,
-                     direct: bool = False) -> Iterator[tuple[PlanItem, Any]]:
+    def iter_sources(self, items: list[PlanItem], *, meta: bool = False, direct: bool = False,
+                     headers: Optional[dict[str, SafetensorsHeader]] = None) -> Iterator[tuple[PlanItem, Any]]:
         """(item, source) per plan item, file by file: zero-copy views of the
         mmap'ed file, `FileSlice` byte ranges to read straight into the
         destination (``direct``), or meta stand-ins from the header (``meta``).
-        The file tensor's header must agree with the manifest entry."""
+        The file tensor's header must agree with the manifest entry; ``headers`` (file -> header already
+        validated by `load_checks`) are used instead of parsing the file again."""
         by_file: dict[str, list[PlanItem]] = {}
         for it in items:
             by_file.setdefault(it.entry.file, []).append(it)
@@ -322,7 +355,7 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: missing (the manifest lists it for "
                                       f"{', '.join(sorted({i.entry.name for i in by_file[file]}))[:200]})")
             self.last_opened_files.append(file)
-            f = SafetensorsFile(path)
+            f = SafetensorsFile(path, (headers or {}).get(file))
             try:
                 _check_identity(f, file, {it.entry.ep_rank for it in by_file[file]})
                 for it in by_file[file]:
@@ -350,7 +383,7 @@ class Checkpoint:
     # ------------------------------------------------------------------ build / load
 
     def build_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
-                    ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any):
+                    ep_rank: int = 0, ep_size: int = 1, *, verify: Optional[str] = None, **layer_kwargs: Any):
         """Allocate layer ``layer_index`` for one EP rank in kernel layout and load it.
 
         ``layer_kwargs`` go to `DeepGemmMegaMoEExperts` (``fuse_shared``,
@@ -363,7 +396,7 @@ class Checkpoint:
         spec = le.layer_spec(ep_rank, ep_size)
         layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend, prefix=le.prefix,
                                        layer_index=layer_index, **layer_kwargs)
-        self.load_layer(layer)
+        self.load_layer(layer, verify=verify)
         return layer
 
     def match_layer(self, layer: Any) -> LayerEntry:
@@ -378,29 +411,47 @@ class Checkpoint:
         raise CheckpointError(f"{self.root}: no MoE layer matches layer_index={layer.layer_index!r}, "
                               f"prefix={layer.prefix!r}; layers: {[(le.index, le.prefix) for le in self.manifest.layers]}")
 
-    def load_layer(self, layer: Any) -> int:
-        """(Re)load a built layer from this checkpoint, in place: one ``copy_``
+    def check_load(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False):
+        """What `load_layer` checks before its first byte, without loading: a `load_checks.LoadCheck`."""
+        from .load_checks import check_layer_load
+
+        return check_layer_load(self, layer, verify=verify or self.verify, adopt_semantics=adopt_semantics)
+
+    def load_layer(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False) -> int:
+        """(Re)load a built layer from this checkpoint, in place: one read
         per stored tensor into the same storage, then the layer's scalars.
-        Returns the number of bytes copied."""
-        le = self.match_layer(layer)
-        spec = layer.spec
-        mine = le.layer_spec(spec.ep_rank, spec.ep_size)
-        for k in ("row", "hidden", "intermediate", "num_experts", "top_k"):
-            if getattr(mine, k) != getattr(spec, k):
-                raise CheckpointError(f"{self.root}: layer {le.index} ({le.prefix}) has {k}={getattr(mine, k)!r} "
-                                      f"but the layer was built with {k}={getattr(spec, k)!r}")
-        roles = layer.checkpoint_roles()
-        items = self.plan(le.index, spec.ep_rank, spec.ep_size, roles=roles)
+        Returns the number of bytes copied.
+
+        All or nothing: `load_checks.check_layer_load` runs first (at level ``verify``, default the
+        checkpoint's), and a LoadCheckError listing every problem leaves the layer untouched. A layer whose
+        semantics (top_k, activation, routed_scaling_factor) differ from the checkpoint's is refused unless
+        ``adopt_semantics`` (then it takes the checkpoint's, as a fresh build would). If a read still fails
+        after writing started (a file changed under the load), the layer is marked unusable -- its forward
+        raises LayerUnusableError naming this load -- until a load succeeds.
+        """
+        chk = self.check_load(layer, verify=verify, adopt_semantics=adopt_semantics)
+        chk.raise_if_failed(f"{self.root}: layer {layer.layer_index if layer.layer_index is not None else layer.prefix}")
+        le = chk.layer_entry
+        items = [it for it in chk.items if it.role in chk.wanted]
         layer.begin_load("stored")
-        copied = 0
+        copied, current = 0, None
         try:
-            for it, src in self.iter_sources(items, direct=True):
+            for it, src in self.iter_sources(items, direct=True, headers=chk.headers):
+                current = f"{it.entry.name} ({it.entry.file})"
                 layer.load_stored(it.role, src, storage=it.entry.storage, experts=it.experts, name=it.entry.name)
                 copied += src.nbytes
-        except BaseException:
+            current = "the layer's scalars"
+            if chk.adopted_spec is not None:
+                layer.adopt_spec(chk.adopted_spec)
+            layer.finish_load(scalars=le.scalars)
+        except BaseException as e:
             layer._load_state = None
+            if current is not None:  # writing had started: the storage may hold a mix
+                layer.mark_unusable(f"the load of layer {le.index} from {self.root} failed at {current} after "
+                                    f"{copied} bytes were written: {type(e).__name__}: {e}")
+                if isinstance(e, MegaMoEError) or isinstance(e, OSError):
+                    raise LayerUnusableError(layer.unusable_reason) from e
             raise
-        layer.finish_load(scalars=le.scalars)
         return copied
 
 
@@ -409,22 +460,42 @@ class Checkpoint:
 FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
 
 
-def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:
-    md = f.metadata
+def identity_problems(path: Any, md: dict, expected_file: str, ranks: set) -> list[str]:
+    """What is wrong with how a file names itself (``__metadata__``) against where the manifest puts it."""
     if FILE_KEY in md and md[FILE_KEY] != expected_file:
-        raise CheckpointError(f"{f.path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
-                              f"{expected_file!r} here (rank files renamed, copied or swapped?)")
+        return [f"{path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
+                f"{expected_file!r} here (rank files renamed, copied or swapped?)"]
     if RANK_KEY in md:
         try:
             r = int(md[RANK_KEY])
         except ValueError:
-            raise CheckpointError(f"{f.path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer") from None
+            return [f"{path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer"]
         if ranks and r not in ranks:
-            raise CheckpointError(f"{f.path}: holds the experts of EP rank {r}, but the manifest lists it for "
-                                  f"rank {sorted(ranks)} (rank files swapped?)")
+            return [f"{path}: holds the experts of EP rank {r}, but the manifest lists it for "
+                    f"rank {sorted(ranks)} (rank files swapped?)"]
+    return []
 
 
-def open_checkpoint(directory: Union[str, os.PathLike]) -> Checkpoint:
+def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:
+    problems = identity_problems(f.path, f.metadata, expected_file, ranks)
+    if problems:
+        raise CheckpointError(problems[0])
+
+
+def _stat_identity(path: Path) -> tuple:
+    """(device, inode, size, mtime_ns) of a file, not following a final symlink's target change: what tells a
+    rewritten or replaced manifest from the one read."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_checkpoint(directory: Union[str, os.PathLike], verify: str = "headers") -> Checkpoint:
     """Open a converted megamoe folder: reads and validates ``megamoe.json``
-    (ManifestError if missing, malformed or of a newer format version)."""
-    return Checkpoint(directory)
+    (ManifestError if missing, malformed, without its self-digest, of a newer format version, or a symlink out of
+    the folder).
+
+    ``verify`` is what every load checks before its first byte (`megamoe_runtime.load_checks`): ``"none"``
+    (spec, plan and folder identity only; file headers as each file is reached), ``"headers"`` (default: every
+    file's header, length, identity and every destination, NVFP4 scales) or ``"checksums"`` (also every loaded
+    tensor's sha256 against the manifest: one extra read of the bytes; see BENCHMARKS.md for the cost)."""
+    return Checkpoint(directory, verify=verify)

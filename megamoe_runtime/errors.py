@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 """Error types. Every message names the tensor, layer or expert and the
 offending values, so a user can find the defect without a debugger."""
 
@@ -28,6 +30,22 @@ class CheckpointError(MegaMoEError):
 
 class ScaleError(MegaMoEError):
     """A scale is NaN, zero, negative, 0xFF (E8M0 NaN) or disagrees with its pair."""
+
+
+class LoadCheckError(CheckpointError):
+    """A load was refused before its first byte: ``problems`` lists every check that failed (spec or semantics
+    differences, a replaced folder, a missing/truncated/inconsistent file, a checksum mismatch)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None, differences: dict | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [message])
+        #: field -> (layer's value, checkpoint's value) for semantics that differ
+        self.differences = dict(differences or {})
+
+
+class LayerUnusableError(MegaMoEError):
+    """A load failed after it had started writing: the layer holds a mix of two checkpoints and refuses to run
+    until a load succeeds."""
 
 
 class ReloadError(MegaMoEError):

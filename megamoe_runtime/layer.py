@@ -51,8 +51,9 @@ from torch import nn
 
 from . import layout, loaders
 from .backends import get_backend
-from .errors import LayerSpecError, LayoutError, MegaMoEError, ScaleError
+from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from .formats import LayerSpec, SharedSpec, get_row
+from .limits import MAX_LAYER_BYTES
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -101,18 +102,34 @@ def _alloc_like_layout(row: Any, E_l: Optional[int], H: int, I: int, device: tor
                        init: str) -> layout.KernelTensors:
     """Kernel tensors with layout's exact shapes and strides, materialized
     once on `device` (``empty_strided`` keeps the MN-major strides, so a scale
-    view's ``transpose(-1, -2)`` is its contiguous physical storage)."""
-    if init == "zeros":
-        return layout.allocate_kernel_tensors(row, E_l, H, I, device)
+    view's ``transpose(-1, -2)`` is its contiguous physical storage).
+
+    The size is known from the meta prototype before anything is allocated: beyond
+    ``limits.MAX_LAYER_BYTES``, or when the allocator refuses, a LayerSpecError says how many bytes the spec
+    needs (never torch's allocator traceback)."""
     proto = layout.allocate_kernel_tensors(row, E_l, H, I, "meta")
-    out = {}
-    for role in _ROUTED_ROLES:
-        t = getattr(proto, role)
-        if t is not None:
-            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            _advise_hugepages(t)
-        out[role] = t
-    return layout.KernelTensors(**out)
+    if torch.device(device).type == "meta":
+        return proto
+    need = sum(t.untyped_storage().nbytes() for t in (getattr(proto, r) for r in _ROUTED_ROLES) if t is not None)
+    row_name = getattr(row, "name", row)
+    what = f"{'shared expert' if E_l is None else f'{E_l} experts'} of hidden {H}, intermediate {I} ({row_name})"
+    if need > MAX_LAYER_BYTES:
+        raise LayerSpecError(f"{what} need {need} bytes, over megamoe's limit of {MAX_LAYER_BYTES} bytes per "
+                             "layer and rank (megamoe_runtime.limits): not allocated")
+    try:
+        if init == "zeros":
+            return layout.allocate_kernel_tensors(row, E_l, H, I, device)
+        out = {}
+        for role in _ROUTED_ROLES:
+            t = getattr(proto, role)
+            if t is not None:
+                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                _advise_hugepages(t)
+            out[role] = t
+        return layout.KernelTensors(**out)
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        raise LayerSpecError(f"{what}: cannot allocate the {need} bytes they need on {device}: "
+                             f"{str(e).splitlines()[0][:200]}") from None
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -260,6 +277,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
         self.layer_index = layer_index
         self._load_state: Optional[loaders.LoadState] = None
         self.load_generation = 0
+        #: why the layer may not run (a load failed after writing started), None when usable
+        self.unusable_reason: Optional[str] = None
         #: int32 [E_l] ``cumulative_local_expert_recv_stats`` (DeepGEMM's name), or None: see
         #: `track_expert_recv_stats`.
         self.expert_recv_stats: Optional[torch.Tensor] = None
@@ -479,9 +498,36 @@ class DeepGemmMegaMoEExperts(nn.Module):
         if nv:
             self._check_nv_scalars()
             self.refresh_derived_scalars()
-        self.load_generation += 1
+        self._load_succeeded()
 
     process_weights_after_loading = finish_load
+
+    def _load_succeeded(self) -> None:
+        """The one place a load is declared complete: the layer is usable again and the generation advances
+        (post-load hooks belong here)."""
+        self.unusable_reason = None
+        self.load_generation += 1
+
+    def mark_unusable(self, reason: str) -> None:
+        """A load failed after it started writing: until a load succeeds, `forward` raises LayerUnusableError
+        with `reason` instead of running on a mix of two checkpoints."""
+        self.unusable_reason = reason
+
+    def adopt_spec(self, spec: LayerSpec) -> None:
+        """Take a spec that differs from the layer's only in semantic fields (top_k, activation,
+        routed_scaling_factor; `load_checks.SEMANTIC_FIELDS`), as a reload with ``adopt_semantics=True`` does:
+        afterwards the layer computes what a fresh build from that spec computes. Storage fields must be equal."""
+        from .load_checks import spec_differences
+
+        storage, _ = spec_differences(self.spec, spec, compare_shared=not self.shared_from_module)
+        if storage:
+            raise LayerSpecError(f"{self.prefix or 'layer'}: adopt_spec cannot change storage fields {storage}")
+        sup = self.backend.supports(spec) if hasattr(self.backend, "supports") else True
+        if sup is not True:
+            raise LayerSpecError(f"{self.prefix or 'layer'}: backend {self.backend.name!r} cannot run {spec}: {sup}")
+        self.spec = spec
+        if self.shared_mlp is not None:
+            self.shared_mlp.spec = spec
 
     def _check_nv_scalars(self) -> None:
         lo = self.spec.local_experts.start
@@ -543,6 +589,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
         integer ``[T, K]`` GLOBAL expert ids, -1 = masked slot.
         """
         spec = self.spec
+        if self.unusable_reason is not None:
+            raise LayerUnusableError(f"{self.prefix or 'layer'} is unusable: {self.unusable_reason}; load it "
+                                     "again (from any checkpoint that passes its checks) before running it")
         if self.shared_fused and shared_experts is not None:
             raise LayerSpecError(
                 f"{self.prefix or 'layer'}: the shared expert is fused into this layer (decided at construction); "

@@ -299,6 +299,22 @@ def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str 
     return dst
 
 
+def check_stored_source(layer: "DeepGemmMegaMoEExperts", role: str, dtype: Optional[torch.dtype],
+                        shape: tuple[int, ...], *, storage: str = "contiguous",
+                        experts: Optional[tuple[int, int]] = None, name: str = "") -> torch.Tensor:
+    """The destination view of a stored tensor of this dtype and shape, or LayoutError: the checks `copy_stored`
+    makes before its copy, callable on header facts alone (`load_checks` runs them before a load's first byte)."""
+    dst = stored_destination(layer, role, storage, experts)
+    what = name or role
+    if dtype != dst.dtype:
+        raise LayoutError(_where(layer, f"{what}: stored dtype {dtype} != parameter dtype {dst.dtype}; "
+                                        "pre-laid-out loading copies bytes and never converts"))
+    if tuple(shape) != tuple(dst.shape):
+        raise LayoutError(_where(layer, f"{what}: stored shape {list(shape)} != destination "
+                                        f"{list(dst.shape)} ({role}, storage {storage}, experts {experts})"))
+    return dst
+
+
 def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
                 storage: str = "contiguous", experts: Optional[tuple[int, int]] = None,
                 name: str = "") -> None:
@@ -311,15 +327,7 @@ def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
     exactly one ``copy_``; a `checkpoint.FileSlice` is read from the file
     straight into the destination (what `Checkpoint.load_layer` does).
     """
-    dst = stored_destination(layer, role, storage, experts)
-    what = name or role
-    src_shape = tuple(src.shape)
-    if src.dtype != dst.dtype:
-        raise LayoutError(_where(layer, f"{what}: stored dtype {src.dtype} != parameter dtype {dst.dtype}; "
-                                        "pre-laid-out loading copies bytes and never converts"))
-    if src_shape != tuple(dst.shape):
-        raise LayoutError(_where(layer, f"{what}: stored shape {list(src_shape)} != destination "
-                                        f"{list(dst.shape)} ({role}, storage {storage}, experts {experts})"))
+    dst = check_stored_source(layer, role, src.dtype, tuple(src.shape), storage=storage, experts=experts, name=name)
     if isinstance(src, torch.Tensor):
         _copy_into(dst, src)
     else:  # a FileSlice: the file's bytes straight into the destination storage

@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import LayoutError, ManifestError, MegaMoEError
+from .folder import inside_folder
 from .json_io import parse_json, read_json
 from .limits import check_limit
 from .safetensors_header import DTYPE_BITS, DTYPES
@@ -334,6 +335,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     #: the tensors' checksum algorithm (``sha256`` | ``blake3``); JSON key ``checksum``, written only when not sha256
     checksum: str = SHA256
+    #: the manifest's digest of itself as read (None for one built in memory): the folder's identity
+    self_digest: str | None = field(default=None, compare=False)
 
     # ---- lookups
     def tensor_key(self, name: str, ep_rank: int | None) -> str:
@@ -418,18 +421,23 @@ def with_self_digest(d: dict) -> dict:
     return {**{k: v for k, v in d.items() if k != SELF_DIGEST_KEY}, SELF_DIGEST_KEY: _self_digest(d)}
 
 
-def check_self_digest(d: dict, where: str) -> None:
-    """ManifestError if the manifest's own digest is present and does not match
-    (absent: a manifest written by hand or by an older writer; accepted)."""
+def check_self_digest(d: dict, where: str) -> str:
+    """The manifest's own digest; ManifestError if it is absent or does not match. Mandatory for every
+    format_version this code reads (1): every converter that writes version 1 writes it, so a manifest without
+    it was edited by hand (e.g. to change a scale) and is refused rather than served unchecked."""
     want = d.get(SELF_DIGEST_KEY)
     if want is None:
-        return
+        raise ManifestError(
+            f"{where}: no {SELF_DIGEST_KEY}: every megamoe.json of format_version {FORMAT_VERSION} carries a digest "
+            "of itself, so this one was edited or written by hand; re-run the conversion (an edited manifest "
+            "cannot be trusted to describe the files)")
     got = _self_digest(d)
     if want != got:
         raise ManifestError(
             f"{where}: {SELF_DIGEST_KEY} is {want!r} but the manifest's content hashes to {got!r}: "
             f"{MANIFEST_NAME} was modified or corrupted after it was written; re-run the conversion "
             "(or `megamoe-convert verify` to see what else changed)")
+    return got
 
 
 def write_manifest(directory: str | os.PathLike, m: Manifest) -> Path:
@@ -465,9 +473,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "
             "(the manifest is written last: an interrupted conversion has none)"
         )
+    inside_folder(directory, MANIFEST_NAME, ManifestError)
     d = read_json(path, error=ManifestError, expect=None)
     m = _parse_manifest(d, str(path))
-    check_self_digest(d, str(path))
+    m.self_digest = check_self_digest(d, str(path))
     return m
 
 

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .checkpoint import Checkpoint, SafetensorsFile, _check_identity
+from .checkpoint import Checkpoint, SafetensorsFile
 from .errors import MegaMoEError, ReloadError
-from .manifest import EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES
+from .manifest import EXPERT_ROLES, MANIFEST_NAME
 
 __all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
 
@@ -418,6 +418,8 @@ def _coverage(tr: _Tracked, writes: list[_Write]) -> ParamCoverage:
             return []
         return [tr.experts[0] + x for x in range(lo // per_expert, (hi - 1) // per_expert + 1)]
 
+    dup_experts: set[int] = set()
+    miss_experts: set[int] = set()
     # overlaps: run i starts before the furthest end of the runs before it
     if s.numel() > 1:
         prev_end = cmax[:-1]
@@ -426,9 +428,7 @@ def _coverage(tr: _Tracked, writes: list[_Write]) -> ParamCoverage:
             lo, hi = int(s[i]), int(min(e[i], cmax[i - 1]))
             cov.duplicated.append((lo, hi))
             cov.duplicated_by += [mine[int(wid[i])].source, mine[int(wid[int(cidx[i - 1])])].source]
-            for x in experts_of(lo, hi):
-                if x not in cov.duplicated_experts:
-                    cov.duplicated_experts.append(x)
+            dup_experts.update(experts_of(lo, hi))
     # gaps: before the first run, between runs, after the last
     bounds_lo = torch.cat([torch.zeros(1, dtype=torch.int64), cmax])
     bounds_hi = torch.cat([s, torch.tensor([tr.nbytes], dtype=torch.int64)])
@@ -436,9 +436,9 @@ def _coverage(tr: _Tracked, writes: list[_Write]) -> ParamCoverage:
     for i in gap[:4096].tolist():
         lo, hi = int(bounds_lo[i]), int(bounds_hi[i])
         cov.missing.append((lo, hi))
-        for x in experts_of(lo, hi):
-            if x not in cov.missing_experts:
-                cov.missing_experts.append(x)
+        miss_experts.update(experts_of(lo, hi))
+    # sets, sorted once: a membership scan of the growing list was quadratic in the experts (800k: > 10 min)
+    cov.duplicated_experts, cov.missing_experts = sorted(dup_experts), sorted(miss_experts)
     if int(cmax[-1]) > tr.nbytes:
         cov.duplicated.append((tr.nbytes, int(cmax[-1])))  # out of bounds: cannot happen for real views
     cov.missing = _merge(cov.missing)
@@ -457,7 +457,7 @@ def _merge(rs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def verify_reload(layer_or_model: nn.Module, checkpoint_dir: Union[str, os.PathLike], *,
-                  raise_on_failure: bool = False) -> ReloadReport:
+                  raise_on_failure: bool = False, adopt_semantics: bool = False) -> ReloadReport:
     """Dry-run a reload of every MegaMoE layer in ``layer_or_model`` from
     ``checkpoint_dir`` (converted folder or raw checkpoint) and report coverage.
 
@@ -466,6 +466,10 @@ def verify_reload(layer_or_model: nn.Module, checkpoint_dir: Union[str, os.PathL
     own loaders run (``load_stored`` / ``weight_loader``), so a broken or
     monkeypatched loader is what gets checked. The live module is restored
     if a loader rebinds anything. See the module docstring for the checks.
+    A converted folder first goes through `load_checks.check_layer_load`, the
+    checks the real reload makes (spec and semantics -- ``adopt_semantics``
+    as for `Checkpoint.load_layer` --, files, headers, destinations, and the
+    NVFP4 global scales, the only tensor bytes it reads: a few per expert).
     """
     root = Path(checkpoint_dir)
     layers = _find_layers(layer_or_model)
@@ -477,7 +481,7 @@ def verify_reload(layer_or_model: nn.Module, checkpoint_dir: Union[str, os.PathL
     try:
         with torch.no_grad(), icpt:
             if mode == "prelaid":
-                _dry_prelaid(root, layers, icpt, rep)
+                _dry_prelaid(root, layers, icpt, rep, adopt_semantics=adopt_semantics)
             else:
                 _dry_raw(root, layers, icpt, rep)
     finally:
@@ -533,92 +537,47 @@ def _guard(rep: ReloadReport, icpt: WriteInterceptor, source: str, fn: Callable[
     return None
 
 
-def _dry_prelaid(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: ReloadReport) -> None:
+def _dry_prelaid(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: ReloadReport, *,
+                 adopt_semantics: bool = False) -> None:
+    """Each layer goes through `load_checks.check_layer_load` -- the very checks `Checkpoint.load_layer` runs
+    before its first byte, so the dry run and the real reload cannot disagree -- and then its loaders run on meta
+    stand-ins built from the headers those checks validated."""
+    from .load_checks import check_layer_load
+
     try:
         ckpt = Checkpoint(root)
     except MegaMoEError as e:
         rep.errors.append(str(e))
         return
     m = ckpt.manifest
-    files: dict[str, SafetensorsFile] = {}
     consumed: Counter = Counter()
-    in_scope_files: set[str] = set()
-    try:
-        for lname, layer in layers.items():
-            try:
-                le = ckpt.match_layer(layer)
-            except MegaMoEError as e:
-                rep.errors.append(str(e))
+    headers: dict[str, Any] = {}
+    for lname, layer in layers.items():
+        chk = check_layer_load(ckpt, layer, verify="headers", adopt_semantics=adopt_semantics, check_folder=False)
+        rep.errors += [p for p in chk.problems if p not in rep.errors]
+        headers.update(chk.headers)
+        for it in chk.items:
+            te = it.entry
+            if te.role not in chk.wanted:
+                rep.unused_names.append(f"{te.name} ({te.file}): role {te.role} has no destination in "
+                                        f"{layer.prefix or lname}")
                 continue
-            spec = layer.spec
-            wanted = set(layer.checkpoint_roles())
-            lo, hi = spec.local_experts.start, spec.local_experts.stop
-            per_src = spec.num_experts // m.ep_size
-            home = lo // per_src
-            # every manifest entry of this layer that concerns this rank (duplicates kept)
-            for key, te in sorted(m.tensors.items()):
-                if te.layer != le.index or te.ep_rank is None:
-                    continue
-                if te.role in SHARED_ROLES:
-                    if te.ep_rank != home:
-                        continue
-                    src_range, experts = None, None
-                elif te.role in EXPERT_ROLES:
-                    a, b = te.experts if te.experts is not None else (te.ep_rank * per_src, (te.ep_rank + 1) * per_src)
-                    ov_lo, ov_hi = max(a, lo), min(b, hi)
-                    if ov_lo >= ov_hi:
-                        continue
-                    src_range = None if (ov_lo, ov_hi) == (a, b) else (ov_lo - a, ov_hi - a)
-                    experts = (ov_lo, ov_hi)
-                else:
-                    continue
-                in_scope_files.add(te.file)
-                if te.role not in wanted:
-                    rep.unused_names.append(f"{te.name} ({te.file}): role {te.role} has no destination in "
-                                            f"{layer.prefix or lname}")
-                    continue
-                f = files.get(te.file)
-                if f is None:
-                    try:
-                        f = files[te.file] = SafetensorsFile(root / te.file)
-                        _check_identity(f, te.file, {te.ep_rank})
-                    except MegaMoEError as e:
-                        rep.errors.append(str(e))
-                        files[te.file] = None  # type: ignore[assignment]
-                        continue
-                if f is None:
-                    continue
-                if te.name not in f.entries:
-                    rep.errors.append(f"{root / te.file}: missing tensor {te.name} listed in {MANIFEST_NAME}")
-                    continue
-                en = f.entries[te.name]
-                if en.dtype != te.dtype or en.shape != tuple(te.stored_shape):
-                    rep.errors.append(f"{root / te.file}: {te.name} is {en.dtype} {list(en.shape)} but "
-                                      f"{MANIFEST_NAME} says {te.dtype} {list(te.stored_shape)}")
-                    continue
-                try:
-                    src = f.meta(te.name)
-                except MegaMoEError as e:
-                    rep.errors.append(str(e))
-                    continue
-                if src_range is not None:
-                    src = src[src_range[0]:src_range[1]]
-                consumed[(te.file, te.name)] += 1
-                _guard(rep, icpt, te.name, lambda layer=layer, te=te, src=src, experts=experts: layer.load_stored(
-                    te.role, src, storage=te.storage, experts=experts, name=te.name))
-        # names in the files this rank reads that the manifest does not list, or that no loader used
-        listed = {(te.file, te.name) for te in m.tensors.values()}
-        for file in sorted(in_scope_files):
-            f = files.get(file)
-            if f is None:
-                continue
-            for name in sorted(f.entries):
-                if (file, name) not in listed:
-                    rep.unknown_names.append(f"{name} ({file}): not listed in {MANIFEST_NAME}")
-    finally:
-        for f in files.values():
-            if f is not None:
-                f.close()
+            h = chk.headers.get(te.file)
+            if h is None:
+                continue  # its problems are reported above
+            en = h.tensors[te.name]
+            src = torch.empty(en.shape, dtype=en.torch_dtype, device="meta")
+            if it.src_range is not None:
+                src = src[it.src_range[0]:it.src_range[1]]
+            consumed[(te.file, te.name)] += 1
+            _guard(rep, icpt, te.name, lambda layer=layer, te=te, src=src, experts=it.experts: layer.load_stored(
+                te.role, src, storage=te.storage, experts=experts, name=te.name))
+    # names in the files the layers read that the manifest does not list
+    listed = {(te.file, te.name) for te in m.tensors.values()}
+    for file in sorted(headers):
+        for name in sorted(headers[file].tensors):
+            if (file, name) not in listed:
+                rep.unknown_names.append(f"{name} ({file}): not listed in {MANIFEST_NAME}")
     rep.duplicate_names += [f"{n} ({fi}) loaded {c} times" for (fi, n), c in consumed.items() if c > 1]
 
 

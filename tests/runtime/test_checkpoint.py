@@ -11,6 +11,7 @@ import torch
 import megamoe_runtime as mr
 from megamoe_runtime.checkpoint import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 from megamoe_runtime.errors import CheckpointError, ManifestError
+from megamoe_runtime.manifest import with_self_digest
 
 
 def test_public_api_open_build_forward(ckpts):
@@ -77,8 +78,11 @@ def test_manifest_and_file_mismatches_are_named(ckpts, tmp_path):
     m = json.loads((out / "megamoe.json").read_text())
     name = "model.layers.0.mlp.megamoe.l1_weight"
     m["tensors"][name]["file"] = "model-00001-of-00001.safetensors"  # listed file lacks the tensor
-    del m["manifest_sha256"]  # a hand-edited manifest without its self-digest: the other checks still apply
+    del m["manifest_sha256"]  # a hand-edited manifest without its self-digest is refused outright
     (out / "megamoe.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="no manifest_sha256"):
+        mr.open_checkpoint(out)
+    (out / "megamoe.json").write_text(json.dumps(with_self_digest(m)))  # digested: the other checks apply
     ck = mr.open_checkpoint(out)
     with pytest.raises(CheckpointError, match=f"no tensor {name!r}"):
         ck.build_layer(0, backend="reference")

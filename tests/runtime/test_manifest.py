@@ -87,8 +87,10 @@ def test_ep_keys_and_lookup(tmp_path):
 
 
 def _write_raw(tmp_path, d):
-    d = {k: v for k, v in d.items() if k != "manifest_sha256"}  # hand-edited: no self-digest
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps(d))
+    from megamoe_runtime.manifest import with_self_digest
+
+    # hand-edited, then digested (a manifest without its digest is refused before any other check)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(with_self_digest(d)))
 
 
 def test_newer_version_refused(tmp_path):

@@ -1,0 +1,424 @@
+"""The checks a (re)load passes before its first byte is written: one function for the real reload and the dry run.
+
+A reload copies a checkpoint's bytes into a live layer's storage in place. If it stopped halfway, the layer
+would hold a mix of two checkpoints and still run. So `Checkpoint.load_layer` calls :func:`check_layer_load`
+first and writes nothing unless it passes, and `verify_reload` (the meta dry run) calls the same function, so the
+two cannot disagree about what is loadable. What is checked, by ``verify`` level:
+
+* always: the folder was not replaced since it was opened (manifest identity, `Checkpoint.check_unchanged`); the
+  layer's spec against the checkpoint's: storage fields (row, sizes, experts, EP, shared expert) must be equal,
+  semantic fields (``top_k``, ``activation.*``, ``routed_scaling_factor``) must be equal unless the caller adopts
+  them; every expert of every role covered exactly once (the plan).
+* ``"headers"`` (default) and ``"checksums"``: every file the plan reads exists inside the folder (no symlink out),
+  its header is valid and matches the file's length, it names itself as the manifest expects, every tensor's
+  dtype and shape agree with the manifest and with the destination in the layer, and the NVFP4 per-expert global
+  scales and ``l2_activation_scale`` are finite and > 0 (a few bytes per expert are read for that).
+* ``"checksums"``: every stored tensor the plan reads is hashed and compared with the manifest's checksum
+  (sha256 or blake3, as the manifest says).
+* ``"none"``: only the always-checks; headers are parsed as each file is reached, so a defective file is found
+  midway and the layer is then marked unusable (see `DeepGemmMegaMoEExperts.mark_unusable`).
+
+Each check is a named function returning problem strings, so they can move (e.g. into a verify module) whole.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import LoadCheckError, MegaMoEError
+from .folder import inside_folder
+from .manifest import MANIFEST_NAME, LayerEntry
+from .safetensors_header import SafetensorsHeader, parse_safetensors_header
+
+__all__ = [
+    "VERIFY_LEVELS",
+    "DEFAULT_VERIFY",
+    "STORAGE_FIELDS",
+    "SEMANTIC_FIELDS",
+    "LoadCheck",
+    "check_layer_load",
+    "spec_differences",
+    "check_verify_level",
+]
+
+VERIFY_LEVELS = ("none", "headers", "checksums")
+#: headers are parsed by every load anyway (they give the byte offsets), so checking them all up front costs a
+#: stat and a header read per file: measured in bench/load.py (BENCHMARKS.md), within noise of "none"
+DEFAULT_VERIFY = "headers"
+#: spec fields that fix the layer's storage: a checkpoint that differs here cannot be loaded into the layer
+STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
+#: spec fields that change only the numerics: refused unless the caller adopts them
+SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
+_NV_SCALE_ROLES = ("l1_alpha", "l2_global_scale")
+_HASH_CHUNK = 16 << 20
+
+
+def check_verify_level(verify: str) -> str:
+    """`verify` if it is one of VERIFY_LEVELS; MegaMoEError listing them otherwise."""
+    if verify not in VERIFY_LEVELS:
+        raise MegaMoEError(f"verify={verify!r}; valid: {', '.join(VERIFY_LEVELS)}")
+    return verify
+
+
+@dataclass
+class LoadCheck:
+    """Outcome of :func:`check_layer_load`: what to load and whether it may start."""
+
+    layer_entry: Optional[LayerEntry]
+    verify: str
+    #: every manifest entry of the layer this rank reads (duplicates kept; roles the layer lacks included)
+    items: list = field(default_factory=list)
+    #: the roles the layer writes (items of other roles are not loaded)
+    wanted: set = field(default_factory=set)
+    #: file -> validated header (files whose header check failed are absent; empty under verify="none")
+    headers: dict = field(default_factory=dict)
+    #: files that failed a check
+    bad_files: set = field(default_factory=set)
+    #: semantic field -> (layer's value, checkpoint's value)
+    differences: dict = field(default_factory=dict)
+    #: the spec the layer takes when the caller adopts the differences (None: keep its own)
+    adopted_spec: Any = None
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_failed(self, where: str) -> None:
+        if self.problems:
+            shown = "\n  ".join(self.problems[:40])
+            more = f"\n  ... and {len(self.problems) - 40} more" if len(self.problems) > 40 else ""
+            raise LoadCheckError(f"{where}: load refused before writing any byte ({len(self.problems)} "
+                                 f"problem(s)); the layer is unchanged:\n  {shown}{more}", self.problems,
+                                 self.differences)
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def _flat_spec(spec: Any) -> dict[str, Any]:
+    d = spec.to_dict()
+    out = {k: v for k, v in d.items() if k != "activation"}
+    for k, v in (d.get("activation") or {}).items():
+        out[f"activation.{k}"] = v
+    return out
+
+
+def spec_differences(layer_spec: Any, ckpt_spec: Any, *, compare_shared: bool = True
+                     ) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """``(storage, semantic)``: field -> (layer's value, checkpoint's value) for every field that differs.
+    ``compare_shared=False`` skips ``shared`` (a layer whose shared expert came from an engine module)."""
+    a, b = _flat_spec(layer_spec), _flat_spec(ckpt_spec)
+    storage, semantic = {}, {}
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) == b.get(k):
+            continue
+        top = k.split(".")[0]
+        if top == "shared" and not compare_shared:
+            continue
+        (semantic if top in SEMANTIC_FIELDS else storage)[k] = (a.get(k), b.get(k))
+    return storage, semantic
+
+
+def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: LoadCheck) -> None:
+    """Storage fields must match; semantic ones must match unless adopted (then `chk.adopted_spec` is the layer's
+    spec with the checkpoint's semantics, validated, and the backend must support it)."""
+    from .formats import LayerSpec
+
+    spec = layer.spec
+    try:
+        mine = le.layer_spec(spec.ep_rank, spec.ep_size)
+    except MegaMoEError as e:
+        chk.problems.append(f"{ckpt_root}: layer {le.index} ({le.prefix}): spec for rank {spec.ep_rank} of "
+                            f"{spec.ep_size}: {e}")
+        return
+    storage, semantic = spec_differences(spec, mine, compare_shared=not getattr(layer, "shared_from_module", False))
+    for k, (have, want) in storage.items():
+        chk.problems.append(f"{ckpt_root}: layer {le.index} ({le.prefix}) has {k}={want!r} but the layer was built "
+                            f"with {k}={have!r} (fixes the layer's storage: build a new layer)")
+    chk.differences = semantic
+    if not semantic:
+        return
+    if not adopt:
+        fields = ", ".join(f"{k}: layer {have!r} vs checkpoint {want!r}" for k, (have, want) in semantic.items())
+        chk.problems.append(f"{ckpt_root}: layer {le.index} ({le.prefix}) has other semantics than the layer "
+                            f"({fields}); pass adopt_semantics=True to take the checkpoint's")
+        return
+    d = spec.to_dict()
+    new = mine.to_dict()
+    for k in SEMANTIC_FIELDS:
+        d[k] = new[k]
+    try:
+        adopted = LayerSpec.from_dict(d)
+    except MegaMoEError as e:
+        chk.problems.append(f"{ckpt_root}: layer {le.index}: the checkpoint's semantics do not fit the layer: {e}")
+        return
+    sup = layer.backend.supports(adopted) if hasattr(layer.backend, "supports") else True
+    if sup is not True:
+        chk.problems.append(f"{ckpt_root}: layer {le.index}: backend {getattr(layer.backend, 'name', '?')!r} cannot "
+                            f"run the checkpoint's semantics: {sup}")
+        return
+    chk.adopted_spec = adopted
+
+
+# --------------------------------------------------------------------------- files
+
+
+def check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Optional[SafetensorsHeader], list[str]]:
+    """A file the plan reads: inside the folder, header valid and of the file's length, self-named as the manifest
+    expects, every planned tensor present with the manifest's dtype and shape."""
+    from .checkpoint import identity_problems
+
+    try:
+        path = inside_folder(root, file)
+    except MegaMoEError as e:
+        return None, [str(e)]
+    if not path.is_file():
+        names = ", ".join(sorted({it.entry.name for it in items}))[:200]
+        return None, [f"{path}: missing (the manifest lists it for {names})"]
+    try:
+        h = parse_safetensors_header(path)
+    except MegaMoEError as e:
+        return None, [str(e)]
+    problems = identity_problems(path, h.metadata, file, ranks)
+    for it in items:
+        te = it.entry
+        en = h.tensors.get(te.name)
+        if en is None:
+            problems.append(f"{path}: no tensor {te.name!r} in this file (listed in {MANIFEST_NAME})")
+        elif en.dtype != te.dtype or en.shape != tuple(te.stored_shape):
+            problems.append(f"{path}: {te.name} is {en.dtype} {list(en.shape)} in the file but "
+                            f"{te.dtype} {list(te.stored_shape)} in {MANIFEST_NAME}")
+    return h, problems
+
+
+def check_destinations(layer: Any, items: list, headers: dict) -> list[str]:
+    """Every planned source fits its destination view in the layer (the checks `copy_stored` makes at write time,
+    made here first)."""
+    from .loaders import check_stored_source
+
+    problems = []
+    for it in items:
+        h = headers.get(it.entry.file)
+        if h is None:
+            continue
+        en = h.tensors.get(it.entry.name)
+        if en is None:
+            continue
+        shape = tuple(en.shape)
+        if it.src_range is not None:
+            shape = (it.src_range[1] - it.src_range[0],) + shape[1:]
+        try:
+            check_stored_source(layer, it.role, en.torch_dtype, shape, storage=it.entry.storage,
+                                experts=it.experts, name=it.entry.name)
+        except MegaMoEError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _read_exact(path: Any, offset: int, nbytes: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise OSError(f"short read: {len(data)} of {nbytes} bytes at offset {offset}")
+    return data
+
+
+def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: bool) -> list[str]:
+    """NVFP4: ``l2_activation_scale`` in the manifest and every planned per-expert global scale (f32) finite and
+    > 0, read from the files (a few bytes per expert) so that `finish_load` cannot refuse after the writes.
+    Pure Python, so it also runs under the dry run's dispatch mode."""
+    if not nv:
+        return []
+    problems = []
+    a2 = le.scalars.get("l2_activation_scale")
+    if not isinstance(a2, (int, float)) or isinstance(a2, bool) or not (math.isfinite(a2) and a2 > 0):
+        problems.append(f"{root}: layer {le.index} ({le.prefix}): {MANIFEST_NAME} scalars.l2_activation_scale = "
+                        f"{a2!r}; must be finite and > 0")
+    for it in items:
+        if it.role not in _NV_SCALE_ROLES:
+            continue
+        h = headers.get(it.entry.file)
+        en = h.tensors.get(it.entry.name) if h is not None else None
+        if en is None or en.dtype != "F32":
+            continue
+        row = en.nbytes // max(en.shape[0], 1) if en.shape else en.nbytes
+        a, b = it.src_range if it.src_range is not None else (0, en.shape[0] if en.shape else 1)
+        try:
+            raw = _read_exact(h.path, h.data_start + en.begin + a * row, (b - a) * row)
+        except OSError as e:
+            problems.append(f"{h.path}: cannot read {it.entry.name}: {e}")
+            continue
+        vals = struct.unpack(f"<{len(raw) // 4}f", raw)
+        per = max(row // 4, 1)
+        bad = sorted({(it.experts[0] if it.experts else 0) + i // per for i, v in enumerate(vals)
+                      if not (math.isfinite(v) and v > 0)})
+        if bad:
+            problems.append(f"{h.path}: {it.entry.name}: {it.role} is not finite and > 0 for experts {bad[:8]}"
+                            f"{' ...' if len(bad) > 8 else ''}")
+    return problems
+
+
+def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha256") -> str:
+    """Digest (hex, `algorithm` of megamoe_runtime.digests) of ``nbytes`` bytes of ``path`` at ``offset``, read in
+    16 MiB chunks: the manifest's tensor checksum."""
+    from .digests import new_hasher
+
+    h = new_hasher(algorithm)
+    buf = bytearray(min(_HASH_CHUNK, max(nbytes, 1)))
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [mv[:min(len(buf), nbytes - done)]], offset + done)
+            if n <= 0:
+                raise OSError(f"short read at offset {offset + done}")
+            h.update(mv[:n])
+            done += n
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def check_checksums(items: list, headers: dict) -> list[str]:
+    """Every stored tensor the plan reads (whole, even when only a slice is loaded) hashes to the manifest's
+    checksum (of the manifest's algorithm)."""
+    problems, seen = [], set()
+    for it in items:
+        te = it.entry
+        h = headers.get(te.file)
+        en = h.tensors.get(te.name) if h is not None else None
+        if en is None or (te.file, te.name) in seen:
+            continue
+        seen.add((te.file, te.name))
+        kind = getattr(te, "checksum_kind", "sha256")
+        try:
+            got = tensor_checksum(h.path, h.data_start + en.begin, en.nbytes, kind)
+        except (OSError, MegaMoEError) as e:
+            problems.append(f"{h.path}: cannot check {te.name}: {e}")
+            continue
+        if got != te.checksum:
+            problems.append(f"{h.path}: {te.name}: {kind} {got} does not match the manifest's {te.checksum} "
+                            "(flipped or replaced bytes)")
+    return problems
+
+
+# --------------------------------------------------------------------------- the one entry point
+
+
+def check_layer_load(ckpt: Any, layer: Any, *, verify: str = DEFAULT_VERIFY, adopt_semantics: bool = False,
+                     check_folder: bool = True) -> LoadCheck:
+    """Every check a load of `layer` from `ckpt` must pass before its first byte (module docstring). Never
+    raises for a defect: all problems go into the result (`LoadCheck.raise_if_failed`)."""
+    check_verify_level(verify)
+    chk = LoadCheck(None, verify)
+    if check_folder:
+        try:
+            ckpt.check_unchanged()
+        except MegaMoEError as e:
+            chk.problems.append(str(e))
+            return chk  # the manifest in hand no longer describes the folder: nothing else is meaningful
+    try:
+        le = ckpt.match_layer(layer)
+    except MegaMoEError as e:
+        chk.problems.append(str(e))
+        return chk
+    chk.layer_entry = le
+    check_spec(layer, le, ckpt.root, adopt=adopt_semantics, chk=chk)
+    if any("fixes the layer's storage" in p for p in chk.problems):
+        return chk  # another shape: the plan and destinations would only repeat it
+    spec = layer.spec
+    chk.wanted = set(layer.checkpoint_roles())
+    try:
+        ckpt.plan(le.index, spec.ep_rank, spec.ep_size, roles=sorted(chk.wanted), strict=True)
+    except MegaMoEError as e:
+        chk.problems.append(str(e))
+    chk.items = ckpt.plan(le.index, spec.ep_rank, spec.ep_size, strict=False)
+    if verify == "none":
+        return chk
+    by_file: dict[str, list] = {}
+    for it in chk.items:
+        by_file.setdefault(it.entry.file, []).append(it)
+    for file in sorted(by_file):
+        h, probs = check_file_header(ckpt.root, file, by_file[file], {it.entry.ep_rank for it in by_file[file]})
+        if h is not None and not probs:
+            chk.headers[file] = h
+        else:
+            chk.bad_files.add(file)
+        chk.problems += probs
+    loaded = [it for it in chk.items if it.role in chk.wanted]
+    chk.problems += check_destinations(layer, loaded, chk.headers)
+    chk.problems += check_nv_scales(ckpt.root, le, loaded, chk.headers, spec.row_spec.has_alphas)
+    if verify == "checksums":
+        chk.problems += check_checksums(loaded, chk.headers)
+    return chk
+
+
+# --------------------------------------------------------------------------- verify: spec against stored tensors
+
+
+def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]:
+    """Every layer's spec against the tensors the manifest lists for it: each role the spec implies present on
+    every rank, each entry's dtype, per-expert kernel shape and strides those of the layer the spec builds (a
+    meta layer: no memory), and no role the spec does not have. Catches a spec edited to another ``num_experts``
+    or ``hidden`` that the manifest's own schema checks accept. (`megamoe-convert verify` runs it.)"""
+    from .layer import DeepGemmMegaMoEExperts
+    from .manifest import EXPERT_ROLES, dtype_name
+
+    problems: list[str] = []
+    for le in sorted(manifest.layers, key=lambda le: le.index):
+        w = f"{where}: layer {le.index} ({le.prefix})"
+        try:
+            spec = le.layer_spec(0, manifest.ep_size)
+            layer = DeepGemmMegaMoEExperts(spec, device="meta", backend="reference", prefix=le.prefix,
+                                           layer_index=le.index)
+        except MegaMoEError as e:
+            problems.append(f"{w}: spec does not build a layer: {e}")
+            continue
+        want = {r: layer.param_for_role(r) for r in layer.checkpoint_roles()}
+        by_rank: dict[int, dict[str, list]] = {}
+        for te in manifest.tensors.values():
+            if te.layer == le.index and te.ep_rank is not None:
+                by_rank.setdefault(te.ep_rank, {}).setdefault(te.role, []).append(te)
+        for rank in range(manifest.ep_size):
+            got = by_rank.get(rank, {})
+            for role in sorted(set(want) - set(got)):
+                problems.append(f"{w}, rank {rank}: no {role} tensor, which its spec ({spec.row}) needs")
+            for role in sorted(set(got) - set(want)):
+                problems.append(f"{w}, rank {rank}: {', '.join(t.name for t in got[role])} has role {role}, "
+                                f"which a layer of its spec ({spec.row}, shared={spec.shared}) does not have")
+            lo, hi = rank * spec.experts_per_rank, (rank + 1) * spec.experts_per_rank
+            for role in sorted(set(got) & set(want) & set(EXPERT_ROLES)):
+                ranges = sorted(tuple(te.experts) if te.experts is not None else (lo, lo + te.kernel_shape[0])
+                                for te in got[role] if te.kernel_shape)
+                pos = lo
+                for a, b in ranges:
+                    if a != pos:
+                        break
+                    pos = b
+                if pos != hi or len(ranges) != len(got[role]) or (ranges and ranges[-1][1] != hi):
+                    problems.append(f"{w}, rank {rank}: {role} holds experts {ranges}, but its spec "
+                                    f"(num_experts={spec.num_experts}, ep_size={manifest.ep_size}) gives the rank "
+                                    f"experts [{lo}, {hi}) exactly once")
+            for role in sorted(set(got) & set(want)):
+                p = want[role]
+                for te in got[role]:
+                    expert = role in EXPERT_ROLES
+                    shape = tuple(te.kernel_shape[1:]) if expert else tuple(te.kernel_shape)
+                    want_shape = tuple(p.shape[1:]) if expert else tuple(p.shape)
+                    n = te.experts[1] - te.experts[0] if expert and te.experts is not None else None
+                    if (te.dtype != dtype_name(p.dtype) or shape != want_shape
+                            or tuple(te.kernel_strides) != tuple(p.stride())
+                            or (n is not None and te.kernel_shape and te.kernel_shape[0] != n)):
+                        problems.append(
+                            f"{w}, rank {rank}: {te.name} is {te.dtype} {list(te.kernel_shape)} strides "
+                            f"{list(te.kernel_strides)}, but its spec (hidden={spec.hidden}, intermediate="
+                            f"{spec.intermediate}, num_experts={spec.num_experts}) makes {role} "
+                            f"{dtype_name(p.dtype)} {list(p.shape)} strides {list(p.stride())}"
+                            + (" per rank" if expert else ""))
+    return problems
