@@ -53,7 +53,7 @@ from megamoe_runtime.digests import SHA256
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors, expected_shapes
 from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
 from megamoe_runtime.errors import CheckpointError, FormatError, LayerSpecError, MegaMoEError
-from megamoe_runtime.formats import LayerSpec, Row, SharedSpec, get_row
+from megamoe_runtime.formats import ROWS, LayerSpec, Row, SharedSpec, get_row
 from megamoe_runtime.manifest import (
     DIGEST_SHA256,
     FORMAT_VERSION,
@@ -275,15 +275,9 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
 
 SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
 
-#: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (docs/KERNELS.md#feature-matrix). A row
-#: with more than one fusable precision needs the one its server's kernel flavour takes; the converter
-#: cannot know which DeepGEMM the server has, so the manifest records the choice and the alternative.
-SHARED_BY_FLAVOUR = {
-    "mxfp4": {"dg": ("mxfp8",), "dgv": ("mxfp8",)},
-    "mxfp8": {"dg": ("mxfp8",), "dgz": ()},
-    "nvfp4": {"dg": ("bf16",), "dgv": ("mxfp8", "bf16")},
-    "bf16": {"dg": ("bf16",), "dgv": ("bf16",)},
-}
+#: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (`Row.shared_by_flavour`,
+#: docs/KERNELS.md#feature-matrix); the manifest records the choice and the alternative.
+SHARED_BY_FLAVOUR = {name: dict(r.shared_by_flavour) for name, r in ROWS.items()}
 FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DGz"}
 
 

@@ -140,6 +140,10 @@ class Row:
     launch; any other shared expert has to run outside the mega kernel.
     topk_weight_stage: 'l1' = the routing weight multiplies the activation
     before requantisation (mx rows, bf16); 'l2' = after the L2 GEMM (nvfp4).
+    shared_by_flavour: API flavour -> the shared precisions that flavour's
+    entry point fuses (their union is fusable_shared). A row with more than
+    one needs the one its server's DeepGEMM takes; the converter cannot know
+    which, so it records its choice and the alternative.
     """
 
     name: str
@@ -153,6 +157,7 @@ class Row:
     intermediate_multiple: int
     topk_weight_stage: str  # "l1" | "l2"
     api_flavours: tuple[tuple[str, str], ...] = field(default=())
+    shared_by_flavour: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -171,6 +176,12 @@ class Row:
         for flavour, ep in self.api_flavours:
             if ep not in self.entry_points:
                 raise FormatError(f"Row {self.name}: flavour {flavour} names {ep}, not in entry_points")
+        flavours = {f for f, _ in self.api_flavours}
+        fused = {p for _, ps in self.shared_by_flavour for p in ps}
+        if self.shared_by_flavour and (fused != set(self.fusable_shared)
+                                       or not {f for f, _ in self.shared_by_flavour} <= flavours):
+            raise FormatError(f"Row {self.name}: shared_by_flavour {self.shared_by_flavour} must use the row's "
+                              f"api_flavours {sorted(flavours)} and fuse exactly {self.fusable_shared}")
 
     @property
     def has_scales(self) -> bool:
@@ -262,6 +273,7 @@ ROWS: dict[str, Row] = {
         intermediate_multiple=128,
         topk_weight_stage="l1",
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgv", "fp8_fp4_mega_moe")),
+        shared_by_flavour=(("dg", ("mxfp8",)), ("dgv", ("mxfp8",))),
         notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
     ),
     "mxfp8": Row(
@@ -276,6 +288,7 @@ ROWS: dict[str, Row] = {
         intermediate_multiple=128,
         topk_weight_stage="l1",
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgz", "fp8_fp8_mega_moe")),
+        shared_by_flavour=(("dg", ("mxfp8",)), ("dgz", ())),
         notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
     ),
     "nvfp4": Row(
@@ -294,6 +307,7 @@ ROWS: dict[str, Row] = {
         intermediate_multiple=128,
         topk_weight_stage="l2",
         api_flavours=(("dg", "fp4_fp4_mega_moe"), ("dgv", "nvfp4_mega_moe")),
+        shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("mxfp8", "bf16"))),
         notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
     ),
     "bf16": Row(
@@ -311,6 +325,7 @@ ROWS: dict[str, Row] = {
         intermediate_multiple=128,
         topk_weight_stage="l1",
         api_flavours=(("dg", "bf16_mega_moe"), ("dgv", "bf16_mega_moe")),
+        shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
     ),
 }

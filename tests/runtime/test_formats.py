@@ -231,3 +231,20 @@ def test_row_properties_are_the_only_row_branches():
     exact = {n: [o for o in ROWS if r.embeds_exactly_in(o)] for n, r in ROWS.items()}
     # E2M1 under UE8M0 groups is exact in MXFP8; NVFP4's E4M3 block scales are not (negative control)
     assert exact == {"mxfp4": ["mxfp4", "mxfp8"], "mxfp8": ["mxfp8"], "nvfp4": ["nvfp4"], "bf16": ["bf16"]}
+
+
+def test_shared_by_flavour_covers_exactly_the_fusable_precisions():
+    from megamoe_runtime.errors import FormatError
+    from megamoe_runtime.formats import ROWS, Row
+    import dataclasses
+
+    for r in ROWS.values():
+        assert {p for _, ps in r.shared_by_flavour for p in ps} == set(r.fusable_shared)
+    nv = ROWS["nvfp4"]
+    assert dict(nv.shared_by_flavour) == {"dg": ("bf16",), "dgv": ("mxfp8", "bf16")}
+    # negative controls: a flavour fusing a precision the row does not list, or an unknown flavour
+    with pytest.raises(FormatError, match="shared_by_flavour"):
+        dataclasses.replace(nv, shared_by_flavour=(("dg", ("bf16",)),))  # mxfp8 no longer covered
+    with pytest.raises(FormatError, match="shared_by_flavour"):
+        dataclasses.replace(nv, shared_by_flavour=(("dgq", ("mxfp8", "bf16")),))
+    assert isinstance(nv, Row)
