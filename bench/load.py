@@ -26,7 +26,8 @@ megamoe-convert, then measures in one process, on the same bytes:
   practical limit, measured in the same run (issue 13: the warm-cache load
   and reload should reach >= 70% of it);
 * ``safetensors``: ``safetensors.torch.load_file(f, device=...)`` of the same
-  converted expert files (what a plain safetensors loader gets from them).
+  converted expert files (what a plain safetensors loader gets from them; on
+  the CPU its mmap-backed tensors are cloned, so the bytes are really read).
 
 With ``--cold`` every phase starts from an evicted page cache, and
 ``raw_read`` is the disk's own read rate (plus the link, on CUDA).
@@ -224,6 +225,8 @@ def phase_safetensors(files: list[Path], device: torch.device) -> Callable[[], A
 
     def run() -> Any:
         out = [load_file(str(p), device=str(device)) for p in files]
+        if device.type == "cpu":  # CPU tensors are lazily mmap-backed: read them into memory, as a user would
+            out = [{k: v.clone() for k, v in d.items()} for d in out]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return out
