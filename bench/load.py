@@ -14,7 +14,9 @@ megamoe-convert, then measures in one process, on the same bytes:
 * ``prelaid``: ``Checkpoint.build_layer`` for every layer (allocate in kernel
   layout + one ``copy_`` per stored tensor from the mmap'ed file);
 * ``prelaid_reload``: ``Checkpoint.load_layer`` into the already-built layers
-  (what a weight reload costs);
+  (what a weight reload costs), at the default check level (``verify="headers"``);
+  ``reload_verify_none`` / ``reload_verify_checksums``: the same at the other levels
+  (``checksums`` hashes every tensor before the first byte is written: one extra read);
 * ``raw_direct``: vLLM-style raw loading of the ORIGINAL checkpoint through
   ``weight_loader`` (each shard scattered straight into kernel layout);
 * ``original_then_transform``: what engines do today -- allocate the
@@ -126,21 +128,21 @@ class PeakMemory:
 # --------------------------------------------------------------------------- setup
 
 
-def build_checkpoint(workdir: Path, gb: float) -> tuple[Path, Path, int]:
+def build_checkpoint(workdir: Path, gb: float, checksum: str = "sha256") -> tuple[Path, Path, int]:
     from megamoe_convert.convert import convert
     from megamoe_convert.synth import build_synthetic_checkpoint
 
     per_layer = E * 3 * H * I * (1 + 1 / 32)
     layers = max(1, math.ceil(gb * 1e9 / per_layer))
     tag = f"mxfp8-L{layers}-E{E}-H{H}-I{I}"
-    src, out = workdir / f"src-{tag}", workdir / f"out-{tag}"
+    src, out = workdir / f"src-{tag}", workdir / (f"out-{tag}" + ("" if checksum == "sha256" else f"-{checksum}"))
     if not (out / "megamoe.json").is_file():
         print(f"building a synthetic checkpoint: {layers} layers x {per_layer / 1e6:.0f} MB of experts ...", flush=True)
         t = time.perf_counter()
         if not (src / "config.json").is_file():
             build_synthetic_checkpoint(src, "modelopt-mxfp8", num_layers=layers, hidden=H, intermediate=I,
                                        num_experts=E, top_k=4, max_shard_bytes=2 << 30)
-        convert(src, out, overwrite=True)
+        convert(src, out, overwrite=True, **({} if checksum == "sha256" else {"checksum": checksum}))
         print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
     return src, out, layers
 
@@ -244,10 +246,12 @@ def phase_prelaid(ck: mr.Checkpoint, device: torch.device) -> Callable[[], Any]:
     return run
 
 
-def phase_reload(ck: mr.Checkpoint, layers: list, device: torch.device) -> Callable[[], Any]:
+def phase_reload(ck: mr.Checkpoint, layers: list, device: torch.device, verify: str | None = None
+                 ) -> Callable[[], Any]:
+    """``load_layer`` into built layers at check level ``verify`` (None: the checkpoint's default, headers)."""
     def run() -> Any:
         for layer in layers:
-            ck.load_layer(layer)
+            ck.load_layer(layer, verify=verify)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return None
@@ -381,6 +385,8 @@ def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold:
         ("prelaid", phase_prelaid(ck, device), dest, dest, cold_out),
         ("raw_read_resident", raw_res, total, 0, cold_out),
         ("prelaid_reload", phase_reload(ck, built, device), dest, 0, cold_out),
+        ("reload_verify_none", phase_reload(ck, built, device, "none"), dest, 0, cold_out),
+        ("reload_verify_checksums", phase_reload(ck, built, device, "checksums"), dest, 0, cold_out),
         ("raw_direct", phase_raw_direct(ck, src, device), dest, dest, cold_src),
         ("original_then_transform", phase_original_then_transform(ck, src, device), dest, dest, cold_src),
         ("safetensors", phase_safetensors(files, device), total, total, cold_out),
@@ -414,11 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before every run")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--checksum", default="sha256", choices=["sha256", "blake3"],
+                    help="tensor checksum algorithm of the converted folder (what reload_verify_checksums hashes)")
     ap.add_argument("--skip", default="", help="comma-separated phases to leave out (e.g. raw_direct)")
     args = ap.parse_args(argv)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src, out, n_layers = build_checkpoint(args.workdir, args.gb)
+    src, out, n_layers = build_checkpoint(args.workdir, args.gb, args.checksum)
     devices = {"cpu": ["cpu"], "cuda": ["cuda"], "both": ["cpu", "cuda"]}[args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         print("no CUDA device: skipping the GPU runs", file=sys.stderr)
@@ -459,13 +467,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  prelaid reload vs raw read into a resident buffer: "
               f"{ratio('prelaid_reload', 'raw_read_resident', 'best_s'):.2f}x / "
               f"{ratio('prelaid_reload', 'raw_read_resident', 'median_s'):.2f}x throughput (goal >= 0.85x)")
+        for lvl in [v for v in ("none", "checksums") if f"reload_verify_{v}" in by]:
+            ph = by[f"reload_verify_{lvl}"]
+            print(f"  reload verify={lvl} vs the default (headers): {ph['best_s'] / by['prelaid_reload']['best_s']:.2f}x"
+                  f" / {ph['median_s'] / by['prelaid_reload']['median_s']:.2f}x the time")
         for other in [o for o in ("original_then_transform", "raw_direct") if o in by]:
             print(f"  prelaid vs {other}: {by[other]['best_s'] / by['prelaid']['best_s']:.1f}x / "
                   f"{by[other]['median_s'] / by['prelaid']['median_s']:.1f}x faster"
                   + (" (goal >= 3x)" if other == "original_then_transform" else ""))
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "gb": args.gb, "cold": args.cold, "load_threads": read_workers(), "shape": {"H": H, "I": I, "E": E, "layers": n_layers, "row": "mxfp8"}}
+            "gb": args.gb, "checksum": args.checksum, "cold": args.cold, "load_threads": read_workers(), "shape": {"H": H, "I": I, "E": E, "layers": n_layers, "row": "mxfp8"}}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": all_results}, indent=1))
     return 0

@@ -287,8 +287,13 @@ def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha25
 
 def check_checksums(items: list, headers: dict) -> list[str]:
     """Every stored tensor the plan reads (whole, even when only a slice is loaded) hashes to the manifest's
-    checksum (of the manifest's algorithm)."""
-    problems, seen = [], set()
+    checksum (of the manifest's algorithm). Tensors are hashed on the loader's reader threads (hashlib and blake3
+    release the GIL on large updates)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .loaders import read_workers
+
+    todo, seen = [], set()
     for it in items:
         te = it.entry
         h = headers.get(te.file)
@@ -296,16 +301,27 @@ def check_checksums(items: list, headers: dict) -> list[str]:
         if en is None or (te.file, te.name) in seen:
             continue
         seen.add((te.file, te.name))
+        todo.append((te, h, en))
+
+    def one(job: tuple) -> Optional[str]:
+        te, h, en = job
         kind = getattr(te, "checksum_kind", "sha256")
         try:
             got = tensor_checksum(h.path, h.data_start + en.begin, en.nbytes, kind)
         except (OSError, MegaMoEError) as e:
-            problems.append(f"{h.path}: cannot check {te.name}: {e}")
-            continue
+            return f"{h.path}: cannot check {te.name}: {e}"
         if got != te.checksum:
-            problems.append(f"{h.path}: {te.name}: {kind} {got} does not match the manifest's {te.checksum} "
-                            "(flipped or replaced bytes)")
-    return problems
+            return (f"{h.path}: {te.name}: {kind} {got} does not match the manifest's {te.checksum} "
+                    "(flipped or replaced bytes)")
+        return None
+
+    workers = min(read_workers(), max(len(todo), 1))
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megamoe-checksum") as pool:
+            found = list(pool.map(one, todo))
+    else:
+        found = [one(j) for j in todo]
+    return [p for p in found if p is not None]
 
 
 # --------------------------------------------------------------------------- the one entry point

@@ -461,7 +461,7 @@ def verify_reload(layer_or_model: nn.Module, checkpoint_dir: Union[str, os.PathL
     """Dry-run a reload of every MegaMoE layer in ``layer_or_model`` from
     ``checkpoint_dir`` (converted folder or raw checkpoint) and report coverage.
 
-    Touches no live byte and reads no tensor data: sources are meta tensors
+    Touches no live byte and reads no tensor data but the NVFP4 global scales: sources are meta tensors
     from the safetensors headers and every write is intercepted. The layers'
     own loaders run (``load_stored`` / ``weight_loader``), so a broken or
     monkeypatched loader is what gets checked. The live module is restored
