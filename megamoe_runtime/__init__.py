@@ -32,7 +32,7 @@ _EXPORTS = {
     "SharedSpec": "formats",
     # raw (unconverted) checkpoints, vLLM style
     "make_expert_params_mapping": "loaders",
-    "load_raw_weights": "loaders",
+    "load_raw_weights": "raw_load",
     # reload safety
     "verify_reload": "reload",
     "dry_run_checkpoint": "reload",

@@ -22,7 +22,6 @@ reported by name before any byte is copied.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +32,9 @@ import torch
 from .errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
 from .formats import LayerSpec
 from .folder import inside_folder
-from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header
-from .manifest import (DTYPES, EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
+from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
+from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
+from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
 __all__ = [
@@ -49,119 +49,6 @@ __all__ = [
     "open_checkpoint",
 ]
 
-#: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
-#: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (docs/RELOAD.md#dry-run).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = dict(DTYPES)
-
-
-def read_safetensors_header(path: Union[str, os.PathLike]) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
-    """Parse and validate a safetensors header: ``(entries, metadata, data_start)``.
-
-    Reads only the header bytes. CheckpointError, naming the file, for any
-    defect :func:`megamoe_runtime.safetensors_header.parse_safetensors_header`
-    refuses (truncation, a header over 100 MB, invalid JSON, duplicate keys,
-    malformed entries or unknown dtypes, byte ranges that do not tile the data
-    section, a file length that disagrees with the header).
-    """
-    h = parse_safetensors_header(path)
-    return h.tensors, h.metadata, h.data_start
-
-
-class SafetensorsFile:
-    """A safetensors file: header parsed up front, data mapped lazily.
-
-    ``tensor(name)`` is a zero-copy CPU view of the (private, copy-on-write)
-    mmap: copying it into a parameter is the only copy a load makes.
-    ``meta(name)`` is a meta tensor of the same shape and dtype, from the
-    header only (a dry-run stand-in).
-    """
-
-    def __init__(self, path: Union[str, os.PathLike], header: Optional[SafetensorsHeader] = None):
-        self.path = Path(path)
-        if header is None:
-            header = parse_safetensors_header(self.path)
-        self.entries, self.metadata, self.data_start = header.tensors, header.metadata, header.data_start
-        self._file = None
-        self._mm: Optional[mmap.mmap] = None
-
-    def __enter__(self) -> "SafetensorsFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def entry(self, name: str) -> HeaderEntry:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in this file") from None
-
-    def _dtype(self, name: str) -> torch.dtype:
-        en = self.entry(name)
-        dt = en.torch_dtype
-        if dt is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {en.dtype!r}, which megamoe cannot map "
-                                  f"(known: {', '.join(sorted(SAFETENSORS_DTYPES))})")
-        return dt
-
-    def meta(self, name: str) -> torch.Tensor:
-        """Meta stand-in (shape and dtype from the header, no data)."""
-        return torch.empty(self.entry(name).shape, dtype=self._dtype(name), device="meta")
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """Zero-copy CPU view of the tensor's bytes."""
-        dt = self._dtype(name)
-        en = self.entry(name)
-        nbytes = en.end - en.begin
-        if nbytes == 0:
-            return torch.empty(en.shape, dtype=dt)
-        if self._mm is None:
-            self._file = open(self.path, "rb")
-            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-            try:
-                self._mm.madvise(mmap.MADV_SEQUENTIAL)
-            except (AttributeError, OSError, ValueError):  # pragma: no cover - platform dependent
-                pass
-        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=self.data_start + en.begin)
-        return raw.view(dt).view(en.shape)
-
-    def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a tensor view is still alive; the mapping goes with it
-            self._mm = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-@dataclass(frozen=True)
-class FileSlice:
-    """Contiguous bytes of a stored tensor (or of a run of its leading rows) in a file.
-
-    The real pre-laid-out load reads these bytes straight into the parameter's
-    storage (`read_into`): one read per stored tensor on CPU (no mmap, no
-    temporary), pinned double-buffered chunks on CUDA. It carries dtype and
-    shape so the loader validates it exactly like a tensor source.
-    """
-
-    path: Path
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    is_meta = False
-
-    def read_into(self, dst: torch.Tensor) -> None:
-        from .loaders import read_file_into
-
-        read_file_into(self.path, self.offset, self.nbytes, dst)
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -445,7 +332,7 @@ class Checkpoint:
                 layer.adopt_spec(chk.adopted_spec)
             layer.finish_load(scalars=le.scalars)
         except BaseException as e:
-            layer._load_state = None
+            layer.abort_load()
             if current is not None:  # writing had started: the storage may hold a mix
                 layer.mark_unusable(f"the load of layer {le.index} from {self.root} failed at {current} after "
                                     f"{copied} bytes were written: {type(e).__name__}: {e}")

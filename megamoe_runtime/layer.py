@@ -441,10 +441,17 @@ class DeepGemmMegaMoEExperts(nn.Module):
         pairs and the a2 inputs of THIS load only)."""
         self._load_state = loaders.LoadState(mode=mode)
 
-    def _ensure_load_state(self, mode: str) -> loaders.LoadState:
-        if self._load_state is None:
+    def load_state(self, mode: Optional[str] = None) -> Optional[loaders.LoadState]:
+        """The pending state of the load pass in progress (the loaders' only
+        way to it). With ``mode``, a pass is started if none is (a raw
+        ``weight_loader`` call without `begin_load`, as vLLM makes them)."""
+        if self._load_state is None and mode is not None:
             self._load_state = loaders.LoadState(mode=mode)
         return self._load_state
+
+    def abort_load(self) -> None:
+        """Drop the pending state of a failed load pass (no scalar is finished from it)."""
+        self._load_state = None
 
     def load_stored(self, role: str, tensor: torch.Tensor, *, storage: str = "contiguous",
                     experts: Optional[tuple[int, int]] = None, name: str = "") -> None:
@@ -489,7 +496,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
         st, self._load_state = self._load_state, None
         nv = self.spec.row_spec.weight.has_global_scale
         if st is not None and st.mode == "raw":
-            loaders.finish_raw_load(self, st)
+            a2 = loaders.finish_raw_load(self, st)
+            if a2 is not None:
+                self._write_a2(a2)
         if nv and scalars is not None:
             if "l2_activation_scale" not in scalars:
                 raise ScaleError(f"{self.prefix or 'layer'}: the manifest scalars lack l2_activation_scale "

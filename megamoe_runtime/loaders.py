@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
-from .tensor_bytes import byte_view
-
 from . import layout, scales
 from .errors import CheckpointError, LayoutError, ScaleError
+from .file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
 from .formats import get_row
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,15 +50,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "SHARD_IDS",
     "ExpertWeightRef",
-    "RawLoadReport",
     "parse_expert_weight_name",
     "make_expert_params_mapping",
     "copy_stored",
     "stored_destination",
     "raw_weight_loader",
     "shared_weight_loader",
-    "load_raw_weights",
-    "load_raw_checkpoint",
     "LoadState",
 ]
 
@@ -324,7 +320,7 @@ def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
 
     ``src`` is the stored tensor in stored order: a tensor (CPU/GPU, a
     zero-copy mmap view, or a meta stand-in during a dry run) goes in with
-    exactly one ``copy_``; a `checkpoint.FileSlice` is read from the file
+    exactly one ``copy_``; a `file_io.FileSlice` is read from the file
     straight into the destination (what `Checkpoint.load_layer` does).
     """
     dst = check_stored_source(layer, role, src.dtype, tuple(src.shape), storage=storage, experts=experts, name=name)
@@ -332,197 +328,9 @@ def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
         _copy_into(dst, src)
     else:  # a FileSlice: the file's bytes straight into the destination storage
         src.read_into(dst)
-    st = layer._load_state
+    st = layer.load_state()
     if st is not None and not _is_meta(src):
         st.written += 1
-
-
-# Pinned staging for host -> GPU copies of large mmap-backed sources: pageable
-# H2D copies go through the driver's small bounce buffers at a fraction of the
-# link bandwidth, so large tensors are pushed through two pinned chunks instead
-# (still a plain copy of contiguous bytes; no transform).
-_STAGE_CHUNK = 64 << 20
-_STAGE_MIN = 8 << 20
-_stager: dict[Any, Any] = {}
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if (dst.is_cuda and src.device.type == "cpu" and not src.is_pinned()
-            and dst.is_contiguous() and src.is_contiguous()
-            and src.numel() * src.element_size() >= _STAGE_MIN):
-        _staged_h2d(dst, src)
-    else:
-        dst.copy_(src)
-
-
-def _pinned(device: torch.device) -> tuple[list[torch.Tensor], list[Any]]:
-    st = _stager.get(device)
-    if st is None:
-        bufs = [torch.empty(_STAGE_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        events = [torch.cuda.Event(), torch.cuda.Event()]
-        st = _stager[device] = (bufs, events)
-    return st
-
-
-#: parallel file reads: page-cache -> memory copies run on one core per read() call, so a
-#: single reader tops out far below the memory / PCIe bandwidth; large tensors are split
-#: into chunks read concurrently (positional reads release the GIL).
-_READ_CHUNK = 16 << 20
-_READ_MIN_PARALLEL = 32 << 20
-_read_pool: Any = None
-_worker_staging: dict[tuple, tuple] = {}
-
-
-def read_workers() -> int:
-    """Reader threads for large tensors (``MEGAMOE_LOAD_THREADS`` overrides)."""
-    import os
-
-    env = os.environ.get("MEGAMOE_LOAD_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-def _pool() -> Any:
-    global _read_pool
-    if _read_pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _read_pool = ThreadPoolExecutor(max_workers=read_workers(), thread_name_prefix="megamoe-load")
-    return _read_pool
-
-
-def _pread_exact(fd: int, mv: memoryview, offset: int, path: Any) -> None:
-    import os
-
-    got, n = 0, len(mv)
-    while got < n:
-        k = os.preadv(fd, [mv[got:]], offset + got)
-        if k <= 0:
-            raise CheckpointError(f"{path}: truncated: {n - got} bytes missing at offset {offset + got}")
-        got += k
-
-
-def _cpu_chunks(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any) -> None:
-    mv = byte_view(flat)
-    workers = read_workers()
-    if nbytes < _READ_MIN_PARALLEL or workers == 1:
-        _pread_exact(fd, mv, offset, path)
-        return
-    step = max(_READ_CHUNK, -(-nbytes // (4 * workers)) // 4096 * 4096)
-    futs = [_pool().submit(_pread_exact, fd, mv[a:min(a + step, nbytes)], offset + a, path)
-            for a in range(0, nbytes, step)]
-    for f in futs:
-        f.result()
-
-
-class _SharedChunks:
-    """A thread-safe iterator over (begin, end) chunks, shared by the reader threads."""
-
-    def __init__(self, chunks: list[tuple[int, int]]):
-        import threading
-
-        self._chunks, self._i, self._lock = chunks, 0, threading.Lock()
-
-    def __iter__(self) -> "_SharedChunks":
-        return self
-
-    def __next__(self) -> tuple[int, int]:
-        with self._lock:
-            if self._i >= len(self._chunks):
-                raise StopIteration
-            self._i += 1
-            return self._chunks[self._i - 1]
-
-
-def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: Iterable[tuple[int, int]], slot: int,
-                path: Any) -> None:
-    """One reader: its own two pinned chunks and stream; reads overlap its H2D copies.
-    `spans` may be shared with the other readers (each takes the next chunk when free)."""
-    key = (flat.device, slot)
-    st = _worker_staging.get(key)
-    if st is None:
-        bufs = [torch.empty(_READ_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        st = _worker_staging[key] = (bufs, [torch.cuda.Event(), torch.cuda.Event()],
-                                     torch.cuda.Stream(device=flat.device))
-    bufs, events, stream = st
-    used = [False, False]
-    i = 0
-    for a, b in spans:
-        for c in range(a, b, _READ_CHUNK):
-            m = min(_READ_CHUNK, b - c)
-            j = i % 2
-            if used[j]:
-                events[j].synchronize()  # the GPU finished reading this pinned chunk
-            _pread_exact(fd, byte_view(bufs[j])[:m], offset + c, path)
-            with torch.cuda.stream(stream):
-                flat[c:c + m].copy_(bufs[j][:m], non_blocking=True)
-                events[j].record(stream)
-            used[j] = True
-            i += 1
-    for j in range(2):
-        if used[j]:
-            events[j].synchronize()
-
-
-def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> None:
-    """Read ``nbytes`` at ``offset`` of ``path`` into the contiguous ``dst``.
-
-    CPU: positional reads straight into the tensor's own memory (the bytes
-    land in the parameter; nothing in between), split over reader threads for
-    large tensors. CUDA: each reader thread alternates two pinned 16 MiB chunks
-    and issues ``non_blocking`` copies on its own stream, so page-cache / disk
-    reads overlap the transfers; all copies are complete when this returns.
-    """
-    import os
-
-    if not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes:
-        raise LayoutError(f"{path}: cannot read {nbytes} bytes into a destination of {list(dst.shape)} "
-                          f"{dst.dtype} (contiguous={dst.is_contiguous()})")
-    if nbytes == 0:
-        return
-    flat = dst.detach().reshape(-1).view(torch.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if flat.device.type == "cpu":
-            _cpu_chunks(fd, flat, offset, nbytes, path)
-            return
-        # the destination may still be in use by work queued on the current stream
-        torch.cuda.current_stream(flat.device).synchronize()
-        chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
-        workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
-        if workers == 1:
-            _gpu_worker(fd, flat, offset, chunks, 0, path)
-        else:
-            # one shared queue of 16 MiB chunks: a reader takes the next one as soon as its
-            # pinned buffer is free, so no reader idles while another still has two spans to do
-            shared = _SharedChunks(chunks)
-            futs = [_pool().submit(_gpu_worker, fd, flat, offset, shared, w, path) for w in range(workers)]
-            for f in futs:
-                f.result()
-    finally:
-        os.close(fd)
-
-
-def _staged_h2d(dst: torch.Tensor, src: torch.Tensor) -> None:
-    bufs, events = _pinned(dst.device)
-    s = src.reshape(-1).view(torch.uint8)
-    d = dst.reshape(-1).view(torch.uint8)
-    n = s.numel()
-    stream = torch.cuda.current_stream(dst.device)
-    used = [False, False]
-    for i, off in enumerate(range(0, n, _STAGE_CHUNK)):
-        j = i % 2
-        m = min(_STAGE_CHUNK, n - off)
-        if used[j]:
-            events[j].synchronize()  # the GPU finished reading this pinned chunk
-        bufs[j][:m].copy_(s[off:off + m])
-        d[off:off + m].copy_(bufs[j][:m], non_blocking=True)
-        events[j].record(stream)
-        used[j] = True
-    for j in range(2):
-        if used[j]:
-            events[j].synchronize()
 
 
 # --------------------------------------------------------------------------- raw (vLLM style)
@@ -592,7 +400,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
     row = spec.row_spec
     meta = _is_meta(loaded_weight)
     # A meta source is a dry run: record the write only, keep no host-side state.
-    st = None if meta else layer._ensure_load_state("raw")
+    st = None if meta else layer.load_state("raw")
     loc = spec.local_experts
     local = loc.start <= expert_id < loc.stop
     e = expert_id - loc.start
@@ -714,17 +522,18 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
         else:
             layout.write_l1_scale(dst, src, _HALF[shard_id], where=where)
     if not _is_meta(loaded_weight):
-        layer._ensure_load_state("raw").written += 1
+        layer.load_state("raw").written += 1
     return True
 
 
-def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> None:
-    """End of a raw load: every NVFP4 pair complete, a2 from ALL experts."""
+def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> Optional[float]:
+    """End of a raw load: every NVFP4 pair complete; returns a2 from ALL
+    experts for the layer to write (None: nothing to write)."""
     spec = layer.spec
     if not spec.row_spec.has_alphas:
-        return
+        return None
     if st.written == 0 and not st.a2_inputs:
-        return  # nothing loaded in this pass (e.g. a dry run): leave state alone
+        return None  # nothing loaded in this pass (e.g. a dry run): leave state alone
     loc = spec.local_experts
     missing_pair = [e for e in loc if len(st.ws2.get(e, {})) != 2]
     missing_w2 = [e for e in loc if e not in st.w2_global]
@@ -743,123 +552,21 @@ def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> None:
         raise ScaleError(_where(layer, "raw NVFP4 load incomplete: " + "; ".join(problems)))
     a2 = scales.global_l2_activation_scale(st.a2_inputs.values())
     _check_scale_value(a2, _where(layer, "global L2 activation scale a2"))
-    layer._write_a2(a2)  # finish_load refreshes the derived scalars once
+    return a2  # finish_load writes it and refreshes the derived scalars once
 
 
 def _short(ids: list[int]) -> str:
     return str(ids[:8])[:-1] + (", ...]" if len(ids) > 8 else "]")
 
 
-# --------------------------------------------------------------------------- drivers
+#: the model-level drivers moved to `megamoe_runtime.raw_load` (they import the layer, which imports
+#: this module); the old names still resolve here, lazily
+_MOVED = {"RawLoadReport", "load_raw_weights", "load_raw_checkpoint"}
 
 
-@dataclass
-class RawLoadReport:
-    """What a raw load consumed: names written, skipped (other ranks' experts),
-    not for any layer given, and not understood."""
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from . import raw_load
 
-    written: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    unused: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
-
-
-def _layers_by_prefix(layer_or_model: torch.nn.Module) -> dict[str, "DeepGemmMegaMoEExperts"]:
-    from .layer import DeepGemmMegaMoEExperts
-
-    out: dict[str, DeepGemmMegaMoEExperts] = {}
-    for name, mod in layer_or_model.named_modules():
-        if isinstance(mod, DeepGemmMegaMoEExperts):
-            key = mod.prefix or name
-            if key in out:
-                raise CheckpointError(f"two MegaMoE layers share the prefix {key!r}; give each a distinct prefix")
-            out[key] = mod
-    if not out:
-        raise CheckpointError("no DeepGemmMegaMoEExperts layer found in the given module")
-    return out
-
-
-def load_raw_weights(layer_or_model: torch.nn.Module,
-                     weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> RawLoadReport:
-    """Drive the raw loaders over ``(name, tensor)`` pairs, vLLM style, and
-    finish the load (NVFP4 pairs complete, a2 computed, derived scalars
-    refreshed). Names are routed to layers by their MoE prefix
-    (``layer.prefix``). With ``strict`` an expert tensor no layer can use
-    raises; otherwise it is reported in ``unknown``."""
-    layers = _layers_by_prefix(layer_or_model)
-    rep = RawLoadReport()
-    for lyr in layers.values():
-        lyr.begin_load("raw")
-    try:
-        for name, tensor in weights:
-            ref = parse_expert_weight_name(name)
-            if ref is None:
-                rep.unused.append(name)
-                continue
-            lyr = layers.get(ref.prefix)
-            if lyr is None:
-                rep.unused.append(name)
-                continue
-            if ref.unsupported:
-                if strict:
-                    raise CheckpointError(f"{name}: {ref.unsupported}")
-                rep.unknown.append(name)
-                continue
-            if ref.shared:
-                if lyr.param_for_role(f"shared_{'l2' if ref.shard_id == 'w2' else 'l1'}_weight") is None:
-                    rep.unused.append(name)
-                    continue
-                lyr.shared_weight_loader(None, tensor, name, ref.shard_id)
-                rep.written.append(name)
-                continue
-            ok = lyr.weight_loader(None, tensor, name, ref.shard_id, ref.expert_id)
-            (rep.written if ok else rep.skipped).append(name)
-    except BaseException:
-        for lyr in layers.values():
-            lyr._load_state = None
-        raise
-    for lyr in layers.values():
-        lyr.finish_load()
-    return rep
-
-
-def iter_named(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a dict in sorted order (a deterministic feed)."""
-    for k in sorted(tensors):
-        yield k, tensors[k]
-
-
-def load_raw_checkpoint(layer_or_model: torch.nn.Module, checkpoint_dir: Any, *, strict: bool = True) -> RawLoadReport:
-    """Raw-load every MegaMoE layer in ``layer_or_model`` from an unconverted
-    checkpoint folder (``*.safetensors``, sharded or not), vLLM style.
-
-    Each file is mmap'ed; an expert tensor is read only if this rank needs it
-    (its expert is local, or it is a w2 input scale: every rank reads all of
-    those so a2 agrees). Tensors arrive in file order, which is any order as
-    far as the loaders care.
-    """
-    from pathlib import Path
-
-    from .checkpoint import SafetensorsFile
-
-    root = Path(checkpoint_dir)
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{root}: no *.safetensors files")
-    layers = _layers_by_prefix(layer_or_model)
-
-    def feed() -> Iterator[tuple[str, torch.Tensor]]:
-        for path in files:
-            with SafetensorsFile(path) as f:
-                for name in f.keys():
-                    ref = parse_expert_weight_name(name)
-                    if ref is None or ref.prefix not in layers:
-                        continue
-                    lyr = layers[ref.prefix]
-                    if (ref.expert_id is not None and ref.kind != "input_scale"
-                            and ref.expert_id not in lyr.spec.local_experts):
-                        yield name, f.meta(name)  # skipped by the loader without reading data
-                        continue
-                    yield name, f.tensor(name)
-
-    return load_raw_weights(layer_or_model, feed(), strict=strict)
+        return getattr(raw_load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

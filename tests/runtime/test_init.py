@@ -42,3 +42,23 @@ def test_import_stays_cheap():
             "print(sorted(m for m in ('triton', 'deep_gemm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_no_import_cycle_between_checkpoint_layer_and_loaders():
+    """checkpoint -> layer -> loaders -> file_io only: no module imports one above it, even lazily."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(mr.__file__).parent
+    below = {"checkpoint": {"layer", "loaders", "file_io"}, "layer": {"loaders", "file_io"},
+             "loaders": {"file_io"}, "file_io": set()}
+    for mod, allowed_below in below.items():
+        tree = ast.parse((pkg / f"{mod}.py").read_text())
+        typing_only = {id(n) for blk in ast.walk(tree) if isinstance(blk, ast.If)
+                       and getattr(blk.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(blk)}
+        imported = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.level == 1 and id(n) not in typing_only:
+                imported |= {n.module.split(".")[0]} if n.module else {a.name for a in n.names}
+        above = (set(below) - allowed_below - {mod}) & imported
+        assert above == set(), f"{mod} imports {sorted(above)}, which sit above it"

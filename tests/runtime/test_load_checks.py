@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megamoe_runtime as mr
-from megamoe_runtime import loaders
+from megamoe_runtime import file_io
 from megamoe_runtime.errors import CheckpointError, LayerUnusableError, LoadCheckError, ManifestError
 from megamoe_runtime.manifest import MANIFEST_NAME, with_self_digest
 
@@ -82,7 +82,7 @@ def test_a_read_failing_midway_marks_the_layer_unusable_until_a_load_succeeds(ck
     last.write_bytes(good)
 
     calls = {"n": 0}
-    real = loaders.read_file_into
+    real = file_io.read_file_into
 
     def flaky(path, offset, nbytes, dst):
         calls["n"] += 1
@@ -91,12 +91,12 @@ def test_a_read_failing_midway_marks_the_layer_unusable_until_a_load_succeeds(ck
         return real(path, offset, nbytes, dst)
 
     layer2 = mr.open_checkpoint(out_a).build_layer(0, backend="reference")
-    monkeypatch.setattr(loaders, "read_file_into", flaky)
+    monkeypatch.setattr(file_io, "read_file_into", flaky)
     with pytest.raises(LayerUnusableError, match="Input/output error"):
         mr.open_checkpoint(out_b).load_layer(layer2)
     with pytest.raises(LayerUnusableError, match="model.layers.0.mlp.* failed at"):
         layer2(x, w, ids)
-    monkeypatch.setattr(loaders, "read_file_into", real)
+    monkeypatch.setattr(file_io, "read_file_into", real)
     for lay in (layer, layer2):
         mr.open_checkpoint(out_b).load_layer(lay)
         assert lay.unusable_reason is None

@@ -14,8 +14,8 @@ import megamoe_runtime as mr
 from megamoe_runtime.checkpoint import FileSlice, SafetensorsFile
 from megamoe_runtime.errors import CheckpointError, LayoutError, ScaleError
 from megamoe_runtime.layer import DeepGemmMegaMoEExperts
-from megamoe_runtime.loaders import (load_raw_checkpoint, load_raw_weights, make_expert_params_mapping,
-                                     parse_expert_weight_name)
+from megamoe_runtime.loaders import make_expert_params_mapping, parse_expert_weight_name
+from megamoe_runtime.raw_load import load_raw_checkpoint, load_raw_weights
 
 
 def _raw_layer(ckpt: mr.Checkpoint, index: int, ep_rank: int = 0, ep_size: int = 1) -> DeepGemmMegaMoEExperts:
@@ -229,7 +229,7 @@ def test_parse_names_and_loader_argument_errors(ckpts):
 def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
     """Large stored tensors are read by several threads (CPU: straight into the
     parameter; CUDA: per-thread pinned chunks and streams): every byte lands once."""
-    import megamoe_runtime.loaders as L
+    import megamoe_runtime.file_io as L
 
     monkeypatch.setattr(L, "_READ_CHUNK", 3 * 4096)
     monkeypatch.setattr(L, "_READ_MIN_PARALLEL", 8192)

@@ -214,7 +214,7 @@ def test_raw_dry_run_skips_host_scale_state(ckpts):
     rep = mr.verify_reload(layer, src)
     assert rep.ok, rep.summary()
     assert rep.params["model.layers.0.mlp.l1_alpha"].writes == 16
-    assert layer._load_state is None and float(layer.l2_activation_scale) == a2
+    assert layer.load_state() is None and float(layer.l2_activation_scale) == a2
 
 
 def test_dry_run_checkpoint_uses_meta_layers_per_rank(ckpts, tmp_path):
