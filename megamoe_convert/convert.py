@@ -74,6 +74,8 @@ from megamoe_runtime.manifest import (
 )
 from megamoe_runtime.tensor_bytes import byte_view
 
+from .writer import tensor_bytes
+
 from . import checks
 from .readers import detect_reader
 from .readers.recipe import manifest_record
@@ -219,6 +221,34 @@ def _rank_roles(row: Row, E_l: int, H: int, I: int, shared: "checks.SharedSpec |
         skt = layout.allocate_kernel_tensors(shared.precision, None, H, shared.folded_intermediate, device="meta")
         roles += [(f"shared_{r}", t) for r, t in skt.named().items()]
     return sorted(roles, key=lambda rt: (-rt[1].element_size(), rt[0]))
+
+
+class SourceChangedError(OutputError):
+    """--resume of a run whose source changed since it was interrupted."""
+
+
+def _source_identity(source: CheckpointSource) -> dict[str, list[int]]:
+    """name -> [size, mtime_ns] of every source file the conversion reads (weights and
+    copied files), journaled at the start so --resume can name a changed file."""
+    out = {}
+    for p in [*source.files(), *source.extra_files()]:
+        st = p.stat()
+        out[str(p.relative_to(source.root))] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _identity_changes(before: dict | None, now: dict[str, list[int]]) -> list[str]:
+    if not isinstance(before, dict):
+        return []  # a journal from before identities were recorded: the byte check below still runs
+    changes = []
+    for name in sorted(set(before) | set(now)):
+        a, b = before.get(name), now.get(name)
+        if a is None or b is None:
+            changes.append(f"{name} {'appeared' if a is None else 'is gone'}")
+        elif list(a) != list(b):
+            what = "size" if a[0] != b[0] else "mtime"
+            changes.append(f"{name}: {what} {a[0] if what == 'size' else a[1]} -> {b[0] if what == 'size' else b[1]}")
+    return changes
 
 
 def _fingerprint(parts: dict) -> str:
@@ -645,6 +675,8 @@ class _Run:
         self.tmp = tmp
         self.checksum = checksum
         self.on_step = on_step
+        self.check_done = False  # resume: re-derive the finished files' tensors and compare (`check`)
+        self.checked = 0
         self.journal = journal
         self.slots_by_file = slots_by_file
         self.done_files = done_files  # name -> journal record (size, sha256, digest, tensors)
@@ -655,7 +687,9 @@ class _Run:
         self.progress = progress
         self._buffers: dict = {}
         self._turn = 0  # which buffer set the next layer packs into
-        self._queued: list[tuple[_Slot, object, int]] = []  # (slot, pending digest, buffer set or -1)
+        # (slot, pending digest, buffer set or -1, is a resume check rather than a write)
+        self._queued: list[tuple[_Slot, object, int, bool]] = []
+        self._check_pool = None
         self._side = None
 
     def advance(self, n: int) -> None:
@@ -696,7 +730,32 @@ class _Run:
         if tuple(tensor.stride()) != slot.kernel_strides:
             raise MegaMoEError(f"{slot.key}: kernel tensor strides {list(tensor.stride())} do not match the plan "
                                f"{list(slot.kernel_strides)} ({slot.storage})")
-        self._queued.append((slot, self.writer(slot.file).write_async(slot.planned.name, stored), buffer_set))
+        self._queued.append((slot, self.writer(slot.file).write_async(slot.planned.name, stored), buffer_set,
+                             False))
+
+    def check(self, slot: _Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
+        """On resume: the tensor re-derived from the current source must be the
+        one the interrupted run wrote into its finished file (journal checksum).
+        Hashed on a background thread like a write; compared in `settle`."""
+        stored, _ = to_stored(tensor, slot.storage)
+        if self._check_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-check")
+        data, alg = tensor_bytes(stored), self.checksum
+        self._queued.append((slot, self._check_pool.submit(lambda: digests.digest_bytes(alg, data).hex()),
+                             buffer_set, True))
+
+    def check_bytes(self, slot: _Slot, got: str) -> None:
+        want = self.done_files[slot.file]["tensors"][slot.key].get(self.checksum)
+        if got != want:
+            where = f"layer {slot.layer} " if slot.layer is not None else ""
+            raise SourceChangedError(
+                f"--resume refused: the source changed since the interrupted run: {where}tensor {slot.key!r} of "
+                f"the finished file {slot.file} would now be {self.checksum} {got[:16]}..., the interrupted run "
+                f"wrote {str(want)[:16]}... (same sizes and mtimes, different bytes); the output would mix old and "
+                f"new source bytes. Pass --overwrite to discard {self.tmp} and convert again")
+        self.checked += 1
 
     def settle(self, buffer_set: int | None = None) -> None:
         """Record finished tensors in queue order: all of them (`buffer_set`
@@ -710,8 +769,11 @@ class _Run:
         while i < len(self._queued) and (i < upto or self._queued[i][1].done()):
             i += 1
         done, self._queued = self._queued[:i], self._queued[i:]
-        for slot, digest, _ in done:
-            self.finish_tensor(slot, digest.result())
+        for slot, digest, _, is_check in done:
+            if is_check:
+                self.check_bytes(slot, digest.result())
+            else:
+                self.finish_tensor(slot, digest.result())
 
     def buffers(self, row: Row, E_l: int, H: int, I: int
                 ) -> tuple[int, tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]]:
@@ -751,6 +813,12 @@ class _Run:
         self.close_side_pool()
         for w in self.writers.values():
             w.abort()
+        self.close()
+
+    def close(self) -> None:
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=True)
+            self._check_pool = None
 
 
 def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
@@ -761,8 +829,15 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
     resumed = 0
+    identity = _source_identity(source)
     if resuming:
         fp, jfiles, layer_records = journal.load()
+        changed = _identity_changes((journal.run_record or {}).get("sources"), identity)
+        if changed:
+            raise SourceChangedError(
+                f"--resume refused: the source changed since the interrupted run ({'; '.join(changed[:3])}"
+                f"{f'; {len(changed) - 3} more' if len(changed) > 3 else ''}); the output would mix old and new "
+                f"source bytes. Pass --overwrite to discard {tmp} and convert again")
         if fp != fingerprint:
             raise OutputError(
                 f"{tmp} holds an interrupted conversion of different inputs or options (run fingerprint "
@@ -780,14 +855,16 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
             else:
                 log(f"resume: {name} failed its checksum re-check; rewriting it")
         resumed = len(done_files)
-        log(f"resume: keeping {resumed} finished file(s), redoing the rest")
+        log(f"resume: keeping {resumed} finished file(s) once their tensors are re-derived from the source "
+            "and match, redoing the rest")
     else:
-        journal.start(fingerprint)
+        journal.start(fingerprint, sources=identity)
 
     passthrough_bytes = sum(s.planned.nbytes for slots in slots_by_file.values() for s in slots
                             if s.role == PASSTHROUGH_ROLE)
     total = sum(lp.source_bytes for lp in plans) + passthrough_bytes
     run = _Run(tmp, journal, slots_by_file, done_files, total, progress, on_step, checksum)
+    run.check_done = resuming
     repaired = 0
     layer_entries = []
     try:
@@ -800,6 +877,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         run.close_side_pool()
         run.settle()
         _copy_passthrough(source, run)
+        run.close()
     except BaseException:
         run.abort()
         raise
@@ -820,7 +898,10 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
     if missing:  # pragma: no cover - every planned file is written above
         raise MegaMoEError(f"internal error: files {missing} were planned but not written")
 
-    for p in source.extra_files():
+    extra = source.extra_files()
+    for w in source.warnings:
+        log(f"warning: {w}")
+    for p in extra:
         dst = tmp / p.name
         if p.name == "config.json":
             write_bytes_atomic(dst, json_bytes(_annotated_config(source.config, row)))
@@ -854,7 +935,7 @@ def _run(source, reader, row: Row, facts, plans: list[_LayerPlan],
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
         bytes_out=sum(f.size for f in file_entries.values()) + (out / "megamoe.json").stat().st_size,
         seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed,
-        shared=_shared_decisions(plans), recipe=recipe)
+        warnings=list(source.warnings), shared=_shared_decisions(plans), recipe=recipe)
 
 
 def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, journaled: dict | None,
@@ -863,7 +944,7 @@ def _convert_layer(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, jo
     and return its record (repairs, shared conversion), journaled once."""
     info = lp.info
     E_l = lp.spec.experts_per_rank
-    needed = [r for r in range(ep_size) if any(run.needed(s) for s in lp.slots.get(r, []))]
+    needed = [r for r in range(ep_size) if any(run.needed(s) or run.check_done for s in lp.slots.get(r, []))]
     if not needed and journaled is not None:
         run.advance(lp.source_bytes)
         return {"repairs": journaled["repairs"], "shared": journaled["shared"]}
@@ -905,7 +986,8 @@ def _prepare_shared(reader, lp: _LayerPlan, run: _Run, needed: list[int], where:
                                                                             reader.source))
     converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
     shared_kt = None
-    if any(run.needed(s) for r in needed for s in lp.slots.get(r, []) if s.role.startswith("shared_")):
+    if any(run.needed(s) or run.check_done for r in needed for s in lp.slots.get(r, [])
+           if s.role.startswith("shared_")):
         shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
     return shared_kt, shared_rec
 
@@ -958,6 +1040,8 @@ def _convert_routed(reader, row: Row, lp: _LayerPlan, ep_size: int, run: _Run, l
         for slot in lp.slots.get(r, []):
             if run.needed(slot):
                 run.write(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
+            elif run.check_done:
+                run.check(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
         del tensors
     if shared_fut is not None:  # no rank wrote anything this time (all finished earlier)
         shared_kt, shared_rec = shared_fut.result()
@@ -1028,7 +1112,15 @@ def _copy_passthrough(source: CheckpointSource, run: _Run) -> None:
         if not slots or slots[0].role != PASSTHROUGH_ROLE:
             continue
         if fname in run.done_files:
-            run.advance(sum(s.planned.nbytes for s in slots))
+            if not run.check_done:
+                run.advance(sum(s.planned.nbytes for s in slots))
+                continue
+            for slot in slots:  # resume: the finished file's bytes must still be the source's
+                path, pos, n = source.tensor_data_range(slot.planned.name)
+                h = digests.new_hasher(run.checksum)
+                for chunk in copy_source_bytes(path, pos, n, run.advance):
+                    h.update(chunk)
+                run.check_bytes(slot, h.hexdigest())
             continue
         for slot in slots:
             th = source.tensor_header(slot.planned.name)
@@ -1142,7 +1234,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                        if row.weight.has_global_scale else None),
             "ep_size": ep_size, "estimated_expert_bytes": expert_bytes, "passthrough_bytes": pt_bytes,
             "estimated_output_bytes": expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
-            "problems": problems,
+            "problems": problems, "warnings": list(source.warnings),
         }
     finally:
         source.close()

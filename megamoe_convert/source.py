@@ -103,6 +103,8 @@ class CheckpointSource:
             raise CheckpointError(f"{self.id}: {self.root} is not a folder")
         #: every file the source reads must resolve inside this folder (see `containment_base`)
         self.base = containment_base(self.root)
+        #: things the caller should tell the user (e.g. an extra file skipped for lying outside the source)
+        self.warnings: list[str] = []
         self.config: dict[str, Any] = self._read_json("config.json") or {}
         hf_quant = self._read_json("hf_quant_config.json")
         self.hf_quant_config: dict[str, Any] | None = hf_quant
@@ -127,6 +129,7 @@ class CheckpointSource:
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointError(f"{self.root / INDEX_NAME}: no 'weight_map' (tensor -> file) in the index")
+            check_shard_names(list(wm.values()), str(self.root / INDEX_NAME))
             files = sorted(set(wm.values()))
             missing = [f for f in files if not (self.root / f).is_file()]
             if missing:
@@ -135,6 +138,7 @@ class CheckpointSource:
                     + (" (incomplete download?)" if self.kind == "hub" else "")
                 )
             for f in files:
+                self._check_inside(self.root / f)
                 self._headers[self.root / f] = read_safetensors_header(self.root / f)
             for name, f in wm.items():
                 path = self.root / f
@@ -158,6 +162,7 @@ class CheckpointSource:
                 + (" (the snapshot may be incomplete)" if self.kind == "hub" else "")
             )
         for path in files:
+            self._check_inside(path)
             fh = read_safetensors_header(path)
             self._headers[path] = fh
             for name in fh.tensors:
@@ -167,6 +172,18 @@ class CheckpointSource:
                         f"{INDEX_NAME} saying which to use"
                     )
                 self._weight_map[name] = path
+
+    def _inside(self, path: Path) -> bool:
+        real = Path(os.path.realpath(path))
+        return real == self.base or self.base in real.parents
+
+    def _check_inside(self, path: Path) -> None:
+        """A weight file must resolve inside the source (`containment_base`): a
+        symlink to a file elsewhere is refused, for local sources as for hub ones."""
+        if not self._inside(path):
+            raise CheckpointError(
+                f"{path} resolves to {os.path.realpath(path)}, outside the source folder {self.base}; weight files "
+                "must lie inside the checkpoint folder (copy the file in instead of linking to it)")
 
     def roots(self) -> list[Path]:
         """The folders this source reads from (resolved): its root and, for a
@@ -336,6 +353,14 @@ class CheckpointSource:
             if not p.is_file() or p.name.startswith("."):
                 continue
             if p.name in _NOT_EXTRA or p.name.endswith(_WEIGHT_SUFFIXES):
+                continue
+            if not self._inside(p):
+                # skipped, not refused: a tokenizer or README linked from elsewhere is not needed to
+                # convert, and copying it would put bytes from outside the source into OUT
+                msg = (f"{p.name} is a symlink to {os.path.realpath(p)}, outside the source folder {self.base}: "
+                       "not copied into the output (copy the file into the source to include it)")
+                if msg not in self.warnings:
+                    self.warnings.append(msg)
                 continue
             out.append(p)
         return out
@@ -594,10 +619,21 @@ def _index_shards(index: Path, where: str) -> list[str] | None:
     data = read_json(index, error=CheckpointError)
     try:
         weight_map = data["weight_map"]
-        shards = sorted(set(weight_map.values()))
+        shards = sorted(set(weight_map.values()), key=str)
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where}: {INDEX_NAME} is not a valid index (no weight_map of names to files: {e})")
-    bad = [f for f in shards if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".")]
-    if bad:
-        raise CheckpointError(f"{where}: {INDEX_NAME} names shard files outside the repo root: {bad[:3]}")
+    check_shard_names(shards, f"{where}: {INDEX_NAME}")
     return shards
+
+
+def check_shard_names(names: list, where: str) -> None:
+    """Index entries must be plain file names in the checkpoint's root: no
+    folder part, no ``..``, no absolute path, no hidden file (hub and local
+    sources alike). CheckpointError naming the offending entries."""
+    bad = sorted({repr(f) for f in names if not isinstance(f, str) or not f or "/" in f or "\\" in f
+                  or f.startswith(".") or os.path.isabs(f)})
+    if bad:
+        raise CheckpointError(f"{where} names shard files outside the checkpoint folder: {', '.join(bad[:3])}"
+                              + (f" ... ({len(bad) - 3} more)" if len(bad) > 3 else "")
+                              + "; index entries must be file names in the folder itself")
+

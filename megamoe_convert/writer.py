@@ -533,16 +533,20 @@ class Journal:
 
     Records: the run fingerprint (first line), each finished file (name, size,
     sha256, its tensors' manifest entries) and each finished layer (scalars,
-    repairs). A torn last line from a kill is ignored. On resume, finished
-    files are re-hashed and kept only if they still match.
+    repairs), and last ``complete`` once everything is synced. A torn last
+    line from a kill is ignored. On resume, finished files are re-hashed and
+    kept only if they still match, and their tensors are re-derived from the
+    source and compared (``convert._Run.check``).
     """
 
     def __init__(self, tmp: Path):
         self.path = Path(tmp) / JOURNAL_NAME
+        self.run_record: dict | None = None  # the first record, once `load` has run
 
-    def start(self, fingerprint: str) -> None:
+    def start(self, fingerprint: str, sources: dict | None = None) -> None:
+        """First record: the run fingerprint and (``sources``) each source file's [size, mtime_ns]."""
         self.path.write_text("")
-        self._append({"kind": "run", "fingerprint": fingerprint})
+        self._append({"kind": "run", "fingerprint": fingerprint, **({"sources": sources} if sources else {})})
 
     def load(self) -> tuple[str | None, dict[str, dict], dict[int, dict]]:
         fingerprint, files, layers = None, {}, {}
@@ -554,6 +558,7 @@ class Journal:
             kind = rec.get("kind")
             if kind == "run":
                 fingerprint = rec.get("fingerprint")
+                self.run_record = rec
             elif kind == "file":
                 files[rec["name"]] = rec
             elif kind == "layer":

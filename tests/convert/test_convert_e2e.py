@@ -596,3 +596,88 @@ def test_direct_weight_reads_keep_weight_value_checks(tmp_path, monkeypatch):
     with pytest.raises(ScaleError, match="zero while their block has nonzero elements"):
         convert(src, tmp_path / "out")
     assert calls  # the direct path ran (layer 0), and layer 1 expert 0's check still saw the weights
+
+
+class _Stop(BaseException):
+    """A planted stop (not an Exception: nothing catches it on the way out)."""
+
+
+def _stop_after(n: int):
+    seen = [0]
+
+    def on_step(name):
+        if name == "tensor":
+            seen[0] += 1
+            if seen[0] >= n:
+                raise _Stop(name)
+    return on_step
+
+
+def _byte_outside_samples(source, name: str) -> tuple[Path, int]:
+    """An absolute offset inside tensor `name`'s data that no content_hash sample window covers."""
+    from megamoe_convert.source import _SAMPLE_BYTES, _SAMPLES
+
+    path, pos, n = source.tensor_data_range(name)
+    fh = source.file_header(path)
+    data0 = 8 + fh.header_len
+    windows = [(data0 + (fh.file_size - data0) * i // _SAMPLES,) for i in range(_SAMPLES)]
+    for off in range(pos + n // 2, pos + n):
+        if all(not (w <= off < w + _SAMPLE_BYTES) for (w,) in windows):
+            return path, off
+    raise AssertionError("no byte outside the sample windows")  # pragma: no cover
+
+
+@pytest.mark.parametrize("what", ["expert", "passthrough"])
+def test_resume_refuses_a_changed_source(tmp_path, what):
+    """One source byte changed while the run was interrupted: outside every
+    content_hash sample window, same size, mtime put back with os.utime. The
+    tensors of the finished files are re-derived from the source on resume
+    and compared with what was written: refused, naming the tensor and file;
+    the temp folder is kept. Negative control: put the byte back and the same
+    resume completes to the reference bytes."""
+    from megamoe_convert.convert import SourceChangedError
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    args = dict(max_shard_size="60KB")
+    convert(src, ref, **args)
+    m = read_manifest(ref)
+    # stop once the first expert file (layer 0) is finished, or for pass-through, at the last tensor
+    n = len(m.tensors) - 1 if what == "passthrough" else 9
+    with pytest.raises(_Stop):
+        convert(src, out, on_step=_stop_after(n), **args)
+    tmp = temp_dir_for(out)
+    journal = [json.loads(line) for line in (tmp / "megamoe-journal.jsonl").read_text().splitlines()]
+    done = {t["name"] for j in journal if j["kind"] == "file" for t in j["tensors"].values()}
+    source = open_source(src)
+    if what == "expert":
+        name = "model.layers.0.mlp.experts.1.down_proj.weight"
+        assert "model.layers.0.mlp.megamoe.l2_weight" in done
+    else:
+        name = next(t for t in sorted(done) if "megamoe" not in t and "embed" in t)
+    path, off = _byte_outside_samples(source, name)
+    fingerprint_before = source.content_hash()
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(off)
+        orig = f.read(1)
+        f.seek(off)
+        f.write(bytes([orig[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert open_source(src).content_hash() == fingerprint_before  # the sampled identity cannot see it
+    with pytest.raises(SourceChangedError, match=rf"tensor .* of the finished file .* would now be sha256 .*"
+                                                 rf"the interrupted run wrote .*Pass --overwrite"):
+        convert(src, out, resume=True, **args)
+    assert tmp.is_dir() and not out.exists()
+    r = run_cli("convert", src, out, "--max-shard-size", "60KB", "--resume")
+    assert r.exit_code == 2 and "--resume refused: the source changed" in r.stderr
+    # the mtime not put back: the journaled identity names the file at once
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(orig)
+    with pytest.raises(SourceChangedError, match=rf"{path.name}: mtime {st.st_mtime_ns} -> "):
+        convert(src, out, resume=True, **args)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    s = convert(src, out, resume=True, **args)  # the byte back: resumes
+    assert s.resumed_files > 0 and tree_bytes(out) == tree_bytes(ref)

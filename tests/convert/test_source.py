@@ -464,3 +464,77 @@ def test_hub_fetches_only_the_shards_the_index_names(tmp_path, monkeypatch, synt
     assert calls[1] == sorted(set(shards))
     assert sorted(p.name for p in snap.glob("*.safetensors")) == sorted(set(shards))
     s.close()
+
+
+# ------------------------------------------------------------------ containment (local sources, like hub ones)
+
+
+def _sharded(make_ckpt) -> tuple[Path, dict]:
+    src = make_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2,
+                    max_shard_bytes=200_000)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    return src, index
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "ABS", "sub/x.safetensors", ".hidden.safetensors"])
+def test_local_index_entry_outside_the_folder_refused(make_ckpt, entry):
+    src, index = _sharded(make_ckpt)
+    first = sorted(set(index["weight_map"].values()))[0]
+    target = src.parent / "outside.safetensors"
+    shutil.copyfile(src / first, target)  # a real, valid file: only its place is wrong
+    if entry == "ABS":
+        entry = str(target)
+    index["weight_map"] = {k: (entry if v == first else v) for k, v in index["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="names shard files outside the checkpoint folder: "
+                                              rf"'{entry}'.*file names in the folder itself"):
+        open_source(src)
+
+
+def test_symlinked_shard_outside_refused_and_inside_allowed(make_ckpt, tmp_path):
+    src = make_ckpt("ct-mxfp8", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+    shard = next(src.glob("*.safetensors"))
+    elsewhere = tmp_path / "elsewhere.bin"
+    shutil.move(shard, elsewhere)
+    shard.symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} resolves to {elsewhere}, outside the source folder"):
+        open_source(src)
+    inner = src / "store"
+    inner.mkdir()
+    shutil.move(elsewhere, inner / "w.bin")
+    shard.unlink()
+    shard.symlink_to(inner / "w.bin")  # inside the folder: fine
+    assert open_source(src).tensor_names()
+
+
+def test_symlinked_extra_file_outside_skipped_with_warning(make_ckpt, tmp_path):
+    from megamoe_convert.convert import convert
+
+    src = make_ckpt("ct-mxfp8", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the model")
+    (src / "notes.txt").symlink_to(secret)
+    s = open_source(src)
+    assert "notes.txt" not in [p.name for p in s.extra_files()]
+    assert any("notes.txt is a symlink to" in w and "not copied" in w for w in s.warnings)
+    logs = []
+    summary = convert(src, tmp_path / "out", log=logs.append)
+    assert not (tmp_path / "out" / "notes.txt").exists()
+    assert any("warning: notes.txt is a symlink" in m for m in logs)
+    assert any("notes.txt" in w for w in summary.warnings)
+
+
+def test_hub_cache_snapshot_given_as_a_local_folder(synth_ckpt, tmp_path):
+    """A snapshot folder of the hub cache links its files into ../../blobs: inside the repo's cache folder."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for p in synth_ckpt("ct-mxfp8").iterdir():
+        blob = repo / "blobs" / hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copyfile(p, blob)
+        (snap / p.name).symlink_to(os.path.relpath(blob, snap))
+    s = open_source(snap)
+    assert s.base == repo.resolve() and s.tensor_names() and s.warnings == []
+    assert {p.name for p in s.extra_files()} >= {"config.json"}

@@ -1,0 +1,115 @@
+"""What `--resume`'s source check costs: resume times as ratios to a fresh conversion, one process.
+
+    python bench/resume.py                   # 4 MoE layers, Qwen3-30B-A3B-like shape (~1.2 GB experts)
+    python bench/resume.py --layers 8 --workdir /mnt/fast
+
+A resume keeps the finished files only after re-deriving their tensors from
+the source and comparing them with what the interrupted run wrote (exact: a
+changed byte anywhere in what was converted is refused), so a resume reads
+and packs the whole source again and writes only what is missing. Measured,
+each best of ``--repeat``, against a fresh conversion of the same source
+(page cache warm for all, so this is the CPU side of the cost):
+
+* ``fresh``: a conversion from nothing;
+* ``resume at 50%``: stopped (planted ``on_step``) after half the tensors, then ``resume=True``;
+* ``resume complete``: stopped after the journal's ``complete`` record (only the swap left);
+* the same two with the source check switched off (``_Run.check_done = False``), to show its share.
+
+Prints a Markdown section for BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+
+class _Stop(BaseException):
+    pass
+
+
+def _stop_at(step: str, n: int):
+    seen = [0]
+
+    def on_step(name: str) -> None:
+        if name == step:
+            seen[0] += 1
+            if seen[0] >= n:
+                raise _Stop()
+    return on_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", default="quark-mxfp4")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=None)
+    a = ap.parse_args()
+
+    import megamoe_convert.convert as conv
+    from megamoe_convert import synth
+    from megamoe_convert.output_dir import temp_dir_for
+
+    work = Path(tempfile.mkdtemp(prefix="megamoe-bench-resume-", dir=a.workdir or Path.cwd()))
+    try:
+        src = synth.build_synthetic_checkpoint(work / "src", a.format, num_layers=a.layers, hidden=a.hidden,
+                                               intermediate=a.intermediate, num_experts=a.experts, top_k=8)
+        out = work / "out"
+        ref = conv.convert(src, out)
+        n_tensors = sum(1 for _ in __import__("megamoe_runtime").manifest.read_manifest(out).tensors)
+        shutil.rmtree(out)
+
+        def fresh() -> float:
+            t = time.perf_counter()
+            conv.convert(src, out)
+            dt = time.perf_counter() - t
+            shutil.rmtree(out)
+            return dt
+
+        def resumed(step: str, n: int, check: bool) -> float:
+            try:
+                conv.convert(src, out, on_step=_stop_at(step, n))
+            except _Stop:
+                pass
+            if not check:  # check_done reads False whatever _run sets
+                conv._Run.check_done = property(lambda s: False, lambda s, v: None)
+            try:
+                t = time.perf_counter()
+                conv.convert(src, out, resume=True)
+                dt = time.perf_counter() - t
+            finally:
+                if "check_done" in conv._Run.__dict__:
+                    del conv._Run.check_done
+            shutil.rmtree(out)
+            assert not temp_dir_for(out).exists()
+            return dt
+
+        rows = {
+            "fresh": min(fresh() for _ in range(a.repeat)),
+            "resume at 50%": min(resumed("tensor", n_tensors // 2, True) for _ in range(a.repeat)),
+            "resume at 50%, check off": min(resumed("tensor", n_tensors // 2, False) for _ in range(a.repeat)),
+            "resume complete": min(resumed("complete", 1, True) for _ in range(a.repeat)),
+            "resume complete, check off": min(resumed("complete", 1, False) for _ in range(a.repeat)),
+        }
+        gb = ref.bytes_in / 1e9
+        print(f"\n### --resume source check ({a.format}, {a.layers} layers, hidden {a.hidden}, intermediate "
+              f"{a.intermediate}, {a.experts} experts: {gb:.2f} GB in)\n")
+        print(f"`python bench/resume.py --layers {a.layers}` on {platform.node()} ({os.cpu_count()} CPUs), "
+              "page cache warm, best of {a.repeat}:\n".replace("{a.repeat}", str(a.repeat)))
+        print("| run | seconds | vs fresh |\n|---|---|---|")
+        for k, v in rows.items():
+            print(f"| {k} | {v:.2f} | {v / rows['fresh']:.2f}x |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
