@@ -347,18 +347,24 @@ class ShardWriter:
         return self.write_async(name, tensor).result()
 
     def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview]) -> str:
-        """Write a tensor's raw bytes from an iterable (pass-through copies);
-        each chunk is written before the next is requested, so the producer
-        may reuse its buffer. Returns the tensor's checksum."""
+        """Write a tensor's raw bytes from an iterable (pass-through copies).
+        Chunk k is hashed here while the write thread writes it, and the next
+        chunk is requested once chunk k-1 is written: the producer may reuse a
+        buffer two chunks later (`copy_source_bytes` alternates two), so its
+        read of chunk k+1 overlaps the write of chunk k. Returns the tensor's
+        checksum."""
         p = self._expect(name)
         h = new_hasher(self.algorithm)
         n = 0
+        prev = None
         for c in chunks:
             mv = memoryview(c).cast("B")
             fut = self._submit_write(mv)
             h.update(mv)
             n += len(mv)
-            fut.result()
+            if prev is not None:
+                prev.result()
+            prev = fut
         self.flush()
         if n != p.nbytes:
             raise CheckpointError(f"{self.path.name}: tensor {name!r} got {n} bytes, expected {p.nbytes}")
@@ -406,14 +412,19 @@ class ShardWriter:
 def copy_source_bytes(path: Path, offset: int, nbytes: int, progress: Callable[[int], None] | None = None
                       ) -> Iterator[memoryview]:
     """Yield `nbytes` raw bytes of `path` from `offset` in chunks (pass-through
-    copies: the tensor is never decoded, so it is copied unchanged)."""
-    buf = bytearray(min(_CHUNK, max(nbytes, 1)))
-    mv = memoryview(buf)
+    copies: the tensor is never decoded, so it is copied unchanged). Two
+    buffers alternate: a yielded chunk stays valid until two more are
+    requested (see `ShardWriter.write_chunks`)."""
+    size = min(_CHUNK, max(nbytes, 1))
+    mvs = [memoryview(bytearray(size)) for _ in range(2 if nbytes > size else 1)]
+    i = 0
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         left = nbytes
         while left:
-            k = f.readinto(mv[: min(len(buf), left)])
+            mv = mvs[i % len(mvs)]
+            i += 1
+            k = f.readinto(mv[: min(size, left)])
             if not k:
                 raise CheckpointError(f"{path}: unexpected end of file at byte {offset + nbytes - left}")
             left -= k
