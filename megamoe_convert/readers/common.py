@@ -555,7 +555,12 @@ class SchemeReader(CheckpointReader):
 
     # ------------------------------------------------------------------ data
     def _scalar(self, name: str, invert: bool, where: str, rescale: tuple[float, float] | None = None) -> float:
-        v = float(self.source.get_tensor(name).float().reshape(-1)[0])
+        # The preflight reads every expert's scalars and the conversion reads them again with the
+        # expert: keep the raw values (a few floats per expert) instead of a second tiny read each.
+        cache = self.__dict__.setdefault("_scalar_values", {})
+        v = cache.get(name)
+        if v is None:
+            v = cache[name] = float(self.source.get_tensor(name).float().reshape(-1)[0])
         if rescale is not None:
             if not (math.isfinite(v) and v > 0):
                 raise ScaleError(f"{where}: {self._where(name)} = {v!r}; a scale must be finite and > 0")
