@@ -44,7 +44,7 @@ from .base import (
 )
 
 from . import recipe as _recipe  # noqa: E402
-# registration order = detection order
+# importing a module registers its readers; the order they are tried in is DETECTION_ORDER below
 from . import modelopt as _modelopt  # noqa: F401,E402
 from . import quark as _quark  # noqa: F401,E402
 from . import compressed_tensors as _ct  # noqa: F401,E402
@@ -63,6 +63,26 @@ __all__ = [
     "detect_reader",
     "describe_quant_config",
 ]
+
+#: The order ``detect_reader`` tries the readers in (the first whose ``detect`` is True wins), stated
+#: here rather than left to import order: producer-specific configs before the generic ones, and
+#: ``unquantized`` (no quantization config at all) last. Every registered reader must appear.
+DETECTION_ORDER = (
+    "modelopt-nvfp4", "modelopt-mxfp4", "modelopt-mxfp8", "modelopt-w4a8-nvfp4-fp8",
+    "quark-mxfp4", "quark-nvfp4", "quark-mxfp8",
+    "ct-nvfp4", "ct-mxfp4", "ct-mxfp8",
+    "deepseek-v4",
+    "unquantized",
+)
+if set(DETECTION_ORDER) != set(registered_readers()) or len(set(DETECTION_ORDER)) != len(DETECTION_ORDER):
+    raise ImportError(f"readers.DETECTION_ORDER {DETECTION_ORDER} must list every registered reader once: "
+                      f"{list(registered_readers())}")
+
+
+def _in_order() -> list[type[CheckpointReader]]:
+    regs = registered_readers()
+    return [regs[n] for n in DETECTION_ORDER]
+
 
 ALIASES = {
     "bf16": "unquantized",
@@ -84,11 +104,11 @@ ALIASES = {
 
 def available_formats() -> list[str]:
     """Registered reader format names, in detection order."""
-    return list(registered_readers())
+    return list(DETECTION_ORDER)
 
 
 def format_descriptions() -> dict[str, str]:
-    return {name: cls.description for name, cls in registered_readers().items()}
+    return {cls.format_name: cls.description for cls in _in_order()}
 
 
 def describe_quant_config(source) -> str:
@@ -111,7 +131,7 @@ def _resolve_name(format: str) -> type[CheckpointReader]:
     name = ALIASES.get(format.lower(), format.lower())
     if name not in regs:
         raise FormatError(
-            f"unknown format {format!r}; valid: {', '.join(regs)} (aliases: {', '.join(sorted(ALIASES))})"
+            f"unknown format {format!r}; valid: {', '.join(DETECTION_ORDER)} (aliases: {', '.join(sorted(ALIASES))})"
         )
     return regs[name]
 
@@ -137,20 +157,18 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
 
 
 def _detect(source, format: str | None, quantize: str | None) -> CheckpointReader:
-    regs = registered_readers()
     if format is not None:
         cls = _resolve_name(format)
     else:
-        for c in regs.values():
-            reason = getattr(c, "unsupported_reason", None)
-            msg = reason(source) if reason is not None else None
+        for c in _in_order():
+            msg = c.unsupported_reason(source)
             if msg:
                 raise FormatError(f"{source.id}: {msg}")
-        hits = [c for c in regs.values() if c.detect(source)]
+        hits = [c for c in _in_order() if c.detect(source)]
         if not hits:
             raise FormatError(
                 f"{source.id}: cannot tell the checkpoint format ({describe_quant_config(source)}). "
-                f"Supported: {', '.join(f'{n} ({c.description})' for n, c in regs.items())}. "
+                f"Supported: {', '.join(f'{c.format_name} ({c.description})' for c in _in_order())}. "
                 "Pass format= (--format) to force one."
             )
         cls = hits[0]

@@ -179,6 +179,14 @@ class CheckpointReader(abc.ABC):
     def detect(cls, source: "CheckpointSource") -> bool:
         """True when ``source`` is in this reader's format (config only, cheap)."""
 
+    @classmethod
+    def unsupported_reason(cls, source: "CheckpointSource") -> str | None:
+        """Why ``source`` is a known variant of this producer that no row can
+        read (what was found, and what would convert), or None. Asked of every
+        reader before detection, so a near miss is named instead of falling
+        through to "cannot tell the format". Default: None."""
+        return None
+
     # -- structure -----------------------------------------------------------
     @abc.abstractmethod
     def moe_layers(self) -> list[MoELayerInfo]:
@@ -202,9 +210,14 @@ class CheckpointReader(abc.ABC):
 
     # -- data ----------------------------------------------------------------
     @abc.abstractmethod
-    def read_expert(self, layer_index: int, expert: int) -> "ExpertTensors":
+    def read_expert(self, layer_index: int, expert: int, *, weights: bool = True) -> "ExpertTensors":
         """Routed expert ``expert`` (global index) of MoE layer ``layer_index``
-        in checkpoint encoding; reads only that expert's tensors."""
+        in checkpoint encoding; reads only that expert's tensors.
+
+        ``weights=False`` (asked only after `weight_byte_ranges` gave the three
+        weights' bytes, which the converter then reads itself): the weights may
+        be meta tensors of the right dtype and shape; scales and float scales
+        are read as usual. A reader without byte ranges may ignore the flag."""
 
     def weight_byte_ranges(self, layer_index: int, expert: int, role: str) -> "tuple[Path, int, int] | None":
         """Where the weight of projection ``role`` ("gate" | "up" | "down") of an

@@ -90,7 +90,8 @@ class UnquantizedReader(SchemeReader):
             return gu[:I], gu[I:], dn
         return tuple(self.source.get_tensor(res[(expert, r)].names["weight"]) for r in naming.ROLES)  # type: ignore[return-value]
 
-    def read_expert(self, layer_index: int, expert: int) -> ExpertTensors:
+    def read_expert(self, layer_index: int, expert: int, *, weights: bool = True) -> ExpertTensors:
+        # no weight_byte_ranges (the weights are converted or quantized), so weights=False never comes
         info = self.layer(layer_index)
         if not 0 <= expert < info.num_experts:
             return super().read_expert(layer_index, expert)  # raises the range error

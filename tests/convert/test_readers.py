@@ -715,3 +715,25 @@ def test_non_numeric_config_value_is_a_format_error(make_ckpt, key, value):
     _edit_config(p, lambda c: c.update({key: value}))
     with pytest.raises(FormatError, match=key):
         _reader(p).model_facts()
+
+
+def test_detection_order_is_explicit_and_followed(tmp_path, monkeypatch):
+    """DETECTION_ORDER lists every registered reader once, and detect_reader tries them in that order
+    (not import order): with two readers both claiming a checkpoint, the earlier one wins."""
+    from megamoe_convert import readers
+    from megamoe_convert.readers.base import registered_readers
+    from megamoe_convert.source import open_source
+    from megamoe_convert.synth import build_synthetic_checkpoint
+
+    assert sorted(readers.DETECTION_ORDER) == sorted(registered_readers())
+    assert readers.available_formats() == list(readers.DETECTION_ORDER)
+    src = open_source(build_synthetic_checkpoint(tmp_path / "s", "quark-mxfp4", num_layers=1, hidden=128,
+                                                 intermediate=128, num_experts=2, top_k=1))
+    assert detect_reader(src).format_name == "quark-mxfp4"
+    regs = registered_readers()
+    monkeypatch.setattr(regs["ct-mxfp4"], "detect", classmethod(lambda cls, s: True))
+    assert detect_reader(src).format_name == "quark-mxfp4"  # quark comes first
+    order = list(readers.DETECTION_ORDER)
+    order.remove("ct-mxfp4")
+    monkeypatch.setattr(readers, "DETECTION_ORDER", ("ct-mxfp4", *order))
+    assert detect_reader(src).format_name == "ct-mxfp4"  # negative control: the order decides
