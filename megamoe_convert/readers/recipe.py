@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamoe_runtime.formats import ROWS, get_row
+
 #: the CLI flag (and API keyword) that accepts a coarser activation recipe
 ACCEPT_FLAG = "--accept-activation-change"
 
@@ -35,13 +37,13 @@ _PRECISION = {
     "nvfp4": (4, 2),
 }
 
-#: what each row's kernels feed the first GEMM (docs/NUMERICS.md)
-KERNEL_ACTIVATIONS = {
-    "mxfp4": ("mxfp8", "MXFP8 (E4M3, one UE8M0 scale per 32 elements)"),
-    "mxfp8": ("mxfp8", "MXFP8 (E4M3, one UE8M0 scale per 32 elements)"),
-    "nvfp4": ("nvfp4", "NVFP4 (E2M1, one E4M3 scale per 16 elements)"),
-    "bf16": ("bf16", "BF16 (not quantized)"),
+_DISPATCH_DESCRIPTION = {
+    "mxfp8": "MXFP8 (E4M3, one UE8M0 scale per 32 elements)",
+    "nvfp4": "NVFP4 (E2M1, one E4M3 scale per 16 elements)",
+    "bf16": "BF16 (not quantized)",
 }
+#: what each row's kernels feed the first GEMM (`Row.dispatch`, docs/NUMERICS.md)
+KERNEL_ACTIVATIONS = {name: (r.dispatch, _DISPATCH_DESCRIPTION[r.dispatch]) for name, r in ROWS.items()}
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class ActivationChange:
     def refusal(self, source_id: str, format_name: str) -> str:
         """The FormatError text when `needs_flag` and the flag is absent."""
         extra = (" NVFP4 also needs the global L2 activation scale: the checkpoint's w2 input scales give it when "
-                 "calibrated, otherwise pass --l2-activation-scale." if self.row == "nvfp4" else "")
+                 "calibrated, otherwise pass --l2-activation-scale." if get_row(self.row).has_alphas else "")
         return (f"{source_id}: {format_name}: the source recipe quantizes activations as {self.source.description}, "
                 f"but the {self.row} kernels feed them as {self.kernel_description}, which is coarser "
                 f"({_bits(self.source.kind)} -> {_bits(self.kernel_kind)} bits per element), so the converted model "
@@ -148,7 +150,7 @@ def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:
     """``megamoe.json`` ``source.recipe``: the activation change and, for the
     nvfp4 row, how the global L2 activation scale a2 was obtained."""
     rec: dict = {"activations": reader.activation_change.to_dict() if reader.activation_change else None}
-    if reader.row == "nvfp4":
+    if get_row(reader.row).has_alphas:
         if l2_activation_scale_given:
             rule = "given with --l2-activation-scale (the checkpoint has no w2 input scales)"
         else:
