@@ -1,19 +1,25 @@
 """`megamoe-convert`: convert | inspect | verify | demo.
 
 Exit codes (every command):
-  0  success
-  1  verification failed (`verify` found a mismatch, a missing file or a flipped byte;
-     `demo`: that, or a served layer missed its calc_diff threshold vs the source)
-  2  bad input or usage (unreadable/unsupported checkpoint, failed checks,
-     OUT already exists, bad option, a --shared-precision the row cannot fuse)
+  0    success
+  1    verification failed (`verify` found a mismatch, a missing file or a flipped byte;
+       `demo`: that, or a served layer missed its calc_diff threshold vs the source)
+  2    bad input or usage (unreadable/unsupported checkpoint, failed checks,
+       OUT already exists, bad option, a --shared-precision the row cannot fuse)
+  130  interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (`convert` prints where
+       the unfinished run is and the exact command that resumes it)
 
 Progress bars and logs go to stderr, results to stdout; `--json` prints one
-JSON object on stdout (and nothing else there) instead of the human summary.
+JSON object on stdout (and nothing else there) instead of the human summary,
+errors included: ``{"ok": false, "exit_code": 2, "error": "..."}``.
 """
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import sys
+import threading
 import tempfile
 import time
 import warnings
@@ -47,11 +53,30 @@ def format_bytes(n: float) -> str:
     return fmt(n)
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
 
 
-def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
+def _json_mode() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.params.get("as_json"))
+
+
+def _fail(msg: str, code: int = EXIT_BAD_INPUT, **extra) -> None:
+    """'error: msg' on stderr and exit `code`; under --json also the error as
+    JSON on stdout (the only thing there), with `extra` fields."""
     click.echo(f"error: {msg}", err=True)
+    if _json_mode():
+        click.echo(json.dumps({"ok": False, "exit_code": code, "error": msg, **extra}, indent=2))
     sys.exit(code)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT,
+    so the run unwinds (writers stopped, lock released) instead of dying."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
 
 
 class _Bar:
@@ -81,17 +106,96 @@ class _Bar:
             self.bar = None
 
 
-def _run_guarded(fn):
-    """Run fn(); MegaMoEError / OSError -> 'error: ...' on stderr, exit 2."""
+def _run_guarded(fn, interrupted=None):
+    """Run fn(); MegaMoEError / OSError -> 'error: ...', exit 2; Ctrl-C -> exit
+    130, SIGTERM -> 143, with `interrupted(signal name)` -> (message, extra
+    JSON fields) saying what is left and how to continue."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
+               signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         return fn()
     except MegaMoEError as e:
         _fail(str(e))
     except OSError as e:
         _fail(f"{type(e).__name__}: {e}")
+    except (KeyboardInterrupt, _Terminated) as e:
+        name, code = ("SIGINT (Ctrl-C)", EXIT_SIGINT) if isinstance(e, KeyboardInterrupt) else \
+            ("SIGTERM", EXIT_SIGTERM)
+        msg, extra = interrupted(name) if interrupted else (f"interrupted by {name}", {})
+        _fail(msg, code, **extra)
+    finally:
+        if main_thread:
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def _resume_command(ctx: click.Context) -> str:
+    """The command line that continues this `convert` run: its own arguments
+    and non-default options, plus --resume."""
+    words = ["megamoe-convert", ctx.info_name or "convert"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+            continue
+        if param.name == "resume" or value == param.default or value is None:
+            continue
+        opt = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            if value:
+                words.append(opt)
+        else:
+            words += [opt, str(value)]
+    words.append("--resume")
+    return shlex.join(words)
+
+
+def _convert_interrupted(ctx: click.Context, out: Path):
+    """What an interrupted `convert` prints: where its work is and the command that continues it."""
+    def message(name: str):
+        from .output_dir import is_megamoe_output, resolve_out, temp_dir_for
+
+        try:
+            o = resolve_out(out)
+        except MegaMoEError:
+            o = Path(out)
+        tmp = temp_dir_for(o)
+        if tmp.is_dir():
+            cmd = _resume_command(ctx)
+            return (f"interrupted by {name}; nothing was written under {o}. The unfinished conversion is in {tmp}; "
+                    f"continue it with:\n  {cmd}", {"interrupted": name, "temp_folder": str(tmp),
+                                                   "resume_command": cmd})
+        if is_megamoe_output(o):
+            return (f"interrupted by {name} after the conversion had finished: {o} is complete",
+                    {"interrupted": name, "out": str(o)})
+        return (f"interrupted by {name} before anything was written; run the same command again",
+                {"interrupted": name})
+    return message
+
+
+class _Group(click.Group):
+    """Usage errors (unknown option, bad value) answer in JSON on stdout too
+    when the command line asks for --json."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--json" not in argv or not standalone_mode:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            e.show()
+            click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()}, indent=2))
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="megamoe", prog_name="megamoe-convert")
 def main() -> None:
     """Convert MoE checkpoints into DeepGEMM MegaMoE kernel layout, once, offline.
@@ -103,7 +207,7 @@ def main() -> None:
       megamoe-convert convert nvidia/Some-Model-NVFP4 ./out --ep-size 8
       megamoe-convert verify ./out
 
-    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage.
+    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 130 Ctrl-C, 143 SIGTERM.
     """
 
 
@@ -144,9 +248,12 @@ def main() -> None:
 @click.option("--checksum", type=click.Choice(["sha256", "blake3"]), default=DEFAULT_CHECKSUM, show_default=True,
               help="Algorithm of the manifest's tensor checksums and file digests. blake3 hashes several times "
                    "faster per core; verifying a blake3 folder needs the blake3 package; sha256 needs nothing extra.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete).")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp (finished shards "
-                                             "are re-checked by checksum and kept).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is a megamoe output (or empty), only once the new output is complete; any "
+                   "other folder is refused. Also discards an interrupted run's .OUT.megamoe-tmp.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp: finished shards are "
+                                             "re-checked by checksum, and their tensors re-derived from the source "
+                                             "and compared (a changed source is refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
@@ -172,7 +279,14 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert ./w4a16-nvfp4 ./out --accept-activation-change --l2-activation-scale 0.002
       megamoe-convert convert ./src ./out --checksum sha256   # verifiable without the blake3 package
 
-    Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT).
+    OUT may not overlap SRC or contain the working directory; its missing
+    parent folders are created. One run per OUT at a time (a lock beside it,
+    `.OUT.megamoe-lock`); a run killed at any point is finished, undone or
+    resumed by the next one, and Ctrl-C / SIGTERM print the exact command
+    that resumes it.
+
+    Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT),
+    130 / 143 interrupted by Ctrl-C / SIGTERM (OUT untouched).
     """
     from .convert import convert as do_convert
 
@@ -194,7 +308,7 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
         finally:
             bar.close()
 
-    s = _run_guarded(run)
+    s = _run_guarded(run, _convert_interrupted(click.get_current_context(), out))
     if as_json:
         click.echo(json.dumps(s.to_dict(), indent=2))
         return
@@ -289,7 +403,7 @@ def _print_inspect(rep: dict) -> None:
                    f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})")
         if sc["missing_input_scales"]:
             click.echo(f"  experts without a w2 input scale: {sc['missing_input_scales']}")
-    click.echo(f"estimated output: {format_bytes(rep['estimated_output_bytes'])} "
+    click.echo(f"estimated output: about {format_bytes(rep['estimated_output_bytes'])} "
                f"(experts {format_bytes(rep['estimated_expert_bytes'])}, pass-through "
                f"{format_bytes(rep['passthrough_bytes'])}) with ep_size {rep['ep_size']}")
     if rep["problems"]:

@@ -552,7 +552,11 @@ def open_source(
         raise CheckpointError(
             f"{src!r} is neither an existing folder nor a hub repo id of the form 'org/name'"
         )
-    return _open_hub(src, revision, cache_dir=cache_dir, local_files_only=local_files_only)
+    try:
+        return _open_hub(src, revision, cache_dir=cache_dir, local_files_only=local_files_only)
+    except CheckpointError as e:  # 'org/name' reads as a relative path too: name both readings
+        raise CheckpointError(f"{src}: no such local folder ({Path(src).absolute()}); as a hub repo id: {e}") \
+            from e.__cause__
 
 
 def _open_hub(
@@ -568,7 +572,8 @@ def _open_hub(
         cache_dir = os.environ["HF_HUB_CACHE"]
     rev = revision or "main"
     where = f"hub repo {repo_id!r} (revision {rev!r})"
-    cache_note = f"cache {cache_dir}" if cache_dir else "the default hub cache"
+    cache_note = f"the hub cache at {hub_cache_dir(cache_dir)}"
+    fetch = f"`hf download {repo_id}" + (f" --revision {revision}`" if revision else "`")
     def download(allow: list[str]) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=allow,
                                       ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=offline))
@@ -598,9 +603,10 @@ def _open_hub(
             raise CheckpointError(
                 f"{where} is not in {cache_note} and offline mode is on "
                 f"({'local_files_only' if local_files_only else 'HF_HUB_OFFLINE'}); download it once while online "
-                f"(`hf download {repo_id}`) or point HF_HUB_CACHE at a cache that has it"
+                f"({fetch}) or point HF_HUB_CACHE at a cache that has it"
             ) from e
-        raise CheckpointError(f"{where}: not cached in {cache_note} and the hub could not be reached: {e}") from e
+        raise CheckpointError(f"{where}: not cached in {cache_note} and the hub could not be reached ({e}); "
+                              f"download it with {fetch}") from e
     except hf_errors.HfHubHTTPError as e:
         raise CheckpointError(f"{where}: hub request failed: {e}") from e
     except OSError as e:

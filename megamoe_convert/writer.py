@@ -654,6 +654,7 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
         rep.problems.append(str(e))
         return rep
     rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
+    rep.files_checked = 1  # the manifest itself (schema, version, self-digest): files count as convert counts them
     for alg in sorted({m.checksum} | {fe.algorithm for fe in m.files.values()}):
         new_hasher(alg)  # DigestUnavailableError (blake3 not installed) before reading anything: not a mismatch
     rep.problems += spec_tensor_problems(m, str(out / MANIFEST_NAME))
@@ -676,18 +677,19 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
 
     for fname in sorted(m.files):
         fe = m.files[fname]
+        tensors = by_file.pop(fname, {})  # even when the file is missing: one problem per missing file
         try:
             path = inside_folder(out, fname)
         except CheckpointError as e:
             rep.problems.append(str(e))
             continue
         if not path.is_file():
-            rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes)")
+            rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes"
+                                + (f" and {len(tensors)} tensor(s)" if tensors else "") + ")")
             continue
         size = path.stat().st_size
         if size != fe.size:
             rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
-        tensors = by_file.pop(fname, {})
         if fname.endswith(".safetensors"):
             _verify_safetensors(path, fe, tensors, rep, progress, m.checksum)
         else:  # read_manifest allows the header-and-tensors kinds for safetensors files only

@@ -83,3 +83,21 @@ def test_negative_control_wrong_layout_misses_the_threshold(serve_example, tmp_p
         source.close()
     bad = mr.calc_diff(layer(x, wt, ids), ref)
     assert bad > 10 * serve_example.THRESHOLDS["mxfp4"], bad
+
+
+def test_readme_serve_snippet_runs_as_written_on_cpu(tmp_path, monkeypatch, ckpts):
+    """The README's Serve block, verbatim, against a converted folder at ./out,
+    with CUDA hidden: it must run on a CPU-only machine."""
+    import re
+    import shutil
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Serve\n\n```python\n(.*?)```", text, re.S).group(1)
+    _, out = ckpts.converted("modelopt-nvfp4")
+    shutil.copytree(out, tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    scope: dict = {}
+    exec(compile(block, "README.md (Serve)", "exec"), scope)
+    y, spec = scope["y"], scope["spec"]
+    assert y.shape == (4, spec.hidden) and y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()

@@ -2,9 +2,12 @@
 outputs, inspect, demo."""
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +259,86 @@ def test_blake3_folder_without_blake3(tmp_path, monkeypatch):
     assert run_cli("verify", tmp_path / "sha").exit_code == 0
     layer = mr.open_checkpoint(tmp_path / "b3").build_layer(0, device="cpu", backend="reference")
     assert layer.l1_weight.numel() > 0
+
+
+# --------------------------------------------------------------------------- signals and JSON errors
+
+
+@pytest.mark.parametrize("sig, code, as_json", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
+def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, crashing_run, sig, code, as_json):
+    """A real conversion process gets SIGINT (Ctrl-C) / SIGTERM mid-run: exit
+    130 / 143 (not 1, which means verification failed), the message names the
+    temp folder and the exact --resume command, nothing is under OUT; the
+    printed command completes the conversion."""
+    from megamoe_convert.output_dir import lock_path_for, temp_dir_for
+    from megamoe_convert.writer import verify_output
+
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    out = tmp_path / "out dir"  # a space: the printed command must quote it
+    args = ["convert", src, out, "--max-shard-size", "60KB", "--no-progress"] + (["--json"] if as_json else [])
+    p = crashing_run("tensor", "5:60", *args, wait=False)
+    err = ""
+    try:
+        deadline = time.time() + 120
+        while "pausing" not in err and time.time() < deadline:
+            err += p.stderr.readline()
+        p.send_signal(sig)
+        stdout, rest = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err += rest
+    assert p.returncode == code, err
+    tmp = temp_dir_for(out)
+    assert not out.exists() and tmp.is_dir() and not lock_path_for(out).exists()
+    assert f"nothing was written under {out}" in err and f"The unfinished conversion is in {tmp}" in err
+    cmd = err.split("continue it with:\n  ", 1)[1].splitlines()[0]
+    assert cmd == shlex.join(["megamoe-convert", "convert", str(src), str(out), "--max-shard-size", "60KB",
+                              *(["--json"] if as_json else []), "--no-progress", "--resume"])
+    if as_json:
+        rep = json.loads(stdout)
+        assert rep["ok"] is False and rep["exit_code"] == 143 and rep["resume_command"] == cmd
+        assert rep["temp_folder"] == str(tmp)
+    r = run_cli(*shlex.split(cmd)[1:])
+    assert r.exit_code == 0, r.output
+    assert verify_output(out).ok and not tmp.exists()
+
+
+def test_json_errors_for_every_command(tmp_path):
+    cases = [
+        (["convert", tmp_path / "absent", tmp_path / "o", "--json"], "neither an existing folder"),
+        (["inspect", tmp_path / "absent", "--json"], "neither an existing folder"),
+        (["verify", tmp_path / "absent", "--json"], "is not a folder"),
+        (["demo", "--format", "nope", "--json"], "unknown synthetic format"),
+        (["convert", tmp_path, tmp_path / "o", "--max-shard-size", "lots", "--json"], "--max-shard-size"),
+        (["convert", tmp_path, "--json"], "Missing argument"),
+        (["verify", tmp_path, "--bogus", "--json"], "No such option"),
+    ]
+    for args, needle in cases:
+        r = run_cli(*args)
+        assert r.exit_code == 2, (args, r.output)
+        rep = json.loads(r.stdout)  # only JSON on stdout
+        assert rep["ok"] is False and rep["exit_code"] == 2 and needle in rep["error"], (args, rep)
+
+
+def test_convert_verify_demo_count_files_alike_and_a_deleted_shard_is_one_problem(tmp_path, synth_ckpt):
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    s = json.loads(run_cli("convert", src, out, "--max-shard-size", "60KB", "--json").stdout)
+    v = json.loads(run_cli("verify", out, "--json").stdout)
+    assert s["files"] == v["files_checked"] == len(list(out.iterdir()))  # the manifest counted by both
+    d = json.loads(run_cli("demo", "--format", "quark-mxfp4", "--json").stdout)
+    assert d["convert"]["files"] == d["verify"]["files_checked"]
+    shard = sorted(out.glob("megamoe-experts-*.safetensors"))[0]
+    shard.unlink()
+    r = run_cli("verify", out, "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 1 and len(rep["problems"]) == 1, rep["problems"]
+    assert rep["problems"][0].startswith(f"{shard}: missing (manifest lists it with ")
+    assert "does not list" not in rep["problems"][0]
+
+
+def test_inspect_size_estimate_says_about(tmp_path, synth_ckpt):
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    r = run_cli("inspect", src)
+    assert "estimated output: about " in r.stdout

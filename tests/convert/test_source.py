@@ -538,3 +538,18 @@ def test_hub_cache_snapshot_given_as_a_local_folder(synth_ckpt, tmp_path):
     s = open_source(snap)
     assert s.base == repo.resolve() and s.tensor_names() and s.warnings == []
     assert {p.name for p in s.extra_files()} >= {"config.json"}
+
+
+def test_org_name_that_is_neither_names_both_readings(tmp_path, monkeypatch):
+    """`convert org/name ...` with no such folder and no cached repo: the
+    message names the local reading and the hub reading (the cache path and
+    the download command with the revision)."""
+    cache = tmp_path / "hub-cache"
+    _offline(monkeypatch, cache)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as ei:
+        open_source("some-org/some-model", revision="v2")
+    msg = str(ei.value)
+    assert msg.startswith(f"some-org/some-model: no such local folder ({tmp_path / 'some-org' / 'some-model'}); "
+                          "as a hub repo id: "), msg
+    assert f"not in the hub cache at {cache}" in msg and "`hf download some-org/some-model --revision v2`" in msg
