@@ -58,8 +58,11 @@ def load_raw_weights(layer_or_model: torch.nn.Module,
     rep = RawLoadReport()
     for lyr in layers.values():
         lyr.begin_load("raw")
+    touched: set[int] = set()  # id() of the layers this load wrote into
+    current = None
     try:
         for name, tensor in weights:
+            current = name
             ref = parse_expert_weight_name(name)
             if ref is None:
                 rep.unused.append(name)
@@ -77,17 +80,26 @@ def load_raw_weights(layer_or_model: torch.nn.Module,
                 if lyr.param_for_role(f"shared_{'l2' if ref.shard_id == 'w2' else 'l1'}_weight") is None:
                     rep.unused.append(name)
                     continue
+                touched.add(id(lyr))
                 lyr.shared_weight_loader(None, tensor, name, ref.shard_id)
                 rep.written.append(name)
                 continue
+            touched.add(id(lyr))
             ok = lyr.weight_loader(None, tensor, name, ref.shard_id, ref.expert_id)
             (rep.written if ok else rep.skipped).append(name)
-    except BaseException:
+    except BaseException as e:
         for lyr in layers.values():
             lyr.abort_load()
+            if id(lyr) in touched:  # a streamed load cannot be checked first: what it wrote is a mix now
+                lyr.mark_unusable(f"a raw load failed at {current} after writing into this layer: "
+                                  f"{type(e).__name__}: {e}")
         raise
     for lyr in layers.values():
-        lyr.finish_load()
+        try:
+            lyr.finish_load()
+        except BaseException as e:
+            lyr.mark_unusable(f"a raw load's final checks failed: {type(e).__name__}: {e}")
+            raise
     return rep
 
 

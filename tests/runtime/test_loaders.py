@@ -132,6 +132,16 @@ def test_missing_w2_input_scale_of_any_expert_is_an_error(ckpts):
                if n.startswith(layer.prefix + ".") and n != f"{layer.prefix}.experts.6.down_proj.input_scale"]
     with pytest.raises(ScaleError, match=r"w2 input scale missing for experts \[6\].*ALL experts"):
         load_raw_weights(layer, tensors)
+    # the streamed load wrote its bytes before the final check refused it: the layer will not run on them
+    from megamoe_runtime.errors import LayerUnusableError
+
+    assert "w2 input scale missing" in layer.unusable_reason
+    x = torch.zeros(2, layer.spec.hidden, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(LayerUnusableError, match="raw load's final checks failed"):
+        layer(x, torch.ones(2, 2), ids)
+    load_raw_weights(layer, [(n, t) for n, t in _expert_tensors(src) if n.startswith(layer.prefix + ".")])
+    assert layer.unusable_reason is None  # a load that succeeds makes it usable again
 
 
 class _CountCopies(TorchDispatchMode):
