@@ -107,3 +107,21 @@ def test_hostile_text_refused_in_bounded_memory(bounded_python):
     assert all(ln.split()[2] == "hostile.json:" for ln in lines[:-1]), r.stdout
     assert "nests 20000000 levels" in lines[0] and "integer of 20000000 digits" in lines[1] and "nests 101 levels" in lines[2], r.stdout
     assert lines[-1] == "CAPPED"
+
+
+@pytest.mark.parametrize("header,match", [
+    (b'{"t": {"dtype": "U8", "shape": [2], "data_offsets": [0, ' + b"2" * 5000 + b"]}}", "integer of 5000 digits"),
+    (b'{"t": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests 5001 levels deep"),
+])
+def test_hostile_safetensors_header_names_the_file(tmp_path, header, match):
+    """The issue's tracebacks: a 5000-digit integer or deep nesting in a safetensors header was a ValueError /
+    RecursionError naming no file; now a CheckpointError naming it, from the one header parser."""
+    import struct
+
+    from megamoe_runtime.safetensors_header import parse_safetensors_header
+
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(CheckpointError, match=match) as e:
+        parse_safetensors_header(p)
+    assert str(e.value).startswith(f"{p}: ")
