@@ -157,6 +157,7 @@ class LayerScalarReport:
     gate_global: list[float] = field(default_factory=list)
     up_global: list[float] = field(default_factory=list)
     down_global: list[float] = field(default_factory=list)
+    missing_a2: str | None = None  # the refusal when a2 cannot be derived (report_missing_a2=True)
 
 
 gate_up_agree = scales.gate_up_agree
@@ -164,7 +165,8 @@ gate_up_agree = scales.gate_up_agree
 
 def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: Row, *,
                         on_scale_mismatch: str = "error", allow_missing_input_scales: bool = False,
-                        source=None, l2_activation_scale: float | None = None) -> LayerScalarReport:
+                        source=None, l2_activation_scale: float | None = None,
+                        report_missing_a2: bool = False) -> LayerScalarReport:
     """Check every expert's float scales of one layer and derive the layer scalars.
 
     NVFP4: every global scale present, finite, > 0; w1/w3 agreement (ScaleError
@@ -178,7 +180,9 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     (optional) lets messages name the file of the offending tensor.
     ``l2_activation_scale`` supplies a2 for an uncalibrated checkpoint (no
     expert has a w2 input scale, e.g. ``--quantize nvfp4`` from BF16); it is
-    refused when the checkpoint determines a2 itself.
+    refused when the checkpoint determines a2 itself. ``report_missing_a2``
+    (inspect): an underivable a2 is recorded in ``rep.missing_a2`` instead of
+    raised, so the layer's other findings (w1/w3 mismatches) still reach the report.
     """
     if on_scale_mismatch not in SCALE_MISMATCH_POLICIES:
         raise ScaleError(f"on_scale_mismatch={on_scale_mismatch!r}; valid: {', '.join(SCALE_MISMATCH_POLICIES)}")
@@ -186,6 +190,13 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     where = f"MoE layer {info.index} ({info.prefix})"
     if len(scalars) != info.num_experts:
         raise CheckpointError(f"{where}: {len(scalars)} experts' scales read, config says {info.num_experts}")
+    if l2_activation_scale is not None and not row.has_alphas:
+        raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r}: only the nvfp4 row has a global L2 "
+                         f"activation scale; this checkpoint converts to row {row.name}, whose kernels scale "
+                         "activations per block themselves. Drop it")
+    if l2_activation_scale is not None and not scales.is_valid_fp32_scale(l2_activation_scale):
+        raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r} must be finite and > 0 as a float32 "
+                         "(a2 is stored as one)")
     if not row.has_alphas:
         for e, s in enumerate(scalars):
             given = {k: v for k, v in vars(s).items() if v is not None}
@@ -238,8 +249,6 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
             w2_inputs.append(float(v))
     a2 = scales.global_l2_activation_scale(w2_inputs)
     if l2_activation_scale is not None:
-        if not _finite_pos(l2_activation_scale):
-            raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r} must be finite and > 0")
         if a2 is not None:
             raise ScaleError(
                 f"{where}: the checkpoint's w2 input scales determine a2 = {a2!r} (max over the experts); "
@@ -247,11 +256,14 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
         a2 = float(l2_activation_scale)
         rep.missing_input = []
     if a2 is None:
-        raise ScaleError(
-            f"{where}: no expert has a w2 (down) input scale, so the global L2 activation scale a2 cannot be "
-            "derived. Use a calibrated checkpoint (ModelOpt input_scale, Quark input_scale_2, "
-            "compressed-tensors input_global_scale), or give it with --l2-activation-scale (the expected amax "
-            "of the expert intermediate activation divided by 2688; e.g. from a calibration run)")
+        msg = (f"{where}: no expert has a w2 (down) input scale, so the global L2 activation scale a2 cannot be "
+               "derived. Use a calibrated checkpoint (ModelOpt input_scale, Quark input_scale_2, "
+               "compressed-tensors input_global_scale), or give it with --l2-activation-scale (the expected amax "
+               "of the expert intermediate activation divided by 2688; e.g. from a calibration run)")
+        if not report_missing_a2:
+            raise ScaleError(msg)
+        rep.missing_a2, rep.missing_input = msg, []
+        return rep
     if rep.missing_input and not allow_missing_input_scales:
         shown = rep.missing_input[:8]
         raise ScaleError(

@@ -1178,7 +1178,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                 try:
                     scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
                     rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch="requantize",
-                                                     allow_missing_input_scales=True)
+                                                     allow_missing_input_scales=True, report_missing_a2=True)
                     layer["scalars"] = rep.scalars
                     layer["w1_w3_mismatches"] = len(rep.mismatches)
                     pairs += info.num_experts
@@ -1191,6 +1191,8 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                             f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 "
                             f"mismatch (first: expert {e}, {g!r} vs {u!r}); convert needs "
                             "--on-scale-mismatch requantize")
+                    if rep.missing_a2:
+                        problems.append(rep.missing_a2)
                     if rep.missing_input:
                         missing_input[info.index] = len(rep.missing_input)
                         problems.append(

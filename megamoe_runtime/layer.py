@@ -49,7 +49,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from . import layout, loaders
+from . import layout, loaders, scales
 from .backends import get_backend
 from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from .formats import LayerSpec, SharedSpec, get_row
@@ -483,8 +483,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
             self.load_generation += 1
 
     def _write_a2(self, a2: float) -> None:
-        if not (isinstance(a2, (int, float)) and math.isfinite(a2) and a2 > 0):
-            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be finite and > 0")
+        if not scales.is_valid_fp32_scale(a2):
+            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be finite and > 0 "
+                             "as a float32 (it is stored as one)")
         with torch.no_grad():
             self.l2_activation_scale.fill_(float(a2))
 

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["W13_RTOL", "is_valid_scale", "gate_up_agree", "gate_up_relative_difference",
+__all__ = ["W13_RTOL", "is_valid_scale", "is_valid_fp32_scale", "gate_up_agree", "gate_up_relative_difference",
            "gate_up_disagreeing", "global_l2_activation_scale"]
 
 #: relative tolerance within which an expert's w1 (gate) and w3 (up)
@@ -24,6 +24,15 @@ W13_RTOL = 1e-5
 def is_valid_scale(v: object) -> bool:
     """A float scale is usable: a real number (not a bool), finite and > 0."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def is_valid_fp32_scale(v: object) -> bool:
+    """A usable scale that stays usable once stored as FP32, as a2 is: a double
+    such as 1e300 or 1e-300 passes `is_valid_scale` but becomes inf or 0 there."""
+    if not is_valid_scale(v):
+        return False
+    f = float(torch.tensor(float(v), dtype=torch.float64).to(torch.float32))
+    return math.isfinite(f) and f > 0
 
 
 def gate_up_agree(gate: float, up: float, rtol: float = W13_RTOL) -> bool:

@@ -148,12 +148,24 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
     ``--accept-activation-change`` otherwise).
     """
     reader = _detect(source, format, quantize)
-    change = _recipe.compare(type(reader).activation_recipe(source), reader.row,
+    change = _recipe.compare(_recipe_reader(source, reader, format).activation_recipe(source), reader.row,
                              accepted=bool(accept_activation_change) or quantize is not None)
     if change.needs_flag and not change.accepted:
         raise FormatError(change.refusal(str(source.id), reader.format_name))
     reader.activation_change = change
     return reader
+
+
+def _recipe_reader(source, reader: CheckpointReader, format: str | None) -> type:
+    """The reader class whose producer config states the source's activation
+    recipe: the forced reader reads tensors, but the recipe is the source's own
+    (a forced ModelOpt reader finds no hf_quant_config on a Quark export and
+    would call its weight-only recipe "undeclared")."""
+    if format is not None:
+        for c in _in_order():  # the reader detection would pick
+            if c.detect(source):
+                return c
+    return type(reader)
 
 
 def _detect(source, format: str | None, quantize: str | None) -> CheckpointReader:

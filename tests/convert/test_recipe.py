@@ -286,3 +286,70 @@ def test_w4a8_nvfp4_fp8_scale_split_negative_controls(tmp_path):
     assert torch.equal(k16[:, 0::2], src32) and torch.equal(k16[:, 1::2], src32)
     assert not torch.equal(k16, src32.repeat(1, 2))  # tiled: wrong
     assert not torch.equal(k16, src32.flip(1).repeat_interleave(2, 1))
+
+
+# ---------------------------------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("a2", ["1e300", "1e-300"])
+def test_given_l2_activation_scale_must_fit_float32(tmp_path, a2):
+    """a2 is stored and used as FP32: a value that becomes inf or 0 there is
+    refused up front (it used to convert, verify ok, and fail at build_layer)."""
+    name = "modelopt-w4a16-nvfp4-qwen3moe"
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    with pytest.raises(ScaleError, match="float32"):
+        _convert(name, tmp_path, l2_activation_scale=float(a2))
+    res = CliRunner().invoke(main, ["convert", str(REAL / name), str(tmp_path / "o"), "--no-progress",
+                                    ACCEPT_FLAG, "--l2-activation-scale", a2])
+    assert res.exit_code == 2 and "--l2-activation-scale" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_l2_activation_scale_on_a_row_without_it_is_refused(tmp_path):
+    """--l2-activation-scale means nothing to the mx rows (their kernels scale
+    activations per block themselves): refused, not silently dropped."""
+    name = "llmcompressor-mxfp4a16-qwen3moe"
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    with pytest.raises(ScaleError, match="--l2-activation-scale.*nvfp4"):
+        _convert(name, tmp_path, l2_activation_scale=0.002)
+    assert not (tmp_path / "out").exists()
+    _convert(name, tmp_path)  # negative control: without it, it converts
+
+
+def test_inspect_reports_every_scale_problem_of_a_weight_only_nvfp4_export():
+    """Quark's weight-only NVFP4 needs three things: the activation flag, an a2
+    and --on-scale-mismatch requantize. inspect lists all three (the missing a2
+    used to hide the w1/w3 mismatch and the pair count)."""
+    name = "quark-nvfp4-weight-only-qwen3moe"
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    rep = inspect_checkpoint(REAL / name)
+    probs = "\n".join(rep["problems"])
+    assert ACCEPT_FLAG in probs and "--l2-activation-scale" in probs
+    assert "--on-scale-mismatch requantize" in probs
+    assert rep["scales"]["pairs"] == 8 and rep["scales"]["mismatched_pairs"] == 8
+    rep = inspect_checkpoint(REAL / "modelopt-w4a16-nvfp4-qwen3moe")  # negative control: its pairs agree
+    assert rep["scales"]["pairs"] == 8 and rep["scales"]["mismatched_pairs"] == 0
+    assert "--on-scale-mismatch" not in "\n".join(rep["problems"])
+
+
+@pytest.mark.parametrize("name,fmt,kind", [
+    ("quark-mxfp4-weight-only-qwen3moe", "modelopt-mxfp4", "bf16"),
+    ("modelopt-w4a8-nvfp4-fp8-qwen3moe", "quark-nvfp4", "fp8"),
+    ("llmcompressor-mxfp4a16-qwen3moe", "quark-mxfp4", "bf16"),
+])
+def test_a_forced_format_keeps_the_sources_own_recipe(name, fmt, kind):
+    """The activation recipe is a fact of the source's producer config, not of
+    the reader forced with --format: forcing ModelOpt's MXFP4 reader onto a
+    Quark weight-only export used to read "undeclared" and convert it silently."""
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    src = open_source(REAL / name)
+    r = detect_reader(src, format=fmt, accept_activation_change=True)
+    assert r.activation_change.source == detect_reader(src, accept_activation_change=True).activation_change.source
+    assert r.activation_change.source.kind == kind
+    if kind == "bf16":
+        with pytest.raises(FormatError, match=ACCEPT_FLAG):
+            detect_reader(open_source(REAL / name), format=fmt)

@@ -267,3 +267,19 @@ def test_set_l2_activation_scale_outside_a_load_refreshes_what_kernels_read(ckpt
     assert bool((layer.a2_scales == 0.5).all())
     assert (layer.l2_alpha.data_ptr(), layer.a2_scales.data_ptr()) == ptrs
     assert layer.load_generation == gen + 1
+
+
+@pytest.mark.parametrize("a2", [1e300, 1e-300, 3.5e38])
+def test_a2_outside_float32_is_a_scale_error(ckpts, a2):
+    """a2 is stored as FP32: a double that overflows to inf or underflows to 0
+    there is refused with a ScaleError naming the value, and the buffer keeps
+    its old value (a bare fill_ would raise a RuntimeError or store 0)."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    ck = mr.open_checkpoint(out)
+    layer = ck.build_layer(ck.layers[0].index, backend="reference")
+    before = float(layer.l2_activation_scale)
+    with pytest.raises(ScaleError, match="float32"):
+        layer.set_l2_activation_scale(a2)
+    assert float(layer.l2_activation_scale) == before
+    layer.set_l2_activation_scale(1e-30)  # negative control: small but a float32 normal
+    assert float(layer.l2_activation_scale) == torch.tensor(1e-30, dtype=torch.float32).item()
