@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
-from .recipe import UNDECLARED, ActivationRecipe
+from .recipe import UNDECLARED, ActivationRecipe, unknown
 
 SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}
 WHY_NOT = {
@@ -85,7 +85,7 @@ def ct_input_activations(source) -> ActivationRecipe:
         return ActivationRecipe("bf16", False, "compressed-tensors weight-only (input_activations: null): not "
                                                "quantized (BF16)")
     if not isinstance(ia, dict):
-        return UNDECLARED
+        return unknown(f"compressed-tensors input_activations {ia!r}")
     bits, typ, gs, strat = ia.get("num_bits"), ia.get("type"), ia.get("group_size"), ia.get("strategy")
     dyn = ia.get("dynamic")
     how = {True: "dynamic", False: "static, calibrated", "local": "dynamic per group, calibrated global"}.get(
@@ -98,8 +98,8 @@ def ct_input_activations(source) -> ActivationRecipe:
         return ActivationRecipe("mxfp8", dyn is False, f"compressed-tensors MXFP8 per 32 ({how})")
     if typ == "float" and bits == 8 and strat in ("tensor", "token"):
         return ActivationRecipe("fp8", dyn is False, f"compressed-tensors FP8 per {strat} ({how})")
-    return ActivationRecipe("undeclared", False, f"compressed-tensors input_activations num_bits={bits} "
-                                                 f"type={typ} strategy={strat} group_size={gs}")
+    return unknown(f"compressed-tensors input_activations num_bits={bits} type={typ} strategy={strat} "
+                   f"group_size={gs}")
 
 
 class _CTReader(SchemeReader):

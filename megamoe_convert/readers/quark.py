@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, quant_config_of
 from .naming import EXPERT_RE
-from .recipe import ActivationRecipe
+from .recipe import ActivationRecipe, unknown
 
 
 def _norm_dtype(d: Any) -> str:
@@ -114,9 +114,9 @@ def classify_input_spec(spec: Any) -> ActivationRecipe:
         if _norm_dtype(first.get("dtype")) == "fp4" and first.get("group_size") == 16 and len(spec) == 2:
             return ActivationRecipe("nvfp4", True, "Quark two-stage [fp4 per_group 16, fp8 per_tensor] (NVFP4, "
                                                    "calibrated input_scale_2)")
-        return ActivationRecipe("undeclared", False, f"Quark multi-stage input spec ({len(spec)} stages)")
+        return unknown(f"Quark multi-stage input spec ({len(spec)} stages)")
     if not isinstance(spec, dict):
-        return ActivationRecipe("undeclared", False, f"Quark input spec {spec!r}")
+        return unknown(f"Quark input spec {spec!r}")
     d, gs, qs = _norm_dtype(spec.get("dtype")), spec.get("group_size"), spec.get("qscheme")
     dyn = bool(spec.get("is_dynamic"))
     how = "dynamic" if dyn else "static, calibrated"
@@ -129,9 +129,9 @@ def classify_input_spec(spec: Any) -> ActivationRecipe:
         return ActivationRecipe("mxfp8", not dyn, f"Quark fp8_e4m3 per_group 32 (MXFP8, {how})")
     if d == "mx":
         el = _norm_dtype(spec.get("mx_element_dtype"))
-        kind = {"fp4": "mxfp4", "fp8_e4m3": "mxfp8", "fp8": "mxfp8"}.get(el, "undeclared")
+        kind = {"fp4": "mxfp4", "fp8_e4m3": "mxfp8", "fp8": "mxfp8"}.get(el, "unknown")
         return ActivationRecipe(kind, not dyn, f"Quark legacy mx/{el} input ({how})")
-    return ActivationRecipe("undeclared", False, f"Quark input dtype {d or '?'} qscheme {qs or '?'} group_size {gs}")
+    return unknown(f"Quark input dtype {d or '?'} qscheme {qs or '?'} group_size {gs}")
 
 
 def quark_row(source) -> tuple[str | None, str] | None:

@@ -17,7 +17,9 @@ relates to it, and one rule decides:
 
 "Finer" compares element bits first, then scale granularity (a block scale
 per 16 or 32 beats one per tensor); a recipe the checkpoint does not declare
-is recorded as such and never refused.
+is recorded as such and never refused, while one it states but this module
+cannot classify (``unknown``) needs the flag like a coarser one: what the
+kernel does to it may be coarser, and the converter refuses what it cannot read.
 """
 from __future__ import annotations
 
@@ -67,6 +69,13 @@ class ActivationRecipe:
 UNDECLARED = ActivationRecipe("undeclared", False, "the checkpoint does not declare an activation recipe")
 
 
+def unknown(description: str) -> ActivationRecipe:
+    """A recipe the producer config states but this converter cannot classify
+    (e.g. FP8 per 128-block or per token): unlike an undeclared one it needs
+    `ACCEPT_FLAG`, since the kernel's activations may be coarser."""
+    return ActivationRecipe("unknown", False, description)
+
+
 @dataclass(frozen=True)
 class ActivationChange:
     """How the kernel's activation recipe relates to the source's.
@@ -88,7 +97,8 @@ class ActivationChange:
         """One line for the convert summary and inspect."""
         what = {"same": "the same precision", "finer": "finer than the source",
                 "coarser": "COARSER than the source", "different": "a different recipe of the same precision",
-                "undeclared": "the source recipe is not declared"}[self.relation]
+                "undeclared": "the source recipe is not declared",
+                "unknown": "the source recipe is one this converter does not know"}[self.relation]
         line = f"activations: source {self.source.description}; kernel {self.kernel_description} ({what})"
         if self.needs_flag:
             line += f"; {'accepted with ' + ACCEPT_FLAG if self.accepted else 'convert needs ' + ACCEPT_FLAG}"
@@ -105,10 +115,17 @@ class ActivationChange:
         """The FormatError text when `needs_flag` and the flag is absent."""
         extra = (" NVFP4 also needs the global L2 activation scale: the checkpoint's w2 input scales give it when "
                  "calibrated, otherwise pass --l2-activation-scale." if get_row(self.row).has_alphas else "")
-        return (f"{source_id}: {format_name}: the source recipe quantizes activations as {self.source.description}, "
-                f"but the {self.row} kernels feed them as {self.kernel_description}, which is coarser "
-                f"({_bits(self.source.kind)} -> {_bits(self.kernel_kind)} bits per element), so the converted model "
-                f"would not compute what the producer calibrated. Pass {ACCEPT_FLAG} "
+        if self.relation == "unknown":
+            how = (f"the source declares an activation recipe this converter does not know "
+                   f"({self.source.description}); the {self.row} kernels feed activations as "
+                   f"{self.kernel_description}, which may be coarser, so the converted model may not compute what "
+                   f"the producer calibrated")
+        else:
+            how = (f"the source recipe quantizes activations as {self.source.description}, but the {self.row} "
+                   f"kernels feed them as {self.kernel_description}, which is coarser ({_bits(self.source.kind)} -> "
+                   f"{_bits(self.kernel_kind)} bits per element), so the converted model would not compute what the "
+                   "producer calibrated")
+        return (f"{source_id}: {format_name}: {how}. Pass {ACCEPT_FLAG} "
                 f"(accept_activation_change=True) to convert it anyway (the change is recorded in megamoe.json), or "
                 f"re-export with a recipe whose activations the kernel does not make coarser "
                 f"({_KEEPS[self.row]}).{extra}")
@@ -130,7 +147,9 @@ def _bits(kind: str) -> int:
 def compare(source: ActivationRecipe, row: str, accepted: bool = False) -> ActivationChange:
     """Relate the source recipe to row ``row``'s kernel activations."""
     kk, kdesc = KERNEL_ACTIVATIONS[row]
-    if source.kind not in _PRECISION:
+    if source.kind == "unknown":
+        relation = "unknown"
+    elif source.kind not in _PRECISION:
         relation = "undeclared"
     else:
         sb, sg = _PRECISION[source.kind]
@@ -143,7 +162,7 @@ def compare(source: ActivationRecipe, row: str, accepted: bool = False) -> Activ
             relation = "finer"
         else:
             relation = "different"
-    return ActivationChange(source, row, kk, kdesc, relation, relation == "coarser", accepted)
+    return ActivationChange(source, row, kk, kdesc, relation, relation in ("coarser", "unknown"), accepted)
 
 
 def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:
@@ -159,5 +178,6 @@ def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:
     return rec
 
 
-__all__ = ["ACCEPT_FLAG", "KERNEL_ACTIVATIONS", "ActivationRecipe", "ActivationChange", "UNDECLARED", "compare",
+__all__ = ["ACCEPT_FLAG", "KERNEL_ACTIVATIONS", "ActivationRecipe", "ActivationChange", "UNDECLARED", "unknown",
+           "compare",
            "manifest_record"]

@@ -17,6 +17,7 @@ the source recipe, what the kernel does instead and how a2 was derived.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,48 @@ def test_a_forced_format_keeps_the_sources_own_recipe(name, fmt, kind):
     if kind == "bf16":
         with pytest.raises(FormatError, match=ACCEPT_FLAG):
             detect_reader(open_source(REAL / name), format=fmt)
+
+
+def _with_input_spec(name: str, tmp_path: Path, edit) -> Path:
+    """A copy of real export `name` whose quantization config's activation
+    spec is rewritten by ``edit(quantization_config)`` (weights copied: a
+    source's weight files must lie inside it)."""
+    dst = tmp_path / name
+    shutil.copytree(REAL / name, dst)
+    cfg = json.loads((REAL / name / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _ct_fp8_block_activations(qc):
+    for g in qc["config_groups"].values():
+        g["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                  "dynamic": True, "symmetric": True}
+
+
+def _quark_fp8_per_token_activations(qc):
+    qc["global_quant_config"]["input_tensors"] = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": -1,
+                                                  "is_dynamic": True, "group_size": None}
+
+
+@pytest.mark.parametrize("name,edit", [
+    ("llmcompressor-nvfp4a16-qwen3moe", _ct_fp8_block_activations),
+    ("quark-nvfp4-weight-only-qwen3moe", _quark_fp8_per_token_activations),
+])
+def test_a_declared_recipe_the_converter_does_not_know_needs_the_flag(name, edit, tmp_path):
+    """A producer config that states an activation recipe this converter cannot
+    classify (FP8 per 128-block or per token on the nvfp4 row: 8 -> 4 bits) is
+    not "undeclared": it used to convert without the flag. It is refused naming
+    the flag and the producer's words, and inspect lists it."""
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    src = _with_input_spec(name, tmp_path, edit)
+    with pytest.raises(FormatError, match=ACCEPT_FLAG) as ei:
+        detect_reader(open_source(src))
+    assert "does not know" in str(ei.value)
+    r = detect_reader(open_source(src), accept_activation_change=True)
+    assert r.activation_change.relation == "unknown" and r.activation_change.needs_flag
+    assert any(f"convert needs {ACCEPT_FLAG}" in p for p in inspect_checkpoint(src)["problems"])
+    # negative control: a checkpoint that states no recipe at all is still never refused
+    assert not compare(ActivationRecipe("undeclared", False, "x"), "nvfp4").needs_flag
