@@ -163,6 +163,19 @@ class LayerScalarReport:
 gate_up_agree = scales.gate_up_agree
 
 
+def check_l2_activation_scale(row: Row, value: float | None) -> None:
+    """A given ``--l2-activation-scale`` is one the row has and FP32 can hold
+    (ScaleError otherwise); None passes."""
+    if value is None:
+        return
+    if not row.has_alphas:
+        raise ScaleError(f"--l2-activation-scale {value!r}: only the nvfp4 row has a global L2 activation scale; "
+                         f"this checkpoint converts to row {row.name}, whose kernels scale activations per block "
+                         "themselves. Drop it")
+    if not scales.is_valid_fp32_scale(value):
+        raise ScaleError(f"--l2-activation-scale {value!r} must be finite and > 0 as a float32 (a2 is stored as one)")
+
+
 def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: Row, *,
                         on_scale_mismatch: str = "error", allow_missing_input_scales: bool = False,
                         source=None, l2_activation_scale: float | None = None,
@@ -190,13 +203,7 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
     where = f"MoE layer {info.index} ({info.prefix})"
     if len(scalars) != info.num_experts:
         raise CheckpointError(f"{where}: {len(scalars)} experts' scales read, config says {info.num_experts}")
-    if l2_activation_scale is not None and not row.has_alphas:
-        raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r}: only the nvfp4 row has a global L2 "
-                         f"activation scale; this checkpoint converts to row {row.name}, whose kernels scale "
-                         "activations per block themselves. Drop it")
-    if l2_activation_scale is not None and not scales.is_valid_fp32_scale(l2_activation_scale):
-        raise ScaleError(f"--l2-activation-scale {l2_activation_scale!r} must be finite and > 0 as a float32 "
-                         "(a2 is stored as one)")
+    check_l2_activation_scale(row, l2_activation_scale)
     if not row.has_alphas:
         for e, s in enumerate(scalars):
             given = {k: v for k, v in vars(s).items() if v is not None}

@@ -350,8 +350,13 @@ def _print_summary(s) -> None:
               help="EP size to check divisibility and size the output for.")
 @click.option("--shared-precision", type=click.Choice(["auto", "mxfp8", "bf16"]), default="auto", show_default=True,
               help="As for convert: the precision fused shared experts would be written in.")
+@click.option("--accept-activation-change", is_flag=True,
+              help="As for convert: a coarser activation recipe is accepted, not a problem.")
+@click.option("--l2-activation-scale", type=float, default=None,
+              help="As for convert: the a2 an uncalibrated NVFP4 checkpoint would be given.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def inspect(src, revision, fmt, quantize, ep_size, shared_precision, as_json):
+def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_activation_change, l2_activation_scale,
+            as_json):
     """Describe checkpoint SRC without converting it.
 
     Format and row, MoE layers, experts, shapes, shared experts (fusable or
@@ -366,13 +371,16 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, as_json):
       megamoe-convert inspect nvidia/DeepSeek-R1-NVFP4 --ep-size 8 --json
       megamoe-convert inspect ./model-bf16 --quantize nvfp4
       megamoe-convert inspect ./r1-nvfp4 --shared-precision bf16
+      megamoe-convert inspect ./w4a16-nvfp4 --accept-activation-change --l2-activation-scale 0.002
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
     from .convert import inspect_checkpoint
 
     rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
-                                                  ep_size=ep_size, shared_precision=shared_precision))
+                                                  ep_size=ep_size, shared_precision=shared_precision,
+                                                  accept_activation_change=accept_activation_change,
+                                                  l2_activation_scale=l2_activation_scale))
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:

@@ -1131,13 +1131,16 @@ def _copy_passthrough(source: CheckpointSource, run: _Run) -> None:
 
 
 def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
-                       quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto") -> dict:
+                       quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
+                       accept_activation_change: bool = False, l2_activation_scale: float | None = None) -> dict:
     """What `megamoe-convert inspect` reports (JSON-safe dict).
 
     Reads headers and the scalar scale tensors only. Problems that would stop
     `convert` (row size rules, EP divisibility, bad or disagreeing scales)
     are collected in ``problems`` rather than raised, so one run shows them
     all; a checkpoint that cannot be opened or read at all still raises.
+    ``accept_activation_change`` and ``l2_activation_scale`` are convert's,
+    so the report answers for the convert command about to be run.
     """
     source = open_source(src, revision)
     try:
@@ -1148,9 +1151,15 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         infos = reader.moe_layers()
         problems: list[str] = []
         change = reader.activation_change = dataclasses.replace(reader.activation_change,
-                                                                accepted=quantize is not None)
+                                                                accepted=quantize is not None
+                                                                or bool(accept_activation_change))
         if change.needs_flag and not change.accepted:
             problems.append(change.summary())
+        if not row.has_alphas:
+            try:
+                checks.check_l2_activation_scale(row, l2_activation_scale)
+            except MegaMoEError as e:
+                problems.append(str(e))
         layers, groups = [], []
         expert_bytes = 0
         pairs = mismatched = 0
@@ -1178,7 +1187,8 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                 try:
                     scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
                     rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch="requantize",
-                                                     allow_missing_input_scales=True, report_missing_a2=True)
+                                                     allow_missing_input_scales=True, report_missing_a2=True,
+                                                     l2_activation_scale=l2_activation_scale)
                     layer["scalars"] = rep.scalars
                     layer["w1_w3_mismatches"] = len(rep.mismatches)
                     pairs += info.num_experts

@@ -399,3 +399,26 @@ def test_a_declared_recipe_the_converter_does_not_know_needs_the_flag(name, edit
     assert any(f"convert needs {ACCEPT_FLAG}" in p for p in inspect_checkpoint(src)["problems"])
     # negative control: a checkpoint that states no recipe at all is still never refused
     assert not compare(ActivationRecipe("undeclared", False, "x"), "nvfp4").needs_flag
+
+
+def test_inspect_takes_the_flags_its_problems_name(tmp_path):
+    """inspect tells a weight-only NVFP4 export (or `--quantize nvfp4`) to pass
+    --accept-activation-change and --l2-activation-scale; it accepts both, as
+    for convert, so the command about to be run can be checked (exit 0), and a
+    wrong use of them is still a listed problem."""
+    name = "modelopt-w4a16-nvfp4-qwen3moe"
+    if name not in PRESENT:
+        pytest.skip("fixture missing")
+    args = ["inspect", str(REAL / name), ACCEPT_FLAG, "--l2-activation-scale", "0.002"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert f"accepted with {ACCEPT_FLAG}" in res.output
+    res = CliRunner().invoke(main, ["inspect", str(REAL / "bf16-plain-qwen3moe"), "--quantize", "nvfp4",
+                                    "--l2-activation-scale", "0.002"])
+    assert res.exit_code == 0, res.output
+    # negative controls: one flag short, a calibrated checkpoint given an a2, an mx row given one
+    assert CliRunner().invoke(main, args[:3]).exit_code == 2
+    rep = inspect_checkpoint(REAL / "modelopt-nvfp4-qwen3moe", l2_activation_scale=0.002)
+    assert any("drop it" in p for p in rep["problems"])
+    rep = inspect_checkpoint(REAL / "modelopt-mxfp4-qwen3moe", l2_activation_scale=0.002)
+    assert any("only the nvfp4 row" in p for p in rep["problems"])
