@@ -4,7 +4,9 @@ Python's json module will happily build a 10**5-deep list (and then raise Recurs
 5000-digit number into a ValueError that names no file, or keep the last of two duplicate keys. A
 megamoe input is a contract, so here a JSON text is refused, with an error naming the file, when it is
 larger than ``limits.MAX_JSON_BYTES`` (or the caller's bound), nests deeper than ``limits.MAX_JSON_DEPTH``,
-has an integer of more than ``limits.MAX_INT_DIGITS`` digits, repeats a key within an object, is not
+has an integer of more than ``limits.MAX_INT_DIGITS`` digits, holds a non-finite number (``NaN``/``Infinity``,
+which Python's json writes by default, or a float literal that overflows: not JSON, and the strict writers of the
+converter and the manifest digest would fail on it later with a bare ValueError), repeats a key within an object, is not
 UTF-8, or is not JSON. Depth is measured before parsing, in time linear in the text and memory bounded
 by a fixed chunk, so no hostile text reaches the recursive parser. The error type is the caller's (a
 ManifestError for megamoe.json, a CheckpointError for a header), always a MegaMoEError.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import operator
 import os
 import re
@@ -90,6 +93,17 @@ def _int(text: str) -> int:
     return int(text)
 
 
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"a non-finite number {text:.50} (JSON numbers are finite)")
+    return value
+
+
+def _constant(text: str) -> float:
+    raise _Refused(f"a non-finite number {text} (not JSON; JSON numbers are finite)")
+
+
 def parse_json(raw: Union[bytes, str], where: str, *, error: Type[MegaMoEError] = JsonError,
                max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH, what: str = "JSON",
                key_name: str = "key") -> Any:
@@ -107,7 +121,8 @@ def parse_json(raw: Union[bytes, str], where: str, *, error: Type[MegaMoEError] 
     if depth > max_depth:
         raise error(f"{where}: {what} nests {depth} levels deep (limit {max_depth}, megamoe_runtime.limits)")
     try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_int=_int)
+        return json.loads(text, object_pairs_hook=_pairs, parse_int=_int, parse_float=_float,
+                          parse_constant=_constant)
     except _DupKey as e:
         raise error(f"{where}: duplicate {key_name} {e.args[0]!r:.200} in the {what}") from None
     except _Refused as e:

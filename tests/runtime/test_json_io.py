@@ -61,6 +61,10 @@ def test_accepts_ordinary_json():
     ('{"x": {"a": 1, "a": 1}}', "duplicate key 'a'"),
     ("{not json", "not valid JSON"),
     (b"\xff\xfe{}", "not valid UTF-8"),
+    ('{"eps": NaN}', "non-finite number NaN"),
+    ('[Infinity]', "non-finite number Infinity"),
+    ('[-Infinity]', "non-finite number -Infinity"),
+    ('[1e400]', "non-finite number 1e400"),
 ])
 def test_refusals_name_the_file(text, match):
     with pytest.raises(JsonError, match=match) as e:

@@ -96,3 +96,35 @@ def test_convert_of_a_config_claiming_1e9_experts_refused_bounded(make_ckpt, tmp
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"{src / 'config.json'}: num_experts = 1000000000 exceeds megamoe's limit" in r.stderr, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", MANIFEST_NAME])
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+def test_non_finite_json_numbers_refused_naming_the_file(ckpts, tmp_path, name, number):
+    """NaN / Infinity (which Python's json writes by default) or a float that overflows, in config.json
+    (convert: exit 2, nothing left beside OUT) or megamoe.json (verify: exit 1; open_checkpoint: ManifestError):
+    were a ValueError traceback from the strict JSON writer or the self-digest."""
+    import re
+    import shutil
+
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli import main
+    from megamoe_runtime import open_checkpoint
+
+    src, out = ckpts.converted("quark-mxfp4")
+    folder = tmp_path / "f"
+    shutil.copytree(src if name == "config.json" else out, folder)
+    key = "rms_norm_eps" if name == "config.json" else "routed_scaling_factor"
+    text, n = re.subn(rf'("{key}": )[^,}}\n]+', rf"\g<1>{number}", (folder / name).read_text(), count=1)
+    assert n == 1
+    (folder / name).write_text(text)
+    args = ["convert", str(folder), str(tmp_path / "o")] if name == "config.json" else ["verify", str(folder)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == (2 if name == "config.json" else 1), (r.output, r.exception)
+    said = r.stderr if name == "config.json" else r.stdout
+    assert str(folder / name) in said and f"non-finite number {number}" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    if name == MANIFEST_NAME:
+        with pytest.raises(ManifestError, match="non-finite number"):
+            open_checkpoint(folder)
