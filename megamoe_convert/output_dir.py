@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -328,7 +329,7 @@ class OutputLock:
         import fcntl
 
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -345,7 +346,14 @@ class OutputLock:
             if same:
                 break
             os.close(fd)  # the previous holder removed the file between our open and our lock: retry
+        try:
+            raw = os.pread(fd, 4096, 0)
+        except OSError:
+            raw = b"x"
         prev = _read_holder(self.path)
+        if raw.strip() and prev.pid is None:  # not empty (a kill between create and write) and not our JSON
+            os.close(fd)
+            raise self._not_ours("a file whose content is not a megamoe-convert lock")
         if prev.pid is not None:
             self.stale = prev
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "out": str(self.out),
@@ -354,6 +362,25 @@ class OutputLock:
         os.pwrite(fd, (info + "\n").encode(), 0)
         self.fd = fd
         return self
+
+    def _not_ours(self, what: str) -> OutputError:
+        return OutputError(
+            f"{self.path} is {what}; it is not a megamoe-convert lock and is left alone (the lock of {self.out} "
+            "lives at that name): move it away, or choose another OUT")
+
+    def _open(self) -> int:
+        """The lock file, created if missing; never through a symlink (a link planted there would make the
+        lock truncate and then overwrite its target) and only a regular file."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if self.path.is_symlink():
+                raise self._not_ours(f"a symlink (to {os.readlink(self.path)})") from None
+            raise OutputError(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._not_ours("not a regular file")
+        return fd
 
     def release(self) -> None:
         if self.fd is None:

@@ -234,6 +234,31 @@ def test_lock_in_process_and_stale_lock(tmp_path, synth_ckpt):
     assert verify_output(out).ok and siblings(out) == []
 
 
+def test_lock_path_holding_something_not_ours_is_left_alone(tmp_path, synth_ckpt):
+    """A symlink planted at ``.OUT.megamoe-lock`` (e.g. in a shared /tmp, pointing at the victim's file) or a
+    user's own file of that name: refused (exit 2) and not a byte of it changed. Before, the lock open followed
+    the link and truncated its target, then overwrote it with the lock's JSON; a user file was replaced and
+    deleted."""
+    src = synth_ckpt("ct-mxfp8")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for i, plant in enumerate(("symlink", "file", "dangling")):
+        out = tmp_path / f"out{i}"
+        lock = lock_path_for(out)
+        if plant == "symlink":
+            lock.symlink_to(victim)
+        elif plant == "file":
+            lock.write_text("my notes\n")
+        else:
+            lock.symlink_to(tmp_path / "nowhere")
+        before = tree_digest(tmp_path)
+        r = run_cli("convert", src, out)
+        assert r.exit_code == 2, (plant, r.output)
+        assert str(lock) in r.stderr and "not a megamoe-convert lock" in r.stderr, r.stderr
+        assert tree_digest(tmp_path) == before and not out.exists() and not temp_dir_for(out).exists(), plant
+    assert victim.read_text() == "precious\n"
+
+
 # --------------------------------------------------------------------------- killed at every swap step
 
 
