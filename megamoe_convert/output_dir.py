@@ -448,20 +448,30 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(s)
 
 
+def check_old_name_free(out: Path, tmp: Path | None = None) -> None:
+    """``.OUT.megamoe-old`` must be absent or a folder `is_our_old` may remove before an existing OUT is
+    moved there; anything else (a user's folder, a link) is refused and left alone."""
+    old = old_dir_for(out)
+    if (old.exists() or old.is_symlink()) and not is_our_old(old):
+        kind = f"a symlink (to {os.readlink(old)})" if old.is_symlink() else "not a megamoe output"
+        raise OutputError(f"{old} exists and is {kind}; it is left alone: move it away so {out} can be replaced"
+                          + (f" (the new output is complete in {tmp})" if tmp is not None else ""))
+
+
 def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None) -> None:
     """Make the complete temp folder OUT: old OUT -> ``.OUT.megamoe-old``,
     temp -> OUT, journal and marker removed from OUT, old folder removed.
     Each step is fsynced; a kill between any two is finished by `recover`."""
     old = old_dir_for(out)
+    moved_old = False
     with signals_deferred():
         if out.exists() or out.is_symlink():
             check_replaceable(out)  # again: something may have been added while we converted
+            check_old_name_free(out, tmp)
             if old.exists():
-                if not is_our_old(old):
-                    raise OutputError(f"{old} exists and is not a megamoe output; move it away so {out} "
-                                      f"can be replaced (the new output is complete in {tmp})")
                 shutil.rmtree(old)
             os.rename(out, old)
+            moved_old = True
             _fsync_dir(out.parent)
             _step(on_step, STEP_OLD_MOVED)
         os.rename(tmp, out)
@@ -469,7 +479,7 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None) -> No
         _step(on_step, STEP_NEW_MOVED)
         _strip_temp_files(out)
         _step(on_step, STEP_CLEANED)
-        if old.exists():
+        if moved_old:  # only what this swap put there: a folder that was already at that name is not ours
             shutil.rmtree(old)
             _fsync_dir(out.parent)
             _step(on_step, STEP_OLD_REMOVED)
@@ -519,7 +529,7 @@ def recover(out: Path, log: Log | None = None) -> str | None:
 
 __all__ = [
     "OutputError", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
-    "check_placement", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
+    "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
     "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",
     "swap_into_place", "recover", "signals_deferred", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",
     "STEP_TENSOR", "STEP_SYNCED", "STEP_COMPLETE", "STEP_OLD_MOVED", "STEP_NEW_MOVED", "STEP_CLEANED",

@@ -67,6 +67,7 @@ from .output_dir import (
     STEP_TENSOR,
     TMP_MARKER,
     _fsync_dir,
+    check_old_name_free,
     check_replaceable,
     discard_temp,
     is_our_temp,
@@ -473,6 +474,7 @@ def check_output_target(out: Path, *, overwrite: bool, resume: bool, recovered: 
             )
         if overwrite:
             check_replaceable(out)
+            check_old_name_free(out)
     if tmp.exists() or tmp.is_symlink():
         if not is_our_temp(tmp):
             discard_temp(tmp)  # raises: not ours, left alone

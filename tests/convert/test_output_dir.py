@@ -259,6 +259,32 @@ def test_lock_path_holding_something_not_ours_is_left_alone(tmp_path, synth_ckpt
     assert victim.read_text() == "precious\n"
 
 
+def test_old_name_holding_something_not_ours_is_left_alone(tmp_path, synth_ckpt):
+    """A user folder (or a dangling link) at ``.OUT.megamoe-old``: a first run to OUT leaves it alone (it was
+    deleted by the swap's last step, which removed whatever held that name); ``--overwrite`` of an existing
+    OUT is refused before converting (was a NotADirectoryError after the conversion), naming it."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    old = old_dir_for(out)
+    old.mkdir()
+    (old / "mine.txt").write_text("precious\n")
+    before = tree_digest(old)
+    r = run_cli("convert", src, out)
+    assert r.exit_code == 0, r.output
+    assert verify_output(out).ok and tree_digest(old) == before
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 2 and str(old) in r.stderr and "not a megamoe output" in r.stderr, r.output
+    assert tree_digest(old) == before and not temp_dir_for(out).exists() and verify_output(out).ok
+    (old / "mine.txt").unlink()
+    old.rmdir()
+    old.symlink_to(tmp_path / "nowhere")
+    out_before = tree_digest(out)
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 2 and str(old) in r.stderr, r.output
+    assert "Error:" not in r.stderr and old.is_symlink() and tree_digest(out) == out_before
+    assert not temp_dir_for(out).exists()
+
+
 # --------------------------------------------------------------------------- killed at every swap step
 
 
