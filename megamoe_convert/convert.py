@@ -1072,8 +1072,11 @@ class _DirectWeights:
         E_l, n2, dw = kt.l1_weight.shape
         isz = kt.l1_weight.element_size()
         self.groups = n2 // 16
-        self.group_bytes = 8 * dw * isz  # 8 rows of one half
-        self.half_bytes = self.groups * self.group_bytes  # what one gate/up source tensor holds
+        self.row_bytes = dw * isz
+        self.half_bytes = (n2 // 2) * self.row_bytes  # what one gate/up source tensor holds
+        #: per half, (kernel byte offset, nbytes) of each 8-row run in source order (layout's placement)
+        self.runs = [[(k * self.row_bytes, n * self.row_bytes) for _, k, n in layout.l1_half_row_runs(n2 // 2, h)]
+                     for h in (0, 1)] if n2 % 16 == 0 else None
         self.l1_bytes = n2 * dw * isz  # one expert's l1_weight
         self.l2_bytes = kt.l2_weight[0].numel() * kt.l2_weight.element_size()
         self._l1 = self._l2 = None  # byte views, made on first use
@@ -1088,11 +1091,10 @@ class _DirectWeights:
             return False
         if self._l1 is None:
             self._l1, self._l2 = byte_view(self.kt.l1_weight), byte_view(self.kt.l2_weight)
-        src, gb = self.reader.source, self.group_bytes
+        src, base = self.reader.source, slot * self.l1_bytes
         for half in (0, 1):
             path, pos, _ = ranges[half]
-            base = slot * self.l1_bytes + half * gb
-            src.read_into(path, pos, [self._l1[base + 2 * gb * g: base + 2 * gb * g + gb] for g in range(self.groups)])
+            src.read_into(path, pos, [self._l1[base + off: base + off + n] for off, n in self.runs[half]])
         path, pos, _ = ranges[2]
         src.read_into(path, pos, [self._l2[slot * self.l2_bytes:(slot + 1) * self.l2_bytes]])
         return True

@@ -51,6 +51,7 @@ from .formats import Row, get_row, nearest_multiples
 
 __all__ = [
     "interleave_row",
+    "l1_half_row_runs",
     "deinterleave_row",
     "utccp_row",
     "utccp_inverse_row",
@@ -106,6 +107,16 @@ def interleave_row(n: int, intermediate: int) -> int:
         return 16 * (n // 8) + n % 8
     m = n - I
     return 16 * (m // 8) + 8 + m % 8
+
+
+def l1_half_row_runs(intermediate: int, half: int) -> list[tuple[int, int, int]]:
+    """``(source row, kernel row, rows)`` runs of the gate (``half`` 0) or up
+    (1) weight that stay contiguous under interleave8 (8 rows each), in source
+    order: where a reader that fills the kernel buffer itself (the converter's
+    direct reads) puts each run, from `interleave_row` rather than re-derived."""
+    if half not in (0, 1) or intermediate % 8:
+        raise LayoutError(f"l1_half_row_runs: half={half!r} (0 gate, 1 up), intermediate={intermediate} (needs % 8)")
+    return [(s, interleave_row(s + half * intermediate, intermediate), 8) for s in range(0, intermediate, 8)]
 
 
 def deinterleave_row(r: int, intermediate: int) -> int:

@@ -697,3 +697,26 @@ def test_cuda_matches_cpu(row):
     sh = layout.pack_shared(row, [_to(e, "cuda") for e in exs[:2]], device="cuda")
     for a, b in zip(exs[:2], layout.unpack_shared(row, sh, 2)):
         assert_same_expert(a, _to(b, "cpu"))
+
+
+@pytest.mark.parametrize("I", [8, 24, 128])
+def test_l1_half_row_runs_match_write_l1_weight(I):
+    """The runs direct readers place bytes with put every gate/up row where write_l1_weight puts it."""
+    H = 4
+    for half in (0, 1):
+        src = torch.arange(I * H, dtype=torch.int32).reshape(I, H) + 1
+        want = torch.zeros(2 * I, H, dtype=torch.int32)
+        layout.write_l1_weight(want, src, half)
+        got = torch.zeros(2 * I, H, dtype=torch.int32)
+        runs = layout.l1_half_row_runs(I, half)
+        assert [s for s, _, _ in runs] == list(range(0, I, 8))  # source order, contiguous
+        for s, k, n in runs:
+            got[k:k + n] = src[s:s + n]
+        assert torch.equal(got, want)
+        # negative control: the other half's runs land the rows elsewhere
+        wrong = torch.zeros(2 * I, H, dtype=torch.int32)
+        for s, k, n in layout.l1_half_row_runs(I, 1 - half):
+            wrong[k:k + n] = src[s:s + n]
+        assert not torch.equal(wrong, want)
+    with pytest.raises(LayoutError, match="needs % 8"):
+        layout.l1_half_row_runs(12, 0)
