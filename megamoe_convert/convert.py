@@ -531,7 +531,14 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             **({"checksum": checksum} if checksum != SHA256 else {}),
         })
         if recovered is not None:
-            if recovered == fingerprint:
+            changed = _identity_changes(recovered.get("sources"), _source_identity(source))
+            if recovered.get("fingerprint") == fingerprint and changed and not overwrite:
+                raise SourceChangedError(
+                    f"output folder {out} already exists: an interrupted conversion was just completed into it, "
+                    f"but the source changed since that run read it ({'; '.join(changed[:3])}"
+                    f"{f'; {len(changed) - 3} more' if len(changed) > 3 else ''}), so it is not this source's "
+                    "conversion; pass --overwrite to replace it with a conversion of the current source")
+            if recovered.get("fingerprint") == fingerprint and not changed:
                 log(f"{out} is this conversion, completed from the interrupted run: nothing left to do")
                 return _summary_of_output(out, source, reader, row, plans, slots_by_file, ep_size)
             if not overwrite:

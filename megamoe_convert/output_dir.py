@@ -248,6 +248,12 @@ def write_temp_marker(tmp: Path, out: Path) -> None:
 def journal_state(tmp: Path) -> tuple[str | None, bool]:
     """(run fingerprint, complete) from a temp folder's journal; (None, False) without one.
     Complete: the journal's last record says every file and the manifest are written and synced."""
+    record, complete = _journal_run(tmp)
+    return (record or {}).get("fingerprint"), complete
+
+
+def _journal_run(tmp: Path) -> tuple[dict | None, bool]:
+    """(the journal's ``run`` record, complete): `journal_state` with the record's source identities too."""
     p = tmp / JOURNAL_NAME
     fingerprint, complete = None, False
     try:
@@ -262,7 +268,7 @@ def journal_state(tmp: Path) -> tuple[str | None, bool]:
         if not isinstance(rec, dict):
             continue
         if rec.get("kind") == "run":
-            fingerprint = rec.get("fingerprint")
+            fingerprint = rec
         complete = rec.get("kind") == "complete"
     return fingerprint, complete and (tmp / MANIFEST_NAME).is_file()
 
@@ -485,7 +491,7 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None) -> No
             _step(on_step, STEP_OLD_REMOVED)
 
 
-def recover(out: Path, log: Log | None = None) -> str | None:
+def recover(out: Path, log: Log | None = None) -> dict | None:
     """Finish (or undo) a swap an earlier run was killed in; call under the lock.
 
     * no OUT, complete temp folder: the temp folder becomes OUT;
@@ -493,14 +499,15 @@ def recover(out: Path, log: Log | None = None) -> str | None:
     * OUT still holding our journal: stripped;
     * OUT and ``.megamoe-old`` both present: the old one is removed (if ours).
 
-    Returns the finished run's fingerprint when this completed its swap into
-    OUT (the caller may then be done already), else None."""
+    Returns the finished run's journal ``run`` record (its ``fingerprint`` and
+    the ``sources`` identities it read) when this completed its swap into OUT
+    (the caller may then be done already, if its source is still that one), else None."""
     log = log or (lambda m: None)
     tmp, old = temp_dir_for(out), old_dir_for(out)
     finished = None
     with signals_deferred():
         if not out.exists() and not out.is_symlink():
-            fp, complete = journal_state(tmp) if is_our_temp(tmp) else (None, False)
+            fp, complete = _journal_run(tmp) if is_our_temp(tmp) else (None, False)
             if complete:
                 os.rename(tmp, out)
                 _fsync_dir(out.parent)
@@ -513,7 +520,7 @@ def recover(out: Path, log: Log | None = None) -> str | None:
                 log(f"recovered: an earlier --overwrite run was stopped mid-swap; the previous output "
                     f"{old} is back at {out}")
         if out.is_dir() and not out.is_symlink() and (out / JOURNAL_NAME).is_file() and is_megamoe_output(out):
-            fp, complete = journal_state(out)
+            fp, complete = _journal_run(out)
             if complete:
                 _strip_temp_files(out)
                 finished = finished or fp

@@ -335,3 +335,32 @@ def test_killed_before_or_after_the_rename_of_a_first_run(tmp_path, synth_ckpt, 
     assert s["resumed_files"] == s["files"] - 1 or "nothing left to do" in r.stderr, r.output
     assert tree_digest(out) == tree_digest(ref)
     assert siblings(out) == []
+
+
+@pytest.mark.parametrize("step", ["complete", "new-moved"])
+def test_rerun_after_a_kill_at_the_rename_notices_an_edited_source(tmp_path, synth_ckpt, crashing_run, step):
+    """Killed with the temp folder complete (or just renamed), then the source is edited: the plain rerun
+    recovers the interrupted run's output as before, but may not call it "this conversion, nothing left to
+    do" (exit 0): it is the conversion of the old source. Refused naming the changed file; OUT is kept whole
+    (the old source's complete conversion) and --overwrite then converts the current source."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(synth_ckpt("quark-mxfp4", **SMALL, seed=3), src)
+    out = tmp_path / "out"
+    p = crashing_run(step, 1, "convert", src, out, "--no-progress")
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x40  # a weight byte near the end: outside the sampled content hash
+    shard.write_bytes(bytes(data))
+    r = run_cli("convert", src, out)
+    assert r.exit_code == 2, r.output
+    assert "source changed" in r.stderr and shard.name in r.stderr, r.stderr
+    assert verify_output(out).ok and siblings(out) == []
+    r = run_cli("convert", src, tmp_path / "ref")
+    assert r.exit_code == 0, r.output
+    assert tree_digest(out) != tree_digest(tmp_path / "ref")  # the control: OUT is the old source's output
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert tree_digest(out) == tree_digest(tmp_path / "ref")
