@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["calc_diff", "rel_l2"]
+__all__ = ["calc_diff", "rel_l2", "staging_adversarial_rows", "staging_random_rows"]
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -36,3 +36,66 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / den
+
+
+# ------------------------------------------------------------------ staging inputs
+# Shared by the staging tests and bench/staging.py (its bit-exactness checks).
+
+
+def staging_adversarial_rows(H: int, dev) -> torch.Tensor:
+    """bf16 rows that hit every rounding corner of the MXFP8 / NVFP4 quantizers."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rows = []
+    rows.append(torch.zeros(H))                                    # all-zero row
+    rows.append(-torch.zeros(H))                                   # all -0.0
+    for k in (-20, -8, 0, 5, 20):                                  # amax exactly 1.75*2^k (448 = 1.75*2^8)
+        r = torch.randn(H, generator=g).clamp(-1, 1) * 1.75 * 2.0 ** k
+        r[::32] = 1.75 * 2.0 ** k
+        rows.append(r)
+        r2 = r.clone()
+        r2[::32] = torch.tensor(1.75 * 2.0 ** k).bfloat16().float() * (1 + 2 ** -7)  # just above
+        rows.append(r2)
+    # E4M3 ties after the UE8M0 scaling: group amax 448 -> scale 1, elements at mantissa midpoints
+    t = torch.tensor([1.0625, 1.1875, 2.125, 0.0048828125, 0.013671875, 3.25, 5.5, 13.0, 240.0, 416.0])
+    r = t[torch.randint(0, len(t), (H,), generator=g)] * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)
+    r[::32] = 448.0
+    rows.append(r)
+    # NVFP4 ties: token amax 2688*2^k -> token scale 2^k; block amax 6*s, elements at E2M1 midpoints * s
+    for k in (-6, 0, 3):
+        s_vals = torch.tensor([448.0, 1.0, 0.5, 3.25, 0.0625, 13.0])
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0])
+        r = torch.empty(H)
+        for b in range(H // 16):
+            s = s_vals[b % len(s_vals)]
+            blk = mids[torch.randint(0, len(mids), (16,), generator=g)] * s
+            blk[0] = 6.0 * s
+            blk = blk * torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0)
+            r[b * 16:(b + 1) * 16] = blk
+        r[0] = 2688.0
+        rows.append(r * 2.0 ** k)
+    rows.append(torch.randint(-64, 65, (H,), generator=g).float() / 16)   # a coarse grid: many ties
+    rows.append(torch.full((H,), 3.0e38))                                  # near bf16 max
+    rows.append(torch.randn(H, generator=g) * 1e-38)                       # bf16 subnormals
+    rows.append(torch.randn(H, generator=g) * 1e-6)                        # below the 1e-4 floor
+    mixed = torch.randn(H, generator=g) * torch.logspace(-30, 30, H)
+    rows.append(mixed)
+    # near powers of two: +-2^k * (1 + j/128), j in -2..2 (bf16 neighbours of 2^k), k random per element
+    for lo, hi in ((-12, 4), (-3, 9)):
+        k = torch.randint(lo, hi, (H,), generator=g).float()
+        j = torch.randint(-2, 3, (H,), generator=g).float()
+        sgn = torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(sgn * 2.0 ** k * (1 + j / 128))
+    one_hot = torch.zeros(H)
+    one_hot[H // 3] = -1.0                                              # one non-zero element
+    rows.append(one_hot)
+    return torch.stack(rows).to(torch.bfloat16).to(dev)
+
+
+def staging_random_rows(T: int, H: int, dev, seed: int) -> torch.Tensor:
+    """Gaussian rows over 16 decades of scale, 1% of elements 100x larger."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scale = torch.logspace(-8, 8, T)[:, None]
+    x = torch.randn(T, H, generator=g) * scale
+    heavy = torch.rand(T, H, generator=g) < 0.01
+    x = torch.where(heavy, x * 100, x)
+    return x.to(torch.bfloat16).to(dev)

@@ -93,13 +93,19 @@ def _dq_code(dequant) -> int:
     return DEQUANT_MODES.index(dequant)
 
 
-def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None):
+#: (groups of 32 per program, warps): the measured best on the H200 (bench/staging.py).
+_MXFP8_CONFIG = (32, 4)
+
+
+def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None,
+                   config: tuple[int, int] | None = None):
     """MXFP8 dispatch of ``x`` bf16/fp32 ``[T, H]`` (H % 128 == 0).
 
     Returns ``(q float8_e4m3fn [T, H], sf uint8 [T, H/32], x_sf int32 [T, H/128])``;
     ``x_sf`` is a view of ``sf`` (DeepGEMM's packed row-major activation scales).
     With ``dequant`` ("natural" or "split" = [even k | odd k]) a fourth output is the
-    exact bf16 dequantization ``q * 2^(sf-127)`` the GEMMs read.
+    exact bf16 dequantization ``q * 2^(sf-127)`` the GEMMs read. ``config``
+    ``(groups of 32 per program, warps)`` overrides the launch shape (benchmarks).
     Bit-exact with ``codecs.quantize_mxfp8``.
     """
     _check_x(x, 128, "quantize_mxfp8")
@@ -110,10 +116,10 @@ def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str 
     sf = torch.empty(T, H // 32, dtype=torch.uint8, device=x.device)
     xd = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if dq else q
     if T:
-        block_g = 32  # 1024 elements per program
+        block_g, warps = _MXFP8_CONFIG if config is None else config
         grid = (T, triton.cdiv(H // 32, block_g))
         _mxfp8_kernel[grid](x, q, sf, xd, H, x.stride(0), q.stride(0), sf.stride(0),
-                            BLOCK_G=block_g, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts())
+                            BLOCK_G=block_g, HW_CVT=hw, DQ=dq, num_warps=warps, **_launch_opts())
     out = (q.view(torch.float8_e4m3fn), sf, sf.view(torch.int32))
     return out + (xd,) if dq else out
 
@@ -169,13 +175,128 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
             tl.store(xd_ptr + t * H + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16), mask=mask)
 
 
-def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None):
+# The row kernel: one program holds a whole token in registers (H/16 blocks split into
+# at most four power-of-two pieces, e.g. 448 = 256 + 128 + 64), so the token amax
+# needs no second pass over memory, and each element costs a few flops instead of
+# two IEEE divisions:
+# * y = |x| / ts: the multiply by the correctly rounded reciprocal of the token scale
+#   and two residual steps r = |x| - ts*q (exact in an FMA), q += r * (1/ts); by
+#   Markstein's theorem the last step returns the correctly rounded quotient once q
+#   is within one ulp (the first step brings it there). The sign comes from x (so
+#   -0.0 keeps its sign as in the reference's x / ts). FAST_DIV=0 uses div_rn.
+# * the block scale divides the block's max |x| (one div_rn per 16 elements; the
+#   rounding is monotone, so RN(max|x| / ts) = max RN(|x| / ts)).
+# * e2m1(y / d) compares the quotient with the E2M1 midpoints m: because m (<= 3
+#   significant bits) times the E4M3 scale d (<= 4 bits) is exact in fp32,
+#   RN(y / d) >= m  <=>  y >= m*d  and  RN(y / d) > m  <=>  y > m*d (a quotient on
+#   the wrong side of m*d cannot round onto m: it is at least ulp(m*d)/d away, more
+#   than half an ulp of m). Three compares (binary search over the 7 midpoints)
+#   give the magnitude code. Proven on the GPU by bench/staging.py and the tests.
+
+
+@triton.jit
+def _nv_load(x_row, OFF: tl.constexpr, NBP: tl.constexpr):
+    col = OFF * 16 + tl.arange(0, NBP)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return tl.load(x_row + col).to(tl.float32)
+
+
+@triton.jit
+def _nv_piece(x, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.constexpr,
+              HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
+    a = tl.abs(x)
+    if FAST_DIV:
+        q = a * rcp
+        r = tl.fma(-ts, q, a)
+        q = tl.fma(r, rcp, q)
+        r = tl.fma(-ts, q, a)
+        y = tl.fma(r, rcp, q)
+    else:
+        y = tl.math.div_rn(a, tl.full((NBP, 16), 0.0, tl.float32) + ts)
+    bmax = tl.max(a, axis=1)
+    yb = tl.math.div_rn(bmax, tl.full((NBP,), 0.0, tl.float32) + ts)
+    sfv = tl.maximum(tl.math.div_rn(yb, tl.full((NBP,), 6.0, tl.float32)), _jit.E4M3_MIN_SUB)
+    sfv = _jit.e4m3_round(sfv, HW_CVT)
+    d = sfv[:, None]
+    p2 = y >= d * 1.75
+    p1 = y >= tl.where(p2, d * 3.5, d * 0.75)
+    t0 = tl.where(p2, tl.where(p1, d * 5.0, d * 2.5), tl.where(p1, d * 1.25, d * 0.25))
+    p0 = y > t0
+    mag = p2.to(tl.int32) * 4 + p1.to(tl.int32) * 2 + p0.to(tl.int32)
+    c = mag | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+    ce, co = tl.split(c.reshape(NBP, 8, 2))
+    pc = OFF * 8 + tl.arange(0, NBP)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(p_row + pc, (ce | (co << 4)).to(tl.uint8))
+    if HW_CVT:
+        sb = sfv.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        sb = _jit.e4m3_value_to_byte(sfv).to(tl.uint8)
+    tl.store(sf_row + OFF + tl.arange(0, NBP), sb)
+    if DQ == 2:  # exact dequant (token scale NOT applied) as [even k | odd k]
+        tl.store(xd_row + pc, (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
+        tl.store(xd_row + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16))
+
+
+@triton.jit
+def _nvfp4_row_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_p, stride_sf,
+                      P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+                      HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + t * stride_x
+    p_row = p_ptr + t * stride_p
+    sf_row = sf_ptr + t * stride_sf
+    xd_row = xd_ptr + t * H
+    x0 = _nv_load(x_row, 0, P0)
+    amax = tl.max(tl.max(tl.abs(x0), axis=1), axis=0)
+    if P1 > 0:
+        x1 = _nv_load(x_row, P0, P1)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x1), axis=1), axis=0))
+    if P2 > 0:
+        x2 = _nv_load(x_row, P0 + P1, P2)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x2), axis=1), axis=0))
+    if P3 > 0:
+        x3 = _nv_load(x_row, P0 + P1 + P2, P3)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x3), axis=1), axis=0))
+    # token_scale = max(amax, 1e-12) / 2688, a true division
+    ts = tl.math.div_rn(tl.maximum(amax, 1e-12), 2688.0)
+    tl.store(ts_ptr + t, ts)
+    rcp = tl.math.div_rn(1.0, ts)
+    _nv_piece(x0, ts, rcp, p_row, sf_row, xd_row, H, 0, P0, HW_CVT, DQ, FAST_DIV)
+    if P1 > 0:
+        _nv_piece(x1, ts, rcp, p_row, sf_row, xd_row, H, P0, P1, HW_CVT, DQ, FAST_DIV)
+    if P2 > 0:
+        _nv_piece(x2, ts, rcp, p_row, sf_row, xd_row, H, P0 + P1, P2, HW_CVT, DQ, FAST_DIV)
+    if P3 > 0:
+        _nv_piece(x3, ts, rcp, p_row, sf_row, xd_row, H, P0 + P1 + P2, P3, HW_CVT, DQ, FAST_DIV)
+
+
+#: The largest row the row kernel holds in registers, and its piece count.
+_NV_ROW_MAX_H = 8192
+_NV_ROW_MAX_PIECES = 4
+NVFP4_IMPLS = ("row", "chunk")
+
+
+def _nv_pieces(H: int) -> list[int] | None:
+    """H/16 blocks as descending powers of two (at most four), or None if the row kernel cannot hold it."""
+    nb = H // 16
+    if H > _NV_ROW_MAX_H:
+        return None
+    pieces = [1 << b for b in range(nb.bit_length() - 1, -1, -1) if nb >> b & 1]
+    return pieces if len(pieces) <= _NV_ROW_MAX_PIECES else None
+
+
+def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None,
+                             impl: str | None = None, fast_div: bool | None = None, num_warps: int | None = None):
     """NVFP4 dispatch of ``x`` ``[T, H]`` (H % 64 == 0) with one FP32 scale per token.
 
     Returns ``(packed uint8 [T, H/2], sf float8_e4m3fn [T, H/16],
     x_sf int32 [T, H/64] (view of sf), token_scale float32 [T])``, plus with
     ``dequant="split"`` the exact bf16 ``e2m1 * sf`` (token scale not applied)
     as [even k | odd k]. Bit-exact with ``codecs.quantize_nvfp4_per_token`` (ties even).
+
+    ``impl``: "row" (default where it fits: a whole token per program, see
+    ``_nvfp4_row_kernel``) or "chunk" (the two-pass kernel, any H); ``fast_div``
+    (default: on with the hardware conversions) picks the FMA-corrected division in
+    the row kernel; ``num_warps`` overrides its launch width (benchmarks).
     """
     _check_x(x, 64, "quantize_nvfp4_per_token")
     T, H = x.shape
@@ -187,7 +308,20 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     sf = torch.empty(T, H // 16, dtype=torch.uint8, device=x.device)
     ts = torch.empty(T, dtype=torch.float32, device=x.device)
     xd = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if dq else packed
-    if T:
+    if impl not in (None,) + NVFP4_IMPLS:
+        raise _err(f"quantize_nvfp4_per_token: impl={impl!r}; valid: {', '.join(NVFP4_IMPLS)}")
+    pieces = _nv_pieces(H) if impl != "chunk" else None
+    if impl == "row" and pieces is None:
+        raise _err(f"quantize_nvfp4_per_token: impl='row' cannot hold H={H} "
+                   f"(at most {_NV_ROW_MAX_H}, H/16 a sum of at most {_NV_ROW_MAX_PIECES} powers of two)")
+    if T and pieces is not None:
+        pp = pieces + [0] * (_NV_ROW_MAX_PIECES - len(pieces))
+        fd = hw if fast_div is None else fast_div
+        nw = num_warps or (8 if H >= 4096 else 4)
+        _nvfp4_row_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
+                                P0=pp[0], P1=pp[1], P2=pp[2], P3=pp[3], HW_CVT=hw, DQ=dq, FAST_DIV=fd,
+                                num_warps=nw, **_launch_opts())
+    elif T:
         nb = min(64, triton.next_power_of_2(H // 16))
         _nvfp4_token_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
                                   NB=nb, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts())

@@ -20,7 +20,7 @@ import torch
 
 from megamoe_runtime import codecs, layout
 from megamoe_runtime.formats import ActivationSpec, LayerSpec, SharedSpec
-from megamoe_runtime.testing import calc_diff
+from megamoe_runtime.testing import calc_diff, staging_adversarial_rows, staging_random_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -59,53 +59,8 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> flo
 # --------------------------------------------------------------------------- staging
 
 
-def _adversarial_rows(H: int, dev) -> torch.Tensor:
-    """bf16 rows that hit every rounding corner of the MXFP8 / NVFP4 quantizers."""
-    g = torch.Generator(device="cpu").manual_seed(7)
-    rows = []
-    rows.append(torch.zeros(H))                                    # all-zero row
-    rows.append(-torch.zeros(H))                                   # all -0.0
-    for k in (-20, -8, 0, 5, 20):                                  # amax exactly 1.75*2^k (448 = 1.75*2^8)
-        r = torch.randn(H, generator=g).clamp(-1, 1) * 1.75 * 2.0 ** k
-        r[::32] = 1.75 * 2.0 ** k
-        rows.append(r)
-        r2 = r.clone()
-        r2[::32] = torch.tensor(1.75 * 2.0 ** k).bfloat16().float() * (1 + 2 ** -7)  # just above
-        rows.append(r2)
-    # E4M3 ties after the UE8M0 scaling: group amax 448 -> scale 1, elements at mantissa midpoints
-    t = torch.tensor([1.0625, 1.1875, 2.125, 0.0048828125, 0.013671875, 3.25, 5.5, 13.0, 240.0, 416.0])
-    r = t[torch.randint(0, len(t), (H,), generator=g)] * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)
-    r[::32] = 448.0
-    rows.append(r)
-    # NVFP4 ties: token amax 2688*2^k -> token scale 2^k; block amax 6*s, elements at E2M1 midpoints * s
-    for k in (-6, 0, 3):
-        s_vals = torch.tensor([448.0, 1.0, 0.5, 3.25, 0.0625, 13.0])
-        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0])
-        r = torch.empty(H)
-        for b in range(H // 16):
-            s = s_vals[b % len(s_vals)]
-            blk = mids[torch.randint(0, len(mids), (16,), generator=g)] * s
-            blk[0] = 6.0 * s
-            blk = blk * torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0)
-            r[b * 16:(b + 1) * 16] = blk
-        r[0] = 2688.0
-        rows.append(r * 2.0 ** k)
-    rows.append(torch.randint(-64, 65, (H,), generator=g).float() / 16)   # a coarse grid: many ties
-    rows.append(torch.full((H,), 3.0e38))                                  # near bf16 max
-    rows.append(torch.randn(H, generator=g) * 1e-38)                       # bf16 subnormals
-    rows.append(torch.randn(H, generator=g) * 1e-6)                        # below the 1e-4 floor
-    mixed = torch.randn(H, generator=g) * torch.logspace(-30, 30, H)
-    rows.append(mixed)
-    return torch.stack(rows).to(torch.bfloat16).to(dev)
-
-
-def _random_rows(T: int, H: int, dev, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    scale = torch.logspace(-8, 8, T)[:, None]
-    x = torch.randn(T, H, generator=g) * scale
-    heavy = torch.rand(T, H, generator=g) < 0.01
-    x = torch.where(heavy, x * 100, x)
-    return x.to(torch.bfloat16).to(dev)
+_adversarial_rows = staging_adversarial_rows
+_random_rows = staging_random_rows
 
 
 @pytest.mark.parametrize("hw_cvt", [True, False], ids=["hw_cvt", "int_cvt"])
@@ -126,21 +81,54 @@ def test_staging_mxfp8_bit_exact(H, hw_cvt):
             assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), f"dequant {mode} differs"
 
 
+_NV_IMPLS = {"row-fast": dict(impl="row", fast_div=True), "row-div": dict(impl="row", fast_div=False),
+             "chunk": dict(impl="chunk"), "default": {}}
+
+
+@pytest.mark.parametrize("impl", list(_NV_IMPLS))
 @pytest.mark.parametrize("hw_cvt", [True, False], ids=["hw_cvt", "int_cvt"])
-@pytest.mark.parametrize("H", [128, 6144])
-def test_staging_nvfp4_bit_exact(H, hw_cvt):
+@pytest.mark.parametrize("H", [128, 6144, 7168])
+def test_staging_nvfp4_bit_exact(H, hw_cvt, impl):
     staging, _, _ = _triton()
+    kw = _NV_IMPLS[impl]
     for x in (_adversarial_rows(H, "cuda"), _random_rows(300, H, "cuda", seed=H + 1)):
-        p, sf, x_sf, ts = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt)
+        p, sf, x_sf, ts = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, **kw)
         rp, rsf, rts = codecs.quantize_nvfp4_per_token(x)
         assert torch.equal(ts, rts), "token scales differ"
         assert torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8)), "E4M3 block scales differ"
         assert torch.equal(p, rp), f"{int((p != rp).sum())} packed E2M1 bytes differ"
         assert torch.equal(x_sf, codecs.pack_bytes_int32(rsf))
-        *_, xd = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, dequant="split")
+        *_, xd = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, dequant="split", **kw)
         deq = codecs.dequantize_nvfp4(rp, rsf, 1.0).to(torch.bfloat16)  # token scale not applied; exact
         want = torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
         assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), "nvfp4 dequant differs"
+
+
+def test_staging_nvfp4_impl_selection():
+    """The row kernel takes H/16 as at most four powers of two up to H 8192; else the chunk kernel
+    (any H, still exact); asking for the row kernel where it cannot hold the row is a clear error."""
+    staging, _, _ = _triton()
+    from megamoe_runtime.errors import MegaMoEError
+
+    assert staging._nv_pieces(7168) == [256, 128, 64] and staging._nv_pieces(5120) == [256, 64]
+    assert staging._nv_pieces(16 * (4 + 8 + 16 + 32 + 64)) is None and staging._nv_pieces(16384) is None
+    x = _random_rows(5, 16 * (4 + 8 + 16 + 32 + 64), "cuda", seed=5)
+    p, sf, _, ts = staging.quantize_nvfp4_per_token(x)
+    rp, rsf, rts = codecs.quantize_nvfp4_per_token(x)
+    assert torch.equal(p, rp) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8)) and torch.equal(ts, rts)
+    with pytest.raises(MegaMoEError, match="cannot hold H=1984"):
+        staging.quantize_nvfp4_per_token(x, impl="row")
+    with pytest.raises(MegaMoEError, match="impl="):
+        staging.quantize_nvfp4_per_token(x, impl="fast")
+
+
+@pytest.mark.parametrize("cfg", [(32, 4), (64, 4), (64, 8), (128, 8)])
+def test_staging_mxfp8_configs_bit_exact(cfg):
+    staging, _, _ = _triton()
+    x = torch.cat([_adversarial_rows(7168, "cuda"), _random_rows(64, 7168, "cuda", seed=11)])
+    q, sf, _ = staging.quantize_mxfp8(x, config=cfg)
+    rq, rsf = codecs.quantize_mxfp8(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sf, rsf)
 
 
 def test_staging_negative_control():
