@@ -122,7 +122,7 @@ def test_staging_nvfp4_impl_selection():
         staging.quantize_nvfp4_per_token(x, impl="fast")
 
 
-@pytest.mark.parametrize("cfg", [(32, 4), (64, 4), (64, 8), (128, 8)])
+@pytest.mark.parametrize("cfg", [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)])
 def test_staging_mxfp8_configs_bit_exact(cfg):
     staging, _, _ = _triton()
     x = torch.cat([_adversarial_rows(7168, "cuda"), _random_rows(64, 7168, "cuda", seed=11)])
