@@ -12,7 +12,8 @@ For each hidden size H and token count T:
   flushed) of each variant and of ``torch`` ``copy_`` of a uint8 buffer holding
   half the bytes the quantizer moves (so the copy reads and writes the same total:
   bf16 ``[T, H]`` read once, elements + scales written once). "% of copy" is the
-  copy's time over the quantizer's time.
+  copy's time over the quantizer's time. The last column is the quantizer's bytes
+  per second over a 2 GiB copy's (the rate bench/kernel.py's staging table used).
 * launches of the whole layer forward at 1 token (``torch.profiler`` kernel count).
 
 Usage (on the GPU)::
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel import _bench  # noqa: E402  (same timing method as bench/kernel.py)
+from kernel import _bench, copy_bandwidth  # noqa: E402  (same timing method as bench/kernel.py)
 
 from megamoe_runtime import codecs  # noqa: E402
 from megamoe_runtime.testing import staging_adversarial_rows, staging_random_rows  # noqa: E402
@@ -102,7 +103,7 @@ def check_exact(H: int, seed: int, full: bool = True) -> list[str]:
     return fails
 
 
-def time_row(T: int, H: int) -> list[dict]:
+def time_row(T: int, H: int, peak: float) -> list[dict]:
     from megamoe_runtime.backends.triton import staging
 
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -131,9 +132,10 @@ def time_row(T: int, H: int) -> list[dict]:
             print(f"# {name} T={T} H={H}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         cms = copy_ms(nbytes)
-        rows.append(dict(kind=name, T=T, H=H, us=ms * 1e3, copy_us=cms * 1e3, frac=cms / ms, bytes=nbytes))
-        print(f"{name:32s} T={T:5d} H={H} {ms * 1e3:8.1f} us  copy {cms * 1e3:7.1f} us  {100 * cms / ms:5.1f}%",
-              flush=True)
+        rows.append(dict(kind=name, T=T, H=H, us=ms * 1e3, copy_us=cms * 1e3, frac=cms / ms, bytes=nbytes,
+                         frac_peak=nbytes / ms / 1e6 / peak))
+        print(f"{name:32s} T={T:5d} H={H} {ms * 1e3:8.1f} us  copy {cms * 1e3:7.1f} us  {100 * cms / ms:5.1f}% "
+              f"of the copy, {100 * nbytes / ms / 1e6 / peak:5.1f}% of the 2 GiB copy rate", flush=True)
     return rows
 
 
@@ -169,9 +171,11 @@ def count_launches() -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    L = ["| kernel | tokens | H | time (us) | copy of same bytes (us) | % of copy |", "|---|---|---|---|---|---|"]
+    L = ["| kernel | tokens | H | time (us) | copy of same bytes (us) | % of copy | % of 2 GiB copy rate |",
+         "|---|---|---|---|---|---|---|"]
     for r in rows:
-        L.append(f"| {r['kind']} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['copy_us']:.1f} | {100 * r['frac']:.0f}% |")
+        L.append(f"| {r['kind']} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['copy_us']:.1f} | {100 * r['frac']:.0f}% "
+                 f"| {100 * r['frac_peak']:.0f}% |")
     return "\n".join(L)
 
 
@@ -199,10 +203,13 @@ def main() -> int:
             for line in f:
                 print("  " + line, flush=True)
             fails += f
+    peak = copy_bandwidth()
+    info["copy_GBps_2GiB"] = peak
+    print(f"2 GiB device copy: {peak:.0f} GB/s (read + write)", flush=True)
     rows = []
     for H in hidden:
         for T in tokens:
-            rows += time_row(T, H)
+            rows += time_row(T, H, peak)
     launches = {} if args.no_launches else count_launches()
     md = render(rows)
     print(md)
