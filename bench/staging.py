@@ -71,7 +71,7 @@ def check_exact(H: int, seed: int, full: bool = True) -> list[str]:
             nbad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
             if nbad or not torch.equal(sf, rsf) or not torch.equal(x_sf, codecs.pack_bytes_int32(rsf)):
                 fails.append(f"mxfp8 {cfg} H={H} {name}: {nbad} E4M3 bytes / scales differ")
-            for mode, w in want.items() if cfg in (None, staging._MXFP8_CONFIG) else ():
+            for mode, w in want.items() if cfg in (None, staging._MXFP8_DQ_CONFIG) else ():
                 *_, xd = staging.quantize_mxfp8(x, config=cfg, dequant=mode)
                 if not torch.equal(xd.view(torch.int16), w.view(torch.int16)):
                     fails.append(f"mxfp8 {cfg} H={H} {name}: dequant {mode} differs")
