@@ -3,7 +3,7 @@
 
     python bench/kernel.py                      # full table (DeepSeek-V3-like and GLM-like shapes)
     python bench/kernel.py --shapes dsv3 --rows mxfp4 --tokens 1,8 --tune
-    python bench/kernel.py --peer-path ../shared/peers   # + OpenAI triton_kernels column
+    python bench/kernel.py --peer-path DIR   # DIR holds OpenAI triton_kernels (unmodified, from triton 3.6.0): + a peer column
 
 What it measures, per (shape, row, tokens):
 * median time of the whole layer forward (staging + routing + L1 + L2 +

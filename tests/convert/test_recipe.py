@@ -49,10 +49,10 @@ CASES = {
     "quark-mxfp4-weight-only-qwen3moe": ("quark-mxfp4", "mxfp4", "coarser"),
     "quark-nvfp4-weight-only-qwen3moe": ("quark-nvfp4", "nvfp4", "coarser"),
 }
-PRESENT = [n for n in CASES if (REAL / n / "config.json").is_file()]
+# Every case is a committed real export: a missing one must fail, not skip.
+PRESENT = list(CASES)
 COARSER = [n for n in PRESENT if CASES[n][2] == "coarser"]
 
-pytestmark = pytest.mark.skipif(not PRESENT, reason="the issue-10 real exports are not in tests/fixtures/real")
 
 # ---------------------------------------------------------------------------------------- independent decode
 
@@ -142,8 +142,6 @@ def test_coarser_recipe_is_refused_naming_the_flag(name, tmp_path):
 
 @pytest.mark.parametrize("name", ["modelopt-w4a16-nvfp4-qwen3moe", "llmcompressor-nvfp4a16-qwen3moe"])
 def test_weight_only_nvfp4_also_needs_the_l2_activation_scale(name, tmp_path):
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     with pytest.raises(ScaleError, match="--l2-activation-scale"):
         convert(REAL / name, tmp_path / "o", accept_activation_change=True)
     assert not (tmp_path / "o").exists()
@@ -196,8 +194,6 @@ def test_w4a8_nvfp4_fp8_a2_from_fp8_input_scales(tmp_path):
     """a2 = max over ALL experts of fl32(fl32(input_scale * 448) / 2688): the FP8 per-tensor
     scale (amax/448) in the NVFP4 global convention (amax/2688), recorded with its rule."""
     name = "modelopt-w4a8-nvfp4-fp8-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     _, out, _ = _convert(name, tmp_path)
     sd = load_file(next((REAL / name).glob("*.safetensors")))
     m = json.loads((out / "megamoe.json").read_text())
@@ -214,8 +210,6 @@ def test_w4a8_nvfp4_fp8_a2_from_fp8_input_scales(tmp_path):
 
 def test_given_l2_activation_scale_is_recorded(tmp_path):
     name = "modelopt-w4a16-nvfp4-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     _, out, _ = _convert(name, tmp_path)
     m = json.loads((out / "megamoe.json").read_text())
     assert "given with --l2-activation-scale" in m["source"]["recipe"]["l2_activation_scale"]
@@ -224,8 +218,6 @@ def test_given_l2_activation_scale_is_recorded(tmp_path):
 
 def test_cli_flag_converts_and_the_summary_says_what_changed(tmp_path):
     name = "modelopt-w4a8-nvfp4-fp8-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     res = CliRunner().invoke(main, ["convert", str(REAL / name), str(tmp_path / "o"), "--no-progress",
                                     ACCEPT_FLAG])
     assert res.exit_code == 0, res.output
@@ -273,8 +265,6 @@ def test_w4a8_nvfp4_fp8_scale_split_negative_controls(tmp_path):
     (the 32-scales tiled instead of interleaved, or the halves' order swapped
     within a row) is caught by the same comparison."""
     name = "modelopt-w4a8-nvfp4-fp8-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     _, out, _ = _convert(name, tmp_path)
     sd = load_file(next((REAL / name).glob("*.safetensors")))
     ckpt = mr.open_checkpoint(out)
@@ -297,8 +287,6 @@ def test_given_l2_activation_scale_must_fit_float32(tmp_path, a2):
     """a2 is stored and used as FP32: a value that becomes inf or 0 there is
     refused up front (it used to convert, verify ok, and fail at build_layer)."""
     name = "modelopt-w4a16-nvfp4-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     with pytest.raises(ScaleError, match="float32"):
         _convert(name, tmp_path, l2_activation_scale=float(a2))
     res = CliRunner().invoke(main, ["convert", str(REAL / name), str(tmp_path / "o"), "--no-progress",
@@ -311,8 +299,6 @@ def test_l2_activation_scale_on_a_row_without_it_is_refused(tmp_path):
     """--l2-activation-scale means nothing to the mx rows (their kernels scale
     activations per block themselves): refused, not silently dropped."""
     name = "llmcompressor-mxfp4a16-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     with pytest.raises(ScaleError, match="--l2-activation-scale.*nvfp4"):
         _convert(name, tmp_path, l2_activation_scale=0.002)
     assert not (tmp_path / "out").exists()
@@ -324,8 +310,6 @@ def test_inspect_reports_every_scale_problem_of_a_weight_only_nvfp4_export():
     and --on-scale-mismatch requantize. inspect lists all three (the missing a2
     used to hide the w1/w3 mismatch and the pair count)."""
     name = "quark-nvfp4-weight-only-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     rep = inspect_checkpoint(REAL / name)
     probs = "\n".join(rep["problems"])
     assert ACCEPT_FLAG in probs and "--l2-activation-scale" in probs
@@ -345,8 +329,6 @@ def test_a_forced_format_keeps_the_sources_own_recipe(name, fmt, kind):
     """The activation recipe is a fact of the source's producer config, not of
     the reader forced with --format: forcing ModelOpt's MXFP4 reader onto a
     Quark weight-only export used to read "undeclared" and convert it silently."""
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     src = open_source(REAL / name)
     r = detect_reader(src, format=fmt, accept_activation_change=True)
     assert r.activation_change.source == detect_reader(src, accept_activation_change=True).activation_change.source
@@ -388,8 +370,6 @@ def test_a_declared_recipe_the_converter_does_not_know_needs_the_flag(name, edit
     classify (FP8 per 128-block or per token on the nvfp4 row: 8 -> 4 bits) is
     not "undeclared": it used to convert without the flag. It is refused naming
     the flag and the producer's words, and inspect lists it."""
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     src = _with_input_spec(name, tmp_path, edit)
     with pytest.raises(FormatError, match=ACCEPT_FLAG) as ei:
         detect_reader(open_source(src))
@@ -407,8 +387,6 @@ def test_inspect_takes_the_flags_its_problems_name(tmp_path):
     for convert, so the command about to be run can be checked (exit 0), and a
     wrong use of them is still a listed problem."""
     name = "modelopt-w4a16-nvfp4-qwen3moe"
-    if name not in PRESENT:
-        pytest.skip("fixture missing")
     args = ["inspect", str(REAL / name), ACCEPT_FLAG, "--l2-activation-scale", "0.002"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
@@ -422,3 +400,8 @@ def test_inspect_takes_the_flags_its_problems_name(tmp_path):
     assert any("drop it" in p for p in rep["problems"])
     rep = inspect_checkpoint(REAL / "modelopt-mxfp4-qwen3moe", l2_activation_scale=0.002)
     assert any("only the nvfp4 row" in p for p in rep["problems"])
+
+
+def test_every_issue10_real_export_is_committed():
+    missing = [n for n in CASES if not (REAL / n / "config.json").is_file()]
+    assert not missing, f"real exports missing from {REAL}: {missing} (tests/fixtures/make_real_fixtures.py makes them)"

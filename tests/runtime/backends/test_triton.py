@@ -365,8 +365,7 @@ def test_real_export_end_to_end(fixture, tmp_path):
     """A real producer export, converted by megamoe-convert, loaded by the runtime on
     the GPU, run through the triton backend and the reference backend."""
     _triton()
-    if not (FIXTURES / fixture).exists():
-        pytest.skip(f"fixture {fixture} missing")
+    assert (FIXTURES / fixture).exists(), f"committed real export {fixture} is missing"
     from megamoe_convert.convert import convert
     from megamoe_runtime.checkpoint import open_checkpoint
 
