@@ -43,6 +43,15 @@ from . import layout, scales
 from .errors import CheckpointError, LayoutError, ScaleError
 from .file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
 from .formats import get_row
+from .source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SUFFIXES: API, re-exported)
+    FAMILIES,
+    PROJECTION_PATTERN,
+    PROJECTION_ROLES,
+    SHARD_OF_ROLE,
+    SHARED_MODULE_PATTERN,
+    SUFFIX_KINDS,
+    UNSUPPORTED_SUFFIXES,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import DeepGemmMegaMoEExperts
@@ -64,34 +73,13 @@ SHARD_IDS = ("w1", "w2", "w3")
 #: relative tolerance within which an expert's w1 and w3 weight_scale_2 agree (docs/SCALES.md#w1-w3-agreement)
 W13_RTOL = scales.W13_RTOL
 _HALF = {"w1": 0, "w3": 1}
-_PROJ_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
-
-#: checkpoint suffix -> (kind, divisor). kind: weight | scale | global_scale | input_scale.
-#: CT stores the global scales as divisors (global = 6*448/amax), everything else as multipliers.
-SUFFIX_KINDS: dict[str, tuple[str, bool]] = {
-    "weight": ("weight", False),
-    "weight_packed": ("weight", False),
-    "weight_scale": ("scale", False),
-    "scale": ("scale", False),  # DeepSeek-V4 native: E8M0 per 32
-    "weight_scale_2": ("global_scale", False),  # ModelOpt, Quark: multiplier
-    "weight_global_scale": ("global_scale", True),  # compressed-tensors: divisor
-    "input_scale": ("input_scale", False),  # ModelOpt: multiplier
-    "input_scale_2": ("input_scale", False),  # Quark: the per-tensor FP8 stage, multiplier
-    "input_global_scale": ("input_scale", True),  # compressed-tensors: divisor
-}
-#: suffixes recognised but not loadable into any MegaMoE row (reported, with the reason).
-UNSUPPORTED_SUFFIXES = {
-    "weight_scale_inv": "128x128 block FP8 scales (DeepSeek-V3 style) are not a MegaMoE row; convert with "
-                        "megamoe-convert (which re-quantizes) instead of raw-loading",
-    "bias": "expert biases have no slot in any DeepGEMM mega entry point",
-}
+_PROJ_SHARD = {proj: SHARD_OF_ROLE[role] for proj, role in PROJECTION_ROLES.items()}
 
 _EXPERT_RE = re.compile(
-    r"^(?P<prefix>.+?)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>\w+)$"
+    rf"^(?P<prefix>.+?)\.experts\.(?P<expert>\d+)\.(?P<proj>{PROJECTION_PATTERN})\.(?P<suffix>\w+)$"
 )
 _SHARED_RE = re.compile(
-    r"^(?P<prefix>.+?)\.(?:shared_experts|shared_expert|shared_mlp)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-    r"\.(?P<suffix>\w+)$"
+    rf"^(?P<prefix>.+?)\.(?:{SHARED_MODULE_PATTERN})\.(?P<proj>{PROJECTION_PATTERN})\.(?P<suffix>\w+)$"
 )
 
 
@@ -171,14 +159,8 @@ def parse_expert_weight_name(name: str) -> Optional[ExpertWeightRef]:
                            _param_name(kind, shard, shared))
 
 
-_FORMAT_SUFFIXES = {
-    "modelopt": ("weight_scale_2", "weight_scale", "weight", "input_scale"),
-    "compressed-tensors": ("weight_global_scale", "input_global_scale", "weight_packed", "weight_scale", "weight"),
-    "quark": ("weight_scale_2", "weight_scale", "weight", "input_scale_2"),
-    "deepseek-v4": ("weight", "scale"),
-    "mx": ("weight_scale", "weight"),
-    "bf16": ("weight",),
-}
+#: fmt -> the suffixes ``make_expert_params_mapping`` lists, from `source_formats.FAMILIES`
+_FORMAT_SUFFIXES = {name: tuple(m.suffix for m in fam.suffixes) for name, fam in FAMILIES.items()}
 
 
 def make_expert_params_mapping(

@@ -4,7 +4,9 @@ Every supported format stores an expert projection as one module with a few
 suffixed tensors (``weight``, ``weight_scale``, ``weight_scale_2``, ...). A
 :class:`Scheme` says, per format, which suffixes carry the weight, the block
 scale, the global and the input scale, which safetensors dtypes are accepted,
-and whether the stored float is a divisor (compressed-tensors) to invert.
+and how a synthetic checkpoint writes them (:meth:`Scheme.encode`); what a
+suffix means (weight, scale, divisor or multiplier) is read from
+``megamoe_runtime.source_formats``, the table the raw loader uses.
 :class:`SchemeReader` then does the rest once for every format: finds the
 experts by name (``naming.scan``), checks presence, dtype and shape of every
 tensor against the config from the headers alone, and reads one expert at a
@@ -23,6 +25,7 @@ import torch
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
 from megamoe_runtime.formats import get_row
+from megamoe_runtime.source_formats import SUFFIXES
 
 from . import naming
 from .base import CheckpointReader, ExpertScalars, ModelFacts, MoELayerInfo, SharedInfo
@@ -30,18 +33,44 @@ from .base import CheckpointReader, ExpertScalars, ModelFacts, MoELayerInfo, Sha
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
+#: Param.key -> the kind `megamoe_runtime.source_formats` gives the same suffixes
+_KIND_OF_KEY = {"weight": "weight", "scale": "scale", "global": "global_scale", "input": "input_scale"}
+
+
 @dataclass(frozen=True)
 class Param:
-    """One stored tensor of a projection module."""
+    """One stored tensor of a projection module: the converter's view of the
+    runtime's suffix meaning (`megamoe_runtime.source_formats`), plus what only
+    reading needs (accepted dtypes, whether it must be present, a change of
+    convention). Whether the stored float is a divisor is the runtime's fact,
+    not restated here, so the reader and the raw loader cannot disagree."""
 
     key: str  # "weight" | "scale" | "global" | "input"
     suffixes: tuple[str, ...]
     dtypes: tuple[str, ...]
     required: bool = True
-    invert: bool = False  # stored as a divisor (compressed-tensors): canonical = 1 / stored
     #: (a, b): canonical = fl32(fl32(stored * a) / b), a change of convention (ModelOpt W4A8_NVFP4_FP8's
     #: FP8 input_scale, amax/448, as the NVFP4 global activation scale, amax/2688: (448, 2688))
     rescale: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        want = _KIND_OF_KEY[self.key]
+        for s in self.suffixes:
+            m = SUFFIXES.get(s)
+            if m is not None and m.kind != want:
+                raise TypeError(f"Param {self.key!r}: suffix {s!r} is a {m.kind} in megamoe_runtime.source_formats")
+        if len({self._divisor(s) for s in self.suffixes}) > 1:
+            raise TypeError(f"Param {self.key!r}: suffixes {self.suffixes} mix divisors and multipliers")
+
+    @staticmethod
+    def _divisor(suffix: str) -> bool:
+        m = SUFFIXES.get(suffix)
+        return m is not None and m.divisor
+
+    @property
+    def invert(self) -> bool:
+        """Stored as a divisor (compressed-tensors): canonical = 1 / stored."""
+        return self._divisor(self.suffixes[0])
 
 
 @dataclass(frozen=True)

@@ -149,8 +149,8 @@ class CTNVFP4Reader(_CTReader):
         params=(
             Param("weight", ("weight_packed",), ("U8", "I8")),
             Param("scale", ("weight_scale",), ("F8_E4M3",)),
-            Param("global", ("weight_global_scale",), ("F32",), invert=True),
-            Param("input", ("input_global_scale",), ("F32",), required=False, invert=True),
+            Param("global", ("weight_global_scale",), ("F32",)),
+            Param("input", ("input_global_scale",), ("F32",), required=False),
         ),
         ignored=("weight_shape",),
     )

@@ -37,27 +37,22 @@ from typing import Any, Iterable, Mapping
 
 from megamoe_runtime.errors import CheckpointError, FormatError
 from megamoe_runtime.limits import check_limit
+from megamoe_runtime.source_formats import PROJECTION_PATTERN, PROJECTION_ROLES, SHARED_MODULE_PATTERN
 
-ROLE_OF = {
-    "gate_proj": "gate",
-    "w1": "gate",
-    "up_proj": "up",
-    "w3": "up",
-    "down_proj": "down",
-    "w2": "down",
-}
+#: projection name -> role (w1 = gate, w3 = up, w2 = down): the runtime's table, which its raw loader reads too
+ROLE_OF = PROJECTION_ROLES
 ROLES = ("gate", "up", "down")
 
 _BLOCK = r"(?:mlp|ffn|block_sparse_moe|moe|feed_forward|sparse_moe_block)"
 _PREFIX = rf"(?P<prefix>(?:[\w.]*?\.)?layers\.(?P<layer>\d+)\.{_BLOCK})"
-_PROJ = r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+_PROJ = rf"(?P<proj>{PROJECTION_PATTERN})"
 
 EXPERT_RE = re.compile(rf"^{_PREFIX}\.experts\.(?P<expert>\d+)\.{_PROJ}\.(?P<suffix>[\w.]+)$")
 FUSED_RE = re.compile(
     rf"^{_PREFIX}\.experts\.(?P<proj>gate_up_proj|down_proj)(?:(?:[._])(?P<suffix>[\w.]+))?$"
 )
 SHARED_RE = re.compile(
-    rf"^{_PREFIX}\.(?P<kind>shared_experts|shared_expert|shared_mlp)\.{_PROJ}\.(?P<suffix>[\w.]+)$"
+    rf"^{_PREFIX}\.(?P<kind>{SHARED_MODULE_PATTERN})\.{_PROJ}\.(?P<suffix>[\w.]+)$"
 )
 SHARED_GATE_RE = re.compile(rf"^{_PREFIX}\.shared_expert_gate\.[\w.]+$")
 #: gpt-oss style MX-packed fused experts / expert biases

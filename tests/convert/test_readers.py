@@ -737,3 +737,17 @@ def test_detection_order_is_explicit_and_followed(tmp_path, monkeypatch):
     order.remove("ct-mxfp4")
     monkeypatch.setattr(readers, "DETECTION_ORDER", ("ct-mxfp4", *order))
     assert detect_reader(src).format_name == "ct-mxfp4"  # negative control: the order decides
+
+
+def test_param_reads_suffix_meanings_from_the_runtime_table():
+    """A reader's Param takes divisor-or-multiplier from megamoe_runtime.source_formats (the raw loader's
+    table) and refuses a suffix used as another kind than the runtime gives it."""
+    from megamoe_convert.readers.common import Param
+
+    assert Param("global", ("weight_global_scale",), ("F32",)).invert
+    assert not Param("global", ("weight_scale_2",), ("F32",)).invert
+    assert not Param("scale", ("weight_scale_inv",), ("F8_E8M0",)).invert  # unknown to the raw loader: as stored
+    with pytest.raises(TypeError, match="global_scale"):
+        Param("input", ("weight_scale_2",), ("F32",))
+    with pytest.raises(TypeError, match="mix divisors"):
+        Param("input", ("input_scale", "input_global_scale"), ("F32",))
