@@ -4,7 +4,10 @@ Used by ``megamoe-convert demo``, the tests and the benchmarks, so every part
 of the converter is exercised on the same bytes without downloading
 anything. The files follow the real producers' conventions (names, dtypes,
 shapes, quantization configs; docs/CHECKPOINTS.md#source-formats) and the experts are
-quantized with the reference quantizers of ``megamoe_runtime.codecs``.
+quantized with the reference quantizers of ``megamoe_runtime.codecs``. Each
+format's encoder and quantization config are its reader's (``encode_expert``,
+``encode_shared``, ``synthetic_quant_config``), next to the code that reads
+them back; this module builds the model around them (names, config, shards).
 
 The float weights are a pure function of ``(seed, layer, expert)``
 (:func:`synthetic_expert_weights`), so a test can compare what a reader
@@ -27,8 +30,12 @@ from typing import Any
 
 import torch
 
-from megamoe_runtime import codecs
+from megamoe_runtime.source_formats import SUFFIX_KINDS
 
+from .readers import CheckpointReader, readers_in_order
+
+#: every synthetic format, in the order ``demo --format`` and errors list them. Each is one of a
+#: reader's ``synthetic_formats``, and that reader encodes it (a test checks both ways).
 FORMATS = (
     "modelopt-nvfp4",
     "modelopt-mxfp4",
@@ -45,23 +52,16 @@ FORMATS = (
     "bf16-fused",
     "deepseek-v4",
 )
+
+
+def _encoders() -> dict[str, type[CheckpointReader]]:
+    """synthetic format -> the reader class that encodes it (``synthetic_formats``)."""
+    return {f: cls for cls in readers_in_order() for f in cls.synthetic_formats}
+
+
+ENCODER_OF = _encoders()
 #: source format -> the row its experts map onto
-ROW_OF = {
-    "modelopt-nvfp4": "nvfp4",
-    "modelopt-mxfp4": "mxfp4",
-    "modelopt-mxfp8": "mxfp8",
-    "quark-mxfp4": "mxfp4",
-    "quark-nvfp4": "nvfp4",
-    "quark-mxfp8": "mxfp8",
-    "ct-nvfp4": "nvfp4",
-    "ct-mxfp4": "mxfp4",
-    "ct-mxfp8": "mxfp8",
-    "bf16": "bf16",
-    "fp16": "bf16",
-    "fp32": "bf16",
-    "bf16-fused": "bf16",
-    "deepseek-v4": "mxfp4",
-}
+ROW_OF = {f: ENCODER_OF[f].synthetic_row(f) for f in FORMATS}
 ROLES = ("gate", "up", "down")
 _HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _W_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -117,34 +117,7 @@ def synthetic_input_scale(seed: int, layer: int, expert: int, role: str) -> floa
     return float(torch.tensor(amax / 2688.0, dtype=torch.float32))
 
 
-# ----------------------------------------------------------------------------- encoders
-
-
-def _nvfp4_pair(gate: torch.Tensor, up: torch.Tensor, shared_global: bool):
-    if shared_global:
-        I = gate.shape[0]
-        p, s, g = codecs.quantize_nvfp4_weight(torch.cat([gate, up], 0))
-        return (p[:I].contiguous(), s[:I].contiguous(), g), (p[I:].contiguous(), s[I:].contiguous(), g)
-    return codecs.quantize_nvfp4_weight(gate), codecs.quantize_nvfp4_weight(up)
-
-
-def _fp8_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 weight + UE8M0 scale per 128x128 block (DeepSeek-V4 shared / FP8 style)."""
-    out, k = x.shape
-    ro, rk = -(-out // 128), -(-k // 128)
-    pad = torch.zeros(ro * 128, rk * 128)
-    pad[:out, :k] = x
-    blocks = pad.reshape(ro, 128, rk, 128)
-    amax = blocks.abs().amax(dim=(1, 3))
-    e = codecs.ue8m0_ceil_exponent(amax, codecs.E4M3_MAX)
-    inv = torch.pow(2.0, 127.0 - e.to(torch.float32))
-    q = codecs.e4m3_encode(blocks * inv[:, None, :, None]).reshape(ro * 128, rk * 128)[:out, :k].contiguous()
-    return q, e
-
-
-def _scalar(v: float, one_d: bool) -> torch.Tensor:
-    t = torch.tensor(v, dtype=torch.float32)
-    return t.reshape(1) if one_d else t
+# ----------------------------------------------------------------------------- building
 
 
 class _Builder:
@@ -176,145 +149,10 @@ def _encode_expert(
     input_scales: dict[str, float],
     shared_global: bool = True,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """role -> suffix -> tensor, in the format's own names and dtypes."""
-    family, _, kind = fmt.partition("-")
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    if fmt in ("bf16", "fp16", "fp32", "bf16-fused"):
-        dt = {"bf16": torch.bfloat16, "bf16-fused": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt]
-        return {r: {"weight": t.to(dt)} for r, t in zip(ROLES, (gate, up, down))}
-    if fmt == "deepseek-v4":
-        for r, t in zip(ROLES, (gate, up, down)):
-            p, s = codecs.quantize_mxfp4(t)
-            out[r] = {"weight": p.view(torch.int8), "scale": s.view(torch.float8_e8m0fnu)}
-        return out
-    if kind == "nvfp4":
-        (pg, sg, gg), (pu, su, gu) = _nvfp4_pair(gate, up, shared_global)
-        pd, sd, gd = codecs.quantize_nvfp4_weight(down)
-        enc = {"gate": (pg, sg, gg), "up": (pu, su, gu), "down": (pd, sd, gd)}
-        for r, (p, s, g) in enc.items():
-            if family == "modelopt":
-                out[r] = {
-                    "weight": p,
-                    "weight_scale": s,
-                    "weight_scale_2": _scalar(g, False),
-                    "input_scale": _scalar(input_scales[r], False),
-                }
-            elif family == "quark":
-                out[r] = {
-                    "weight": p,
-                    "weight_scale": s,
-                    "weight_scale_2": _scalar(g, False),
-                    "input_scale_2": _scalar(input_scales[r], False),
-                }
-            else:  # ct: divisors
-                out[r] = {
-                    "weight_packed": p,
-                    "weight_scale": s,
-                    "weight_global_scale": _scalar(1.0 / g, True),
-                    "input_global_scale": _scalar(1.0 / input_scales[r], True),
-                }
-        return out
-    if kind == "mxfp4":
-        wname = "weight_packed" if family == "ct" else "weight"
-        for r, t in zip(ROLES, (gate, up, down)):
-            p, s = codecs.quantize_mxfp4(t)
-            out[r] = {wname: p, "weight_scale": s}
-        return out
-    if kind == "mxfp8":
-        for r, t in zip(ROLES, (gate, up, down)):
-            q, s = codecs.quantize_mxfp8(t)
-            out[r] = {"weight": q, "weight_scale": s}
-        return out
-    raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
-
-
-def _quant_config(fmt: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
-    """(config.json quantization_config, hf_quant_config.json) for a format."""
-    family, _, kind = fmt.partition("-")
-    if family == "modelopt":
-        algo = kind.upper()
-        hf = {
-            "producer": {"name": "modelopt", "version": "0.47.0"},
-            "quantization": {
-                "quant_algo": algo,
-                "kv_cache_quant_algo": None,
-                "group_size": 16 if kind == "nvfp4" else 32,
-                "exclude_modules": ignore,
-            },
-        }
-        cq = {
-            "quant_method": "modelopt",
-            "quant_algo": algo,
-            "producer": {"name": "modelopt", "version": "0.47.0"},
-            "ignore": ignore,
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4 if kind != "mxfp8" else 8,
-                        "type": "float",
-                        "group_size": 16 if kind == "nvfp4" else 32,
-                    },
-                }
-            },
-        }
-        return cq, hf
-    if family == "quark":
-        if kind == "nvfp4":
-            weight: Any = [
-                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3",
-                 "is_dynamic": False, "round_method": "half_even"},
-                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
-            ]
-            inp: Any = [
-                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3", "is_dynamic": True},
-                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
-            ]
-        elif kind == "mxfp4":
-            weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
-                      "scale_calculation_mode": "even", "round_method": "half_even", "is_dynamic": False}
-            inp = dict(weight, is_dynamic=True)
-        else:
-            weight = {"dtype": "fp8_e4m3", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
-                      "scale_calculation_mode": "even", "is_dynamic": False}
-            inp = dict(weight, is_dynamic=True)
-        return {
-            "quant_method": "quark",
-            "global_quant_config": {"weight": weight, "input_tensors": inp, "output_tensors": None, "bias": None},
-            "layer_quant_config": {},
-            "layer_type_quant_config": {},
-            "exclude": ignore,
-            "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
-            "version": "0.13",
-        }, None
-    if family == "ct":
-        ct_fmt = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}[kind]
-        if kind == "nvfp4":
-            w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-                 "dynamic": False, "scale_dtype": "float8_e4m3fn"}
-            a = dict(w, dynamic="local")
-        else:
-            w = {"num_bits": 4 if kind == "mxfp4" else 8, "type": "float", "strategy": "group", "group_size": 32,
-                 "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
-            a = dict(w, dynamic=True)
-        return {
-            "quant_method": "compressed-tensors",
-            "format": ct_fmt,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": a,
-                                          "format": ct_fmt}},
-            "ignore": ignore,
-            "quantization_status": "compressed",
-            "version": "0.20.1",
-        }, None
-    if fmt == "deepseek-v4":
-        return {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        }, None
-    return None, None
+    """role -> suffix -> tensor, in the format's own names and dtypes (its reader's ``encode_expert``)."""
+    if fmt not in ENCODER_OF:
+        raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
+    return ENCODER_OF[fmt].encode_expert(fmt, gate, up, down, input_scales=input_scales, shared_global=shared_global)
 
 
 def build_synthetic_checkpoint(
@@ -400,7 +238,7 @@ def _build(
         raise ValueError(f"unknown synthetic format {fmt!r}; valid: {', '.join(FORMATS)}")
     if fmt == "bf16-fused":
         naming = "fused"
-    if naming == "fused" and fmt not in ("bf16", "bf16-fused", "fp16", "fp32"):
+    if naming == "fused" and ROW_OF[fmt] != "bf16":
         raise ValueError("fused experts are only written unquantized")
     v4 = fmt == "deepseek-v4"
     path = Path(path)
@@ -469,23 +307,21 @@ def _build(
                     d = enc[r]
                     _inject(d, (L, e, r) in nans, (L, e, r) in zeros, (L, e, r) in ffs)
                     if (L, e, r) in wrong:
-                        wk = next(k for k in d if k.startswith("weight") and d[k].dim() == 2)
+                        wk = _of_kind(d, "weight")
                         d[wk] = d[wk][:-1]
                     b.projection(f"{mp}.experts.{e}.{proj[r]}", d)
         if S:
             sg, su, sd = synthetic_shared_weights(seed, L, H, S * I)
             sfmt = shared_format or ("bf16" if naming == "fused" else fmt)
-            if v4 and shared_format is None:
-                for r, t in zip(ROLES, (sg, su, sd)):
-                    q, e8 = _fp8_block128(t)
-                    b.projection(f"{mp}.shared_experts.{proj[r]}", {"weight": q, "scale": e8.view(torch.float8_e8m0fnu)})
+            ins = {r: synthetic_input_scale(seed, L, 10_000, r) for r in ROLES}
+            if shared_format is None:  # the format's own shared experts (DeepSeek-V4: block FP8)
+                enc = ENCODER_OF[sfmt].encode_shared(sfmt, sg, su, sd, input_scales=ins)
             else:
-                ins = {r: synthetic_input_scale(seed, L, 10_000, r) for r in ROLES}
                 enc = _encode_expert(sfmt, sg, su, sd, input_scales=ins)
-                if sfmt == "bf16" and fmt not in ("bf16", "bf16-fused", "fp16", "fp32"):
-                    ignore.append(f"{mp}.shared_experts*")
-                for r in ROLES:
-                    b.projection(f"{mp}.shared_experts.{proj[r]}", enc[r])
+            if sfmt == "bf16" and ROW_OF[fmt] != "bf16":
+                ignore.append(f"{mp}.shared_experts*")
+            for r in ROLES:
+                b.projection(f"{mp}.shared_experts.{proj[r]}", enc[r])
     b.add("norm.weight" if v4 else "model.norm.weight", torch.ones(H, dtype=float_dt))
     b.add("head.weight" if v4 else "lm_head.weight", rnd(vocab_size, H))
 
@@ -532,7 +368,7 @@ def _build(
         cfg["routed_scaling_factor"] = routed_scaling_factor
     if v4:
         cfg.update({"expert_dtype": "fp4", "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus"})
-    cq, hf = _quant_config(fmt, ignore)
+    cq, hf = ENCODER_OF[fmt].synthetic_quant_config(fmt, ignore)
     if cq is not None:
         cfg["quantization_config"] = cq
     if extra_config:
@@ -549,13 +385,19 @@ def _build(
     return path
 
 
+def _of_kind(d: dict[str, torch.Tensor], kind: str) -> str | None:
+    """The suffix in ``d`` that is a ``kind`` (weight | scale | global_scale | input_scale) by the
+    runtime's table of suffix meanings, so defects land where the format keeps that tensor."""
+    return next((k for k in d if SUFFIX_KINDS[k][0] == kind), None)
+
+
 def _inject(d: dict[str, torch.Tensor], nan: bool, zero: bool, ff: bool) -> None:
     """Scale defects: NaN / zero go to the global scale when there is one (NVFP4),
     else into the block scale; 0xFF into an E8M0 block scale byte."""
     if not (nan or zero or ff):
         return
-    glob = next((k for k in ("weight_scale_2", "weight_global_scale") if k in d), None)
-    sk = "weight_scale" if "weight_scale" in d else "scale"
+    glob = _of_kind(d, "global_scale")
+    sk = _of_kind(d, "scale")
     if ff:
         s = d[sk].clone()
         b = s.view(torch.uint8)

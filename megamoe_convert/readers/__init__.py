@@ -3,8 +3,9 @@
 ``detect_reader(source, format=None, quantize=None)`` picks the reader for a
 checkpoint: from ``format`` when given (a registered name or an alias), else
 from ``hf_quant_config.json`` / ``config.json`` ``quantization_config``
-(each reader's ``detect``), in registration order: ModelOpt, Quark,
-compressed-tensors, DeepSeek-V4, unquantized. Known-but-unsupported variants
+(each reader's ``detect``), in ``DETECTION_ORDER``: ModelOpt, Quark,
+compressed-tensors, DeepSeek-V4, unquantized. ``ALIASES`` collects each
+reader's ``aliases``. Known-but-unsupported variants
 (ModelOpt W4A8, CT float-quantized, DeepSeek-V3 FP8, ...) get a FormatError
 saying what was found, why it cannot be read, and what can.
 
@@ -59,6 +60,7 @@ __all__ = [
     "SharedInfo",
     "register_reader",
     "available_formats",
+    "readers_in_order",
     "format_descriptions",
     "detect_reader",
     "describe_quant_config",
@@ -84,27 +86,27 @@ def _in_order() -> list[type[CheckpointReader]]:
     return [regs[n] for n in DETECTION_ORDER]
 
 
-ALIASES = {
-    "bf16": "unquantized",
-    "fp16": "unquantized",
-    "fp32": "unquantized",
-    "compressed-tensors-nvfp4": "ct-nvfp4",
-    "compressed-tensors-mxfp4": "ct-mxfp4",
-    "compressed-tensors-mxfp8": "ct-mxfp8",
-    "nvfp4-pack-quantized": "ct-nvfp4",
-    "mxfp4-pack-quantized": "ct-mxfp4",
-    "mxfp8-quantized": "ct-mxfp8",
-    "deepseek-v4-fp4": "deepseek-v4",
-    # ModelOpt quant_algo names of the activation variants (same weight encoding as the row's reader)
-    "modelopt-w4a8-mxfp4-fp8": "modelopt-mxfp4",
-    "modelopt-w4a16-nvfp4": "modelopt-nvfp4",
-    "dsv4": "deepseek-v4",
-}
+def _aliases() -> dict[str, str]:
+    """alias -> format name, from each reader's ``aliases``; an alias claimed twice is a bug."""
+    out: dict[str, str] = {}
+    for cls in _in_order():
+        for alias in cls.aliases:
+            if out.setdefault(alias, cls.format_name) != cls.format_name:
+                raise ImportError(f"format alias {alias!r} claimed by {out[alias]} and {cls.format_name}")
+    return out
+
+
+ALIASES = _aliases()
 
 
 def available_formats() -> list[str]:
     """Registered reader format names, in detection order."""
     return list(DETECTION_ORDER)
+
+
+def readers_in_order() -> list[type[CheckpointReader]]:
+    """The registered reader classes in ``DETECTION_ORDER``."""
+    return _in_order()
 
 
 def format_descriptions() -> dict[str, str]:

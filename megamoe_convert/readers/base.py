@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pathlib import Path
+    from typing import Mapping
+
+    import torch
 
     from megamoe_runtime.canonical import ExpertTensors
     from megamoe_runtime.formats import ActivationSpec
@@ -127,7 +130,8 @@ _REGISTRY: dict[str, type["CheckpointReader"]] = {}
 def register_reader(cls: type["CheckpointReader"]) -> type["CheckpointReader"]:
     """Class decorator adding a reader to the registry under ``format_name``.
 
-    Registration order is detection order; a later duplicate name is a bug.
+    Detection order is ``readers.DETECTION_ORDER``, stated there; a later
+    duplicate name is a bug.
     """
     name = cls.format_name
     if not name:
@@ -157,6 +161,14 @@ class CheckpointReader(abc.ABC):
     row: str = ""
     #: one line for ``available_formats()`` / error messages
     description: ClassVar[str] = ""
+    #: other names ``format=`` (``--format``) accepts for this reader (``readers.ALIASES`` is their union)
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: how the layer's a2 is derived from this format's w2 input scales, for the manifest's
+    #: ``source.recipe.l2_activation_scale``; None: the plain max over all experts (docs/SCALES.md#a2)
+    l2_activation_scale_rule: ClassVar[str | None] = None
+    #: the names ``synth.build_synthetic_checkpoint`` builds this format under (its own name, or variants
+    #: such as the unquantized reader's ``bf16`` / ``fp16`` / ``fp32``); () when it has no synthetic encoder
+    synthetic_formats: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, source: "CheckpointSource") -> None:
         self.source = source
@@ -172,6 +184,42 @@ class CheckpointReader(abc.ABC):
         from .recipe import UNDECLARED
 
         return UNDECLARED
+
+    # -- the other direction: synthetic checkpoints ---------------------------
+    @classmethod
+    def encode_expert(cls, variant: str, gate: "torch.Tensor", up: "torch.Tensor", down: "torch.Tensor", *,
+                      input_scales: "Mapping[str, float]", shared_global: bool = True,
+                      ) -> dict[str, dict[str, "torch.Tensor"]]:
+        """One expert's float32 weights as this format stores them: role ->
+        suffix -> tensor, in the format's own names and dtypes (what
+        ``read_expert`` reads back). ``variant`` is one of ``synthetic_formats``;
+        ``input_scales`` (role -> multiplier) are written where the format has
+        input scales; ``shared_global``: NVFP4 gate and up share one global
+        scale, as ModelOpt >= 0.47 exports. The encoder lives with the reader so
+        that a format's names and conventions are written down once."""
+        raise NotImplementedError(f"{cls.format_name}: no synthetic encoder")
+
+    @classmethod
+    def synthetic_row(cls, variant: str) -> str:
+        """The row a synthetic checkpoint in ``variant`` converts to (default: ``row``)."""
+        return cls.row
+
+    @classmethod
+    def encode_shared(cls, variant: str, gate: "torch.Tensor", up: "torch.Tensor", down: "torch.Tensor", *,
+                      input_scales: "Mapping[str, float]") -> dict[str, dict[str, "torch.Tensor"]]:
+        """The layer's (folded) shared experts as this format stores them when
+        they are not excluded from quantization; default: as a routed expert.
+        A format whose shared experts use another encoding (DeepSeek-V4: block
+        FP8) overrides this."""
+        return cls.encode_expert(variant, gate, up, down, input_scales=input_scales)
+
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: "list[str]") -> "tuple[dict | None, dict | None]":
+        """``(config.json quantization_config, hf_quant_config.json)`` of a
+        synthetic checkpoint in this format whose ignore / exclude list is
+        ``ignore``: what ``detect`` and ``activation_recipe`` read back. Default:
+        neither (an unquantized model)."""
+        return None, None
 
     # -- detection -----------------------------------------------------------
     @classmethod

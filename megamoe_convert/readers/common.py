@@ -16,7 +16,7 @@ time into canonical :class:`ExpertTensors` without repacking.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, ClassVar, Mapping
 
@@ -25,6 +25,7 @@ import torch
 from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
 from megamoe_runtime.formats import get_row
+from megamoe_runtime.safetensors_header import DTYPES
 from megamoe_runtime.source_formats import SUFFIXES
 
 from . import naming
@@ -90,6 +91,33 @@ class Scheme:
     #: ModelOpt W4A8_NVFP4_FP8) and repeated to the row's per-16 scales: exact, every element of a
     #: stored block keeps its scale byte
     stored_scale_group: int | None = None
+    #: the shape the format stores a per-tensor float scale in (compressed-tensors: ``[1]``); read back as
+    #: either, this is what :meth:`encode` writes
+    scalar_shape: tuple[int, ...] = ()
+
+    def encode(self, pt: ProjectionTensors) -> dict[str, torch.Tensor]:
+        """The inverse of reading: one projection in canonical encoding as this
+        format stores it (suffix -> tensor), for the synthetic checkpoints
+        (``megamoe_convert.synth``). Each tensor goes under the first suffix and
+        the first dtype its Param accepts (bytes reinterpreted, never
+        converted); float scales are inverted where the format stores divisors.
+        Block scales are written per row (``blocked_scales`` schemes accept
+        that too); schemes that change a convention on read (``rescale``,
+        ``stored_scale_group``) have no inverse here."""
+        if self.stored_scale_group or any(p.rescale for p in self.params):
+            raise NotImplementedError(f"{self.name}: no synthetic encoder for a scheme that converts on read")
+        out: dict[str, torch.Tensor] = {}
+        for p in self.params:
+            if p.key in ("weight", "scale"):
+                t = pt.weight if p.key == "weight" else pt.scale
+                out[p.suffixes[0]] = t.view(DTYPES[p.dtypes[0]])
+                continue
+            v = pt.global_scale if p.key == "global" else pt.input_scale
+            if v is None:
+                continue
+            out[p.suffixes[0]] = torch.tensor(1.0 / v if p.invert else v, dtype=torch.float32).reshape(
+                self.scalar_shape)
+        return out
 
     def param(self, key: str) -> Param | None:
         for p in self.params:
@@ -168,6 +196,23 @@ class SchemeReader(CheckpointReader):
     #: whether `weight_byte_ranges` may offer the source bytes of routed weights (readers whose
     #: ``read_expert`` returns the stored weight bytes unchanged; see `weight_byte_ranges`)
     direct_weight_bytes: ClassVar[bool] = False
+
+    @classmethod
+    def synthetic_row(cls, variant: str) -> str:
+        """The encoding of ``scheme``, which `encode_expert` writes (DeepSeek-V4: the FP4 experts)."""
+        return cls.scheme.encoding
+
+    @classmethod
+    def encode_expert(cls, variant: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                      input_scales: Mapping[str, float], shared_global: bool = True,
+                      ) -> dict[str, dict[str, torch.Tensor]]:
+        """The row's reference quantizers (``ExpertTensors.quantize``), then
+        ``scheme.encode`` per projection: the bytes ``read_expert`` reads back."""
+        scheme = cls.scheme
+        et = ExpertTensors.quantize(scheme.encoding, gate, up, down, shared_gate_up_global=shared_global)
+        has_input = scheme.param("input") is not None
+        return {role: scheme.encode(replace(getattr(et, role), input_scale=input_scales[role] if has_input else None))
+                for role in naming.ROLES}
 
     def __init__(self, source) -> None:
         super().__init__(source)

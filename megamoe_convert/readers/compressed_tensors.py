@@ -136,12 +136,36 @@ class _CTReader(SchemeReader):
             "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
         )
 
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+        """An llm-compressor 0.14 export (compressed-tensors 0.20) of ``ct_format``
+        with dynamic activations of the weights' kind."""
+        if cls.row == "nvfp4":
+            w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False, "scale_dtype": "float8_e4m3fn"}
+            a = dict(w, dynamic="local")
+        else:
+            w = {"num_bits": 4 if cls.row == "mxfp4" else 8, "type": "float", "strategy": "group", "group_size": 32,
+                 "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
+            a = dict(w, dynamic=True)
+        return {
+            "quant_method": "compressed-tensors",
+            "format": cls.ct_format,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": a,
+                                          "format": cls.ct_format}},
+            "ignore": ignore,
+            "quantization_status": "compressed",
+            "version": "0.20.1",
+        }, None
+
 
 @register_reader
 class CTNVFP4Reader(_CTReader):
     format_name = "ct-nvfp4"
     row = "nvfp4"
     ct_format = "nvfp4-pack-quantized"
+    aliases = ("compressed-tensors-nvfp4", "nvfp4-pack-quantized")
+    synthetic_formats = ("ct-nvfp4",)
     description = "compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, 1/weight_global_scale)"
     scheme = Scheme(
         name="compressed-tensors NVFP4",
@@ -153,6 +177,7 @@ class CTNVFP4Reader(_CTReader):
             Param("input", ("input_global_scale",), ("F32",), required=False),
         ),
         ignored=("weight_shape",),
+        scalar_shape=(1,),  # F32 [1]
     )
 
 
@@ -161,6 +186,8 @@ class CTMXFP4Reader(_CTReader):
     format_name = "ct-mxfp4"
     row = "mxfp4"
     ct_format = "mxfp4-pack-quantized"
+    aliases = ("compressed-tensors-mxfp4", "mxfp4-pack-quantized")
+    synthetic_formats = ("ct-mxfp4",)
     description = "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale E8M0/32)"
     scheme = Scheme(
         name="compressed-tensors MXFP4",
@@ -178,6 +205,8 @@ class CTMXFP8Reader(_CTReader):
     format_name = "ct-mxfp8"
     row = "mxfp8"
     ct_format = "mxfp8-quantized"
+    aliases = ("compressed-tensors-mxfp8", "mxfp8-quantized")
+    synthetic_formats = ("ct-mxfp8",)
     description = "compressed-tensors mxfp8-quantized (weight E4M3, weight_scale E8M0/32)"
     scheme = Scheme(
         name="compressed-tensors MXFP8",

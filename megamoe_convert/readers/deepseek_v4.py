@@ -27,6 +27,11 @@ from __future__ import annotations
 
 import re
 
+import torch
+
+from megamoe_runtime import codecs
+
+from . import naming
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, quant_config_of
 
@@ -49,6 +54,21 @@ FP8_SCHEME = Scheme(
     ),
     blocked_scales=True,
 )
+
+
+def encode_fp8_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weight + UE8M0 scale byte per 128x128 block, the inverse of reading `FP8_SCHEME`
+    (DeepSeek-V4 shared experts): x [out, in] float32 -> (e4m3 [out, in], uint8 [ceil(out/128), ceil(in/128)])."""
+    out, k = x.shape
+    ro, rk = -(-out // 128), -(-k // 128)
+    pad = torch.zeros(ro * 128, rk * 128)
+    pad[:out, :k] = x
+    blocks = pad.reshape(ro, 128, rk, 128)
+    amax = blocks.abs().amax(dim=(1, 3))
+    e = codecs.ue8m0_ceil_exponent(amax, codecs.E4M3_MAX)
+    inv = torch.pow(2.0, 127.0 - e.to(torch.float32))
+    q = codecs.e4m3_encode(blocks * inv[:, None, :, None]).reshape(ro * 128, rk * 128)[:out, :k].contiguous()
+    return q, e
 
 
 def _expert_dtype(source) -> str | None:
@@ -84,6 +104,8 @@ class DeepSeekV4Reader(SchemeReader):
     description = "DeepSeek-V4 native experts (w1/w2/w3 I8 packed E2M1 + F8_E8M0 scale/32 -> mxfp4; fp8 -> mxfp8)"
     scheme = FP4_SCHEME
     shared_schemes = (FP8_SCHEME, FP4_SCHEME)
+    aliases = ("deepseek-v4-fp4", "dsv4")
+    synthetic_formats = ("deepseek-v4",)  # the released FP4 experts (FP4_SCHEME)
 
     def __init__(self, source) -> None:
         kind = looks_v4(source) or ("fp8" if _expert_dtype(source) == "fp8" else "fp4")
@@ -113,3 +135,24 @@ class DeepSeekV4Reader(SchemeReader):
             "and convert that with --quantize mxfp4|mxfp8|nvfp4, or use a ModelOpt / llm-compressor / Quark "
             "NVFP4 or MXFP4 export of it"
         )
+
+    @classmethod
+    def encode_shared(cls, variant, gate, up, down, *, input_scales=None):
+        """Block FP8 with E8M0 scales per 128x128, as the released models store shared experts."""
+        out = {}
+        for r, t in zip(naming.ROLES, (gate, up, down)):
+            q, e8 = encode_fp8_block128(t)
+            out[r] = {"weight": q, "scale": e8.view(torch.float8_e8m0fnu)}
+        return out
+
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+        """The released models' block-FP8 config with UE8M0 scales (``expert_dtype``
+        is a top-level config key, which the synthetic builder writes)."""
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }, None

@@ -164,12 +164,43 @@ class _ModelOptReader(SchemeReader):
             f"Supported ModelOpt algorithms: {', '.join(SUPPORTED)}. To convert this model: {CONVERTIBLE}"
         )
 
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+        """A ModelOpt 0.47 export of ``algos[0]``: ``hf_quant_config.json`` and its
+        ``quantization_config`` copy."""
+        algo, kind = cls.algos[0], cls.row
+        group = 16 if kind == "nvfp4" else 32
+        hf = {
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quantization": {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": None,
+                "group_size": group,
+                "exclude_modules": ignore,
+            },
+        }
+        cq = {
+            "quant_method": "modelopt",
+            "quant_algo": algo,
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "ignore": ignore,
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 4 if kind != "mxfp8" else 8, "type": "float", "group_size": group},
+                }
+            },
+        }
+        return cq, hf
+
 
 @register_reader
 class ModelOptNVFP4Reader(_ModelOptReader):
     format_name = "modelopt-nvfp4"
     row = "nvfp4"
     algos = ("NVFP4", "W4A16_NVFP4")
+    aliases = ("modelopt-w4a16-nvfp4",)  # the quant_algo of the weight-only variant (same weight encoding)
+    synthetic_formats = ("modelopt-nvfp4",)
     description = ("ModelOpt NVFP4 / W4A16_NVFP4 (weight U8, weight_scale E4M3/16, weight_scale_2, input_scale "
                    "when calibrated)")
     scheme = Scheme(
@@ -189,6 +220,8 @@ class ModelOptMXFP4Reader(_ModelOptReader):
     format_name = "modelopt-mxfp4"
     row = "mxfp4"
     algos = ("MXFP4", "W4A8_MXFP4_FP8")
+    aliases = ("modelopt-w4a8-mxfp4-fp8",)
+    synthetic_formats = ("modelopt-mxfp4",)
     description = "ModelOpt MXFP4 / W4A8_MXFP4_FP8 (weight U8 packed E2M1, weight_scale E8M0/32)"
     scheme = Scheme(
         name="ModelOpt MXFP4",
@@ -207,6 +240,7 @@ class ModelOptMXFP8Reader(_ModelOptReader):
     format_name = "modelopt-mxfp8"
     row = "mxfp8"
     algos = ("MXFP8",)
+    synthetic_formats = ("modelopt-mxfp8",)
     description = "ModelOpt MXFP8 (weight E4M3, weight_scale E8M0/32)"
     scheme = Scheme(
         name="ModelOpt MXFP8",

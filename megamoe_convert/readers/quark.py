@@ -174,12 +174,45 @@ class _QuarkReader(SchemeReader):
             "--quantize mxfp4|mxfp8|nvfp4"
         )
 
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+        """An amd-quark 0.13 export: the ``global_quant_config`` weight spec of
+        ``quark_row`` with dynamic inputs of the same kind."""
+        if cls.quark_row == "nvfp4":
+            weight: Any = [
+                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3",
+                 "is_dynamic": False, "round_method": "half_even"},
+                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
+            ]
+            inp: Any = [
+                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "scale_format": "e4m3", "is_dynamic": True},
+                {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False},
+            ]
+        elif cls.quark_row == "mxfp4":
+            weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
+                      "scale_calculation_mode": "even", "round_method": "half_even", "is_dynamic": False}
+            inp = dict(weight, is_dynamic=True)
+        else:
+            weight = {"dtype": "fp8_e4m3", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
+                      "scale_calculation_mode": "even", "is_dynamic": False}
+            inp = dict(weight, is_dynamic=True)
+        return {
+            "quant_method": "quark",
+            "global_quant_config": {"weight": weight, "input_tensors": inp, "output_tensors": None, "bias": None},
+            "layer_quant_config": {},
+            "layer_type_quant_config": {},
+            "exclude": ignore,
+            "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
+            "version": "0.13",
+        }, None
+
 
 @register_reader
 class QuarkMXFP4Reader(_QuarkReader):
     format_name = "quark-mxfp4"
     row = "mxfp4"
     quark_row = "mxfp4"
+    synthetic_formats = ("quark-mxfp4",)
     description = "Quark MXFP4 (weight U8 packed E2M1, weight_scale E8M0/32)"
     scheme = Scheme(
         name="Quark MXFP4",
@@ -197,6 +230,7 @@ class QuarkNVFP4Reader(_QuarkReader):
     format_name = "quark-nvfp4"
     row = "nvfp4"
     quark_row = "nvfp4"
+    synthetic_formats = ("quark-nvfp4",)
     description = "Quark NVFP4 (weight, weight_scale E4M3/16, weight_scale_2, input_scale_2)"
     scheme = Scheme(
         name="Quark NVFP4",
@@ -215,6 +249,7 @@ class QuarkMXFP8Reader(_QuarkReader):
     format_name = "quark-mxfp8"
     row = "mxfp8"
     quark_row = "mxfp8"
+    synthetic_formats = ("quark-mxfp8",)
     description = "Quark MXFP8 (weight E4M3, weight_scale E8M0/32, per row or per block of rows)"
     scheme = Scheme(
         name="Quark MXFP8",

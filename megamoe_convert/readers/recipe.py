@@ -173,7 +173,7 @@ def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:
         if l2_activation_scale_given:
             rule = "given with --l2-activation-scale (the checkpoint has no w2 input scales)"
         else:
-            rule = getattr(reader, "l2_activation_scale_rule", None) or "max over all experts of the w2 input scale"
+            rule = reader.l2_activation_scale_rule or "max over all experts of the w2 input scale"
         rec["l2_activation_scale"] = rule
     return rec
 

@@ -58,6 +58,17 @@ class UnquantizedReader(SchemeReader):
     row = "bf16"
     description = "BF16/FP16/FP32 experts -> bf16 row, or quantize= mxfp4|mxfp8|nvfp4 with the reference quantizers"
     scheme = BF16_SCHEME
+    aliases = ("bf16", "fp16", "fp32")
+    #: synthetic variants: stored dtype (``bf16-fused``: transformers >= 5 fused 3-D experts)
+    synthetic_formats = ("bf16", "fp16", "fp32", "bf16-fused")
+    _SYNTHETIC_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                         "bf16-fused": torch.bfloat16}
+
+    @classmethod
+    def encode_expert(cls, variant, gate, up, down, *, input_scales=None, shared_global=True):
+        """The float weights in the variant's dtype (round to nearest even), under ``weight``."""
+        dt = cls._SYNTHETIC_DTYPES[variant]
+        return {r: {"weight": t.to(dt)} for r, t in zip(naming.ROLES, (gate, up, down))}
 
     @classmethod
     def activation_recipe(cls, source):

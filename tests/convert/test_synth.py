@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden_synth.json"
@@ -72,3 +73,21 @@ def _record() -> None:
 
 if __name__ == "__main__":
     sys.exit(_record())
+
+
+def test_every_synthetic_format_is_encoded_by_exactly_one_reader():
+    from megamoe_convert.readers import readers_in_order
+    from megamoe_convert.synth import ENCODER_OF, FORMATS
+
+    declared = [f for cls in readers_in_order() for f in cls.synthetic_formats]
+    assert len(declared) == len(set(declared))
+    assert sorted(declared) == sorted(FORMATS) == sorted(ENCODER_OF)
+
+
+def test_a_format_without_an_encoder_says_so():
+    from megamoe_convert.readers import registered_readers
+
+    cls = registered_readers()["modelopt-w4a8-nvfp4-fp8"]
+    assert cls.synthetic_formats == ()
+    with pytest.raises(NotImplementedError, match="converts on read"):
+        cls.encode_expert("x", *[torch.zeros(32, 64)] * 2, torch.zeros(64, 32), input_scales=dict.fromkeys(("gate", "up", "down"), 0.01))
