@@ -751,3 +751,20 @@ def test_param_reads_suffix_meanings_from_the_runtime_table():
         Param("input", ("weight_scale_2",), ("F32",))
     with pytest.raises(TypeError, match="mix divisors"):
         Param("input", ("input_scale", "input_global_scale"), ("F32",))
+
+
+def test_every_reader_hook_is_declared_on_the_base_class():
+    """What a reader class adds beyond CheckpointReader is its own machinery (the scheme and what
+    reading it needs), never a hook the converter calls: those are all declared on the base (issue 12)."""
+    from megamoe_convert.readers import CheckpointReader, readers_in_order
+
+    internal = {"scheme", "shared_schemes", "reads_fused", "direct_weight_bytes", "excluded_by_config",
+                "algos", "ct_format", "quark_row"}
+    for cls in readers_in_order():
+        extra = {n for n in dir(cls) if not n.startswith("_")} - set(dir(CheckpointReader))
+        assert extra <= internal, f"{cls.format_name}: {sorted(extra - internal)} not declared on CheckpointReader"
+    root = Path(__file__).resolve().parents[2] / "megamoe_convert"
+    for path in root.glob("*.py"):  # outside readers/: nothing reaches into the internals
+        text = path.read_text()
+        used = sorted(n for n in internal if f".{n}" in text)
+        assert not used, f"{path.name} uses reader internals {used}"
