@@ -74,8 +74,6 @@ from megamoe_runtime.manifest import (
 )
 from megamoe_runtime.tensor_bytes import byte_view
 
-from .writer import tensor_bytes
-
 from . import checks
 from .readers import detect_reader
 from .readers.recipe import manifest_record
@@ -92,23 +90,22 @@ from .output_dir import (
     temp_dir_for,
 )
 from .source import CheckpointSource, open_source, source_roots
-from .writer import (
+from megamoe_runtime.digests import file_digest
+
+from .shard_writer import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     ST_METADATA,
-    Journal,
     PlannedTensor,
     ShardWriter,
-    check_output_target,
     copy_source_bytes,
-    file_digest,
-    finalize_output,
     json_bytes,
     parse_size,
     plan_shards,
-    prepare_temp_dir,
+    tensor_bytes,
     write_bytes_atomic,
 )
+from .temp_folder import Journal, check_output_target, finalize_output, prepare_temp_dir
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 

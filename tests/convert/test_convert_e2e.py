@@ -27,7 +27,8 @@ from megamoe_convert.cli import main
 from megamoe_convert.convert import convert, shared_to_precision
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
-from megamoe_convert.writer import parse_size, temp_dir_for
+from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.shard_writer import parse_size
 from megamoe_runtime import layout
 from megamoe_runtime.layout import KernelTensors
 from megamoe_runtime.manifest import MANIFEST_NAME, kernel_view, read_manifest
@@ -431,7 +432,7 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     """A kill after every shard is written but before the final rename (the
     fsync of every output file can take minutes on a large model) must leave a
     temp folder that --resume can finish: the journal goes only after the sync."""
-    import megamoe_convert.writer as writer_mod
+    import megamoe_convert.temp_folder as temp_folder_mod
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=8)
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -440,7 +441,7 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     def killed(path):
         raise KeyboardInterrupt("killed during the final fsync")
 
-    monkeypatch.setattr(writer_mod, "_fsync_dir", killed)
+    monkeypatch.setattr(temp_folder_mod, "_fsync_dir", killed)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out)
     monkeypatch.undo()
@@ -456,7 +457,7 @@ def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch
     first otherwise); OUT's missing parents are created, and removed again
     when the run fails."""
     import megamoe_convert.convert as convert_mod
-    from megamoe_convert.writer import OutputError, write_temp_marker
+    from megamoe_convert.output_dir import OutputError, write_temp_marker
 
     class Opened(Exception):
         pass
