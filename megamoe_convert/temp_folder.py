@@ -127,7 +127,7 @@ class Journal:
     repairs), and last ``complete`` once everything is synced. A torn last
     line from a kill is ignored. On resume, finished files are re-hashed and
     kept only if they still match, and their tensors are re-derived from the
-    source and compared (``convert._Run.check``).
+    source and compared (``stream.Run.check``).
     """
 
     def __init__(self, tmp: Path):
