@@ -17,7 +17,8 @@ from . import checks
 from .plan import layer_ranges, model_record, rank_roles
 from .readers import detect_reader
 from .readers.recipe import manifest_record
-from .shared import check_shared_precision, choose_shared
+from .preflight import layer_decisions, layer_scalars
+from .shared import check_shared_precision
 from .source import open_source
 
 
@@ -60,26 +61,16 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         shared_notes = {}
         check_shared_precision(row, shared_precision)
         for info in infos:
-            try:
-                shared, shared_rec = choose_shared(info, row, shared_precision)
-            except MegaMoEError as e:  # an explicit precision the layer's sizes refuse
-                problems.append(str(e))
-                shared, shared_rec = checks.shared_spec_for(info, row)
+            shared, shared_rec, spec = layer_decisions(info, row, facts, ep_size, shared_precision, problems)
             if info.shared is not None and shared is None:
                 consumed -= set(info.shared.tensor_names)
-            spec = None
-            try:
-                spec = checks.layer_spec(info, facts, row, ep_size, shared)
-            except MegaMoEError as e:
-                problems.append(str(e))
             layer = {"index": info.index, "prefix": info.prefix, "num_experts": info.num_experts,
                      "hidden": info.hidden, "intermediate": info.intermediate, "shared": shared_rec}
             if row.weight.has_global_scale:
                 try:
-                    scal = [reader.read_expert_scalars(info.index, e) for e in range(info.num_experts)]
-                    rep = checks.check_layer_scalars(info, scal, row, on_scale_mismatch="requantize",
-                                                     allow_missing_input_scales=True, report_missing_a2=True,
-                                                     l2_activation_scale=l2_activation_scale)
+                    rep = layer_scalars(reader, info, row, on_scale_mismatch="requantize",
+                                        allow_missing_input_scales=True, report_missing_a2=True,
+                                        l2_activation_scale=l2_activation_scale)
                     layer["scalars"] = rep.scalars
                     layer["w1_w3_mismatches"] = len(rep.mismatches)
                     pairs += info.num_experts
