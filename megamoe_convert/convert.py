@@ -14,7 +14,7 @@
    once, read one expert at a time, check it, repair it if asked, ``copy_`` it
    into place (``layout.write_expert``); where the reader offers the weights'
    byte ranges (``weight_byte_ranges``), gate/up/down weights are instead
-   ``preadv``-ed straight into their kernel rows (`_DirectWeights`) and only
+   ``preadv``-ed straight into their kernel rows (`direct.DirectWeights`) and only
    the scales go through ``copy_``. Then queue the rank's tensors to its
    shard (hashed and written on background threads while the next layer is
    read and packed into a second set of buffers). Memory: two ranks' packed

@@ -29,6 +29,7 @@ from megamoe_runtime.manifest import (
     tensor_key,
     to_stored,
 )
+from megamoe_runtime.roles import is_shared_role, shared_role
 
 from . import checks
 from .output_dir import OutputError
@@ -100,7 +101,7 @@ def rank_roles(row: Row, E_l: int, H: int, I: int, shared: "checks.SharedSpec | 
         roles.append(("l2_global_scale", torch.empty(E_l, dtype=torch.float32, device="meta")))
     if shared is not None:
         skt = layout.allocate_kernel_tensors(shared.precision, None, H, shared.folded_intermediate, device="meta")
-        roles += [(f"shared_{r}", t) for r, t in skt.named().items()]
+        roles += [(shared_role(r), t) for r, t in skt.named().items()]
     return sorted(roles, key=lambda rt: (-rt[1].element_size(), rt[0]))
 
 
@@ -121,7 +122,7 @@ def plan_files(plans: list[LayerPlan], source: CheckpointSource, consumed: set[s
                 stored, storage = to_stored(t, storage_of_role(role))
                 name = f"{info.prefix}.megamoe.{role}"
                 pt = PlannedTensor(name, dtype_name(t.dtype), tuple(stored.shape))
-                is_shared = role.startswith("shared_")
+                is_shared = is_shared_role(role)
                 rank_items.append((pt, dict(
                     key=tensor_key(name, r, ep_size), layer=info.index, role=role, ep_rank=r,
                     experts=None if is_shared else (lo, lo + E_l), kernel_shape=tuple(t.shape),

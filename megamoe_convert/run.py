@@ -102,13 +102,9 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
                                                   for n, r in done_files.items()}
     tensors: dict[str, TensorEntry] = {}
     for rec in done_files.values():
-        for key, d in rec["tensors"].items():
-            tensors[key] = TensorEntry(
-                name=d["name"], layer=d["layer"], role=d["role"], ep_rank=d["ep_rank"],
-                experts=tuple(d["experts"]) if d["experts"] is not None else None, file=d["file"],
-                dtype=d["dtype"], stored_shape=tuple(d["stored_shape"]), kernel_shape=tuple(d["kernel_shape"]),
-                kernel_strides=tuple(d["kernel_strides"]), storage=d["storage"], checksum=d[checksum],
-                checksum_kind=checksum)
+        for key, d in rec["tensors"].items():  # the journal holds each entry as the manifest writes it
+            tensors[key] = TensorEntry.from_json(d, f"{journal.path.name} {rec['name']} tensors[{key!r}]",
+                                                 checksum_kind=checksum)
     missing = [f for f in slots_by_file if f not in done_files]
     if missing:  # pragma: no cover - every planned file is written above
         raise MegaMoEError(f"internal error: files {missing} were planned but not written")

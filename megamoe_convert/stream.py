@@ -21,6 +21,7 @@ from megamoe_runtime.digests import SHA256
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.formats import Row, get_row
 from megamoe_runtime.manifest import PASSTHROUGH_ROLE, to_stored
+from megamoe_runtime.roles import is_shared_role, shared_role
 
 from . import checks
 from .direct import DirectWeights
@@ -248,7 +249,7 @@ def _prepare_shared(reader, lp: LayerPlan, run: Run, needed: list[int], where: s
     converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
     shared_kt = None
     if any(run.needed(s) or run.check_done for r in needed for s in lp.slots.get(r, [])
-           if s.role.startswith("shared_")):
+           if is_shared_role(s.role)):
         shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
     return shared_kt, shared_rec
 
@@ -297,12 +298,12 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             shared_kt, shared_rec = shared_fut.result()
             shared_fut = None
         if shared_kt is not None:
-            tensors.update({f"shared_{k}": v for k, v in shared_kt.named().items()})
+            tensors.update({shared_role(k): v for k, v in shared_kt.named().items()})
         for slot in lp.slots.get(r, []):
             if run.needed(slot):
-                run.write(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
+                run.write(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
             elif run.check_done:
-                run.check(slot, tensors[slot.role], -1 if slot.role.startswith("shared_") else bset)
+                run.check(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
         del tensors
     if shared_fut is not None:  # no rank wrote anything this time (all finished earlier)
         shared_kt, shared_rec = shared_fut.result()
