@@ -73,7 +73,9 @@ def child(src: str, out: str, checksum: str | None) -> None:
         alg, _, threads = checksum.partition(":")
         kwargs["checksum"] = alg
         if threads:
-            mc.HASH_THREADS = int(threads)
+            import megamoe_convert.stream as stream
+
+            stream.HASH_THREADS = int(threads)
     base = _status_kb("VmRSS")
     t = time.perf_counter()
     r0 = os.times()

@@ -55,6 +55,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import megamoe_convert.convert as conv
+    import megamoe_convert.stream as stream
     from megamoe_convert import synth
     from megamoe_convert.output_dir import temp_dir_for
 
@@ -79,15 +80,15 @@ def main() -> None:
                 conv.convert(src, out, on_step=_stop_at(step, n))
             except _Stop:
                 pass
-            if not check:  # check_done reads False whatever _run sets
-                conv._Run.check_done = property(lambda s: False, lambda s, v: None)
+            if not check:  # check_done reads False whatever run_conversion sets
+                stream.Run.check_done = property(lambda s: False, lambda s, v: None)
             try:
                 t = time.perf_counter()
                 conv.convert(src, out, resume=True)
                 dt = time.perf_counter() - t
             finally:
-                if "check_done" in conv._Run.__dict__:
-                    del conv._Run.check_done
+                if "check_done" in stream.Run.__dict__:
+                    del stream.Run.check_done
             shutil.rmtree(out)
             assert not temp_dir_for(out).exists()
             return dt

@@ -42,13 +42,13 @@ from megamoe_runtime.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
 
 
 def parse_size(text):
-    from .writer import parse_size as parse
+    from .shard_writer import parse_size as parse
 
     return parse(text)
 
 
 def format_bytes(n: float) -> str:
-    from .writer import format_bytes as fmt
+    from .shard_writer import format_bytes as fmt
 
     return fmt(n)
 
@@ -463,7 +463,7 @@ def verify(out, as_json, reload_dry_run, no_progress):
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder (or its blake3
     checksums cannot be computed here).
     """
-    from .writer import verify_output
+    from megamoe_runtime.verify import verify_output
 
     bar = _Bar("verifying", not no_progress and not as_json and sys.stderr.isatty())
 
@@ -606,7 +606,7 @@ def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
     from . import synth
     from .convert import convert as do_convert
     from .selfcheck import compare_with_source
-    from .writer import verify_output
+    from megamoe_runtime.verify import verify_output
 
     src, out = root / "source", root / "converted"
     for p in (src, out):

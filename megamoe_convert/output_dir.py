@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from megamoe_runtime.errors import MegaMoEError
+from megamoe_runtime.errors import MegaMoEError, OutputError
 from megamoe_runtime.json_io import parse_json
 from megamoe_runtime.json_io import read_json
 from megamoe_runtime.manifest import MANIFEST_NAME
@@ -65,10 +65,8 @@ StepHook = Callable[[str], None]
 Log = Callable[[str], None]
 
 
-class OutputError(MegaMoEError):
-    """The output folder cannot be written as asked (exists, not ours,
-    overlaps the source, locked by a running conversion, stale temp folder,
-    resume of a different conversion)."""
+# OutputError (the output folder cannot be written as asked) lives in megamoe_runtime.errors, so the
+# runtime's verify raises the same class; it is imported above and stays importable from here.
 
 
 # --------------------------------------------------------------------------- names

@@ -30,8 +30,9 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from .errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
-from .formats import LayerSpec
+from .formats import LayerSpec, get_row
 from .folder import inside_folder
+from .roles import expected_roles
 from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
 from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
 from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
@@ -208,16 +209,8 @@ class Checkpoint:
 
     def _expected_roles(self, spec: LayerSpec) -> list[str]:
         row = spec.row_spec
-        roles = ["l1_weight", "l2_weight"]
-        if row.has_scales:
-            roles += ["l1_scale", "l2_scale"]
-        if row.weight.has_global_scale:
-            roles += ["l1_alpha", "l2_global_scale"]
-        if spec.shared is not None:
-            roles += ["shared_l1_weight", "shared_l2_weight"]
-            if spec.shared.precision != "bf16":
-                roles += ["shared_l1_scale", "shared_l2_scale"]
-        return roles
+        shared = None if spec.shared is None else get_row(spec.shared.precision).has_scales
+        return expected_roles(row.has_scales, row.weight.has_global_scale, shared)
 
     def files_for(self, layer_index: int, ep_rank: int = 0, ep_size: int = 1) -> list[str]:
         """The files a rank opens to load one layer."""

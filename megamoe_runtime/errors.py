@@ -28,6 +28,14 @@ class CheckpointError(MegaMoEError):
     """A checkpoint file or tensor is missing, truncated or inconsistent."""
 
 
+class OutputError(MegaMoEError):
+    """The output folder cannot be written as asked (exists, not ours,
+    overlaps the source, locked by a running conversion, stale temp folder,
+    resume of a different conversion), or a folder to verify is not one.
+    Defined here, not in the converter, so that ``megamoe_runtime.verify``
+    raises the same class a serve-only install can catch."""
+
+
 class ScaleError(MegaMoEError):
     """A scale is NaN, zero, negative, 0xFF (E8M0 NaN) or disagrees with its pair."""
 

@@ -54,12 +54,9 @@ from .backends import get_backend
 from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from .formats import LayerSpec, SharedSpec, get_row
 from .limits import MAX_LAYER_BYTES
+from .roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, is_shared_role, shared_role
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
-
-_ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
-_SHARED_ROLES = tuple(f"shared_{r}" for r in _ROUTED_ROLES)
-_NV_PARAM_ROLES = ("l1_alpha", "l2_global_scale")
 
 
 _MADV_HUGEPAGE = 14
@@ -110,7 +107,7 @@ def _alloc_like_layout(row: Any, E_l: Optional[int], H: int, I: int, device: tor
     proto = layout.allocate_kernel_tensors(row, E_l, H, I, "meta")
     if torch.device(device).type == "meta":
         return proto
-    need = sum(t.untyped_storage().nbytes() for t in (getattr(proto, r) for r in _ROUTED_ROLES) if t is not None)
+    need = sum(t.untyped_storage().nbytes() for t in (getattr(proto, r) for r in KERNEL_ROLES) if t is not None)
     row_name = getattr(row, "name", row)
     what = f"{'shared expert' if E_l is None else f'{E_l} experts'} of hidden {H}, intermediate {I} ({row_name})"
     if need > MAX_LAYER_BYTES:
@@ -120,7 +117,7 @@ def _alloc_like_layout(row: Any, E_l: Optional[int], H: int, I: int, device: tor
         if init == "zeros":
             return layout.allocate_kernel_tensors(row, E_l, H, I, device)
         out = {}
-        for role in _ROUTED_ROLES:
+        for role in KERNEL_ROLES:
             t = getattr(proto, role)
             if t is not None:
                 t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -224,12 +221,12 @@ class MegaMoESharedExpert(nn.Module):
         self.spec = spec
         sh = spec.shared
         kt = _alloc_like_layout(sh.precision, None, spec.hidden, sh.folded_intermediate, device, init)
-        for role in _ROUTED_ROLES:
+        for role in KERNEL_ROLES:
             t = getattr(kt, role)
-            self.register_parameter(f"shared_{role}", None if t is None else _frozen(t))
+            self.register_parameter(shared_role(role), None if t is None else _frozen(t))
 
     def kernel_tensors(self) -> layout.KernelTensors:
-        return layout.KernelTensors(*(getattr(self, r) for r in _SHARED_ROLES))
+        return layout.KernelTensors(*(getattr(self, r) for r in SHARED_ROLES))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from .backends.reference import shared_slot
@@ -329,7 +326,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         row = self.spec.row_spec
         E_l, H, I = self.spec.experts_per_rank, self.spec.hidden, self.spec.intermediate
         kt = _alloc_like_layout(row, E_l, H, I, dev, init)
-        for role in _ROUTED_ROLES:
+        for role in KERNEL_ROLES:
             t = getattr(kt, role)
             self.register_parameter(role, None if t is None else _frozen(t))
         if row.weight.has_global_scale:
@@ -350,9 +347,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
             if fused:
                 skt = _alloc_like_layout(self.spec.shared.precision, None, H,
                                          self.spec.shared.folded_intermediate, dev, init)
-                for role in _ROUTED_ROLES:
+                for role in KERNEL_ROLES:
                     t = getattr(skt, role)
-                    self.register_parameter(f"shared_{role}", None if t is None else _frozen(t))
+                    self.register_parameter(shared_role(role), None if t is None else _frozen(t))
             else:
                 self.shared_mlp = MegaMoESharedExpert(self.spec, dev, init)
         if module_tensors is not None and fused:
@@ -373,9 +370,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def param_for_role(self, role: str) -> Optional[torch.Tensor]:
         """The tensor a manifest role loads into (None if this layer has none)."""
-        if role in _ROUTED_ROLES or role in _NV_PARAM_ROLES:
+        if role in KERNEL_ROLES or role in SCALAR_ROLES:
             return getattr(self, role, None)
-        if role in _SHARED_ROLES:
+        if role in SHARED_ROLES:
             if self.shared_fused:
                 return getattr(self, role, None)
             if self.shared_mlp is not None:
@@ -387,18 +384,18 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def roles(self) -> list[str]:
         """Roles this layer loads (= the manifest roles it expects)."""
-        out = [r for r in _ROUTED_ROLES if getattr(self, r, None) is not None]
+        out = [r for r in KERNEL_ROLES if getattr(self, r, None) is not None]
         if self.spec.row_spec.weight.has_global_scale:
-            out += list(_NV_PARAM_ROLES)
+            out += list(SCALAR_ROLES)
         if self.spec.shared is not None:
-            out += [r for r in _SHARED_ROLES if self.param_for_role(r) is not None]
+            out += [r for r in SHARED_ROLES if self.param_for_role(r) is not None]
         return out
 
     def checkpoint_roles(self) -> list[str]:
         """Roles a checkpoint load writes: `roles` minus a shared expert packed
         from an engine module at construction (the engine owns those weights)."""
         if self.shared_from_module:
-            return [r for r in self.roles() if not r.startswith("shared_")]
+            return [r for r in self.roles() if not is_shared_role(r)]
         return self.roles()
 
     def role_of(self, t: torch.Tensor) -> str:
@@ -413,7 +410,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def shared_kernel_tensors(self) -> Optional[layout.KernelTensors]:
         if self.shared_fused:
-            return layout.KernelTensors(*(getattr(self, r) for r in _SHARED_ROLES))
+            return layout.KernelTensors(*(getattr(self, r) for r in SHARED_ROLES))
         if self.shared_mlp is not None:
             return self.shared_mlp.kernel_tensors()
         return None
@@ -541,7 +538,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def _check_nv_scalars(self) -> None:
         lo = self.spec.local_experts.start
-        for name in ("l1_alpha", "l2_global_scale"):
+        for name in SCALAR_ROLES:
             t = getattr(self, name)
             bad = ~(torch.isfinite(t) & (t > 0))
             if bool(bad.any()):

@@ -48,6 +48,7 @@ import torch
 from .canonical import ExpertTensors, ProjectionTensors
 from .errors import LayoutError
 from .formats import Row, get_row, nearest_multiples
+from .roles import KERNEL_ROLES
 
 __all__ = [
     "interleave_row",
@@ -318,7 +319,7 @@ def check_kernel_tensors(
     """Shapes, dtypes and scale strides of `kt` against (row, E_l, H, I)."""
     row = get_row(row)
     shapes = kernel_shapes(row, E_l, H, I)
-    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+    for role in KERNEL_ROLES:
         t = getattr(kt, role)
         if role not in shapes:
             if t is not None:

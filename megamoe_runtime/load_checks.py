@@ -31,6 +31,7 @@ from typing import Any, Optional
 from .errors import LoadCheckError, MegaMoEError
 from .folder import inside_folder
 from .manifest import MANIFEST_NAME, LayerEntry
+from .roles import SCALAR_ROLES
 from .safetensors_header import SafetensorsHeader, parse_safetensors_header
 
 __all__ = [
@@ -52,7 +53,6 @@ DEFAULT_VERIFY = "headers"
 STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
 #: spec fields that change only the numerics: refused unless the caller adopts them
 SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
-_NV_SCALE_ROLES = ("l1_alpha", "l2_global_scale")
 _HASH_CHUNK = 16 << 20
 
 
@@ -240,7 +240,7 @@ def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: b
         problems.append(f"{root}: layer {le.index} ({le.prefix}): {MANIFEST_NAME} scalars.l2_activation_scale = "
                         f"{a2!r}; must be finite and > 0")
     for it in items:
-        if it.role not in _NV_SCALE_ROLES:
+        if it.role not in SCALAR_ROLES:
             continue
         h = headers.get(it.entry.file)
         en = h.tensors.get(it.entry.name) if h is not None else None

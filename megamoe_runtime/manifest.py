@@ -27,9 +27,9 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -37,25 +37,22 @@ from .errors import LayoutError, ManifestError, MegaMoEError
 from .folder import inside_folder
 from .json_io import parse_json, read_json
 from .limits import check_limit
+from .roles import (  # the role table and storage orders (re-exported: the manifest names them)
+    EXPERT_ROLES,
+    MN_MAJOR_ROLES,
+    PASSTHROUGH_ROLE,
+    SHARED_ROLES,
+    STORAGE_CONTIGUOUS,
+    STORAGE_MN_MAJOR,
+    STORAGES,
+)
 from .safetensors_header import DTYPE_BITS, DTYPES
 
 FORMAT_NAME = "megamoe"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "megamoe.json"
 
-STORAGE_CONTIGUOUS = "contiguous"
-STORAGE_MN_MAJOR = "mn_major_physical"
-STORAGES = (STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR)
-
-#: Roles of expert tensors (also the `DeepGemmMegaMoEExperts` attribute names).
-EXPERT_ROLES = (
-    "l1_weight", "l1_scale", "l2_weight", "l2_scale", "l1_alpha", "l2_global_scale",
-)
-SHARED_ROLES = (
-    "shared_l1_weight", "shared_l1_scale", "shared_l2_weight", "shared_l2_scale",
-)
-#: Role of a non-expert tensor copied through unchanged.
-PASSTHROUGH_ROLE = "passthrough"
+#: every role a manifest tensor may have
 ROLES = EXPERT_ROLES + SHARED_ROLES + (PASSTHROUGH_ROLE,)
 
 # DTYPES (safetensors name -> torch dtype) and DTYPE_BITS live with the header parser.
@@ -129,10 +126,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-#: roles whose kernel layout is an MN-major view (stored as the physical base)
-MN_MAJOR_ROLES = frozenset({"l1_scale", "l2_scale", "shared_l1_scale", "shared_l2_scale"})
-
-
 def storage_of_role(role: str) -> str:
     """Storage order of a role. Decided by role, not by inspecting strides:
     with a size-1 dim (e.g. P = 1 for H = 128) an MN-major view also counts
@@ -191,6 +184,77 @@ def kernel_view(stored: torch.Tensor, entry: "TensorEntry") -> torch.Tensor:
 # schema
 
 
+# records <-> JSON, generated from the dataclass fields
+#
+# A record's JSON object is its fields in declaration order, each under its name, converted by the codec of
+# its annotated type (`_FIELD_CODECS`); reading checks each value's type and names the offending key. So a new
+# field is one line in its dataclass (plus any semantic check in `_parse_manifest`), not four places. Field
+# metadata: ``json: False`` (not stored; given by the caller when reading), ``key_from: other`` (stored under
+# the value of field `other`), ``omit_none: True`` (not written when None; when present, never null). A field
+# with a default may be absent when read.
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+def _tuple_or_none(v: Any) -> Any:
+    return list(v) if v is not None else None
+
+
+def _read_pair_or_none(d: Any, key: str, where: str) -> tuple[int, int] | None:
+    v = _need(d, key, (list, type(None)), where)
+    return _int_list(v, f"{where}.{key}", 2) if v is not None else None
+
+
+_NONE = type(None)
+
+#: annotated field type -> (to JSON, from JSON (object, key, where))
+_FIELD_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, str, str], Any]]] = {
+    "str": (_same, lambda d, k, w: _need(d, k, str, w)),
+    "str | None": (_same, lambda d, k, w: _need(d, k, (str, _NONE), w)),
+    "int": (_same, lambda d, k, w: _need(d, k, int, w)),
+    "int | None": (_same, lambda d, k, w: _need(d, k, (int, _NONE), w)),
+    "dict": (_same, lambda d, k, w: _need(d, k, dict, w)),
+    "tuple": (list, lambda d, k, w: tuple(d[k])),  # free-form records (repairs), not type-checked
+    "tuple[int, ...]": (list, lambda d, k, w: _int_list(_need(d, k, list, w), f"{w}.{k}")),
+    "tuple[int, int] | None": (_tuple_or_none, _read_pair_or_none),
+}
+
+
+def _codec_type(f) -> str:
+    return f.type[: -len(" | None")] if f.metadata.get("omit_none") else f.type
+
+
+def record_to_json(rec: Any) -> dict:
+    """A manifest record (SourceInfo, LayerEntry, TensorEntry) as its JSON object."""
+    d = {}
+    for f in fields(rec):
+        if not f.metadata.get("json", True):
+            continue
+        v = getattr(rec, f.name)
+        if v is None and f.metadata.get("omit_none"):
+            continue
+        key = getattr(rec, f.metadata["key_from"]) if "key_from" in f.metadata else f.name
+        d[key] = _FIELD_CODECS[_codec_type(f)][0](v)
+    return d
+
+
+def record_from_json(cls: type, d: Any, where: str, **given: Any) -> Any:
+    """A manifest record from its JSON object, every value type-checked (ManifestError naming `where` and the
+    key); `given`: the fields not stored in it (``json: False``)."""
+    kw = dict(given)
+    for f in fields(cls):
+        if f.name in given or not f.metadata.get("json", True):
+            continue
+        key = kw[f.metadata["key_from"]] if "key_from" in f.metadata else f.name
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        if has_default and isinstance(d, dict) and key not in d:
+            continue
+        kw[f.name] = _FIELD_CODECS[_codec_type(f)][1](d, key, where)
+    return cls(**kw)
+
+
 @dataclass(frozen=True)
 class SourceInfo:
     """Where the converted checkpoint came from (enough to reproduce it)."""
@@ -203,14 +267,14 @@ class SourceInfo:
     #: the source's quantization recipe and what the kernel does instead (activations: the producer's
     #: recipe, the row's kernel recipe, finer / coarser, the opt-in if any; how a2 was derived).
     #: Informational and optional (absent in manifests written before it), so no format_version bump.
-    recipe: dict | None = None
+    recipe: dict | None = field(default=None, metadata={"omit_none": True})
 
     def to_dict(self) -> dict:
-        d = {"id": self.id, "kind": self.kind, "revision": self.revision,
-             "format": self.format, "content_hash": self.content_hash}
-        if self.recipe is not None:
-            d["recipe"] = self.recipe
-        return d
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "SourceInfo":
+        return record_from_json(cls, d, where)
 
 
 # Checksum algorithms and file digest kinds: defined in digests.py (the runtime
@@ -269,9 +333,11 @@ class TensorEntry:
     kernel_shape: tuple[int, ...]
     kernel_strides: tuple[int, ...]
     storage: str
-    #: the tensor data's digest (hex) of algorithm `checksum_kind`, the manifest's ``checksum``
-    checksum: str
-    checksum_kind: str = SHA256
+    #: the tensor data's digest (hex) of algorithm `checksum_kind`, the manifest's ``checksum``; in JSON under
+    #: the algorithm's name (``sha256`` / ``blake3``)
+    checksum: str = field(metadata={"key_from": "checksum_kind"})
+    #: not stored per tensor: the manifest's ``checksum`` (given when reading)
+    checksum_kind: str = field(default=SHA256, metadata={"json": False})
 
     @property
     def nbytes(self) -> int:
@@ -285,13 +351,13 @@ class TensorEntry:
         return self.checksum
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name, "layer": self.layer, "role": self.role, "ep_rank": self.ep_rank,
-            "experts": list(self.experts) if self.experts is not None else None,
-            "file": self.file, "dtype": self.dtype, "stored_shape": list(self.stored_shape),
-            "kernel_shape": list(self.kernel_shape), "kernel_strides": list(self.kernel_strides),
-            "storage": self.storage, self.checksum_kind: self.checksum,
-        }
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str, checksum_kind: str = SHA256) -> "TensorEntry":
+        """Parse (types checked, ManifestError naming `where`); the manifest's semantic checks are `_check_tensor`.
+        Also what the converter's journal records are read back with."""
+        return record_from_json(cls, d, where, checksum_kind=checksum_kind)
 
 
 @dataclass(frozen=True)
@@ -318,8 +384,23 @@ class LayerEntry:
         return LayerSpec.from_dict(d)
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "prefix": self.prefix, "spec": self.spec,
-                "scalars": self.scalars, "shared": self.shared, "repairs": list(self.repairs)}
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "LayerEntry":
+        return record_from_json(cls, d, where)
+
+
+def _check_codecs(*records: type) -> None:
+    """A field whose type has no JSON codec fails at import, not when the first manifest is written."""
+    for cls in records:
+        for f in fields(cls):
+            if f.metadata.get("json", True) and _codec_type(f) not in _FIELD_CODECS:
+                raise TypeError(f"{cls.__name__}.{f.name}: no manifest JSON codec for type {f.type!r}; "
+                                f"add one to _FIELD_CODECS ({', '.join(_FIELD_CODECS)})")
+
+
+_check_codecs(SourceInfo, TensorEntry, LayerEntry)
 
 
 @dataclass
@@ -525,14 +606,7 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         raise ManifestError(f"{where}: format_version {version} is not valid (versions start at 1)")
     converter_version = _need(d, "converter_version", str, where)
     src = _need(d, "source", dict, where)
-    source = SourceInfo(
-        id=_need(src, "id", str, f"{where}.source"),
-        kind=_need(src, "kind", str, f"{where}.source"),
-        revision=_need(src, "revision", (str, type(None)), f"{where}.source"),
-        format=_need(src, "format", str, f"{where}.source"),
-        content_hash=_need(src, "content_hash", (str, type(None)), f"{where}.source"),
-        recipe=_need(src, "recipe", dict, f"{where}.source") if "recipe" in src else None,
-    )
+    source = SourceInfo.from_json(src, f"{where}.source")
     if source.kind not in ("local", "hub"):
         raise ManifestError(f"{where}.source.kind: {source.kind!r}, expected 'local' or 'hub'")
     row = _need(d, "row", str, where)
@@ -581,15 +655,8 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         if index in seen_layers:
             raise ManifestError(f"{w}: duplicate layer index {index}")
         seen_layers.add(index)
-        spec = _need(le, "spec", dict, w)
-        entry = LayerEntry(
-            index=index,
-            prefix=_need(le, "prefix", str, w),
-            spec=spec,
-            scalars=_need(le, "scalars", dict, w),
-            shared=_need(le, "shared", dict, w),
-            repairs=tuple(le.get("repairs", [])),
-        )
+        _need(le, "spec", dict, w)  # checked before the other keys, as it always was
+        entry = LayerEntry.from_json(le, w)
         for k, v in entry.scalars.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise ManifestError(f"{w}.scalars.{k}: expected a finite number, got {v!r}")
@@ -604,22 +671,8 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for key, te in _need(d, "tensors", dict, where).items():
         w = f"{where}.tensors[{key!r}]"
-        exp = _need(te, "experts", (list, type(None)), w)
-        t = TensorEntry(
-            name=_need(te, "name", str, w),
-            layer=_need(te, "layer", (int, type(None)), w),
-            role=_need(te, "role", str, w),
-            ep_rank=_need(te, "ep_rank", (int, type(None)), w),
-            experts=_int_list(exp, f"{w}.experts", 2) if exp is not None else None,
-            file=_need(te, "file", str, w),
-            dtype=_need(te, "dtype", str, w),
-            stored_shape=_int_list(_need(te, "stored_shape", list, w), f"{w}.stored_shape"),
-            kernel_shape=_int_list(_need(te, "kernel_shape", list, w), f"{w}.kernel_shape"),
-            kernel_strides=_int_list(_need(te, "kernel_strides", list, w), f"{w}.kernel_strides"),
-            storage=_need(te, "storage", str, w),
-            checksum=_need(te, checksum, str, w),
-            checksum_kind=checksum,
-        )
+        _need(te, "experts", (list, type(None)), w)  # checked before the other keys, as it always was
+        t = TensorEntry.from_json(te, w, checksum_kind=checksum)
         _check_tensor(t, key, w, ep_size, files, seen_layers)
         tensors[key] = t
 

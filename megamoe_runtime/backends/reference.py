@@ -78,8 +78,8 @@ from torch import Tensor
 from megamoe_runtime import codecs, layout
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
 from megamoe_runtime.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
+from megamoe_runtime.roles import KERNEL_ROLES, SHARED_PREFIX
 
-_ROUTED_ROLES = ("l1_weight", "l1_scale", "l2_weight", "l2_scale")
 
 #: E2M1 tie rule of the NVFP4 dispatch quantization. "even" is the kernels'
 #: ``cvt.rn.satfinite`` (and what the triton staging kernel must reproduce);
@@ -296,7 +296,7 @@ def _check_inputs(spec: LayerSpec, hidden_states: Tensor, topk_weights: Tensor,
 def _as_kernel_tensors(kt: Any) -> layout.KernelTensors:
     if isinstance(kt, layout.KernelTensors):
         return kt
-    return layout.KernelTensors(*(getattr(kt, r, None) for r in _ROUTED_ROLES))
+    return layout.KernelTensors(*(getattr(kt, r, None) for r in KERNEL_ROLES))
 
 
 def _check_scalars(spec: LayerSpec, scalars: Optional[NvScalars]) -> None:
@@ -592,7 +592,7 @@ def _layer_kernel_tensors(layer: Any, prefix: str) -> Optional[layout.KernelTens
     on-disk role names), or None when the layer has no ``{prefix}l1_weight``."""
     if getattr(layer, prefix + "l1_weight", None) is None:
         return None
-    return layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in _ROUTED_ROLES))
+    return layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in KERNEL_ROLES))
 
 
 class ReferenceBackend:
@@ -640,7 +640,7 @@ class ReferenceBackend:
 
     def shared_slot(self, layer: Any, shared_input: Tensor) -> Tensor:
         """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
-        shared = _layer_kernel_tensors(layer, "shared_")
+        shared = _layer_kernel_tensors(layer, SHARED_PREFIX)
         if shared is None:
             raise MegaMoEError("the layer holds no fused shared expert tensors (shared_l1_weight is missing)")
         return shared_slot(layer.spec, shared, shared_input)
@@ -659,7 +659,7 @@ class ReferenceBackend:
         scalars = self._scalars(layer, hidden_states.device)
         shared = None
         if shared_input is not None:
-            shared = _layer_kernel_tensors(layer, "shared_")
+            shared = _layer_kernel_tensors(layer, SHARED_PREFIX)
             if shared is None:
                 raise MegaMoEError("shared_input was given but the layer holds no fused shared "
                                    "expert tensors (shared_l1_weight is missing); pass "

@@ -27,7 +27,8 @@ from megamoe_convert.cli import main
 from megamoe_convert.convert import convert, shared_to_precision
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
-from megamoe_convert.writer import parse_size, temp_dir_for
+from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.shard_writer import parse_size
 from megamoe_runtime import layout
 from megamoe_runtime.layout import KernelTensors
 from megamoe_runtime.manifest import MANIFEST_NAME, kernel_view, read_manifest
@@ -349,42 +350,6 @@ def test_parse_size_used_by_cli(tmp_path):
     assert parse_size("5GB") == 5_000_000_000
 
 
-@pytest.mark.parametrize("precision", ["auto", "mxfp8", "bf16"])
-def test_shared_precision_nvfp4(tmp_path, precision):
-    """--shared-precision on the nvfp4 row (both precisions fusable: mxfp8 for
-    vLLM's DeepGEMM fork, bf16 for upstream fp4_fp4_mega_moe): the manifest
-    records the choice and why, the stored shared tensors have that precision,
-    the served layer fuses them and still matches the source."""
-    import megamoe_runtime as mr
-    from megamoe_convert.selfcheck import compare_with_source
-
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
-    out = tmp_path / "out"
-    s = convert(src, out, shared_precision=precision)
-    want = "mxfp8" if precision == "auto" else precision
-    for le in read_manifest(out).layers:
-        sh = le.shared
-        assert sh["fused_capable"] and sh["precision"] == want and sh["requested_precision"] == precision
-        assert le.spec["shared"]["precision"] == want
-        assert sh["precision_reason"].startswith("auto: " if precision == "auto" else f"--shared-precision {want}")
-        other = "bf16" if want == "mxfp8" else None
-        if other:  # the DeepGEMM flavour that cannot run this choice is named with the precision it needs
-            assert "fp4_fp4_mega_moe" in sh["flavour_note"] and f"--shared-precision {other}" in sh["flavour_note"]
-        assert sh["conversion"] == f"nvfp4->{want} (dequantize, re-encode)"
-    assert [(d["layers"], d["precision"], d["requested"]) for d in s.shared] == [("0-1", want, precision)]
-    m = read_manifest(out)
-    dtypes = {t.role: t.dtype for t in m.tensors.values() if t.role.startswith("shared_")}
-    if want == "bf16":
-        assert dtypes == {"shared_l1_weight": "BF16", "shared_l2_weight": "BF16"}
-    else:
-        assert dtypes["shared_l1_weight"] == "F8_E4M3" and "shared_l1_scale" in dtypes
-    layer = mr.open_checkpoint(out).build_layer(0, device="cpu", backend="reference")
-    assert layer.shared_fused and layer.spec.shared.precision == want
-    assert layer.shared_l1_weight.dtype == (torch.bfloat16 if want == "bf16" else torch.float8_e4m3fn)
-    results = compare_with_source(src, out, tokens=8)
-    assert results and all(r.ok and r.shared_fused for r in results), results
-
-
 @pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "quark-mxfp4"])
 def test_fast_codecs_write_the_same_bytes(tmp_path, monkeypatch, fmt):
     """The table and fused codecs (NVFP4 -> MXFP8 and MXFP4 -> MXFP8 shared experts,
@@ -412,26 +377,11 @@ def test_fast_codecs_write_the_same_bytes(tmp_path, monkeypatch, fmt):
                            else "mxfp4->mxfp8 (exact)"}
 
 
-def test_shared_precision_refused_by_row(tmp_path):
-    from megamoe_runtime.errors import FormatError
-
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, shared=1)
-    with pytest.raises(FormatError, match=r"--shared-precision bf16: row mxfp4 fuses shared experts only as "
-                                          r"mxfp8 .*use --shared-precision auto \| mxfp8"):
-        convert(src, tmp_path / "out", shared_precision="bf16")
-    assert not (tmp_path / "out").exists() and not temp_dir_for(tmp_path / "out").exists()
-    with pytest.raises(Exception, match="--shared-precision 'fp4'; valid: auto, mxfp8, bf16"):
-        convert(src, tmp_path / "out", shared_precision="fp4")
-    # the row's own precision is accepted explicitly
-    s = convert(src, tmp_path / "out", shared_precision="mxfp8")
-    assert s.shared[0]["precision"] == "mxfp8" and "fp8_fp4_mega_moe" in s.shared[0]["note"]
-
-
 def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     """A kill after every shard is written but before the final rename (the
     fsync of every output file can take minutes on a large model) must leave a
     temp folder that --resume can finish: the journal goes only after the sync."""
-    import megamoe_convert.writer as writer_mod
+    import megamoe_convert.temp_folder as temp_folder_mod
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=8)
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -440,7 +390,7 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     def killed(path):
         raise KeyboardInterrupt("killed during the final fsync")
 
-    monkeypatch.setattr(writer_mod, "_fsync_dir", killed)
+    monkeypatch.setattr(temp_folder_mod, "_fsync_dir", killed)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out)
     monkeypatch.undo()
@@ -456,7 +406,7 @@ def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch
     first otherwise); OUT's missing parents are created, and removed again
     when the run fails."""
     import megamoe_convert.convert as convert_mod
-    from megamoe_convert.writer import OutputError, write_temp_marker
+    from megamoe_convert.output_dir import OutputError, write_temp_marker
 
     class Opened(Exception):
         pass
@@ -478,28 +428,6 @@ def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch
     with pytest.raises(OutputError, match="no progress journal"):
         convert("org/some-model", out, resume=True)
     assert not out.exists() and temp_dir_for(out).is_dir()  # nothing created or removed
-
-
-@pytest.mark.parametrize("fmt, key", [
-    ("quark-mxfp4", "model.layers.1.mlp.shared_experts.up_proj.weight_scale"),
-    ("deepseek-v4", "layers.1.ffn.shared_experts.w3.scale"),
-])
-def test_shared_expert_ff_scale_names_source_tensor(tmp_path, fmt, key):
-    from safetensors.torch import load_file, save_file
-
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SMALL, shared=1)
-    f = next(p for p in sorted(src.glob("*.safetensors")) if key in load_file(p))
-    t = load_file(f)
-    b = t[key].view(torch.uint8).clone()
-    b[0, 0] = 0xFF
-    t[key] = b.view(t[key].dtype)
-    save_file(t, f, metadata={"format": "pt"})
-    out = tmp_path / "out"
-    r = run_cli("convert", src, out)
-    assert r.exit_code == 2, r.output
-    for needle in ("MoE layer 1", "shared expert", "up scale", "0xFF", key, f.name):
-        assert needle in r.stderr, (needle, r.stderr)
-    assert not out.exists() and not temp_dir_for(out).exists()
 
 
 def test_quantize_nvfp4_needs_and_takes_an_explicit_a2(tmp_path):
@@ -544,58 +472,6 @@ def test_quantization_configs_say_megamoe(tmp_path):
 
 
 # --------------------------------------------------------------------------- direct weight reads
-
-
-@pytest.mark.parametrize("ep", [1, 2])
-def test_direct_weight_reads_taken_and_byte_identical(tmp_path, monkeypatch, ep):
-    """ModelOpt NVFP4: routed weights are read straight into the kernel buffers
-    (reader.weight_byte_ranges), and the output equals the read_expert path's
-    (the capability disabled) byte for byte."""
-    from megamoe_convert.readers.modelopt import ModelOptNVFP4Reader
-    from megamoe_convert.source import CheckpointSource
-
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1, seed=3,
-                                           max_shard_bytes=200_000)
-    calls = []
-    real = CheckpointSource.read_into
-
-    def spy(self, path, pos, views):
-        calls.append(len(views))
-        return real(self, path, pos, views)
-
-    monkeypatch.setattr(CheckpointSource, "read_into", spy)
-    with open_source(src) as s:
-        reader = detect_reader(s)
-        assert isinstance(reader, ModelOptNVFP4Reader)
-        assert reader.weight_byte_ranges(0, 0, "gate") is not None
-    fast = tmp_path / "fast"
-    convert(src, fast, ep_size=ep)
-    E, I = SMALL["num_experts"] * SMALL["num_layers"], SMALL["intermediate"]
-    # per expert: gate and up (one iovec per 8-row group), then down (one)
-    assert calls == [I // 8, I // 8, 1] * E
-
-    calls.clear()
-    monkeypatch.setattr(ModelOptNVFP4Reader, "weight_byte_ranges", lambda self, *a: None)
-    slow = tmp_path / "slow"
-    convert(src, slow, ep_size=ep)
-    assert calls == []
-    assert tree_bytes(fast) == tree_bytes(slow)
-
-
-def test_direct_weight_reads_keep_weight_value_checks(tmp_path, monkeypatch):
-    """A zero block scale over nonzero elements is still refused on the direct
-    path (the check reads the weight values back from the kernel buffer)."""
-    from megamoe_convert.source import CheckpointSource
-    from megamoe_runtime.errors import ScaleError
-
-    calls = []
-    real = CheckpointSource.read_into
-    monkeypatch.setattr(CheckpointSource, "read_into", lambda self, *a: (calls.append(1), real(self, *a))[1])
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-mxfp8", **SMALL, seed=1,
-                                           zero_scale=(1, 0, "down"))
-    with pytest.raises(ScaleError, match="zero while their block has nonzero elements"):
-        convert(src, tmp_path / "out")
-    assert calls  # the direct path ran (layer 0), and layer 1 expert 0's check still saw the weights
 
 
 class _Stop(BaseException):

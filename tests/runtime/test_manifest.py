@@ -217,3 +217,38 @@ def test_self_digest_catches_an_edited_manifest(tmp_path):
         read_manifest(tmp_path)
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(with_self_digest(d)))
     read_manifest(tmp_path)  # re-stamped: the self-digest alone does not refuse it
+
+
+def test_records_json_generated_from_their_fields():
+    """Each record's JSON is its fields in declaration order (the manifest's bytes depend on that order); the
+    checksum is stored under its algorithm; a recipe-less source has no recipe key; parsing inverts it."""
+    from dataclasses import dataclass, fields
+
+    from megamoe_runtime.manifest import _check_codecs, LayerEntry, SourceInfo, TensorEntry
+
+    t = TensorEntry(name="m.megamoe.l1_scale", layer=0, role="l1_scale", ep_rank=0, experts=(0, 4), file="f",
+                    dtype="I32", stored_shape=(4, 2, 8), kernel_shape=(4, 8, 2), kernel_strides=(16, 1, 8),
+                    storage="mn_major_physical", checksum="ab" * 32, checksum_kind="blake3")
+    d = t.to_dict()
+    assert list(d) == [f.name for f in fields(TensorEntry)][:-2] + ["blake3"]
+    assert d["experts"] == [0, 4] and d["stored_shape"] == [4, 2, 8]
+    assert TensorEntry.from_json(json.loads(json.dumps(d)), "t", checksum_kind="blake3") == t
+    with pytest.raises(ManifestError, match=r"t: missing key 'sha256'"):
+        TensorEntry.from_json(d, "t")  # sha256 expected
+    with pytest.raises(ManifestError, match=r"t.experts: expected 2 ints"):
+        TensorEntry.from_json({**d, "experts": [1]}, "t", checksum_kind="blake3")
+    s = SourceInfo(id="x", kind="local", revision=None, format="f", content_hash=None)
+    assert list(s.to_dict()) == ["id", "kind", "revision", "format", "content_hash"]
+    assert SourceInfo.from_json(s.to_dict(), "s") == s
+    with pytest.raises(ManifestError, match=r"s.recipe: expected dict, got NoneType"):
+        SourceInfo.from_json({**s.to_dict(), "recipe": None}, "s")
+    le = LayerEntry(index=1, prefix="p", spec={}, scalars={}, shared={}, repairs=({"expert": 0},))
+    assert list(le.to_dict()) == ["index", "prefix", "spec", "scalars", "shared", "repairs"]
+    assert LayerEntry.from_json({k: v for k, v in le.to_dict().items() if k != "repairs"}, "l").repairs == ()
+
+    @dataclass(frozen=True)
+    class WithSet:
+        x: "set"  # annotations are strings in the runtime (from __future__ import annotations)
+
+    with pytest.raises(TypeError, match="WithSet.x: no manifest JSON codec for type 'set'"):
+        _check_codecs(WithSet)

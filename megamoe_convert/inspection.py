@@ -1,0 +1,137 @@
+"""`megamoe-convert inspect`: what a conversion would do, and what would stop it.
+
+Runs the preflight's checks in collecting mode (every problem listed, none
+raised) and estimates the output, reading headers and scalar scales only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from megamoe_runtime.canonical import expected_shapes
+from megamoe_runtime.errors import MegaMoEError
+from megamoe_runtime.formats import get_row
+
+from . import checks
+from .plan import layer_ranges, model_record, rank_roles
+from .readers import detect_reader
+from .readers.recipe import manifest_record
+from .preflight import layer_decisions, layer_scalars
+from .shared import check_shared_precision
+from .source import open_source
+
+
+def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
+                       quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
+                       accept_activation_change: bool = False, l2_activation_scale: float | None = None) -> dict:
+    """What `megamoe-convert inspect` reports (JSON-safe dict).
+
+    Reads headers and the scalar scale tensors only. Problems that would stop
+    `convert` (row size rules, EP divisibility, bad or disagreeing scales)
+    are collected in ``problems`` rather than raised, so one run shows them
+    all; a checkpoint that cannot be opened or read at all still raises.
+    ``accept_activation_change`` and ``l2_activation_scale`` are convert's,
+    so the report answers for the convert command about to be run.
+    """
+    source = open_source(src, revision)
+    try:
+        # accepted here so the report can show the recipe; a change convert would refuse is a problem below
+        reader = detect_reader(source, format=format, quantize=quantize, accept_activation_change=True)
+        row = get_row(reader.row)
+        facts = reader.model_facts()
+        infos = reader.moe_layers()
+        problems: list[str] = []
+        change = reader.activation_change = dataclasses.replace(reader.activation_change,
+                                                                accepted=quantize is not None
+                                                                or bool(accept_activation_change))
+        if change.needs_flag and not change.accepted:
+            problems.append(change.summary())
+        if not row.has_alphas:
+            try:
+                checks.check_l2_activation_scale(row, l2_activation_scale)
+            except MegaMoEError as e:
+                problems.append(str(e))
+        layers, groups = [], []
+        expert_bytes = 0
+        pairs = mismatched = 0
+        max_rel = 0.0
+        missing_input: dict[int, int] = {}
+        consumed = set(reader.consumed_tensor_names())
+        shared_notes = {}
+        check_shared_precision(row, shared_precision)
+        for info in infos:
+            shared, shared_rec, spec = layer_decisions(info, row, facts, ep_size, shared_precision, problems)
+            if info.shared is not None and shared is None:
+                consumed -= set(info.shared.tensor_names)
+            layer = {"index": info.index, "prefix": info.prefix, "num_experts": info.num_experts,
+                     "hidden": info.hidden, "intermediate": info.intermediate, "shared": shared_rec}
+            if row.weight.has_global_scale:
+                try:
+                    rep = layer_scalars(reader, info, row, on_scale_mismatch="requantize",
+                                        allow_missing_input_scales=True, report_missing_a2=True,
+                                        l2_activation_scale=l2_activation_scale)
+                    layer["scalars"] = rep.scalars
+                    layer["w1_w3_mismatches"] = len(rep.mismatches)
+                    pairs += info.num_experts
+                    mismatched += len(rep.mismatches)
+                    for _, g, u in rep.mismatches:
+                        max_rel = max(max_rel, abs(g - u) / max(g, u))
+                    if rep.mismatches:
+                        e, g, u = rep.mismatches[0]
+                        problems.append(
+                            f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 "
+                            f"mismatch (first: expert {e}, {g!r} vs {u!r}); convert needs "
+                            "--on-scale-mismatch requantize")
+                    if rep.missing_a2:
+                        problems.append(rep.missing_a2)
+                    if rep.missing_input:
+                        missing_input[info.index] = len(rep.missing_input)
+                        problems.append(
+                            f"MoE layer {info.index}: {len(rep.missing_input)} expert(s) without a w2 input scale; "
+                            "convert needs --allow-missing-input-scales")
+                except MegaMoEError as e:
+                    problems.append(str(e))
+            if spec is not None:
+                for _, t in rank_roles(row, spec.experts_per_rank, info.hidden, info.intermediate, spec.shared):
+                    expert_bytes += ep_size * t.numel() * t.element_size()
+            layers.append(layer)
+            key = (info.hidden, info.intermediate, info.num_experts)
+            if groups and groups[-1]["key"] == key:
+                groups[-1]["layers"].append(info.index)
+            else:
+                groups.append({"key": key, "layers": [info.index]})
+            shared_notes[info.index] = shared_rec
+        passthrough = set(source.tensor_names()) - consumed
+        pt_bytes = sum(source.nbytes(n) for n in passthrough)
+        H, I = (infos[0].hidden, infos[0].intermediate) if infos else (0, 0)
+        shapes = {}
+        for role in ("gate", "up", "down"):
+            w, sc = expected_shapes(row, H, I, role) if infos else ((), None)
+            shapes[role] = {"weight": list(w), "scale": list(sc) if sc else None}
+        uniq = {json.dumps(v, sort_keys=True) for v in shared_notes.values()}
+        shared_summary = (json.loads(uniq.pop()) if len(uniq) == 1 else
+                          {str(k): v for k, v in shared_notes.items()})
+        if not infos:
+            problems.append(f"{source.id}: no MoE layers found")
+        return {
+            "source": str(source.id), "kind": source.kind, "revision": source.revision,
+            "files": len(source.files()), "bytes": sum(p.stat().st_size for p in source.files()),
+            "format": reader.format_name, "row": row.name, "model": model_record(facts),
+            "recipe": manifest_record(reader), "activations": change.summary(),
+            "layers": layers,
+            "layer_groups": [{"layers": layer_ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
+                              "num_experts": g["key"][2]} for g in groups],
+            "shapes": shapes, "shared": shared_summary,
+            "scales": ({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
+                        "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input}
+                       if row.weight.has_global_scale else None),
+            "ep_size": ep_size, "estimated_expert_bytes": expert_bytes, "passthrough_bytes": pt_bytes,
+            "estimated_output_bytes": expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
+            "problems": problems, "warnings": list(source.warnings),
+        }
+    finally:
+        source.close()
+
+
+__all__ = ["inspect_checkpoint"]

@@ -1,0 +1,344 @@
+"""The streaming pass: layer by layer into double-buffered kernel tensors.
+
+Per rank, the rank's kernel tensors are allocated once and reused; each
+expert is read, checked, repaired if asked and ``copy_``-ed (or read
+directly, ``direct``) into place; the finished tensors are queued to their
+shard writers (hashed and written on background threads) while the next
+layer is packed into the other buffer set. Memory: about two ranks' packed
+layers plus one expert in source encoding, whatever the model size. On
+``--resume`` the finished files' tensors are re-derived and compared instead
+of written (`Run.check`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megamoe_runtime import digests, layout
+from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
+from megamoe_runtime.digests import SHA256
+from megamoe_runtime.errors import CheckpointError, MegaMoEError
+from megamoe_runtime.formats import Row, get_row
+from megamoe_runtime.manifest import PASSTHROUGH_ROLE, to_stored
+from megamoe_runtime.roles import is_shared_role, shared_role
+
+from . import checks
+from .direct import DirectWeights
+from .output_dir import Log, StepHook
+from .plan import LayerPlan, Progress, Slot, SourceChangedError
+from .shard_writer import ST_METADATA, ShardWriter, copy_source_bytes, tensor_bytes
+from .shared import shared_to_precision
+from .source import CheckpointSource
+from .temp_folder import Journal
+
+
+#: threads blake3 may use within one large tensor (sha256 is sequential)
+HASH_THREADS = 1
+
+
+class Run:
+    """Mutable state of one streaming pass.
+
+    Tensors are queued to their shard writers (hash and write on background
+    threads) and their manifest entries recorded in queue order once done.
+    Kernel buffers are double-buffered: layer L+1 is read and packed into one
+    set while layer L's set is still being hashed and written, so memory is
+    about two ranks' layers (independent of model size)."""
+
+    NUM_BUFFER_SETS = 2
+
+    def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[Slot]],
+                 done_files: dict[str, dict], total: int, progress: Progress | None,
+                 on_step: StepHook | None = None, checksum: str = SHA256):
+        self.tmp = tmp
+        self.checksum = checksum
+        self.on_step = on_step
+        self.check_done = False  # resume: re-derive the finished files' tensors and compare (`check`)
+        self.checked = 0
+        self.journal = journal
+        self.slots_by_file = slots_by_file
+        self.done_files = done_files  # name -> journal record (size, sha256, digest, tensors)
+        self.writers: dict[str, ShardWriter] = {}
+        self.entries: dict[str, dict] = {}
+        self.total = total
+        self.done_bytes = 0
+        self.progress = progress
+        self._buffers: dict = {}
+        self._turn = 0  # which buffer set the next layer packs into
+        # (slot, pending digest, buffer set or -1, is a resume check rather than a write)
+        self._queued: list[tuple[Slot, object, int, bool]] = []
+        self._check_pool = None
+        self._side = None
+
+    def advance(self, n: int) -> None:
+        self.done_bytes += n
+        if self.progress:
+            self.progress(min(self.done_bytes, self.total), self.total)
+
+    def needed(self, slot: Slot) -> bool:
+        return slot.file not in self.done_files
+
+    def writer(self, fname: str) -> ShardWriter:
+        w = self.writers.get(fname)
+        if w is None:
+            slots = self.slots_by_file[fname]
+            meta = dict(ST_METADATA)
+            if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
+                meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
+            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step,
+                            algorithm=self.checksum, hash_threads=HASH_THREADS)
+            self.writers[fname] = w
+        return w
+
+    def finish_tensor(self, slot: Slot, checksum: str) -> None:
+        self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(checksum, self.checksum).to_dict()
+        w = self.writers[slot.file]
+        if len(self.entries[slot.file]) == len(w.plan):  # its last tensor is hashed and written
+            size, fsha = w.close()
+            del self.writers[slot.file]
+            rec = {"name": slot.file, "size": size, "sha256": fsha, "digest": w.digest_kind,
+                   "tensors": self.entries.pop(slot.file)}
+            self.journal.record_file(slot.file, size, fsha, rec["tensors"], w.digest_kind)
+            self.done_files[slot.file] = rec
+
+    def write(self, slot: Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
+        """Queue `tensor` (which lives in kernel buffer set `buffer_set`, -1 for
+        none) for `slot`; its entry is recorded once hashed and written."""
+        stored, _ = to_stored(tensor, slot.storage)
+        if tuple(tensor.stride()) != slot.kernel_strides:
+            raise MegaMoEError(f"{slot.key}: kernel tensor strides {list(tensor.stride())} do not match the plan "
+                               f"{list(slot.kernel_strides)} ({slot.storage})")
+        self._queued.append((slot, self.writer(slot.file).write_async(slot.planned.name, stored), buffer_set,
+                             False))
+
+    def check(self, slot: Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
+        """On resume: the tensor re-derived from the current source must be the
+        one the interrupted run wrote into its finished file (journal checksum).
+        Hashed on a background thread like a write; compared in `settle`."""
+        stored, _ = to_stored(tensor, slot.storage)
+        if self._check_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-check")
+        data, alg = tensor_bytes(stored), self.checksum
+        self._queued.append((slot, self._check_pool.submit(lambda: digests.digest_bytes(alg, data).hex()),
+                             buffer_set, True))
+
+    def check_bytes(self, slot: Slot, got: str) -> None:
+        want = self.done_files[slot.file]["tensors"][slot.key].get(self.checksum)
+        if got != want:
+            where = f"layer {slot.layer} " if slot.layer is not None else ""
+            raise SourceChangedError(
+                f"--resume refused: the source changed since the interrupted run: {where}tensor {slot.key!r} of "
+                f"the finished file {slot.file} would now be {self.checksum} {got[:16]}..., the interrupted run "
+                f"wrote {str(want)[:16]}... (same sizes and mtimes, different bytes); the output would mix old and "
+                f"new source bytes. Pass --overwrite to discard {self.tmp} and convert again")
+        self.checked += 1
+
+    def settle(self, buffer_set: int | None = None) -> None:
+        """Record finished tensors in queue order: all of them (`buffer_set`
+        None), or up to the last one using `buffer_set` (its memory is then
+        free to reuse); also any already done beyond that."""
+        if buffer_set is None:
+            upto = len(self._queued)
+        else:
+            upto = max((i + 1 for i, q in enumerate(self._queued) if q[2] == buffer_set), default=0)
+        i = 0
+        while i < len(self._queued) and (i < upto or self._queued[i][1].done()):
+            i += 1
+        done, self._queued = self._queued[:i], self._queued[i:]
+        for slot, digest, _, is_check in done:
+            if is_check:
+                self.check_bytes(slot, digest.result())
+            else:
+                self.finish_tensor(slot, digest.result())
+
+    def buffers(self, row: Row, E_l: int, H: int, I: int
+                ) -> tuple[int, tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]]:
+        """(set index, one rank's kernel tensors + NVFP4 alphas) to pack the
+        next layer into. Sets are allocated once per shape and reused: no
+        allocation or page faults per layer. Every byte is overwritten by the
+        expert writes (the layout views cover the whole tensors). Writes still
+        queued from the set's previous use are waited for first."""
+        key = (row.name, E_l, H, I)
+        if key not in self._buffers:
+            self.settle()  # a different layer shape: let the old ones go
+            self._buffers.clear()
+            self._buffers[key] = [None] * self.NUM_BUFFER_SETS
+        k = self._turn
+        self._turn = (self._turn + 1) % self.NUM_BUFFER_SETS
+        self.settle(k)
+        sets = self._buffers[key]
+        if sets[k] is None:
+            sets[k] = (layout.allocate_kernel_tensors(row, E_l, H, I),
+                       torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
+        return k, sets[k]
+
+    def side_pool(self):
+        """One extra worker thread for per-layer work that overlaps the main loop."""
+        if self._side is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._side = ThreadPoolExecutor(1, thread_name_prefix="megamoe-layer")
+        return self._side
+
+    def close_side_pool(self) -> None:
+        if self._side is not None:
+            self._side.shutdown(wait=True)
+            self._side = None
+
+    def abort(self) -> None:
+        self.close_side_pool()
+        for w in self.writers.values():
+            w.abort()
+        self.close()
+
+    def close(self) -> None:
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=True)
+            self._check_pool = None
+
+
+def convert_layer(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, journaled: dict | None,
+                   log: Log) -> dict:
+    """Write one layer's tensors (the ranks whose files are not finished yet)
+    and return its record (repairs, shared conversion), journaled once."""
+    info = lp.info
+    E_l = lp.spec.experts_per_rank
+    needed = [r for r in range(ep_size) if any(run.needed(s) or run.check_done for s in lp.slots.get(r, []))]
+    if not needed and journaled is not None:
+        run.advance(lp.source_bytes)
+        return {"repairs": journaled["repairs"], "shared": journaled["shared"]}
+    mismatched = {e for e, _, _ in lp.scalar_report.mismatches}
+    repairs: list[dict] = []
+    where = f"MoE layer {info.index} ({info.prefix})"
+
+    # The shared experts (read, checked, re-encoded, packed) are prepared on a
+    # second thread while this one reads the routed experts: torch ops and
+    # positional reads release the GIL, so the two overlap on two cores.
+    shared_fut = None
+    if lp.spec.shared is not None:
+        shared_fut = run.side_pool().submit(_prepare_shared, reader, lp, run, needed, where)
+    try:
+        return _convert_routed(reader, row, lp, ep_size, run, log, needed, mismatched, repairs, where, shared_fut)
+    finally:
+        if shared_fut is not None and not shared_fut.done():
+            shared_fut.cancel()
+            try:  # an error elsewhere: let the side thread finish before the source closes
+                shared_fut.result()
+            except BaseException:
+                pass
+
+
+def _prepare_shared(reader, lp: LayerPlan, run: Run, needed: list[int], where: str
+                    ) -> tuple[layout.KernelTensors | None, dict]:
+    """One layer's fused shared expert, packed (None if no rank needs it), and its record."""
+    info = lp.info
+    sh = info.shared
+    sexperts = reader.read_shared(info.index)
+    if not sexperts:
+        raise CheckpointError(f"{where}: config declares shared experts but the reader found none")
+    for i, ex in enumerate(sexperts):
+        ex.validate(sh.encoding, info.hidden, sh.total_intermediate // len(sexperts),
+                    f"{where} shared expert {i}")
+        for role, p in ex.projections():
+            checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale",
+                                      lambda role=role: checks.named_shared(info, role, "scale",
+                                                                            reader.source))
+    converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
+    shared_kt = None
+    if any(run.needed(s) or run.check_done for r in needed for s in lp.slots.get(r, [])
+           if is_shared_role(s.role)):
+        shared_kt = layout.pack_shared(lp.spec.shared.precision, converted)
+    return shared_kt, shared_rec
+
+
+def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log: Log, needed: list[int],
+                    mismatched: set, repairs: list, where: str, shared_fut) -> dict:
+    """The routed experts of one layer, rank by rank (see `convert_layer`)."""
+    info = lp.info
+    E_l = lp.spec.experts_per_rank
+    shared_kt, shared_rec = None, {}
+    per_expert = lp.source_bytes / max(info.num_experts, 1)
+    for r in range(ep_size):
+        lo = r * E_l
+        if r not in needed:
+            for e in sorted(mismatched & set(range(lo, lo + E_l))):  # reports only
+                _, rr = checks.requantize_gate_up(reader.read_expert(info.index, e), f"{where} expert {e}")
+                repairs.append({"expert": e, **rr})
+            run.advance(int(per_expert * E_l))
+            continue
+        bset, (kt, alpha, l2g) = run.buffers(row, E_l, info.hidden, info.intermediate)
+        direct = DirectWeights(reader, kt)
+        for e in range(lo, lo + E_l):
+            # the requantize repair needs the weights in hand: those experts take the read_expert path
+            if e not in mismatched and direct.read(info.index, e, e - lo):
+                et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
+                checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - lo))
+                layout.write_expert_scales(row, kt, e - lo, et, where=f"{where} expert {e}")
+            else:
+                et = reader.read_expert(info.index, e)
+                checks.check_expert(et, row, info, e, reader.source)
+                if e in mismatched:
+                    et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
+                    repairs.append({"expert": e, **rr})
+                layout.write_expert(row, kt, e - lo, et, where=f"{where} expert {e}")
+            if row.weight.has_global_scale:
+                alpha[e - lo, 0] = et.gate.global_scale
+                alpha[e - lo, 1] = et.up.global_scale
+                l2g[e - lo] = et.down.global_scale
+            del et
+            run.advance(int(per_expert))
+        tensors = dict(kt.named())
+        if row.weight.has_global_scale:
+            tensors["l1_alpha"] = alpha
+            tensors["l2_global_scale"] = l2g
+        if shared_fut is not None:
+            shared_kt, shared_rec = shared_fut.result()
+            shared_fut = None
+        if shared_kt is not None:
+            tensors.update({shared_role(k): v for k, v in shared_kt.named().items()})
+        for slot in lp.slots.get(r, []):
+            if run.needed(slot):
+                run.write(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
+            elif run.check_done:
+                run.check(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
+        del tensors
+    if shared_fut is not None:  # no rank wrote anything this time (all finished earlier)
+        shared_kt, shared_rec = shared_fut.result()
+    rec = {"repairs": repairs, "shared": shared_rec}
+    run.journal.record_layer(info.index, rec)
+    zeroed = [r for r in repairs if r["zeroed_blocks"]]
+    if zeroed:
+        log(f"warning: {where}: requantizing w1/w3 onto the larger weight_scale_2 pushed "
+            f"{sum(r['zeroed_blocks'] for r in zeroed)} block scale(s) of {len(zeroed)} expert(s) below the E4M3 "
+            f"range (they now dequantize to 0; first: expert {zeroed[0]['expert']}, "
+            f"max relative change {zeroed[0]['max_rel_change']:.3g})")
+    return rec
+
+
+def copy_passthrough(source: CheckpointSource, run: Run) -> None:
+    for fname, slots in run.slots_by_file.items():
+        if not slots or slots[0].role != PASSTHROUGH_ROLE:
+            continue
+        if fname in run.done_files:
+            if not run.check_done:
+                run.advance(sum(s.planned.nbytes for s in slots))
+                continue
+            for slot in slots:  # resume: the finished file's bytes must still be the source's
+                path, pos, n = source.tensor_data_range(slot.planned.name)
+                h = digests.new_hasher(run.checksum)
+                for chunk in copy_source_bytes(path, pos, n, run.advance):
+                    h.update(chunk)
+                run.check_bytes(slot, h.hexdigest())
+            continue
+        for slot in slots:
+            th = source.tensor_header(slot.planned.name)
+            path = source.file_of(slot.planned.name)
+            fh = source.file_header(path)
+            chunks = copy_source_bytes(path, 8 + fh.header_len + th.begin, th.nbytes, run.advance)
+            run.finish_tensor(slot, run.writer(fname).write_chunks(slot.planned.name, chunks))
+
+
+__all__ = ["HASH_THREADS", "Run", "convert_layer", "copy_passthrough"]

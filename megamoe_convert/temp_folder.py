@@ -1,0 +1,182 @@
+"""The temp folder and its progress journal: how a run becomes OUT.
+
+A conversion writes into ``.OUT.megamoe-tmp`` beside OUT (``output_dir``
+names it and owns the swap), appending each finished file and layer to an
+fsynced journal there, so a killed run can be resumed (``--resume``) instead
+of redone, and is swapped into place only after every byte is synced
+(`finalize_output`). Kept apart from the safetensors writer: this module
+decides *whether and where* a run may write; ``shard_writer`` only writes
+bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from megamoe_runtime.errors import CheckpointError
+from megamoe_runtime.json_io import parse_json
+from megamoe_runtime.manifest import DIGEST_SHA256
+
+from .output_dir import (
+    JOURNAL_NAME,
+    STEP_COMPLETE,
+    STEP_SYNCED,
+    OutputError,
+    StepHook,
+    _fsync_dir,
+    check_old_name_free,
+    check_replaceable,
+    discard_temp,
+    is_our_temp,
+    journal_state,
+    swap_into_place,
+    temp_dir_for,
+    write_temp_marker,
+)
+
+
+def check_output_target(out: Path, *, overwrite: bool, resume: bool, recovered: bool = False) -> None:
+    """The checks of `prepare_temp_dir`, creating and removing nothing: run
+    (under the output lock) before the source is opened, so a refusal comes
+    before a hub download and the preflight, not after. `recovered`: this run
+    has just finished an earlier run's swap into OUT (OUT may then exist)."""
+    out = Path(out)
+    tmp = temp_dir_for(out)
+    if out.exists() or out.is_symlink():
+        if not overwrite and not recovered:
+            raise OutputError(
+                f"output folder {out} already exists; pass --overwrite to replace it "
+                "(only a megamoe output is replaced, and only after the new conversion has finished)"
+            )
+        if overwrite:
+            check_replaceable(out)
+            check_old_name_free(out)
+    if tmp.exists() or tmp.is_symlink():
+        if not is_our_temp(tmp):
+            discard_temp(tmp)  # raises: not ours, left alone
+        fp, complete = journal_state(tmp)
+        if complete or overwrite or (resume and (tmp / JOURNAL_NAME).is_file()):
+            return  # a complete one is resumed when this run's fingerprint matches (prepare_temp_dir)
+        hint = ("it has no progress journal, so it cannot be resumed; " if resume else
+                "pass --resume to continue that run, or ")
+        raise OutputError(
+            f"{tmp} exists: an earlier conversion to {out} was interrupted (no process holds its lock, so it "
+            f"is not running); {hint}pass --overwrite to discard it and start over"
+        )
+
+
+def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
+                     fingerprint: str | None = None) -> tuple[Path, bool]:
+    """Check OUT (`check_output_target`) and create or reuse its temp folder.
+    Returns (tmp, resuming). A complete temp folder (killed just before its
+    swap) whose journal has this run's `fingerprint` is resumed without
+    --resume: only the swap is left to do."""
+    out = Path(out)
+    check_output_target(out, overwrite=overwrite, resume=resume)
+    tmp = temp_dir_for(out)
+    if tmp.exists():
+        fp, complete = journal_state(tmp)
+        if resume and (tmp / JOURNAL_NAME).is_file():
+            return tmp, True
+        if complete and fingerprint is not None and fp == fingerprint:
+            return tmp, True
+        if not overwrite:
+            raise OutputError(
+                f"{tmp} holds a finished conversion to {out} of different inputs or options (run fingerprint "
+                f"{str(fp)[:12]}..., this run {str(fingerprint)[:12]}...); pass --overwrite to discard it")
+        discard_temp(tmp)  # only reachable with --overwrite; only our own
+    tmp.mkdir()
+    write_temp_marker(tmp, out)
+    return tmp, False
+
+
+def finalize_output(tmp: Path, out: Path, mark_complete: Callable[[], None] | None = None,
+                    on_step: StepHook | None = None) -> None:
+    """fsync every file, mark the journal complete, then swap the temp folder
+    into place (``output_dir.swap_into_place``: an old OUT is replaced only
+    now), so OUT never names unwritten data.
+
+    `mark_complete` runs after the sync: the converter appends the journal's
+    ``complete`` record there. A kill before it leaves a temp folder that
+    ``--resume`` finishes; a kill after it, one the next run swaps in itself."""
+    out = Path(out)
+    for p in sorted(tmp.iterdir()):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(tmp)
+    if on_step is not None:
+        on_step(STEP_SYNCED)
+    if mark_complete is not None:
+        mark_complete()
+        if on_step is not None:
+            on_step(STEP_COMPLETE)
+    swap_into_place(tmp, out, on_step)
+
+
+class Journal:
+    """Append-only progress log in the temp folder (JSON lines, fsynced).
+
+    Records: the run fingerprint (first line), each finished file (name, size,
+    sha256, its tensors' manifest entries) and each finished layer (scalars,
+    repairs), and last ``complete`` once everything is synced. A torn last
+    line from a kill is ignored. On resume, finished files are re-hashed and
+    kept only if they still match, and their tensors are re-derived from the
+    source and compared (``stream.Run.check``).
+    """
+
+    def __init__(self, tmp: Path):
+        self.path = Path(tmp) / JOURNAL_NAME
+        self.run_record: dict | None = None  # the first record, once `load` has run
+
+    def start(self, fingerprint: str, sources: dict | None = None) -> None:
+        """First record: the run fingerprint and (``sources``) each source file's [size, mtime_ns]."""
+        self.path.write_text("")
+        self._append({"kind": "run", "fingerprint": fingerprint, **({"sources": sources} if sources else {})})
+
+    def load(self) -> tuple[str | None, dict[str, dict], dict[int, dict]]:
+        fingerprint, files, layers = None, {}, {}
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = parse_json(line, str(self.path), error=CheckpointError)
+            except CheckpointError:
+                continue  # torn write of the last record
+            kind = rec.get("kind")
+            if kind == "run":
+                fingerprint = rec.get("fingerprint")
+                self.run_record = rec
+            elif kind == "file":
+                files[rec["name"]] = rec
+            elif kind == "layer":
+                layers[int(rec["index"])] = rec
+        return fingerprint, files, layers
+
+    def record_file(self, name: str, size: int, sha256: str, tensors: dict[str, dict],
+                    digest: str = DIGEST_SHA256) -> None:
+        """A finished file; `digest` is the kind of `sha256` (manifest DIGEST_KINDS)."""
+        self._append({"kind": "file", "name": name, "size": size, "sha256": sha256, "digest": digest,
+                      "tensors": tensors})
+
+    def record_layer(self, index: int, record: dict) -> None:
+        self._append({"kind": "layer", "index": index, **record})
+
+    def mark_complete(self) -> None:
+        """Every file and the manifest are written and synced: only the swap is left."""
+        self._append({"kind": "complete"})
+
+    def _append(self, rec: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+__all__ = ["check_output_target", "prepare_temp_dir", "finalize_output", "Journal"]

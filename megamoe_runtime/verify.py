@@ -1,0 +1,168 @@
+"""Verify a converted folder against its manifest, without the converter.
+
+``megamoe-convert verify`` runs this, and so can a serve-only install (it
+needs only the manifest, the digests and the safetensors header parser, all
+in the runtime): a server can check a folder it was handed before it loads
+it. Every finding goes into a `VerifyReport`; nothing here raises for a
+damaged folder.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .digests import SHA256, hash_file, is_composite, new_hasher, safetensors_digests
+from .errors import CheckpointError, ManifestError, OutputError
+from .folder import inside_folder
+from .load_checks import spec_tensor_problems
+from .manifest import MANIFEST_NAME, read_manifest
+from .safetensors_header import parse_safetensors_header
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_output` found. `ok` is False when any problem was found."""
+
+    path: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    tensors_checked: int = 0
+    bytes_checked: int = 0
+    format_version: int | None = None
+    row: str | None = None
+    ep_size: int | None = None
+    layers: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "ok": self.ok, "problems": self.problems, "warnings": self.warnings,
+            "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
+            "bytes_checked": self.bytes_checked, "format_version": self.format_version,
+            "row": self.row, "ep_size": self.ep_size, "layers": self.layers,
+        }
+
+
+def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check a converted folder against its manifest.
+
+    Schema and version (read_manifest), every listed file present with the
+    listed size and digest (of the entry's kind, see
+    ``megamoe_runtime.manifest.DIGEST_KINDS``), every safetensors header valid
+    (data offsets tiling the file exactly) and consistent with the manifest
+    (names, dtypes, stored shapes; no unlisted tensors), and every tensor's
+    checksum (sha256 or blake3, the manifest's ``checksum``; a blake3 folder
+    needs the ``blake3`` package: DigestUnavailableError without it). One sequential
+    read per file computes all its tensor hashes and, from them, the file
+    digest. Raises nothing for a damaged folder: all
+    findings go into the report (a missing folder raises OutputError).
+    """
+    out = Path(out)
+    if not out.is_dir():
+        raise OutputError(f"{out} is not a folder")
+    rep = VerifyReport(str(out))
+    try:
+        m = read_manifest(out)
+    except ManifestError as e:
+        rep.problems.append(str(e))
+        return rep
+    rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
+    rep.files_checked = 1  # the manifest itself (schema, version, self-digest): files count as convert counts them
+    for alg in sorted({m.checksum} | {fe.algorithm for fe in m.files.values()}):
+        new_hasher(alg)  # DigestUnavailableError (blake3 not installed) before reading anything: not a mismatch
+    rep.problems += spec_tensor_problems(m, str(out / MANIFEST_NAME))
+
+    by_file: dict[str, dict[str, tuple[str, object]]] = {}
+    for key, t in m.tensors.items():
+        by_file.setdefault(t.file, {})[t.name] = (key, t)
+
+    total = sum(fe.size for fe in m.files.values())
+    user_progress = progress
+
+    def progress(n: int) -> None:
+        rep.bytes_checked += n
+        if user_progress:
+            user_progress(min(rep.bytes_checked, total), total)
+
+    on_disk = {p.name for p in out.iterdir() if p.is_file()} - {MANIFEST_NAME}
+    for extra in sorted(on_disk - set(m.files)):
+        rep.warnings.append(f"{out / extra}: file not listed in the manifest (ignored)")
+
+    for fname in sorted(m.files):
+        fe = m.files[fname]
+        tensors = by_file.pop(fname, {})  # even when the file is missing: one problem per missing file
+        try:
+            path = inside_folder(out, fname)
+        except CheckpointError as e:
+            rep.problems.append(str(e))
+            continue
+        if not path.is_file():
+            rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes"
+                                + (f" and {len(tensors)} tensor(s)" if tensors else "") + ")")
+            continue
+        size = path.stat().st_size
+        if size != fe.size:
+            rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
+        if fname.endswith(".safetensors"):
+            _verify_safetensors(path, fe, tensors, rep, progress, m.checksum)
+        else:  # read_manifest allows the header-and-tensors kinds for safetensors files only
+            digest = hash_file(path, fe.algorithm)
+            progress(size)
+            if digest != fe.checksum:
+                rep.problems.append(f"{path}: {fe.algorithm} {digest} does not match the manifest's {fe.checksum}")
+        rep.files_checked += 1
+    for fname, tensors in by_file.items():  # pragma: no cover - read_manifest refuses this
+        rep.problems.append(f"tensors {sorted(tensors)[:3]} name file {fname!r}, which the manifest does not list")
+    return rep
+
+
+def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
+                        progress: Callable[[int], None], checksum: str = SHA256) -> None:
+    """One read of the file checks every tensor's checksum and the file digest
+    (of the entry's kind). The header must be valid (header + data offsets
+    tiling the file exactly, which is what lets the header-and-tensors digest
+    cover every byte); an invalid header is itself a failure."""
+    try:
+        fh = parse_safetensors_header(path)
+    except CheckpointError as e:
+        rep.problems.append(f"{e} (cannot check its {fe.digest} digest)")
+        progress(path.stat().st_size)
+        return
+    names = set(fh.tensors)
+    for name in sorted(names - set(tensors)):
+        rep.problems.append(f"{path}: tensor {name!r} is in the file but not in the manifest")
+    checks = []
+    for name, (key, t) in sorted(tensors.items()):
+        th = fh.tensors.get(name)
+        if th is None:
+            rep.problems.append(f"{path}: manifest tensor {key!r} is missing from the file")
+            continue
+        if th.dtype != t.dtype or tuple(th.shape) != tuple(t.stored_shape):
+            rep.problems.append(
+                f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
+                f"{t.dtype} {list(t.stored_shape)}")
+            continue
+        checks.append((name, key, t.checksum))
+    whole = not is_composite(fe.digest)
+    try:
+        composite, got, whole_sha = safetensors_digests(path, fh, algorithm=checksum, whole=whole,
+                                                        whole_algorithm=fe.algorithm, progress=progress)
+    except (OSError, CheckpointError) as e:
+        rep.problems.append(f"{path}: cannot read it to check its digests: {e}")
+        return
+    digest = whole_sha if whole else composite
+    if digest != fe.checksum:
+        rep.problems.append(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.checksum}")
+    for name, key, want in checks:
+        rep.tensors_checked += 1
+        if got[name] != want:
+            rep.problems.append(f"{path}: tensor {key!r} {checksum} {got[name]} does not match the manifest's {want}")
+
+
+__all__ = ["VerifyReport", "verify_output"]

@@ -1,0 +1,127 @@
+"""shard_writer.py: the streaming safetensors writer, shard planning, sizes."""
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from megamoe_convert.shard_writer import (
+    PlannedTensor,
+    ShardWriter,
+    parse_size,
+    plan_shards,
+    safetensors_header,
+)
+from megamoe_runtime.digests import file_digest, safetensors_digests
+from megamoe_runtime.errors import MegaMoEError
+from megamoe_runtime.manifest import dtype_name
+
+TENSORS = {
+    "s": torch.arange(24, dtype=torch.int32).reshape(2, 3, 4),
+    "a": torch.tensor([1.5, -2.0], dtype=torch.float32),
+    "w": torch.randn(8, 16).to(torch.bfloat16),
+    "q": torch.randn(4, 32).to(torch.float8_e4m3fn),
+    "p": torch.randint(0, 255, (5, 7), dtype=torch.uint8).view(torch.int8),
+    "e": torch.zeros(0, 4, dtype=torch.float32),
+    "z": torch.tensor(3.25),
+}
+
+
+def _plan(ts):
+    return [PlannedTensor(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in ts.items()]
+
+
+def _write(path, ts):
+    w = ShardWriter(path, _plan(ts))
+    shas = {n: w.write(n, t) for n, t in ts.items()}
+    return shas, w.close()
+
+
+def test_stream_writer_output_is_valid_safetensors(tmp_path):
+    p = tmp_path / "x.safetensors"
+    shas, (size, fsha) = _write(p, TENSORS)
+    raw = p.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0
+    header = json.loads(raw[8:8 + n])
+    # the file digest: sha256 over the header bytes, then each tensor's raw
+    # sha256 in data-offset order (ties between empty tensors by name)
+    order = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")
+    want = hashlib.sha256(raw[:8 + n] + b"".join(
+        hashlib.sha256(raw[8 + n + b:8 + n + e]).digest() for b, e, _ in order)).hexdigest()
+    assert size == len(raw) and fsha == want
+    assert safetensors_digests(p, whole=True) == (want, shas, hashlib.sha256(raw).hexdigest())
+    assert file_digest(p, "sha256-of-header-and-tensor-digests") == want
+    assert file_digest(p, "sha256") == hashlib.sha256(raw).hexdigest()
+    with pytest.raises(MegaMoEError, match="unknown digest kind 'md5'"):
+        file_digest(p, "md5")
+    assert header["__metadata__"] == {"format": "pt"}
+    got = load_file(p)
+    for name, t in TENSORS.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        b, e = header[name]["data_offsets"]
+        assert hashlib.sha256(raw[8 + n + b:8 + n + e]).hexdigest() == shas[name]
+    with safe_open(p, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.get_slice("s")[1].tolist() == TENSORS["s"][1].tolist()
+
+
+def test_stream_writer_same_bytes_as_save_file_for_same_order(tmp_path):
+    # save_file orders by descending alignment then name; give ours that order
+    ts = {"b": torch.ones(3, 4, dtype=torch.float32), "c": torch.arange(6, dtype=torch.int32),
+          "a": torch.zeros(4, dtype=torch.bfloat16)}
+    _write(tmp_path / "ours.safetensors", ts)
+    save_file(ts, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    assert load_file(tmp_path / "ours.safetensors").keys() == load_file(tmp_path / "theirs.safetensors").keys()
+    ours, theirs = (tmp_path / "ours.safetensors").read_bytes(), (tmp_path / "theirs.safetensors").read_bytes()
+    n1, n2 = int.from_bytes(ours[:8], "little"), int.from_bytes(theirs[:8], "little")
+    assert ours[8 + n1:] == theirs[8 + n2:]  # identical data section
+
+
+def test_stream_writer_refuses_off_plan_writes(tmp_path):
+    w = ShardWriter(tmp_path / "x.safetensors", _plan({"a": TENSORS["a"], "s": TENSORS["s"]}))
+    with pytest.raises(MegaMoEError, match="expected tensor 'a' next, got 's'"):
+        w.write("s", TENSORS["s"])
+    with pytest.raises(MegaMoEError, match="planned F32 \\[2\\]"):
+        w.write("a", TENSORS["a"].double())
+    w.write("a", TENSORS["a"])
+    with pytest.raises(MegaMoEError, match="1 planned tensor\\(s\\) unwritten, first 's'"):
+        w.close()
+    w.abort()
+
+
+def test_mn_major_view_written_as_physical(tmp_path):
+    phys = torch.arange(2 * 3 * 8, dtype=torch.int32).reshape(2, 3, 8)
+    view = phys.transpose(-1, -2)
+    w = ShardWriter(tmp_path / "x.safetensors", [PlannedTensor("s", "I32", (2, 3, 8))])
+    w.write("s", view.transpose(-1, -2))
+    w.close()
+    assert torch.equal(load_file(tmp_path / "x.safetensors")["s"], phys)
+
+
+def test_header_is_deterministic():
+    plan = _plan(TENSORS)
+    assert safetensors_header(plan) == safetensors_header(list(plan))
+    assert b"format" in safetensors_header(plan)
+
+
+@pytest.mark.parametrize("text, n", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30),
+                                     ("4096", 4096), ("2.5 GB", 2_500_000_000), ("10kb", 10_000), (123, 123)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "5XB", "-1GB", "0", "GB", "five"])
+def test_parse_size_refuses(text):
+    with pytest.raises(MegaMoEError, match="size"):
+        parse_size(text)
+
+
+def test_plan_shards():
+    ts = [PlannedTensor(f"t{i}", "U8", (n,)) for i, n in enumerate([40, 30, 50, 200, 10, 10])]
+    shards = plan_shards(ts, 100)
+    assert [[t.name for t in s] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert plan_shards([], 100) == []
