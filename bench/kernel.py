@@ -259,8 +259,14 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
     variants = []
     for row in rows:
         for mma in (args.mma.split(",") if get_row(row).dispatch == "mxfp8" else ["bf16"]):
-            variants.append((row, mma))
-    for row, mma in variants:
+            if mma == "bf16" and get_row(row).weight.element == "e2m1":
+                for ko in args.korder.split(","):  # K order of the E2M1 bf16 GEMMs
+                    variants.append((row, mma if ko == "split" else f"bf16-{ko}"))
+            else:
+                variants.append((row, mma))
+    for row, label in variants:
+        mma = label.split("-")[0]
+        korder = label.split("-")[1] if "-" in label else ("split" if label == "bf16" else None)
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -273,13 +279,15 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             touched = int(torch.unique(ids).numel())
             pairs = T * K
-            configs = [moe.KernelConfig(mma=mma)]
+            # what a caller without a config gets (default_config), on the chosen path
+            configs = [dataclasses.replace(moe.default_config(pairs, E, korder), mma=mma, k_order=korder)]
             if args.tune and mma == "fp8":
                 from megamoe_runtime.backends.triton import mma8
 
                 configs = [moe.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]
             elif args.tune:
-                configs = [dataclasses.replace(c, mma=mma) for c in moe.candidate_configs(pairs, E)]
+                configs = [dataclasses.replace(c, mma=mma, k_order=korder)
+                           for c in moe.candidate_configs(pairs, E, korder)]
             best = None
             for cfg in configs:
                 try:
@@ -299,14 +307,14 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             gbps = (wbytes + act_bytes) / ms / 1e6
             flops = 2 * pairs * (2 * I * H + H * I)
             pms, pgraph = peer_ms.get(T, (float("nan"), None))
-            r = dict(shape=shape_name, row=row, mma=mma, T=T, peer_us=pms * 1e3, peer_graph=pgraph,
+            r = dict(shape=shape_name, row=row, mma=label, T=T, peer_us=pms * 1e3, peer_graph=pgraph,
                      vs_peer=pms / ms, ms=ms, us=ms * 1e3, touched=touched,
                      weight_MB=wbytes / 1e6, GBps=gbps, frac_copy=gbps / bw, TFLOPs=flops / ms / 1e9,
                      baseline_us=base_ms.get(T, float("nan")) * 1e3,
                      speedup=base_ms.get(T, float("nan")) / ms, config=str(cfg) if cfg else "default",
                      baseline_graph=base_graph.get(T) if not args.no_baseline else None)
             results.append(r)
-            print(f"{shape_name:5s} {row:6s} {mma:4s} T={T:5d} {r['us']:9.1f} us  peer {r['peer_us']:8.1f} us "
+            print(f"{shape_name:5s} {row:6s} {label:9s} T={T:5d} {r['us']:9.1f} us  peer {r['peer_us']:8.1f} us "
                   f"x{r['vs_peer']:.2f}  touched={touched:3d} "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac_copy']:4.0f}% copy)  {r['TFLOPs']:6.1f} TFLOP/s  "
                   f"baseline {r['baseline_us']:9.1f} us  x{r['speedup']:.2f}", flush=True)
@@ -322,6 +330,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time candidate tile configs per point, keep the best")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mma", default="fp8,bf16", help="GEMM paths of the MX rows to time (fp8, bf16)")
+    ap.add_argument("--korder", default="split,frag",
+                    help="K orders of the E2M1 rows' bf16 GEMMs to time (split, frag; frag is labelled bf16-frag)")
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--no-staging", action="store_true")

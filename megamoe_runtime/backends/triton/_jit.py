@@ -223,3 +223,77 @@ def e2m1_pair_bf16(b, sc, ASM: tl.constexpr):
 
 
 _E2M1_ASM_C = tl.constexpr(_E2M1_ASM)
+
+
+# "frag" K order (docs/KERNELS.md, "The frag K order"): inside every 128-wide block of K,
+# natural element m = 32q + 8w + 4h + j (q, w, j in 0..3, h in 0..1) is stored at position
+# k = 16(2w + j//2) + 8(j%2) + 2q + h. A thread of the Hopper wgmma A-operand layout (bf16,
+# per k16 step the k pairs 2q, 2q+1 and 2q+8, 2q+9, q = lane % 4) then owns over 8 k16 steps
+# exactly the 32 weights of MX group q of its rows: 4 contiguous words of E2M1 nibbles, one
+# scale; and each bf16x2 register of the operand holds nibbles j and j+4 of one word, which
+# two shifts and two masks extract (E2M1_FRAG_ASM). Our staging and L1 epilogue write the
+# activations in this order, so the GEMM still sums every weight with its own activation.
+
+
+@triton.jit
+def frag_pos(c):
+    """Stored column of natural column ``c`` in the frag K order (blocks of 128)."""
+    m = c % 128
+    j = m % 4
+    return (c - m) + 16 * (2 * ((m // 8) % 4) + j // 2) + 8 * (j % 2) + 2 * (m // 32) + (m // 4) % 2
+
+
+# Nibbles j and j+4 of a word (bits 4j..4j+3 and 4j+16..4j+19) -> one bf16x2 register:
+# magnitude bits to 6..8 / 22..24 and sign to 15 / 31 make the bf16 of (E2M1 value * 2^-126)
+# (E2M1 code 1 = 0.5 lands on the bf16 subnormal 2^-127, so the subnormal case needs no
+# branch); mul.bf16x2 by 2^126 restores the value and a second by the block scale applies it.
+# Both products are exact (E2M1 * 2^k and E2M1 * E4M3 fit in bf16), bf16 multiplies keep
+# subnormal inputs on sm_90. Per word: 7 shifts, 8 masks/merges, 8 HMUL2. The asm takes one
+# int32 word per element (pack=1), so its result never depends on how Triton packs elements.
+_E2M1_FRAG_ASM = """
+{
+.reg .b32 a, s, r, bias;
+mov.b32 bias, 0x7E807E80;
+shl.b32 a, $8, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 s, $8, 12;
+and.b32 s, s, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$0, $1}, r;
+shl.b32 a, $8, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 s, $8, 8;
+and.b32 s, s, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$2, $3}, r;
+shr.b32 a, $8, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 s, $8, 4;
+and.b32 s, s, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$4, $5}, r;
+shr.b32 a, $8, 6;
+and.b32 a, a, 0x01C001C0;
+and.b32 s, $8, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$6, $7}, r;
+}
+"""
+E2M1_FRAG_ASM = tl.constexpr(_E2M1_FRAG_ASM)
+
+
+@triton.jit
+def e2m1_frag_words(wd, sc2):
+    """Decode int32 words ``wd`` of 8 E2M1 nibbles (n_i = bits 4i..4i+3) times the bf16 scale
+    whose bits are both halves of int32 ``sc2``; returns 8 bf16 tensors of wd's shape:
+    nibbles (n0, n4, n1, n5, n2, n6, n3, n7)."""
+    return tl.inline_asm_elementwise(E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
+                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)

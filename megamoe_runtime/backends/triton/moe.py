@@ -129,17 +129,76 @@ def _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 
 @triton.jit
+def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
+            W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+    """E2M1 weight tile ``[BN, 128]`` of K-block k0 (128 wide), decoded to bf16 in the frag K order.
+
+    The bytes are read as ``[BN, 4, 16]``: row n, MX group q, 16 contiguous bytes (32 weights).
+    In the wgmma A-operand layout one thread owns exactly such a run of 16 bytes for two rows
+    (docs/KERNELS.md, "The frag K order"), so the byte tile reaches the registers as 16-byte
+    vectors, every run has one UE8M0 scale (two E4M3 scales for NVFP4), and the reshapes
+    below only rename registers: no layout conversion through shared memory.
+    """
+    q = tl.arange(0, 4)
+    if W_KIND == 0:  # UE8M0 per 32: group q of the block
+        kg = k0 // 32 + q
+        s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+        sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]
+    else:  # NVFP4: E4M3 per 16, two per run of 16 bytes
+        g = tl.arange(0, 8)
+        kg = k0 // 16 + g
+        sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
+        sc = _jit.e4m3_byte_to_f32(sfb, HW_CVT).to(tl.bfloat16).reshape(BN, 4, 2)
+    if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
+        iw = tl.arange(0, 4)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + q[None, :, None] * 4 + iw[None, None, :])
+        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        sb = sb | (sb << 16)  # the scale in both halves of a bf16x2
+        if W_KIND == 0:
+            s2 = tl.broadcast_to(sb[:, :, None], (BN, 4, 4))
+        else:  # words 0, 1 of a run take scale 2q, words 2, 3 scale 2q + 1
+            s2 = tl.broadcast_to(sb[:, :, :, None], (BN, 4, 2, 2)).reshape(BN, 4, 4)
+        n0, n4, n1, n5, n2, n6, n3, n7 = _jit.e2m1_frag_words(wd, s2)
+        # nibble j + 4h of word w -> k = 16(2w + j//2) + 8(j%2) + 2q + h, j = 2o + j'
+        b0 = tl.join(tl.join(n0, n4), tl.join(n1, n5))  # (n, q, w, h, j') for o = 0
+        b1 = tl.join(tl.join(n2, n6), tl.join(n3, n7))  # o = 1
+        v = tl.join(b0, b1)  # (n, q, w, h, j', o)
+        v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # (n, w, o, j', q, h)
+    else:  # arithmetic decode of the bytes: natural nibble i = 2 * byte + (high nibble) = 4h + 2o + j'
+        i = tl.arange(0, 16)
+        off = rows[:, None, None] * stride_wn + k0 // 2 + q[None, :, None] * 16 + i[None, None, :]
+        b = tl.load(w_ptr + off)
+        if W_KIND == 0:
+            scb = tl.broadcast_to(sc[:, :, None], (BN, 4, 16))
+        else:
+            scb = tl.broadcast_to(sc[:, :, :, None], (BN, 4, 2, 8)).reshape(BN, 4, 16)
+        lo, hi = _jit.e2m1_pair_bf16(b, scb, False)
+        v = tl.join(lo, hi).reshape(BN, 4, 4, 2, 2, 2)  # (n, q, w, h, o, j')
+        v = tl.permute(v, (0, 2, 4, 5, 1, 3))  # (n, w, o, j', q, h)
+    return v.reshape(BN, 128)
+
+
+@triton.jit
 def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
-              W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
-    wa, wb = _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, BK, HW_CVT, ASM)
-    if HW_CVT:
-        acc = tl.dot(wa, tl.trans(xa), acc)
-        if W_KIND == 0 or W_KIND == 2:
-            acc = tl.dot(wb, tl.trans(xb), acc)
-    else:  # the interpreter's bf16 dot is broken; the operands are exact in fp32 too
-        acc = tl.dot(wa.to(tl.float32), tl.trans(xa.to(tl.float32)), acc, input_precision="ieee")
-        if W_KIND == 0 or W_KIND == 2:
-            acc = tl.dot(wb.to(tl.float32), tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
+              W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+              FRAG: tl.constexpr = False):
+    if FRAG:  # e2m1 weights, activations stored in the frag K order, BK == 128
+        wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM)
+        if HW_CVT:
+            acc = tl.dot(wf, tl.trans(xa), acc)
+        else:
+            acc = tl.dot(wf.to(tl.float32), tl.trans(xa.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        wa, wb = _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, BK, HW_CVT, ASM)
+        if HW_CVT:
+            acc = tl.dot(wa, tl.trans(xa), acc)
+            if W_KIND == 0 or W_KIND == 2:
+                acc = tl.dot(wb, tl.trans(xb), acc)
+        else:  # the interpreter's bf16 dot is broken; the operands are exact in fp32 too
+            acc = tl.dot(wa.to(tl.float32), tl.trans(xa.to(tl.float32)), acc, input_precision="ieee")
+            if W_KIND == 0 or W_KIND == 2:
+                acc = tl.dot(wb.to(tl.float32), tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
     return acc
 
 
@@ -196,7 +255,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
                rsf, clamp_c, act_alpha, act_beta, situ_b, situ_bl, a2_ptr,
                W_KIND: tl.constexpr, NV_IN: tl.constexpr, ACT: tl.constexpr, HAS_CLAMP: tl.constexpr,
                REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+               FRAG: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``."""
     pid_n = tl.program_id(0)
@@ -226,13 +286,13 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
     we = w_ptr + e64 * stride_we
     wse = wsb_ptr + e64 * stride_wse
     NROWS = 2 * I
-    SPLIT: tl.constexpr = (W_KIND == 0) or (W_KIND == 2)
+    SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     for k0 in range(0, H, BK):
         xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
-        acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
-        acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
+        acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
+        acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
     if NV_IN:  # NVFP4: acc * (token_scale * l1_alpha[e, half]), scalar product first
         ts = tl.load(xts_ptr + tok, mask=mvalid, other=0.0)
         acc_g = acc_g * (ts * tl.load(alpha_ptr + e64 * 2))[None, :]
@@ -251,7 +311,9 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         orow = tok.to(tl.int64)
     else:
         orow = (pid_m * BM + m).to(tl.int64)
-    if SPLIT_OUT:  # [even j | odd j]: the next GEMM's e2m1 weights take even/odd k separately
+    if SPLIT_OUT == 2:  # frag K order: the next GEMM's e2m1 weights read 16-byte runs (_w_frag)
+        col = _jit.frag_pos(j)
+    elif SPLIT_OUT:  # [even j | odd j]: the next GEMM's e2m1 weights take even/odd k separately
         col = j // 2 + (j % 2) * (I // 2)
     else:
         col = j
@@ -265,7 +327,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
 def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s_ptr, slot_ptr,
                T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+               FRAG: tl.constexpr = False):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -292,12 +355,12 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
     sn = _utccp(n)
     we = w_ptr + e64 * stride_we
     wse = wsb_ptr + e64 * stride_wse
-    SPLIT: tl.constexpr = (W_KIND == 0) or (W_KIND == 2)
+    SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
     acc = tl.zeros((BN, BM), tl.float32)
     xrow = arow * I
     for k0 in range(0, I, BK):
         xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM)
+        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
     if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
         p = _jit.bf16r(acc * (tl.load(l2s_ptr + e64) * tl.load(a2_ptr)), HW_CVT)
         if SHARED:
@@ -363,6 +426,11 @@ class KernelConfig:
     mma: Optional[str] = None
     #: tiles of the fp8 path (None: ``mma8.default_fp8_config``)
     fp8: Any = None
+    #: K order of the E2M1 rows' bf16 GEMMs: "frag" (16-byte weight runs per thread, the
+    #: operand built in registers by shifts, docs/KERNELS.md "The frag K order"), "split"
+    #: (even/odd nibble halves, the issue-5 path) or None = env ``MEGAMOE_TRITON_KORDER``
+    #: (default ``DEFAULT_K_ORDER``). Both are exact; frag needs H and I multiples of 128.
+    k_order: Optional[str] = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -374,10 +442,23 @@ class KernelConfig:
         return 128
 
 
-def default_config(n_pairs: int, num_local: int) -> KernelConfig:
+def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None) -> KernelConfig:
     """Tiles by regime: decode (few pairs per expert) streams weights with small
-    row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA."""
+    row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
+
+    ``k_order`` "frag" (the E2M1 rows' default): the tiles measured fastest for that path
+    on the H200 (BENCHMARKS.md, issue 11 "frag K order"): 4 warps at every size, since
+    its A operand is built in registers (8 warps at 128-pair blocks were 1.5x slower)."""
     mean = n_pairs / max(1, num_local)
+    if k_order == "frag":
+        if mean <= 8:
+            return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
+                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
+        if mean <= 32:
+            return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=4, l1_stages=3,
+                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
+        return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
+                            l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
@@ -388,9 +469,9 @@ def default_config(n_pairs: int, num_local: int) -> KernelConfig:
                         l2_bn=128, l2_bk=128, l2_warps=8, l2_stages=3)
 
 
-def candidate_configs(n_pairs: int, num_local: int) -> list[KernelConfig]:
+def candidate_configs(n_pairs: int, num_local: int, k_order: Optional[str] = None) -> list[KernelConfig]:
     """What ``bench/kernel.py --tune`` tries around the default."""
-    d = default_config(n_pairs, num_local)
+    d = default_config(n_pairs, num_local, k_order)
     bm = d.block_m
     if bm <= 32:
         raw = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
@@ -400,8 +481,29 @@ def candidate_configs(n_pairs: int, num_local: int) -> list[KernelConfig]:
     out = [d]
     for bn, bk, w, st in raw:
         out.append(KernelConfig(block_m=bm, l1_bn=bn, l1_bk=bk, l1_warps=w, l1_stages=st,
-                                l2_bn=max(bn, 64), l2_bk=bk, l2_warps=w, l2_stages=st))
+                                l2_bn=max(bn, 64), l2_bk=bk, l2_warps=w, l2_stages=st, k_order=k_order))
     return out
+
+
+#: K order of the E2M1 bf16 GEMMs when neither the config nor the environment names one
+DEFAULT_K_ORDER = "frag"
+K_ORDERS = ("frag", "split")
+
+
+def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
+    """"frag" or "split" for an E2M1 weight kind (``KernelConfig.k_order``); other kinds: "natural"."""
+    import os
+
+    if w_kind not in (W_E2M1_MX, W_E2M1_NV):
+        return "natural"
+    k = cfg.k_order or os.environ.get("MEGAMOE_TRITON_KORDER") or DEFAULT_K_ORDER
+    if k not in K_ORDERS:
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"triton k_order {k!r}; valid: {', '.join(K_ORDERS)}")
+    if k == "frag" and (H % 128 or I % 128):
+        return "split"
+    return k
 
 
 _W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
@@ -456,7 +558,7 @@ def _scale_stride(sf: Optional[torch.Tensor]) -> int:
 
 
 def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
-               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm):
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False):
     act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
     swe, swn = _weight_strides(w)
     bn = min(cfg.l1_bn, I)
@@ -469,11 +571,13 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         T, H, I, K, swe, swn, _scale_stride(ws),
         rsf, c, a_alpha, a_beta, sb, slb, a2,
         W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
-        SHARED=shared, SPLIT_OUT=split_out, BM=bm, BN=bn, BK=cfg.l1_bk if H % cfg.l1_bk == 0 else 128,
-        HW_CVT=hw, ASM=asm, num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
+        SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else 0, BM=bm, BN=bn,
+        BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
+        HW_CVT=hw, ASM=asm, FRAG=frag, num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
 
 
-def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm):
+def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
+               frag=False):
     swe, swn = _weight_strides(w)
     bn = min(cfg.l2_bn, H)
     grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
@@ -484,7 +588,7 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         dummy_i32 if shared else plan.num_blocks, tw, l2s, slots,
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
-        BK=cfg.l2_bk if I % cfg.l2_bk == 0 else 128, HW_CVT=hw, ASM=asm,
+        BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
         num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts())
 
 
@@ -504,6 +608,26 @@ def _decode_check_kernel(b_ptr, s_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + N + i, hi)
     tl.store(out_ptr + 2 * N + i, lo2)
     tl.store(out_ptr + 3 * N + i, hi2)
+
+
+@triton.jit
+def _frag_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr):
+    i = tl.arange(0, NW)
+    sb = tl.load(s_ptr + i).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    outs = _jit.e2m1_frag_words(tl.load(w_ptr + i), sb | (sb << 16))
+    for k in tl.static_range(8):
+        tl.store(out_ptr + i * 8 + k, outs[k])
+
+
+def frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tensor:
+    """int16 bits of what ``_jit.e2m1_frag_words`` must return for bytes ``b_all`` (whole
+    little-endian words) and one bf16 scale per word: per word, nibbles (0, 4, 1, 5, 2, 6, 3, 7)
+    decoded by ``codecs`` times the scale."""
+    from megamoe_runtime import codecs
+
+    vals = codecs.e2m1_decode(codecs.unpack_e2m1(b_all)).reshape(-1, 8) * s_rep.float()[:, None]
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], device=vals.device)
+    return vals[:, order].reshape(-1).to(torch.bfloat16).view(torch.int16)
 
 
 def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict:
@@ -531,6 +655,10 @@ def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict
         o = out.view(torch.int16)
         res[name] = {"asm_lo": int((o[0] != wl).sum()), "asm_hi": int((o[1] != wh).sum()),
                      "arith_lo": int((o[2] != wl).sum()), "arith_hi": int((o[3] != wh).sum())}
+        fr = torch.empty(2 * b_all.numel(), dtype=torch.bfloat16, device=device)
+        _frag_decode_check_kernel[(1,)](b_all.view(torch.int32), s_rep, fr, NW=b_all.numel() // 4, **_opts())
+        fw = frag_decode_expected(b_all, s_rep)
+        res[name]["frag"] = int((fr.view(torch.int16) != fw).sum())
         bad = ((o[0] != wl) | (o[1] != wh)).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
@@ -553,7 +681,7 @@ def asm_decode_ok(device: torch.device) -> bool:
 
     try:
         res = asm_decode_check(device)
-        ok = all(v["asm_lo"] == 0 and v["asm_hi"] == 0 for v in res.values())
+        ok = all(v["asm_lo"] == 0 and v["asm_hi"] == 0 and v["frag"] == 0 for v in res.values())
     except Exception as exc:  # pragma: no cover - depends on the GPU / PTX support
         res, ok = repr(exc), False
     if not ok:
@@ -608,7 +736,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     e2m1 = w_kind in (W_E2M1_MX, W_E2M1_NV)
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
 
-    cfg = config or default_config(T * K, E_l)
+    cfg = config or default_config(T * K, E_l, resolve_k_order(KernelConfig(), _W_KIND[row], H, I))
     from . import mma8
 
     if mma8.selected(row, hw, cfg.mma):
@@ -617,11 +745,13 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     # ---- staging: quantize the dispatch, and keep its exact bf16 dequantization for the GEMMs
     xts = dummy_f
     alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
+    korder = resolve_k_order(cfg, w_kind, H, I)
+    frag = korder == "frag"
     if spec.row_spec.dispatch == "mxfp8":
-        xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant="split" if e2m1 else "natural")[3]
+        xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder)[3]
         req, apply_w = REQ_MX8, True
     elif spec.row_spec.dispatch == "nvfp4":
-        _, _, _, xts, xq = quantize_nvfp4_per_token(x_bf16, hw_cvt=hw, dequant="split")
+        _, _, _, xts, xq = quantize_nvfp4_per_token(x_bf16, hw_cvt=hw, dequant=korder)
         alpha = scalars.l1_alpha.to(device=dev, dtype=torch.float32).contiguous()
         l2s = scalars.l2_global_scale.to(device=dev, dtype=torch.float32).contiguous()
         # a2 stays on the device (read in-kernel): no host sync, graph-capturable, reload-safe
@@ -637,9 +767,9 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
-               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm)
+               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm)
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

@@ -53,7 +53,7 @@ def _launch_opts() -> dict:
 
 # --------------------------------------------------------------------------- MXFP8
 
-DEQUANT_MODES = (None, "natural", "split")
+DEQUANT_MODES = (None, "natural", "split", "frag")
 
 
 @triton.jit
@@ -85,11 +85,14 @@ def _mxfp8_kernel(x_ptr, q_ptr, sf_ptr, xd_ptr, H, stride_x, stride_q, stride_sf
         hm = h * 2 < H
         tl.store(xd_ptr + t * H + h, de, mask=hm)
         tl.store(xd_ptr + t * H + H // 2 + h, do, mask=hm)
+    elif DQ == 3:  # exact dequant in the frag K order of the e2m1 GEMMs (_jit.frag_pos)
+        d = (q * _jit.pow2_from_byte(e)[:, None]).to(tl.bfloat16)
+        tl.store(xd_ptr + t * H + _jit.frag_pos(col), d, mask=mask)
 
 
 def _dq_code(dequant) -> int:
     if dequant not in DEQUANT_MODES:
-        raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split'")
+        raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split', 'frag'")
     return DEQUANT_MODES.index(dequant)
 
 
@@ -106,7 +109,8 @@ def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str 
 
     Returns ``(q float8_e4m3fn [T, H], sf uint8 [T, H/32], x_sf int32 [T, H/128])``;
     ``x_sf`` is a view of ``sf`` (DeepGEMM's packed row-major activation scales).
-    With ``dequant`` ("natural" or "split" = [even k | odd k]) a fourth output is the
+    With ``dequant`` ("natural", "split" = [even k | odd k] or "frag" = the frag K order of
+    ``_jit.frag_pos``) a fourth output is the
     exact bf16 dequantization ``q * 2^(sf-127)`` the GEMMs read. ``config``
     ``(groups of 32 per program, warps)`` overrides the launch shape (benchmarks).
     Bit-exact with ``codecs.quantize_mxfp8``.
@@ -176,6 +180,10 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
         if DQ == 2:  # exact dequant (token scale NOT applied) as [even k | odd k]
             tl.store(xd_ptr + t * H + pc, (_jit.e2m1_value(ce) * d).to(tl.bfloat16), mask=mask)
             tl.store(xd_ptr + t * H + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16), mask=mask)
+        elif DQ == 3:  # the same values in the frag K order (natural column 2*pc and 2*pc + 1)
+            tl.store(xd_ptr + t * H + _jit.frag_pos(2 * pc), (_jit.e2m1_value(ce) * d).to(tl.bfloat16), mask=mask)
+            tl.store(xd_ptr + t * H + _jit.frag_pos(2 * pc + 1), (_jit.e2m1_value(co) * d).to(tl.bfloat16),
+                     mask=mask)
 
 
 # The row kernel: one program holds a whole token in registers (H/16 blocks split into
@@ -237,6 +245,9 @@ def _nv_piece(x, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.c
     if DQ == 2:  # exact dequant (token scale NOT applied) as [even k | odd k]
         tl.store(xd_row + pc, (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
         tl.store(xd_row + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16))
+    elif DQ == 3:  # exact dequant in the frag K order (_jit.frag_pos of natural 2*pc, 2*pc + 1)
+        tl.store(xd_row + _jit.frag_pos(2 * pc), (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
+        tl.store(xd_row + _jit.frag_pos(2 * pc + 1), (_jit.e2m1_value(co) * d).to(tl.bfloat16))
 
 
 @triton.jit
@@ -294,7 +305,7 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     Returns ``(packed uint8 [T, H/2], sf float8_e4m3fn [T, H/16],
     x_sf int32 [T, H/64] (view of sf), token_scale float32 [T])``, plus with
     ``dequant="split"`` the exact bf16 ``e2m1 * sf`` (token scale not applied)
-    as [even k | odd k]. Bit-exact with ``codecs.quantize_nvfp4_per_token`` (ties even).
+    as [even k | odd k] (``"frag"``: in the frag K order of ``_jit.frag_pos``). Bit-exact with ``codecs.quantize_nvfp4_per_token`` (ties even).
 
     ``impl``: "row" (default where it fits: a whole token per program, see
     ``_nvfp4_row_kernel``) or "chunk" (the two-pass kernel, any H); ``fast_div``
@@ -306,7 +317,7 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     hw = hw_cvt_default() if hw_cvt is None else hw_cvt
     dq = _dq_code(dequant)
     if dq == 1:
-        raise _err("quantize_nvfp4_per_token: only dequant='split' is implemented (the e2m1 GEMM order)")
+        raise _err("quantize_nvfp4_per_token: only dequant='split' or 'frag' is implemented (the e2m1 GEMM orders)")
     packed = torch.empty(T, H // 2, dtype=torch.uint8, device=x.device)
     sf = torch.empty(T, H // 16, dtype=torch.uint8, device=x.device)
     ts = torch.empty(T, dtype=torch.float32, device=x.device)

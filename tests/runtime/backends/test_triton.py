@@ -75,10 +75,26 @@ def test_staging_mxfp8_bit_exact(H, hw_cvt):
         assert torch.equal(sf, rsf)
         assert torch.equal(x_sf, codecs.pack_bytes_int32(rsf))
         deq = codecs.dequantize_mx(rq, rsf, "e4m3").to(torch.bfloat16)  # exact in bf16
-        for mode in ("natural", "split"):
+        for mode in ("natural", "split", "frag"):
             *_, xd = staging.quantize_mxfp8(x, hw_cvt=hw_cvt, dequant=mode)
-            want = deq if mode == "natural" else torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
+            want = {"natural": deq, "split": torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1),
+                    "frag": _to_frag(deq)}[mode]
             assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), f"dequant {mode} differs"
+
+
+def _frag_positions(H: int) -> torch.Tensor:
+    """Stored column of each natural column in the frag K order (docs/KERNELS.md), written
+    independently of the kernels' ``_jit.frag_pos``."""
+    c = torch.arange(H)
+    m = c % 128
+    q, w, h, j = m // 32, (m // 8) % 4, (m // 4) % 2, m % 4
+    return c - m + 16 * (2 * w + j // 2) + 8 * (j % 2) + 2 * q + h
+
+
+def _to_frag(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out[:, _frag_positions(x.shape[1]).to(x.device)] = x
+    return out
 
 
 _NV_IMPLS = {"row-fast": dict(impl="row", fast_div=True), "row-div": dict(impl="row", fast_div=False),
@@ -102,6 +118,8 @@ def test_staging_nvfp4_bit_exact(H, hw_cvt, impl):
         deq = codecs.dequantize_nvfp4(rp, rsf, 1.0).to(torch.bfloat16)  # token scale not applied; exact
         want = torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
         assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), "nvfp4 dequant differs"
+        *_, xf = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, dequant="frag", **kw)
+        assert torch.equal(xf.view(torch.int16), _to_frag(deq).view(torch.int16)), "nvfp4 frag dequant differs"
 
 
 def test_staging_nvfp4_impl_selection():
@@ -141,6 +159,48 @@ def test_staging_negative_control():
     q, _, _ = staging.quantize_mxfp8(x)
     rq, _ = codecs.quantize_mxfp8(x.float() * 1.0625)  # a different input must give different bytes
     assert not torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,bm", [(1, None), (37, None), (300, 16), (300, None)])
+def test_frag_k_order_bitwise(row, T, bm):
+    """The frag K order (16-byte weight runs, shift decode) gives the split order's output bit
+    for bit and matches the reference; with the wrong activation order it must not."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", "mxfp8", T=T, mask_frac=0.1,
+                                                zero_tokens=min(2, T - 1))
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    outs = {k: moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, shared=_Roles(lay, "shared_"),
+                               shared_input=x, config=moe.KernelConfig(block_m=bm, k_order=k))
+            for k in ("split", "frag")}
+    d = calc_diff(outs["frag"], ref)
+    _report(test="frag_k_order", row=row, T=T, block_m=bm, calc_diff=d,
+            bitwise_frac=float((outs["frag"].view(torch.int16) == ref.view(torch.int16)).float().mean()))
+    assert torch.equal(outs["frag"].view(torch.int16), outs["split"].view(torch.int16)), f"frag != split, {d:.2e}"
+    _assert_matches(outs["frag"], ref, f"frag {row}/T={T}")
+    # negative control: frag weights against activations in the split order
+    from megamoe_runtime.backends.triton import moe as moe_mod
+
+    real = moe_mod.resolve_k_order
+    try:
+        moe_mod.resolve_k_order = lambda cfg, w_kind, H, I: "split" if cfg.k_order == "bad" else real(cfg, w_kind, H, I)
+        orig_l1 = moe_mod._launch_l1
+
+        def bad_l1(*a, **k):
+            a = list(a)
+            if len(a) == 26:  # the routed launch: frag kernels on split-order activations
+                a[-1] = True
+            return orig_l1(*a, **k)
+
+        moe_mod._launch_l1 = bad_l1
+        bad = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, shared=_Roles(lay, "shared_"),
+                              shared_input=x, config=moe.KernelConfig(block_m=bm, k_order="bad"))
+    finally:
+        moe_mod.resolve_k_order = real
+        moe_mod._launch_l1 = orig_l1
+    assert calc_diff(bad, ref) > 1e-3, "a wrong K order must be caught"
 
 
 def test_e2m1_asm_decode_self_check():
