@@ -259,7 +259,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
     variants = []
     for row in rows:
         for mma in (args.mma.split(",") if get_row(row).dispatch == "mxfp8" else ["bf16"]):
-            if mma == "bf16" and get_row(row).weight.element == "e2m1":
+            if mma == "bf16" and get_row(row).weight.element in ("e2m1", "e4m3"):
                 for ko in args.korder.split(","):  # K order of the E2M1 bf16 GEMMs
                     variants.append((row, mma if ko == "split" else f"bf16-{ko}"))
             else:

@@ -297,3 +297,53 @@ def e2m1_frag_words(wd, sc2):
     nibbles (n0, n4, n1, n5, n2, n6, n3, n7)."""
     return tl.inline_asm_elementwise(E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+# The same idea for E4M3 weights ("frag" of the mxfp8 row): a thread owns 32 contiguous bytes
+# (8 words, MX group q) of a row per 128-block; natural m = 32q + 4w + 2h + p (byte b = 2h + p
+# of word w) is stored at k = 16w + 8p + 2q + h, so each bf16x2 operand register holds bytes
+# (p, p + 2) of one word.
+
+
+@triton.jit
+def frag8_pos(c):
+    """Stored column of natural column ``c`` in the E4M3 frag K order (blocks of 128)."""
+    m = c % 128
+    b = m % 4
+    return (c - m) + 16 * ((m // 4) % 8) + 8 * (b % 2) + 2 * (m // 32) + b // 2
+
+
+# Bytes (0, 2) and (1, 3) of a word -> two bf16x2 registers: the 7 magnitude bits (exponent,
+# mantissa) of E4M3 moved to bf16 bits 4..10 / 20..26 and the sign to 15 / 31 give the bf16 of
+# (E4M3 value * 2^-120) for normals and subnormals alike; mul.bf16x2 by 2^120, then by the block
+# scale (both exact). NaN bytes (0x7F/0xFF) would decode as 480 * scale: weights carry none.
+_E4M3_FRAG_ASM = """
+{
+.reg .b32 a, s, r, bias;
+mov.b32 bias, 0x7B807B80;
+shl.b32 a, $4, 4;
+and.b32 a, a, 0x07F007F0;
+shl.b32 s, $4, 8;
+and.b32 s, s, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $5;
+mov.b32 {$0, $1}, r;
+shr.b32 a, $4, 4;
+and.b32 a, a, 0x07F007F0;
+and.b32 s, $4, 0x80008000;
+or.b32 a, a, s;
+mul.rn.bf16x2 a, a, bias;
+mul.rn.bf16x2 r, a, $5;
+mov.b32 {$2, $3}, r;
+}
+"""
+E4M3_FRAG_ASM = tl.constexpr(_E4M3_FRAG_ASM)
+
+
+@triton.jit
+def e4m3_frag_words(wd, sc2):
+    """Decode int32 words of 4 E4M3 bytes times the bf16 scale in both halves of ``sc2``;
+    returns 4 bf16 tensors of wd's shape: bytes (0, 2, 1, 3)."""
+    return tl.inline_asm_elementwise(E4M3_FRAG_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
+                                     dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)

@@ -10,9 +10,14 @@ The kernels read the converted tensors exactly as the SM100 mega kernels do
   K-group ``kg`` the scale byte is byte ``kg % 4`` of int32
   ``phys[e, kg // 4, utccp(n')]`` (the physical ``[E_l, P, N]`` behind the
   ``[E_l, N, P]`` kernel view), read as a byte address;
-* E2M1 nibbles (low nibble = even k) decoded in registers. Because a dot is a
-  sum over k, the kernels never re-interleave nibbles: the low nibbles multiply
-  the even activation columns and the high nibbles the odd ones (two dots).
+* E2M1 nibbles / E4M3 bytes decoded in registers. Because a dot is a sum over k,
+  the kernels never re-interleave weights: the activations (which our own staging
+  and L1 epilogue write) are stored in the K order the weights' registers need.
+  Default "frag" order (docs/KERNELS.md): each thread of the wgmma A operand owns
+  16 (E2M1) or 32 (E4M3) contiguous weight bytes of a row per 128-wide K block,
+  one MX group with one scale, decoded by shifts and masks straight into the
+  operand registers. The older "split" order (low nibbles = even k, high = odd k,
+  two dots; E4M3 natural order) stays selectable (``KernelConfig.k_order``).
 
 Numerics are the reference backend's (``backends/reference.py``): each
 operand is decoded exactly to bf16 (E2M1/E4M3 times its UE8M0 or E4M3 block
@@ -180,11 +185,40 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 
 @triton.jit
+def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr, HW_CVT: tl.constexpr,
+             ASM: tl.constexpr):
+    """E4M3 weight tile ``[BN, 128]`` of K-block k0, decoded to bf16 in the E4M3 frag K order
+    (``_jit.frag8_pos``): per row and thread, 32 contiguous bytes with one UE8M0 scale."""
+    q = tl.arange(0, 4)
+    kg = k0 // 32 + q
+    s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+    sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]
+    if ASM:
+        iw = tl.arange(0, 8)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 4 + q[None, :, None] * 8 + iw[None, None, :])
+        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], (BN, 4, 8))
+        b0, b2, b1, b3 = _jit.e4m3_frag_words(wd, s2)
+        v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # (n, q, w, h, p): byte 2h + p
+    else:
+        i = tl.arange(0, 32)
+        b = tl.load(w_ptr + rows[:, None, None] * stride_wn + k0 + q[None, :, None] * 32 + i[None, None, :])
+        v = (_jit.e4m3_byte_to_f32(b, HW_CVT) * sc.to(tl.float32)[:, :, None]).to(tl.bfloat16)
+        v = v.reshape(BN, 4, 8, 2, 2)  # (n, q, w, h, p)
+    v = tl.permute(v, (0, 2, 4, 1, 3))  # (n, w, p, q, h): k = 16w + 8p + 2q + h
+    return v.reshape(BN, 128)
+
+
+@triton.jit
 def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
               W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
               FRAG: tl.constexpr = False):
-    if FRAG:  # e2m1 weights, activations stored in the frag K order, BK == 128
-        wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM)
+    if FRAG:  # activations stored in the frag K order of the weight kind, BK == 128
+        if W_KIND == 1:
+            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM)
+        else:
+            wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM)
         if HW_CVT:
             acc = tl.dot(wf, tl.trans(xa), acc)
         else:
@@ -313,6 +347,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         orow = (pid_m * BM + m).to(tl.int64)
     if SPLIT_OUT == 2:  # frag K order: the next GEMM's e2m1 weights read 16-byte runs (_w_frag)
         col = _jit.frag_pos(j)
+    elif SPLIT_OUT == 3:  # E4M3 frag K order (_w_frag8)
+        col = _jit.frag8_pos(j)
     elif SPLIT_OUT:  # [even j | odd j]: the next GEMM's e2m1 weights take even/odd k separately
         col = j // 2 + (j % 2) * (I // 2)
     else:
@@ -426,10 +462,11 @@ class KernelConfig:
     mma: Optional[str] = None
     #: tiles of the fp8 path (None: ``mma8.default_fp8_config``)
     fp8: Any = None
-    #: K order of the E2M1 rows' bf16 GEMMs: "frag" (16-byte weight runs per thread, the
-    #: operand built in registers by shifts, docs/KERNELS.md "The frag K order"), "split"
-    #: (even/odd nibble halves, the issue-5 path) or None = env ``MEGAMOE_TRITON_KORDER``
-    #: (default ``DEFAULT_K_ORDER``). Both are exact; frag needs H and I multiples of 128.
+    #: K order of the E2M1 and E4M3 rows' bf16 GEMMs: "frag" (16/32-byte weight runs per
+    #: thread, the operand built in registers by shifts and masks, docs/KERNELS.md "The frag
+    #: K order"), "split" (E2M1: even/odd nibble halves; E4M3: natural order; the issue-5
+    #: paths) or None = env ``MEGAMOE_TRITON_KORDER`` (default ``DEFAULT_K_ORDER``).
+    #: frag needs H and I multiples of 128 (else the old order is used).
     k_order: Optional[str] = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
@@ -446,7 +483,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None) 
     """Tiles by regime: decode (few pairs per expert) streams weights with small
     row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
 
-    ``k_order`` "frag" (the E2M1 rows' default): the tiles measured fastest for that path
+    ``k_order`` "frag" (the MX/NV rows' default): the tiles measured fastest for that path
     on the H200 (BENCHMARKS.md, issue 11 "frag K order"): 4 warps at every size, since
     its A operand is built in registers (8 warps at 128-pair blocks were 1.5x slower)."""
     mean = n_pairs / max(1, num_local)
@@ -485,25 +522,29 @@ def candidate_configs(n_pairs: int, num_local: int, k_order: Optional[str] = Non
     return out
 
 
-#: K order of the E2M1 bf16 GEMMs when neither the config nor the environment names one
+#: K order of the E2M1/E4M3 bf16 GEMMs when neither the config nor the environment names one
+#: (frag: 1.2-1.9x faster than split/natural on the H200, BENCHMARKS.md issue 11)
 DEFAULT_K_ORDER = "frag"
 K_ORDERS = ("frag", "split")
 
 
 def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
-    """"frag" or "split" for an E2M1 weight kind (``KernelConfig.k_order``); other kinds: "natural"."""
+    """K order of the bf16 GEMMs (``KernelConfig.k_order``, env ``MEGAMOE_TRITON_KORDER``,
+    ``DEFAULT_K_ORDER``): "frag" (E2M1 and E4M3 weights, H and I multiples of 128), "split"
+    (E2M1 only) or "natural" (E4M3 without frag, bf16 weights)."""
     import os
 
-    if w_kind not in (W_E2M1_MX, W_E2M1_NV):
+    if w_kind not in (W_E2M1_MX, W_E2M1_NV, W_E4M3_MX):
         return "natural"
     k = cfg.k_order or os.environ.get("MEGAMOE_TRITON_KORDER") or DEFAULT_K_ORDER
     if k not in K_ORDERS:
         from megamoe_runtime.errors import MegaMoEError
 
         raise MegaMoEError(f"triton k_order {k!r}; valid: {', '.join(K_ORDERS)}")
+    old = "split" if w_kind != W_E4M3_MX else "natural"
     if k == "frag" and (H % 128 or I % 128):
-        return "split"
-    return k
+        return old
+    return "frag" if k == "frag" else old
 
 
 _W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
@@ -571,7 +612,7 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         T, H, I, K, swe, swn, _scale_stride(ws),
         rsf, c, a_alpha, a_beta, sb, slb, a2,
         W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
-        SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else 0, BM=bm, BN=bn,
+        SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
 
@@ -619,6 +660,15 @@ def _frag_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr):
         tl.store(out_ptr + i * 8 + k, outs[k])
 
 
+@triton.jit
+def _frag8_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr):
+    i = tl.arange(0, NW)
+    sb = tl.load(s_ptr + i).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    outs = _jit.e4m3_frag_words(tl.load(w_ptr + i), sb | (sb << 16))
+    for k in tl.static_range(4):
+        tl.store(out_ptr + i * 4 + k, outs[k])
+
+
 def frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tensor:
     """int16 bits of what ``_jit.e2m1_frag_words`` must return for bytes ``b_all`` (whole
     little-endian words) and one bf16 scale per word: per word, nibbles (0, 4, 1, 5, 2, 6, 3, 7)
@@ -659,6 +709,14 @@ def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict
         _frag_decode_check_kernel[(1,)](b_all.view(torch.int32), s_rep, fr, NW=b_all.numel() // 4, **_opts())
         fw = frag_decode_expected(b_all, s_rep)
         res[name]["frag"] = int((fr.view(torch.int16) != fw).sum())
+        if name == "ue8m0":  # E4M3 weights (no NaN bytes) in the E4M3 frag order: bytes (0, 2, 1, 3)
+            e8 = b_all.clone()
+            e8[(e8 & 0x7F) == 0x7F] = 0
+            f8 = torch.empty(b_all.numel(), dtype=torch.bfloat16, device=device)
+            _frag8_decode_check_kernel[(1,)](e8.view(torch.int32), s_rep, f8, NW=b_all.numel() // 4, **_opts())
+            v8 = (e8.view(torch.float8_e4m3fn).float().reshape(-1, 4) * s_rep.float()[:, None])
+            w8 = v8[:, torch.tensor([0, 2, 1, 3], device=device)].reshape(-1).to(torch.bfloat16).view(torch.int16)
+            res[name]["frag8"] = int((f8.view(torch.int16) != w8).sum())
         bad = ((o[0] != wl) | (o[1] != wh)).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
@@ -681,7 +739,8 @@ def asm_decode_ok(device: torch.device) -> bool:
 
     try:
         res = asm_decode_check(device)
-        ok = all(v["asm_lo"] == 0 and v["asm_hi"] == 0 and v["frag"] == 0 for v in res.values())
+        ok = all(v["asm_lo"] == 0 and v["asm_hi"] == 0 and v["frag"] == 0 and v.get("frag8", 0) == 0
+                 for v in res.values())
     except Exception as exc:  # pragma: no cover - depends on the GPU / PTX support
         res, ok = repr(exc), False
     if not ok:
@@ -712,8 +771,8 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     dev = hidden_states.device
     T = hidden_states.shape[0]
     _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared)
-    if asm is None:
-        asm = asm_decode_ok(dev) if spec.row_spec.packed_e2m1 else False
+    if asm is None:  # the inline-asm decodes (E2M1 always, E4M3 in the frag order) after their self-check
+        asm = asm_decode_ok(dev) if spec.row_spec.packed_e2m1 or spec.row == "mxfp8" else False
     has_shared = shared is not None
     nslot = K + (1 if has_shared else 0)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
@@ -748,7 +807,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     korder = resolve_k_order(cfg, w_kind, H, I)
     frag = korder == "frag"
     if spec.row_spec.dispatch == "mxfp8":
-        xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder)[3]
+        xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder if e2m1 or not frag else "frag8")[3]
         req, apply_w = REQ_MX8, True
     elif spec.row_spec.dispatch == "nvfp4":
         _, _, _, xts, xq = quantize_nvfp4_per_token(x_bf16, hw_cvt=hw, dequant=korder)
@@ -777,7 +836,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
         sbm = scfg.block_m or 16
         act_s = torch.empty(T, I_s, dtype=torch.bfloat16, device=dev)
         if spec.shared.precision == "mxfp8":
-            if spec.row_spec.dispatch == "mxfp8" and x_sh is x_bf16 and not e2m1:
+            if spec.row_spec.dispatch == "mxfp8" and x_sh is x_bf16 and korder == "natural":
                 sx = xq
             else:
                 sx = quantize_mxfp8(x_sh, hw_cvt=hw, dequant="natural")[3]

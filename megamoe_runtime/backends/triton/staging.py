@@ -53,7 +53,7 @@ def _launch_opts() -> dict:
 
 # --------------------------------------------------------------------------- MXFP8
 
-DEQUANT_MODES = (None, "natural", "split", "frag")
+DEQUANT_MODES = (None, "natural", "split", "frag", "frag8")
 
 
 @triton.jit
@@ -88,11 +88,14 @@ def _mxfp8_kernel(x_ptr, q_ptr, sf_ptr, xd_ptr, H, stride_x, stride_q, stride_sf
     elif DQ == 3:  # exact dequant in the frag K order of the e2m1 GEMMs (_jit.frag_pos)
         d = (q * _jit.pow2_from_byte(e)[:, None]).to(tl.bfloat16)
         tl.store(xd_ptr + t * H + _jit.frag_pos(col), d, mask=mask)
+    elif DQ == 4:  # exact dequant in the E4M3 frag K order (_jit.frag8_pos)
+        d = (q * _jit.pow2_from_byte(e)[:, None]).to(tl.bfloat16)
+        tl.store(xd_ptr + t * H + _jit.frag8_pos(col), d, mask=mask)
 
 
 def _dq_code(dequant) -> int:
     if dequant not in DEQUANT_MODES:
-        raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split', 'frag'")
+        raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split', 'frag', 'frag8'")
     return DEQUANT_MODES.index(dequant)
 
 
@@ -109,8 +112,8 @@ def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str 
 
     Returns ``(q float8_e4m3fn [T, H], sf uint8 [T, H/32], x_sf int32 [T, H/128])``;
     ``x_sf`` is a view of ``sf`` (DeepGEMM's packed row-major activation scales).
-    With ``dequant`` ("natural", "split" = [even k | odd k] or "frag" = the frag K order of
-    ``_jit.frag_pos``) a fourth output is the
+    With ``dequant`` ("natural", "split" = [even k | odd k], "frag" / "frag8" = the frag K
+    orders of ``_jit.frag_pos`` / ``_jit.frag8_pos``) a fourth output is the
     exact bf16 dequantization ``q * 2^(sf-127)`` the GEMMs read. ``config``
     ``(groups of 32 per program, warps)`` overrides the launch shape (benchmarks).
     Bit-exact with ``codecs.quantize_mxfp8``.
@@ -316,7 +319,7 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     T, H = x.shape
     hw = hw_cvt_default() if hw_cvt is None else hw_cvt
     dq = _dq_code(dequant)
-    if dq == 1:
+    if dq in (1, 4):
         raise _err("quantize_nvfp4_per_token: only dequant='split' or 'frag' is implemented (the e2m1 GEMM orders)")
     packed = torch.empty(T, H // 2, dtype=torch.uint8, device=x.device)
     sf = torch.empty(T, H // 16, dtype=torch.uint8, device=x.device)
