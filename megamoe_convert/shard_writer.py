@@ -234,25 +234,31 @@ class ShardWriter:
         self._digests: list[tuple[int, int, str, object]] = []  # (begin, end, name, future of raw digest)
         self._pending: list = []
         self._hash_pool = self._write_pool = None
+        self._claimed: set[int] = set()  # plan indices whose bytes are queued (or being streamed in parts)
+        self._index = {t.name: i for i, t in enumerate(self.plan)}
         self._f = open(self.path, "wb", buffering=0)
         self._header = safetensors_header(self.plan, metadata)
         self._size = 0
-        self._write_all(memoryview(self._header))
+        self._write_all(memoryview(self._header), 0)
+        self._data_start = len(self._header)
 
-    def _write_all(self, mv: memoryview) -> None:
-        """Write `mv` to the file (runs on the write thread), and start the
-        kernel writing it back to disk now (`start_writeback`), so that the
-        final fsync waits only for the tail instead of the whole file."""
+    def _write_all(self, mv: memoryview, offset: int) -> None:
+        """Write `mv` at file position `offset` (runs on the write thread), and
+        start the kernel writing it back to disk now (`start_writeback`), so
+        that the final fsync waits only for the tail instead of the whole file.
+        Positional: tensors streamed in parts (`open_parts`) land at their
+        planned offsets whatever order their pieces are written in."""
         step = self._SLICE
-        start = self._size
+        fd = self._f.fileno()
         for i in range(0, len(mv), step):
             piece = mv[i:i + step]
+            pos = offset + i
             while piece:
-                n = self._f.write(piece)
-                piece = piece[n:]
-        self._size += len(mv)
+                n = os.pwrite(fd, piece, pos)
+                piece, pos = piece[n:], pos + n
+        self._size = max(self._size, offset + len(mv))
         if len(mv) >= self._SLICE:
-            start_writeback(self._f.fileno(), start, len(mv))
+            start_writeback(fd, offset, len(mv))
 
     def _digest(self, mv: memoryview) -> bytes:
         return digest_bytes(self.algorithm, mv, self._hash_threads)
@@ -265,8 +271,8 @@ class ShardWriter:
             self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-write")
         return self._hash_pool, self._write_pool
 
-    def _submit_write(self, mv: memoryview):
-        fut = self._pools()[1].submit(self._write_all, mv)
+    def _submit_write(self, mv: memoryview, offset: int):
+        fut = self._pools()[1].submit(self._write_all, mv, offset)
         self._pending.append(fut)
         return fut
 
@@ -278,19 +284,28 @@ class ShardWriter:
 
     @property
     def pending(self) -> list[PlannedTensor]:
-        return self.plan[self._next:]
+        return [t for i, t in enumerate(self.plan) if i not in self._claimed]
 
     @property
     def done(self) -> bool:
-        return self._next == len(self.plan)
+        return len(self._claimed) == len(self.plan)
 
     def _expect(self, name: str) -> PlannedTensor:
+        """The next planned tensor not yet claimed must be `name` (whole-tensor
+        writes keep plan order; `open_parts` may claim tensors ahead of it)."""
+        while self._next < len(self.plan) and self._next in self._claimed:
+            self._next += 1
         if self._next >= len(self.plan):
             raise MegaMoEError(f"{self.path.name}: tensor {name!r} written after the planned tensors")
         p = self.plan[self._next]
         if p.name != name:
             raise MegaMoEError(f"{self.path.name}: expected tensor {p.name!r} next, got {name!r}")
         return p
+
+    def _claim(self, i: int) -> tuple[int, int]:
+        """Mark plan entry `i` as queued; its (begin, end) data offsets."""
+        self._claimed.add(i)
+        return self._spans[i]
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Digest:
         """Queue the tensor's bytes; the returned digest's ``result()`` is their
@@ -306,12 +321,23 @@ class ShardWriter:
         hash_pool, _ = self._pools()
         hfut = hash_pool.submit(self._digest, data)
         self._pending.append(hfut)
-        wfut = self._submit_write(data)
-        self._digests.append((*self._spans[self._next], name, hfut))
-        self._next += 1
+        begin, end = self._claim(self._index[name])
+        wfut = self._submit_write(data, self._data_start + begin)
+        self._digests.append((begin, end, name, hfut))
         if self._on_step is not None:
             self._on_step(STEP_TENSOR)
         return _Digest(hfut, wfut)
+
+    def open_parts(self, name: str) -> "TensorParts":
+        """Stream planned tensor `name` in consecutive pieces (`TensorParts.put`),
+        in any order relative to the other tensors of the file: the converter
+        packs a layer a few experts at a time into small reused buffers, and
+        each piece is written at its planned offset and hashed in order."""
+        i = self._index.get(name)
+        if i is None or i in self._claimed:
+            raise MegaMoEError(f"{self.path.name}: tensor {name!r} is not planned or was already written")
+        begin, end = self._claim(i)
+        return TensorParts(self, self.plan[i], begin, end)
 
     def write(self, name: str, tensor: torch.Tensor) -> str:
         """`write_async` and wait: the tensor's checksum."""
@@ -325,12 +351,16 @@ class ShardWriter:
         read of chunk k+1 overlaps the write of chunk k. Returns the tensor's
         checksum."""
         p = self._expect(name)
+        begin, end = self._claim(self._next)
         h = new_hasher(self.algorithm)
         n = 0
         prev = None
         for c in chunks:
             mv = memoryview(c).cast("B")
-            fut = self._submit_write(mv)
+            if n + len(mv) > p.nbytes:
+                self.flush()
+                raise CheckpointError(f"{self.path.name}: tensor {name!r} got more than {p.nbytes} bytes")
+            fut = self._submit_write(mv, self._data_start + begin + n)
             h.update(mv)
             n += len(mv)
             if prev is not None:
@@ -343,8 +373,7 @@ class ShardWriter:
 
         done: Future = Future()
         done.set_result(h.digest())
-        self._digests.append((*self._spans[self._next], name, done))
-        self._next += 1
+        self._digests.append((begin, end, name, done))
         if self._on_step is not None:
             self._on_step(STEP_TENSOR)
         return h.hexdigest()
@@ -359,6 +388,9 @@ class ShardWriter:
         self.flush()
         self._shutdown()
         self._f.close()  # no fsync here: finalize_output syncs every file once, at the end
+        want = self._data_start + (self._spans[-1][1] if self._spans else 0)
+        if self._size != want:  # pragma: no cover - every claimed tensor checks its own byte count
+            raise MegaMoEError(f"{self.path.name}: wrote {self._size} bytes, planned {want}")
         digest = header_and_tensor_digest(self._header, [(b, e, n, f.result()) for b, e, n, f in self._digests],
                                           self.algorithm)
         return self._size, digest
@@ -378,6 +410,71 @@ class ShardWriter:
         self._shutdown()
         if not self._f.closed:
             self._f.close()
+
+
+
+class TensorParts:
+    """One planned tensor of a `ShardWriter` arriving in consecutive pieces.
+
+    ``put(data)`` queues the next piece (written at its offset on the write
+    thread, hashed in order on the hash thread) and returns a future that is
+    done when the piece's memory may be reused; ``finish()`` checks the byte
+    count and returns the tensor's pending digest (`_Digest`)."""
+
+    def __init__(self, writer: ShardWriter, planned: PlannedTensor, begin: int, end: int):
+        self._w, self.planned = writer, planned
+        self._begin, self._end = begin, end
+        self._n = 0
+        self._hasher = new_hasher(writer.algorithm)
+        self._last_write = None
+
+    def put(self, data: memoryview) -> "_Both":
+        w = self._w
+        mv = memoryview(data).cast("B")
+        if self._n + len(mv) > self._end - self._begin:
+            raise MegaMoEError(f"{w.path.name}: tensor {self.planned.name!r} got more than its planned "
+                               f"{self._end - self._begin} bytes")
+        hash_pool, _ = w._pools()
+        hfut = hash_pool.submit(self._hasher.update, mv)
+        w._pending.append(hfut)
+        wfut = w._submit_write(mv, w._data_start + self._begin + self._n)
+        self._n += len(mv)
+        self._last_write = wfut
+        return _Both(hfut, wfut)
+
+    def finish(self) -> _Digest:
+        w = self._w
+        if self._n != self._end - self._begin:
+            raise MegaMoEError(f"{w.path.name}: tensor {self.planned.name!r} got {self._n} bytes, planned "
+                               f"{self._end - self._begin}")
+        hash_pool, _ = w._pools()
+        hfut = hash_pool.submit(self._hasher.digest)  # after every piece: the hash thread runs in order
+        w._pending.append(hfut)
+        w._digests.append((self._begin, self._end, self.planned.name, hfut))
+        if w._on_step is not None:
+            w._on_step(STEP_TENSOR)
+        if self._last_write is None:  # an empty tensor
+            from concurrent.futures import Future
+
+            self._last_write = Future()
+            self._last_write.set_result(None)
+        return _Digest(hfut, self._last_write)
+
+
+class _Both:
+    """Done when a piece is both hashed and written (its memory is free again)."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a, b):
+        self._a, self._b = a, b
+
+    def done(self) -> bool:
+        return self._a.done() and self._b.done()
+
+    def result(self) -> None:
+        self._b.result()
+        self._a.result()
 
 
 def copy_source_bytes(path: Path, offset: int, nbytes: int, progress: Callable[[int], None] | None = None

@@ -1,16 +1,22 @@
-"""The streaming pass: layer by layer into double-buffered kernel tensors.
+"""The streaming pass: layer by layer, a few experts at a time.
 
-Per rank, the rank's kernel tensors are allocated once and reused; each
-expert is read, checked, repaired if asked and ``copy_``-ed (or read
-directly, ``direct``) into place; the finished tensors are queued to their
-shard writers (hashed and written on background threads) while the next
-layer is packed into the other buffer set. Memory: about two ranks' packed
-layers plus one expert in source encoding, whatever the model size. On
-``--resume`` the finished files' tensors are re-derived and compared instead
-of written (`Run.check`).
+A rank's routed experts are packed into small reused buffers of a few
+experts each (`Run.chunk_buffers`): every expert is read, checked, repaired
+if asked and ``copy_``-ed (or read directly, ``direct``) into place, and each
+finished chunk is queued to the shard writers as the next consecutive piece
+of its four routed tensors (`ShardWriter.open_parts`: written at its planned
+offset, hashed in order on background threads) while the next chunk is read.
+The small per-expert tensors (NVFP4 alphas) and the shared expert are written
+whole once the layer is done. Why chunks rather than whole-layer buffers:
+fresh memory is expensive (each first-touched 4 KiB page costs a fault, about
+1-2.5 us on a VM), and a whole layer's buffers were 350 MB of it per run; a
+few 24 MiB chunks are touched once and reused for the rest of the run, and the
+peak RSS no longer grows with the layer. On ``--resume`` the finished files'
+tensors are re-derived and compared instead of written (`Run.check`).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -21,7 +27,7 @@ from megamoe_runtime.digests import SHA256
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.formats import Row, get_row
 from megamoe_runtime.manifest import PASSTHROUGH_ROLE, to_stored
-from megamoe_runtime.roles import is_shared_role, shared_role
+from megamoe_runtime.roles import KERNEL_ROLES, is_shared_role, shared_role
 
 from . import checks
 from .direct import DirectWeights
@@ -42,11 +48,13 @@ class Run:
 
     Tensors are queued to their shard writers (hash and write on background
     threads) and their manifest entries recorded in queue order once done.
-    Kernel buffers are double-buffered: layer L+1 is read and packed into one
-    set while layer L's set is still being hashed and written, so memory is
-    about two ranks' layers (independent of model size)."""
+    Routed experts go through `NUM_BUFFER_SETS` chunk buffers of about
+    `CHUNK_BYTES` each, used in turn: chunk k+1 is read and packed while
+    chunks k and k-1 are still being hashed and written."""
 
-    NUM_BUFFER_SETS = 2
+    NUM_BUFFER_SETS = 3
+    #: packed bytes per chunk buffer (at least one expert)
+    CHUNK_BYTES = 24 << 20
 
     def __init__(self, tmp: Path, journal: Journal, slots_by_file: dict[str, list[Slot]],
                  done_files: dict[str, dict], total: int, progress: Progress | None,
@@ -66,8 +74,8 @@ class Run:
         self.progress = progress
         self._buffers: dict = {}
         self._turn = 0  # which buffer set the next layer packs into
-        # (slot, pending digest, buffer set or -1, is a resume check rather than a write)
-        self._queued: list[tuple[Slot, object, int, bool]] = []
+        # (slot, pending digest or piece, buffer set or -1, "write" | "check" (resume) | "piece")
+        self._queued: list[tuple[Slot, object, int, str]] = []
         self._check_pool = None
         self._side = None
 
@@ -110,7 +118,38 @@ class Run:
             raise MegaMoEError(f"{slot.key}: kernel tensor strides {list(tensor.stride())} do not match the plan "
                                f"{list(slot.kernel_strides)} ({slot.storage})")
         self._queued.append((slot, self.writer(slot.file).write_async(slot.planned.name, stored), buffer_set,
-                             False))
+                             "write"))
+
+    def open_parts(self, slot: Slot) -> tuple:
+        """Start streaming `slot`'s tensor in consecutive pieces (`put`), to its
+        shard writer (a file still to write) or, on resume, to a checking hasher."""
+        if self.needed(slot):
+            return ("write", self.writer(slot.file).open_parts(slot.planned.name))
+        if self._check_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-check")
+        return ("check", digests.new_hasher(self.checksum))
+
+    def put(self, sink: tuple, slot: Slot, tensor: torch.Tensor, buffer_set: int) -> None:
+        """Queue the next piece of `slot` (`tensor`: the kernel view of some
+        consecutive experts, living in chunk buffer `buffer_set`)."""
+        if tuple(tensor.stride()) != slot.kernel_strides or tuple(tensor.shape[1:]) != tuple(slot.kernel_shape[1:]):
+            raise MegaMoEError(f"{slot.key}: kernel piece {list(tensor.shape)} strides {list(tensor.stride())} do not "
+                               f"match the plan {list(slot.kernel_shape)} {list(slot.kernel_strides)} ({slot.storage})")
+        stored, _ = to_stored(tensor, slot.storage)
+        kind, target = sink
+        data = tensor_bytes(stored)
+        fut = target.put(data) if kind == "write" else self._check_pool.submit(target.update, data)
+        self._queued.append((slot, fut, buffer_set, "piece"))
+
+    def finish_parts(self, sink: tuple, slot: Slot) -> None:
+        """All pieces of `slot` are queued: its entry (or resume check) follows them."""
+        kind, target = sink
+        if kind == "write":
+            self._queued.append((slot, target.finish(), -1, "write"))
+        else:
+            self._queued.append((slot, self._check_pool.submit(target.hexdigest), -1, "check"))
 
     def check(self, slot: Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:
         """On resume: the tensor re-derived from the current source must be the
@@ -123,7 +162,7 @@ class Run:
             self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-check")
         data, alg = tensor_bytes(stored), self.checksum
         self._queued.append((slot, self._check_pool.submit(lambda: digests.digest_bytes(alg, data).hex()),
-                             buffer_set, True))
+                             buffer_set, "check"))
 
     def check_bytes(self, slot: Slot, got: str) -> None:
         want = self.done_files[slot.file]["tensors"][slot.key].get(self.checksum)
@@ -148,20 +187,22 @@ class Run:
         while i < len(self._queued) and (i < upto or self._queued[i][1].done()):
             i += 1
         done, self._queued = self._queued[:i], self._queued[i:]
-        for slot, digest, _, is_check in done:
-            if is_check:
+        for slot, digest, _, kind in done:
+            if kind == "check":
                 self.check_bytes(slot, digest.result())
-            else:
+            elif kind == "write":
                 self.finish_tensor(slot, digest.result())
+            else:
+                digest.result()  # a piece: re-raise a write or hash error
 
-    def buffers(self, row: Row, E_l: int, H: int, I: int
-                ) -> tuple[int, tuple[layout.KernelTensors, torch.Tensor, torch.Tensor]]:
-        """(set index, one rank's kernel tensors + NVFP4 alphas) to pack the
-        next layer into. Sets are allocated once per shape and reused: no
-        allocation or page faults per layer. Every byte is overwritten by the
-        expert writes (the layout views cover the whole tensors). Writes still
-        queued from the set's previous use are waited for first."""
-        key = (row.name, E_l, H, I)
+    def chunk_buffers(self, row: Row, E_l: int, H: int, I: int) -> tuple[int, layout.KernelTensors]:
+        """(set index, kernel tensors for up to `chunk_experts` experts) to pack
+        the next chunk into. Sets are allocated once per shape and reused: no
+        allocation or page faults after the first few chunks. Every byte of the
+        part used is overwritten by the expert writes. Pieces still queued from
+        the set's previous use are waited for first."""
+        g = self.chunk_experts(row, E_l, H, I)
+        key = (row.name, g, H, I)
         if key not in self._buffers:
             self.settle()  # a different layer shape: let the old ones go
             self._buffers.clear()
@@ -171,9 +212,15 @@ class Run:
         self.settle(k)
         sets = self._buffers[key]
         if sets[k] is None:
-            sets[k] = (layout.allocate_kernel_tensors(row, E_l, H, I),
-                       torch.zeros(E_l, 2, dtype=torch.float32), torch.zeros(E_l, dtype=torch.float32))
+            sets[k] = layout.allocate_kernel_tensors(row, g, H, I)
         return k, sets[k]
+
+    def chunk_experts(self, row: Row, E_l: int, H: int, I: int) -> int:
+        """Experts per chunk buffer: about `CHUNK_BYTES` of packed experts, at least one."""
+        itemsize = {"l1_weight": row.weight.kernel_dtype.itemsize, "l2_weight": row.weight.kernel_dtype.itemsize}
+        per_expert = sum(math.prod(shape) * itemsize.get(role, 4)  # scales are int32
+                         for role, shape in layout.kernel_shapes(row, 1, H, I).items())
+        return max(1, min(E_l, self.CHUNK_BYTES // max(per_expert, 1)))
 
     def side_pool(self):
         """One extra worker thread for per-layer work that overlaps the main loop."""
@@ -269,28 +316,42 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
                 repairs.append({"expert": e, **rr})
             run.advance(int(per_expert * E_l))
             continue
-        bset, (kt, alpha, l2g) = run.buffers(row, E_l, info.hidden, info.intermediate)
-        direct = DirectWeights(reader, kt)
-        for e in range(lo, lo + E_l):
-            # the requantize repair needs the weights in hand: those experts take the read_expert path
-            if e not in mismatched and direct.read(info.index, e, e - lo):
-                et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
-                checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - lo))
-                layout.write_expert_scales(row, kt, e - lo, et, where=f"{where} expert {e}")
-            else:
-                et = reader.read_expert(info.index, e)
-                checks.check_expert(et, row, info, e, reader.source)
-                if e in mismatched:
-                    et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
-                    repairs.append({"expert": e, **rr})
-                layout.write_expert(row, kt, e - lo, et, where=f"{where} expert {e}")
-            if row.weight.has_global_scale:
-                alpha[e - lo, 0] = et.gate.global_scale
-                alpha[e - lo, 1] = et.up.global_scale
-                l2g[e - lo] = et.down.global_scale
-            del et
-            run.advance(int(per_expert))
-        tensors = dict(kt.named())
+        alpha = torch.zeros(E_l, 2, dtype=torch.float32)
+        l2g = torch.zeros(E_l, dtype=torch.float32)
+        slots = [s for s in lp.slots.get(r, []) if run.needed(s) or run.check_done]
+        routed = {s.role: (s, run.open_parts(s)) for s in slots if s.role in KERNEL_ROLES}
+        c0 = lo
+        while c0 < lo + E_l:
+            bset, buf = run.chunk_buffers(row, E_l, info.hidden, info.intermediate)
+            c1 = min(lo + E_l, c0 + buf.num_experts)
+            kt = buf.experts(0, c1 - c0)
+            direct = DirectWeights(reader, kt)
+            for e in range(c0, c1):
+                # the requantize repair needs the weights in hand: those experts take the read_expert path
+                if e not in mismatched and direct.read(info.index, e, e - c0):
+                    et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
+                    checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - c0))
+                    layout.write_expert_scales(row, kt, e - c0, et, where=f"{where} expert {e}")
+                else:
+                    et = reader.read_expert(info.index, e)
+                    checks.check_expert(et, row, info, e, reader.source)
+                    if e in mismatched:
+                        et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
+                        repairs.append({"expert": e, **rr})
+                    layout.write_expert(row, kt, e - c0, et, where=f"{where} expert {e}")
+                if row.weight.has_global_scale:
+                    alpha[e - lo, 0] = et.gate.global_scale
+                    alpha[e - lo, 1] = et.up.global_scale
+                    l2g[e - lo] = et.down.global_scale
+                del et
+                run.advance(int(per_expert))
+            pieces = kt.named()
+            for role, (slot, sink) in routed.items():
+                run.put(sink, slot, pieces[role], bset)
+            c0 = c1
+        for role, (slot, sink) in routed.items():
+            run.finish_parts(sink, slot)
+        tensors = {}
         if row.weight.has_global_scale:
             tensors["l1_alpha"] = alpha
             tensors["l2_global_scale"] = l2g
@@ -299,11 +360,13 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             shared_fut = None
         if shared_kt is not None:
             tensors.update({shared_role(k): v for k, v in shared_kt.named().items()})
-        for slot in lp.slots.get(r, []):
+        for slot in slots:
+            if slot.role in routed:
+                continue
             if run.needed(slot):
-                run.write(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
+                run.write(slot, tensors[slot.role])
             elif run.check_done:
-                run.check(slot, tensors[slot.role], -1 if is_shared_role(slot.role) else bset)
+                run.check(slot, tensors[slot.role])
         del tensors
     if shared_fut is not None:  # no rank wrote anything this time (all finished earlier)
         shared_kt, shared_rec = shared_fut.result()

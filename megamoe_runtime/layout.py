@@ -180,6 +180,15 @@ class KernelTensors:
     def intermediate(self) -> int:
         return int(self.l1_weight.shape[-2]) // 2
 
+    def experts(self, lo: int, hi: int) -> "KernelTensors":
+        """Views of experts [lo, hi) of a stack: the converter streams a layer through
+        buffers of a few experts, and each role's bytes for consecutive experts are
+        one contiguous run of its stored tensor (the expert dim leads, scales too)."""
+        if not self.is_stack:
+            raise LayoutError("KernelTensors.experts: not an expert stack")
+        return KernelTensors(*(None if t is None else t[lo:hi] for t in
+                               (self.l1_weight, self.l1_scale, self.l2_weight, self.l2_scale)))
+
     def expert(self, e: int) -> "KernelTensors":
         """Views of expert e of a stack (2-D, writes go to the stack)."""
         if not self.is_stack:

@@ -125,3 +125,39 @@ def test_plan_shards():
     shards = plan_shards(ts, 100)
     assert [[t.name for t in s] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert plan_shards([], 100) == []
+
+
+def test_parts_out_of_plan_order_give_the_same_file(tmp_path):
+    """`open_parts` claims tensors ahead of plan order and takes their bytes in
+    pieces; whole-tensor writes of the rest keep plan order. The file (bytes and
+    digest) equals the all-sequential one."""
+    ref = tmp_path / "ref.safetensors"
+    shas, (size, fsha) = _write(ref, TENSORS)
+    p = tmp_path / "x.safetensors"
+    w = ShardWriter(p, _plan(TENSORS))
+    wv = w.open_parts("w")  # ahead of "s", "a" in the plan
+    sv = w.open_parts("s")
+    flat_w, flat_s = TENSORS["w"].view(torch.uint8).reshape(-1), TENSORS["s"].view(torch.uint8).reshape(-1)
+    for i in range(0, flat_w.numel(), 48):
+        wv.put(flat_w[i:i + 48].numpy().data)
+    sv.put(flat_s[:40].numpy().data)
+    sv.put(flat_s[40:].numpy().data)
+    got = {"w": wv.finish(), "s": sv.finish()}
+    for n in ("a", "q", "p", "e", "z"):
+        got[n] = w.write_async(n, TENSORS[n])
+    assert {n: d.result() for n, d in got.items()} == shas
+    assert w.close() == (size, fsha)
+    assert p.read_bytes() == ref.read_bytes()
+
+
+def test_parts_refuse_too_many_or_too_few_bytes(tmp_path):
+    w = ShardWriter(tmp_path / "x.safetensors", _plan({"s": TENSORS["s"], "a": TENSORS["a"]}))
+    s = w.open_parts("s")
+    with pytest.raises(MegaMoEError, match="'s' got more than its planned 96 bytes"):
+        s.put(bytes(97))
+    s.put(bytes(95))
+    with pytest.raises(MegaMoEError, match="'s' got 95 bytes, planned 96"):
+        s.finish()
+    with pytest.raises(MegaMoEError, match="'s' is not planned or was already written"):
+        w.open_parts("s")
+    w.abort()
