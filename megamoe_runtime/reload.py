@@ -625,7 +625,7 @@ def _dry_raw(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: Re
                     rep.errors.append(str(e))
                     continue
                 if ref.shared:
-                    if layer.param_for_role(f"shared_{'l2' if ref.shard_id == 'w2' else 'l1'}_weight") is None:
+                    if layer.param_for_role(ref.weight_role) is None:
                         rep.unused_names.append(f"{name} ({path.name}): the layer has no shared expert parameters")
                         continue
                     _guard(rep, icpt, name, lambda layer=layer, src=src, ref=ref: layer.shared_weight_loader(
