@@ -35,6 +35,8 @@ from .folder import inside_folder
 from .roles import expected_roles
 from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
 from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
+from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
+                          check_verify_level, identity_problems)
 from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
@@ -82,8 +84,6 @@ class Checkpoint:
     """A converted megamoe output folder (validated manifest + lazy files)."""
 
     def __init__(self, root: Union[str, os.PathLike], verify: str = "headers"):
-        from .load_checks import check_verify_level
-
         self.root = Path(root)
         #: default `load_layer` check level (load_checks.VERIFY_LEVELS)
         self.verify = check_verify_level(verify)
@@ -293,8 +293,6 @@ class Checkpoint:
 
     def check_load(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False):
         """What `load_layer` checks before its first byte, without loading: a `load_checks.LoadCheck`."""
-        from .load_checks import check_layer_load
-
         return check_layer_load(self, layer, verify=verify or self.verify, adopt_semantics=adopt_semantics)
 
     def load_layer(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False) -> int:
@@ -337,25 +335,6 @@ class Checkpoint:
 
 #: ``__metadata__`` keys by which a converted expert file names itself, so that a
 #: renamed, copied or swapped rank file is caught at load time for free.
-FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
-
-
-def identity_problems(path: Any, md: dict, expected_file: str, ranks: set) -> list[str]:
-    """What is wrong with how a file names itself (``__metadata__``) against where the manifest puts it."""
-    if FILE_KEY in md and md[FILE_KEY] != expected_file:
-        return [f"{path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
-                f"{expected_file!r} here (rank files renamed, copied or swapped?)"]
-    if RANK_KEY in md:
-        try:
-            r = int(md[RANK_KEY])
-        except ValueError:
-            return [f"{path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer"]
-        if ranks and r not in ranks:
-            return [f"{path}: holds the experts of EP rank {r}, but the manifest lists it for "
-                    f"rank {sorted(ranks)} (rank files swapped?)"]
-    return []
-
-
 def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:
     problems = identity_problems(f.path, f.metadata, expected_file, ranks)
     if problems:
