@@ -333,8 +333,6 @@ class Checkpoint:
         return copied
 
 
-#: ``__metadata__`` keys by which a converted expert file names itself, so that a
-#: renamed, copied or swapped rank file is caught at load time for free.
 def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:
     problems = identity_problems(f.path, f.metadata, expected_file, ranks)
     if problems:

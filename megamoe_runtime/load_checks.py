@@ -169,7 +169,8 @@ def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: 
 
 # --------------------------------------------------------------------------- files
 
-#: how a converted expert file names itself in its ``__metadata__`` (the converter writes them, loads check them)
+#: ``__metadata__`` keys by which a converted expert file names itself (the converter writes them), so that a
+#: renamed, copied or swapped rank file is caught at load time for free
 FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
 
 
