@@ -270,14 +270,19 @@ class Checkpoint:
         ``backend_kwargs``, ``init``). The layer's prefix and index come from
         the manifest, so `load_layer` and `verify_reload` can find it again.
         """
+        layer = self.allocate_layer(layer_index, device, backend, ep_rank, ep_size, **layer_kwargs)
+        self.load_layer(layer, verify=verify)
+        return layer
+
+    def allocate_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
+                       ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any):
+        """The layer `build_layer` loads, allocated and not loaded: the reload dry run builds its meta layers
+        here, so what it checks is the layer a real build makes (spec for the rank, manifest prefix and index)."""
         from .layer import DeepGemmMegaMoEExperts
 
         le = self.manifest.layer(layer_index)
-        spec = le.layer_spec(ep_rank, ep_size)
-        layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend, prefix=le.prefix,
-                                       layer_index=layer_index, **layer_kwargs)
-        self.load_layer(layer, verify=verify)
-        return layer
+        return DeepGemmMegaMoEExperts(le.layer_spec(ep_rank, ep_size), device=device, backend=backend,
+                                      prefix=le.prefix, layer_index=layer_index, **layer_kwargs)
 
     def match_layer(self, layer: Any) -> LayerEntry:
         """The manifest layer a built layer corresponds to (by index, else prefix)."""

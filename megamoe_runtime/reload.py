@@ -508,17 +508,12 @@ def dry_run_checkpoint(checkpoint_dir: Union[str, os.PathLike], *, ep_size: Opti
     `verify_reload` on them: what ``megamoe-convert verify OUT
     --reload-dry-run`` prints.
     """
-    from .layer import DeepGemmMegaMoEExperts
-
     ckpt = Checkpoint(checkpoint_dir)
     n = ep_size or ckpt.ep_size
     reports = []
     for rank in range(n):
-        model = nn.ModuleDict({
-            f"layer{li.index}": DeepGemmMegaMoEExperts(
-                ckpt.layer_spec(li.index, rank, n), device="meta", backend="reference", prefix=li.prefix,
-                layer_index=li.index)
-            for li in ckpt.layers})
+        model = nn.ModuleDict({f"layer{li.index}": ckpt.allocate_layer(li.index, "meta", "reference", rank, n)
+                               for li in ckpt.layers})
         rep = verify_reload(model, checkpoint_dir)
         rep.ep_rank = rank
         reports.append(rep)
