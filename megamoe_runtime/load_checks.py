@@ -312,7 +312,7 @@ def check_checksums(items: list, headers: dict) -> list[str]:
     release the GIL on large updates)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .loaders import read_workers
+    from .file_io import read_workers
 
     todo, seen = [], set()
     for it in items:

@@ -41,8 +41,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .checkpoint import Checkpoint, SafetensorsFile
+from .checkpoint import Checkpoint
 from .errors import MegaMoEError, ReloadError
+from .file_io import SafetensorsFile
 from .manifest import EXPERT_ROLES, MANIFEST_NAME
 
 __all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
