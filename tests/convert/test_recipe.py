@@ -406,3 +406,15 @@ def test_inspect_takes_the_flags_its_problems_name(tmp_path):
 def test_every_issue10_real_export_is_committed():
     missing = [n for n in CASES if not (REAL / n / "config.json").is_file()]
     assert not missing, f"real exports missing from {REAL}: {missing} (tests/fixtures/make_real_fixtures.py makes them)"
+
+
+def test_every_row_has_its_per_row_converter_facts():
+    """The converter's per-row tables a new kernel-layout row must extend (docs/ARCHITECTURE.md, files to touch):
+    the recipes it keeps (named in the refusal text), its dispatch description and the demo's threshold."""
+    from megamoe_convert.readers import recipe
+    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_runtime.formats import ROWS
+
+    for name, row in ROWS.items():
+        assert recipe._KEEPS[name] and recipe.KERNEL_ACTIVATIONS[name][1], name
+        assert THRESHOLDS[name] > 0, name
