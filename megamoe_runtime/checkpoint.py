@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 
@@ -39,6 +39,9 @@ from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (F
                           check_verify_level, identity_problems)
 from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
+
+if TYPE_CHECKING:  # pragma: no cover (imported where a layer is built, so opening a folder stays cheap)
+    from .layer import DeepGemmMegaMoEExperts
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -263,7 +266,8 @@ class Checkpoint:
     # ------------------------------------------------------------------ build / load
 
     def build_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
-                    ep_rank: int = 0, ep_size: int = 1, *, verify: Optional[str] = None, **layer_kwargs: Any):
+                    ep_rank: int = 0, ep_size: int = 1, *, verify: Optional[str] = None,
+                    **layer_kwargs: Any) -> "DeepGemmMegaMoEExperts":
         """Allocate layer ``layer_index`` for one EP rank in kernel layout and load it.
 
         ``layer_kwargs`` go to `DeepGemmMegaMoEExperts` (``fuse_shared``,
@@ -275,7 +279,7 @@ class Checkpoint:
         return layer
 
     def allocate_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
-                       ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any):
+                       ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any) -> "DeepGemmMegaMoEExperts":
         """The layer `build_layer` loads, allocated and not loaded: the reload dry run builds its meta layers
         here, so what it checks is the layer a real build makes (spec for the rank, manifest prefix and index)."""
         from .layer import DeepGemmMegaMoEExperts
