@@ -61,7 +61,7 @@ from megamoe_runtime.tensor_bytes import byte_view
 
 import megamoe_runtime as mr
 from megamoe_runtime import codecs, layout
-from megamoe_runtime.loaders import read_workers
+from megamoe_runtime.file_io import read_workers
 
 H, I, E = 2048, 1024, 64  # per layer: 64 * 3 * 2048 * 1024 * (1 + 1/32) B ~= 415 MB (mxfp8)
 
@@ -260,7 +260,7 @@ def phase_reload(ck: mr.Checkpoint, layers: list, device: torch.device, verify: 
 
 
 def phase_raw_direct(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
-    from megamoe_runtime.loaders import load_raw_checkpoint
+    from megamoe_runtime.raw_load import load_raw_checkpoint
 
     def run() -> Any:
         model = torch.nn.ModuleList(
@@ -292,7 +292,7 @@ def _utccp(sf: torch.Tensor) -> torch.Tensor:
 
 def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
     """Engine-style: checkpoint-format params, loaded, then transformed into new kernel tensors."""
-    from megamoe_runtime.checkpoint import SafetensorsFile
+    from megamoe_runtime.file_io import SafetensorsFile
     from megamoe_runtime.loaders import parse_expert_weight_name
 
     files = sorted(src.glob("*.safetensors"))

@@ -24,6 +24,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # torch warns "Failed to initialize NumPy: No module named 'numpy'" (once, when its
 # dispatch-mode machinery first touches numpy) on a machine without numpy; megamoe never
@@ -36,6 +37,9 @@ import click  # noqa: E402
 from megamoe_runtime.errors import MegaMoEError  # noqa: E402
 
 from megamoe_runtime.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .inspection import InspectReport
 
 # Nothing above imports torch: `--help`, `--version` and usage errors answer at
 # once; each command imports what it needs (torch among it) when it runs.
@@ -375,48 +379,48 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
-    from .convert import inspect_checkpoint
+    from .inspection import inspect_checkpoint
 
     rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
                                                   ep_size=ep_size, shared_precision=shared_precision,
                                                   accept_activation_change=accept_activation_change,
                                                   l2_activation_scale=l2_activation_scale))
     if as_json:
-        click.echo(json.dumps(rep, indent=2))
+        click.echo(json.dumps(rep.to_dict(), indent=2))
     else:
         _print_inspect(rep)
-    if rep["problems"]:
+    if not rep.ok:
         sys.exit(EXIT_BAD_INPUT)
 
 
-def _print_inspect(rep: dict) -> None:
-    click.echo(f"source: {rep['source']}  ({rep['files']} safetensors file(s), {format_bytes(rep['bytes'])})")
-    click.echo(f"format: {rep['format']}  ->  row {rep['row']}")
-    click.echo(rep["activations"])
-    m = rep["model"]
+def _print_inspect(rep: "InspectReport") -> None:
+    click.echo(f"source: {rep.source}  ({rep.files} safetensors file(s), {format_bytes(rep.bytes)})")
+    click.echo(f"format: {rep.format}  ->  row {rep.row}")
+    click.echo(rep.activations)
+    m = rep.model
     act = m["activation"]
     click.echo(f"model: {m['model_type']}  experts {m['num_experts']}  top_k {m['top_k']}  "
                f"routed_scaling_factor {m['routed_scaling_factor']}  activation {act['kind']}"
                + (f" clamp {act['clamp']}" if act.get("clamp") is not None else ""))
-    click.echo(f"MoE layers: {len(rep['layers'])}")
-    for group in rep["layer_groups"]:
+    click.echo(f"MoE layers: {len(rep.layers)}")
+    for group in rep.layer_groups:
         click.echo(f"  layers {group['layers']}: hidden {group['hidden']}, intermediate {group['intermediate']}, "
                    f"{group['num_experts']} experts")
-    for role, shp in rep["shapes"].items():
+    for role, shp in rep.shapes.items():
         click.echo(f"  {role}: weight {shp['weight']}" + (f", scale {shp['scale']}" if shp["scale"] else ""))
-    click.echo(f"shared experts: {_shared_line(rep['shared'])}")
-    if rep.get("scales"):
-        sc = rep["scales"]
+    click.echo(f"shared experts: {_shared_line(rep.shared)}")
+    if rep.scales:
+        sc = rep.scales
         click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
                    f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})")
         if sc["missing_input_scales"]:
             click.echo(f"  experts without a w2 input scale: {sc['missing_input_scales']}")
-    click.echo(f"estimated output: about {format_bytes(rep['estimated_output_bytes'])} "
-               f"(experts {format_bytes(rep['estimated_expert_bytes'])}, pass-through "
-               f"{format_bytes(rep['passthrough_bytes'])}) with ep_size {rep['ep_size']}")
-    if rep["problems"]:
+    click.echo(f"estimated output: about {format_bytes(rep.estimated_output_bytes)} "
+               f"(experts {format_bytes(rep.estimated_expert_bytes)}, pass-through "
+               f"{format_bytes(rep.passthrough_bytes)}) with ep_size {rep.ep_size}")
+    if rep.problems:
         click.echo("problems (convert would refuse):")
-        for p in rep["problems"]:
+        for p in rep.problems:
             click.echo(f"  - {p}")
     else:
         click.echo("ok: convertible")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamoe_runtime.canonical import expected_shapes
@@ -22,10 +23,48 @@ from .shared import check_shared_precision
 from .source import open_source
 
 
+@dataclass
+class InspectReport:
+    """What `inspect_checkpoint` found, as `ConvertSummary` is what `convert` did: the CLI prints it, ``--json``
+    dumps `to_dict()` (keys in field order). `ok` is False when convert would refuse (``problems``).
+
+    The nested records (``model``, ``recipe``, ``layers``, ``shapes``, ``shared``, ``scales``) are the JSON the
+    report shows, as the manifest and the summary write them; they stay dicts so both print the same bytes."""
+
+    source: str
+    kind: str
+    revision: str | None
+    files: int
+    bytes: int  # of the source's safetensors files
+    format: str
+    row: str
+    model: dict
+    recipe: dict | None  # what megamoe.json ``source.recipe`` would hold
+    activations: str
+    layers: list[dict]  # per MoE layer: index, prefix, sizes, ``shared``; ``scalars`` and mismatches with alphas
+    layer_groups: list[dict]  # consecutive layers of one shape
+    shapes: dict  # gate / up / down: checkpoint weight and scale shapes of the first layer
+    shared: dict  # the shared-expert decision; per layer (keyed by index) when layers differ
+    scales: dict | None  # the w1/w3 agreement and input-scale report (rows with a global scale only)
+    ep_size: int
+    estimated_expert_bytes: int
+    passthrough_bytes: int
+    estimated_output_bytes: int
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
                        quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
-                       accept_activation_change: bool = False, l2_activation_scale: float | None = None) -> dict:
-    """What `megamoe-convert inspect` reports (JSON-safe dict).
+                       accept_activation_change: bool = False, l2_activation_scale: float | None = None) -> InspectReport:
+    """What `megamoe-convert inspect` reports.
 
     Reads headers and the scalar scale tensors only. Problems that would stop
     `convert` (row size rules, EP divisibility, bad or disagreeing scales)
@@ -114,24 +153,24 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                           {str(k): v for k, v in shared_notes.items()})
         if not infos:
             problems.append(f"{source.id}: no MoE layers found")
-        return {
-            "source": str(source.id), "kind": source.kind, "revision": source.revision,
-            "files": len(source.files()), "bytes": sum(p.stat().st_size for p in source.files()),
-            "format": reader.format_name, "row": row.name, "model": model_record(facts),
-            "recipe": manifest_record(reader), "activations": change.summary(),
-            "layers": layers,
-            "layer_groups": [{"layers": layer_ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
-                              "num_experts": g["key"][2]} for g in groups],
-            "shapes": shapes, "shared": shared_summary,
-            "scales": ({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
-                        "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input}
-                       if row.weight.has_global_scale else None),
-            "ep_size": ep_size, "estimated_expert_bytes": expert_bytes, "passthrough_bytes": pt_bytes,
-            "estimated_output_bytes": expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
-            "problems": problems, "warnings": list(source.warnings),
-        }
+        return InspectReport(
+            source=str(source.id), kind=source.kind, revision=source.revision,
+            files=len(source.files()), bytes=sum(p.stat().st_size for p in source.files()),
+            format=reader.format_name, row=row.name, model=model_record(facts),
+            recipe=manifest_record(reader), activations=change.summary(),
+            layers=layers,
+            layer_groups=[{"layers": layer_ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
+                           "num_experts": g["key"][2]} for g in groups],
+            shapes=shapes, shared=shared_summary,
+            scales=({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
+                     "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input}
+                    if row.weight.has_global_scale else None),
+            ep_size=ep_size, estimated_expert_bytes=expert_bytes, passthrough_bytes=pt_bytes,
+            estimated_output_bytes=expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
+            problems=problems, warnings=list(source.warnings),
+        )
     finally:
         source.close()
 
 
-__all__ = ["inspect_checkpoint"]
+__all__ = ["InspectReport", "inspect_checkpoint"]

@@ -423,7 +423,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[st
     from megamoe_runtime.manifest import dtype_name
     from megamoe_runtime.tensor_bytes import byte_view
 
-    from .writer import PlannedTensor, safetensors_header
+    from .shard_writer import PlannedTensor, safetensors_header
 
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     plan = [PlannedTensor(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in order]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 
@@ -35,8 +35,13 @@ from .folder import inside_folder
 from .roles import expected_roles
 from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
 from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
+from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
+                          check_verify_level, identity_problems)
 from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
+
+if TYPE_CHECKING:  # pragma: no cover (imported where a layer is built, so opening a folder stays cheap)
+    from .layer import DeepGemmMegaMoEExperts
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -82,8 +87,6 @@ class Checkpoint:
     """A converted megamoe output folder (validated manifest + lazy files)."""
 
     def __init__(self, root: Union[str, os.PathLike], verify: str = "headers"):
-        from .load_checks import check_verify_level
-
         self.root = Path(root)
         #: default `load_layer` check level (load_checks.VERIFY_LEVELS)
         self.verify = check_verify_level(verify)
@@ -263,21 +266,27 @@ class Checkpoint:
     # ------------------------------------------------------------------ build / load
 
     def build_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
-                    ep_rank: int = 0, ep_size: int = 1, *, verify: Optional[str] = None, **layer_kwargs: Any):
+                    ep_rank: int = 0, ep_size: int = 1, *, verify: Optional[str] = None,
+                    **layer_kwargs: Any) -> "DeepGemmMegaMoEExperts":
         """Allocate layer ``layer_index`` for one EP rank in kernel layout and load it.
 
         ``layer_kwargs`` go to `DeepGemmMegaMoEExperts` (``fuse_shared``,
         ``backend_kwargs``, ``init``). The layer's prefix and index come from
         the manifest, so `load_layer` and `verify_reload` can find it again.
         """
+        layer = self.allocate_layer(layer_index, device, backend, ep_rank, ep_size, **layer_kwargs)
+        self.load_layer(layer, verify=verify)
+        return layer
+
+    def allocate_layer(self, layer_index: int, device: Union[str, torch.device, None] = "cpu", backend: Any = "auto",
+                       ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any) -> "DeepGemmMegaMoEExperts":
+        """The layer `build_layer` loads, allocated and not loaded: the reload dry run builds its meta layers
+        here, so what it checks is the layer a real build makes (spec for the rank, manifest prefix and index)."""
         from .layer import DeepGemmMegaMoEExperts
 
         le = self.manifest.layer(layer_index)
-        spec = le.layer_spec(ep_rank, ep_size)
-        layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend, prefix=le.prefix,
-                                       layer_index=layer_index, **layer_kwargs)
-        self.load_layer(layer, verify=verify)
-        return layer
+        return DeepGemmMegaMoEExperts(le.layer_spec(ep_rank, ep_size), device=device, backend=backend,
+                                      prefix=le.prefix, layer_index=layer_index, **layer_kwargs)
 
     def match_layer(self, layer: Any) -> LayerEntry:
         """The manifest layer a built layer corresponds to (by index, else prefix)."""
@@ -293,8 +302,6 @@ class Checkpoint:
 
     def check_load(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False):
         """What `load_layer` checks before its first byte, without loading: a `load_checks.LoadCheck`."""
-        from .load_checks import check_layer_load
-
         return check_layer_load(self, layer, verify=verify or self.verify, adopt_semantics=adopt_semantics)
 
     def load_layer(self, layer: Any, *, verify: Optional[str] = None, adopt_semantics: bool = False) -> int:
@@ -333,27 +340,6 @@ class Checkpoint:
                     raise LayerUnusableError(layer.unusable_reason) from e
             raise
         return copied
-
-
-#: ``__metadata__`` keys by which a converted expert file names itself, so that a
-#: renamed, copied or swapped rank file is caught at load time for free.
-FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
-
-
-def identity_problems(path: Any, md: dict, expected_file: str, ranks: set) -> list[str]:
-    """What is wrong with how a file names itself (``__metadata__``) against where the manifest puts it."""
-    if FILE_KEY in md and md[FILE_KEY] != expected_file:
-        return [f"{path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
-                f"{expected_file!r} here (rank files renamed, copied or swapped?)"]
-    if RANK_KEY in md:
-        try:
-            r = int(md[RANK_KEY])
-        except ValueError:
-            return [f"{path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer"]
-        if ranks and r not in ranks:
-            return [f"{path}: holds the experts of EP rank {r}, but the manifest lists it for "
-                    f"rank {sorted(ranks)} (rank files swapped?)"]
-    return []
 
 
 def _check_identity(f: SafetensorsFile, expected_file: str, ranks: set) -> None:

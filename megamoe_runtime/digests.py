@@ -107,14 +107,6 @@ def _blake3_module():
     return blake3
 
 
-def blake3_available() -> bool:
-    try:
-        _blake3_module()
-    except DigestUnavailableError:
-        return False
-    return True
-
-
 def new_hasher(algorithm: str, data: bytes | memoryview = b"", threads: int = 1) -> Any:
     """A hashlib-style object (``update``, ``digest``, ``hexdigest``) of `algorithm`.
 
@@ -240,6 +232,6 @@ def file_digest(path: Path, kind: str) -> str:
 __all__ = [
     "SHA256", "BLAKE3", "ALGORITHMS", "DEFAULT_CHECKSUM", "DIGEST_SHA256", "DIGEST_HEADER_AND_TENSORS", "DIGEST_BLAKE3",
     "DIGEST_BLAKE3_HEADER_AND_TENSORS", "DIGEST_KINDS", "check_algorithm", "kind_algorithm", "is_composite",
-    "composite_kind", "whole_kind", "blake3_available", "new_hasher", "digest_bytes", "header_and_tensor_digest",
+    "composite_kind", "whole_kind", "new_hasher", "digest_bytes", "header_and_tensor_digest",
     "hash_file", "safetensors_digests", "file_digest",
 ]

@@ -54,7 +54,7 @@ from .backends import get_backend
 from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from .formats import LayerSpec, SharedSpec, get_row
 from .limits import MAX_LAYER_BYTES
-from .roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, is_shared_role, shared_role
+from .roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -450,7 +450,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         """Drop the pending state of a failed load pass (no scalar is finished from it)."""
         self._load_state = None
 
-    def load_stored(self, role: str, tensor: torch.Tensor, *, storage: str = "contiguous",
+    def load_stored(self, role: str, tensor: torch.Tensor, *, storage: str = STORAGE_CONTIGUOUS,
                     experts: Optional[tuple[int, int]] = None, name: str = "") -> None:
         """Pre-laid-out load of one stored tensor (one ``copy_``), see `loaders.copy_stored`."""
         with torch.no_grad():

@@ -55,8 +55,6 @@ __all__ = [
     "l1_half_row_runs",
     "deinterleave_row",
     "utccp_row",
-    "utccp_inverse_row",
-    "l1_scale_row",
     "KernelTensors",
     "allocate_kernel_tensors",
     "allocate_scale",
@@ -133,18 +131,6 @@ def deinterleave_row(r: int, intermediate: int) -> int:
 def utccp_row(r: int) -> int:
     """Physical position of logical scale row r: 128-row blocks viewed (4, 32), transposed."""
     return (r & ~127) + (r % 32) * 4 + (r // 32) % 4
-
-
-def utccp_inverse_row(s: int) -> int:
-    """Logical scale row stored at position s (inverse of `utccp_row`)."""
-    base, rem = s & ~127, s % 128
-    c, a = divmod(rem, 4)
-    return base + 32 * a + c
-
-
-def l1_scale_row(n: int, intermediate: int) -> int:
-    """Where the scale of logical L1 row n lives: utccp(interleave(n))."""
-    return utccp_row(interleave_row(n, intermediate))
 
 
 # --------------------------------------------------------------------------- kernel tensors

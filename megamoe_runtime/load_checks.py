@@ -43,6 +43,9 @@ __all__ = [
     "check_layer_load",
     "spec_differences",
     "check_verify_level",
+    "identity_problems",
+    "FILE_KEY",
+    "RANK_KEY",
 ]
 
 VERIFY_LEVELS = ("none", "headers", "checksums")
@@ -166,12 +169,30 @@ def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: 
 
 # --------------------------------------------------------------------------- files
 
+#: ``__metadata__`` keys by which a converted expert file names itself (the converter writes them), so that a
+#: renamed, copied or swapped rank file is caught at load time for free
+FILE_KEY, RANK_KEY = "megamoe.file", "megamoe.ep_rank"
+
+
+def identity_problems(path: Any, md: dict, expected_file: str, ranks: set) -> list[str]:
+    """What is wrong with how a file names itself (``__metadata__``) against where the manifest puts it."""
+    if FILE_KEY in md and md[FILE_KEY] != expected_file:
+        return [f"{path}: the file names itself {md[FILE_KEY]!r} but the manifest expects "
+                f"{expected_file!r} here (rank files renamed, copied or swapped?)"]
+    if RANK_KEY in md:
+        try:
+            r = int(md[RANK_KEY])
+        except ValueError:
+            return [f"{path}: {RANK_KEY}={md[RANK_KEY]!r} is not an integer"]
+        if ranks and r not in ranks:
+            return [f"{path}: holds the experts of EP rank {r}, but the manifest lists it for "
+                    f"rank {sorted(ranks)} (rank files swapped?)"]
+    return []
+
 
 def check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Optional[SafetensorsHeader], list[str]]:
     """A file the plan reads: inside the folder, header valid and of the file's length, self-named as the manifest
     expects, every planned tensor present with the manifest's dtype and shape."""
-    from .checkpoint import identity_problems
-
     try:
         path = inside_folder(root, file)
     except MegaMoEError as e:
@@ -291,7 +312,7 @@ def check_checksums(items: list, headers: dict) -> list[str]:
     release the GIL on large updates)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .loaders import read_workers
+    from .file_io import read_workers
 
     todo, seen = [], set()
     for it in items:
@@ -373,68 +394,3 @@ def check_layer_load(ckpt: Any, layer: Any, *, verify: str = DEFAULT_VERIFY, ado
     if verify == "checksums":
         chk.problems += check_checksums(loaded, chk.headers)
     return chk
-
-
-# --------------------------------------------------------------------------- verify: spec against stored tensors
-
-
-def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]:
-    """Every layer's spec against the tensors the manifest lists for it: each role the spec implies present on
-    every rank, each entry's dtype, per-expert kernel shape and strides those of the layer the spec builds (a
-    meta layer: no memory), and no role the spec does not have. Catches a spec edited to another ``num_experts``
-    or ``hidden`` that the manifest's own schema checks accept. (`megamoe-convert verify` runs it.)"""
-    from .layer import DeepGemmMegaMoEExperts
-    from .manifest import EXPERT_ROLES, dtype_name
-
-    problems: list[str] = []
-    for le in sorted(manifest.layers, key=lambda le: le.index):
-        w = f"{where}: layer {le.index} ({le.prefix})"
-        try:
-            spec = le.layer_spec(0, manifest.ep_size)
-            layer = DeepGemmMegaMoEExperts(spec, device="meta", backend="reference", prefix=le.prefix,
-                                           layer_index=le.index)
-        except MegaMoEError as e:
-            problems.append(f"{w}: spec does not build a layer: {e}")
-            continue
-        want = {r: layer.param_for_role(r) for r in layer.checkpoint_roles()}
-        by_rank: dict[int, dict[str, list]] = {}
-        for te in manifest.tensors.values():
-            if te.layer == le.index and te.ep_rank is not None:
-                by_rank.setdefault(te.ep_rank, {}).setdefault(te.role, []).append(te)
-        for rank in range(manifest.ep_size):
-            got = by_rank.get(rank, {})
-            for role in sorted(set(want) - set(got)):
-                problems.append(f"{w}, rank {rank}: no {role} tensor, which its spec ({spec.row}) needs")
-            for role in sorted(set(got) - set(want)):
-                problems.append(f"{w}, rank {rank}: {', '.join(t.name for t in got[role])} has role {role}, "
-                                f"which a layer of its spec ({spec.row}, shared={spec.shared}) does not have")
-            lo, hi = rank * spec.experts_per_rank, (rank + 1) * spec.experts_per_rank
-            for role in sorted(set(got) & set(want) & set(EXPERT_ROLES)):
-                ranges = sorted(tuple(te.experts) if te.experts is not None else (lo, lo + te.kernel_shape[0])
-                                for te in got[role] if te.kernel_shape)
-                pos = lo
-                for a, b in ranges:
-                    if a != pos:
-                        break
-                    pos = b
-                if pos != hi or len(ranges) != len(got[role]) or (ranges and ranges[-1][1] != hi):
-                    problems.append(f"{w}, rank {rank}: {role} holds experts {ranges}, but its spec "
-                                    f"(num_experts={spec.num_experts}, ep_size={manifest.ep_size}) gives the rank "
-                                    f"experts [{lo}, {hi}) exactly once")
-            for role in sorted(set(got) & set(want)):
-                p = want[role]
-                for te in got[role]:
-                    expert = role in EXPERT_ROLES
-                    shape = tuple(te.kernel_shape[1:]) if expert else tuple(te.kernel_shape)
-                    want_shape = tuple(p.shape[1:]) if expert else tuple(p.shape)
-                    n = te.experts[1] - te.experts[0] if expert and te.experts is not None else None
-                    if (te.dtype != dtype_name(p.dtype) or shape != want_shape
-                            or tuple(te.kernel_strides) != tuple(p.stride())
-                            or (n is not None and te.kernel_shape and te.kernel_shape[0] != n)):
-                        problems.append(
-                            f"{w}, rank {rank}: {te.name} is {te.dtype} {list(te.kernel_shape)} strides "
-                            f"{list(te.kernel_strides)}, but its spec (hidden={spec.hidden}, intermediate="
-                            f"{spec.intermediate}, num_experts={spec.num_experts}) makes {role} "
-                            f"{dtype_name(p.dtype)} {list(p.shape)} strides {list(p.stride())}"
-                            + (" per rank" if expert else ""))
-    return problems

@@ -43,6 +43,7 @@ from . import layout, scales
 from .errors import CheckpointError, LayoutError, ScaleError
 from .file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
 from .formats import get_row
+from .roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
 from .source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SUFFIXES: API, re-exported)
     FAMILIES,
     PROJECTION_PATTERN,
@@ -109,24 +110,31 @@ class ExpertWeightRef:
     def shared(self) -> bool:
         return self.expert_id is None
 
+    @property
+    def weight_role(self) -> str:
+        """The role of the weight this tensor's projection belongs to: whether a layer has the parameter at
+        all (``param_for_role``) decides if a shared-expert tensor is used or reported unused."""
+        return role_of(_stage(self.shard_id), "weight", self.shared)
+
+
+def _stage(shard_id: str) -> str:
+    """w2 (down) feeds L2; w1 and w3 (gate, up) are the two halves of L1."""
+    return "l2" if shard_id == "w2" else "l1"
+
 
 def _param_name(kind: str, shard_id: str, shared: bool) -> str:
-    lvl = "l2" if shard_id == "w2" else "l1"
-    if kind == "weight":
-        base = f"{lvl}_weight"
-    elif kind == "scale":
-        base = f"{lvl}_scale"
+    stage = _stage(shard_id)
+    if kind in ("weight", "scale"):
+        return role_of(stage, kind, shared)
     elif kind == "global_scale":
-        if shared:
-            return ""
-        return "l2_global_scale" if shard_id == "w2" else "l1_alpha"
+        # weight_scale_2 becomes a per-expert scalar; the shared expert has none (bf16/mxfp8, docs/SCALES.md)
+        return "" if shared else role_of(stage, "scalar")
     elif kind == "input_scale":
         if shared:
             return ""
         return "l2_activation_scale" if shard_id == "w2" else ""
     else:  # pragma: no cover - kinds are closed
         raise LayoutError(f"unknown tensor kind {kind!r}")
-    return f"shared_{base}" if shared else base
 
 
 def parse_expert_weight_name(name: str) -> Optional[ExpertWeightRef]:
@@ -249,7 +257,7 @@ def _check_scale_value(v: float, what: str) -> None:
 # --------------------------------------------------------------------------- pre-laid-out
 
 
-def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str = "contiguous",
+def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str = STORAGE_CONTIGUOUS,
                        experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The view of `layer`'s storage that a stored (file) tensor of ``role``
     copies into: the parameter itself, its contiguous physical base for
@@ -259,15 +267,15 @@ def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str 
     if param is None:
         raise LayoutError(_where(layer, f"the layer has no {role!r} parameter (row {layer.spec.row}, "
                                         f"shared fused={layer.shared_fused})"))
-    if storage == "mn_major_physical":
+    if storage == STORAGE_MN_MAJOR:
         dst = layout.physical(param)
-    elif storage == "contiguous":
+    elif storage == STORAGE_CONTIGUOUS:
         dst = param
         if not dst.is_contiguous():
             raise LayoutError(_where(layer, f"{role} is stored contiguous but the parameter is not contiguous"))
     else:
         raise LayoutError(_where(layer, f"unknown storage {storage!r} for {role}"))
-    if experts is not None and not role.startswith("shared_"):
+    if experts is not None and not is_shared_role(role):
         lo, hi = experts
         loc = layer.spec.local_experts
         if not (loc.start <= lo <= hi <= loc.stop):
@@ -278,7 +286,7 @@ def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str 
 
 
 def check_stored_source(layer: "DeepGemmMegaMoEExperts", role: str, dtype: Optional[torch.dtype],
-                        shape: tuple[int, ...], *, storage: str = "contiguous",
+                        shape: tuple[int, ...], *, storage: str = STORAGE_CONTIGUOUS,
                         experts: Optional[tuple[int, int]] = None, name: str = "") -> torch.Tensor:
     """The destination view of a stored tensor of this dtype and shape, or LayoutError: the checks `copy_stored`
     makes before its copy, callable on header facts alone (`load_checks` runs them before a load's first byte)."""
@@ -294,7 +302,7 @@ def check_stored_source(layer: "DeepGemmMegaMoEExperts", role: str, dtype: Optio
 
 
 def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
-                storage: str = "contiguous", experts: Optional[tuple[int, int]] = None,
+                storage: str = STORAGE_CONTIGUOUS, experts: Optional[tuple[int, int]] = None,
                 name: str = "") -> None:
     """Pre-laid-out load of one stored tensor into the layer's allocated
     storage, bytes unchanged (dtype and shape must match exactly: nothing is

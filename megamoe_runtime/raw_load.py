@@ -77,7 +77,7 @@ def load_raw_weights(layer_or_model: torch.nn.Module,
                 rep.unknown.append(name)
                 continue
             if ref.shared:
-                if lyr.param_for_role(f"shared_{'l2' if ref.shard_id == 'w2' else 'l1'}_weight") is None:
+                if lyr.param_for_role(ref.weight_role) is None:
                     rep.unused.append(name)
                     continue
                 touched.add(id(lyr))

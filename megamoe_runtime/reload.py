@@ -41,8 +41,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .checkpoint import Checkpoint, SafetensorsFile
+from .checkpoint import Checkpoint
 from .errors import MegaMoEError, ReloadError
+from .file_io import SafetensorsFile
 from .manifest import EXPERT_ROLES, MANIFEST_NAME
 
 __all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
@@ -508,17 +509,12 @@ def dry_run_checkpoint(checkpoint_dir: Union[str, os.PathLike], *, ep_size: Opti
     `verify_reload` on them: what ``megamoe-convert verify OUT
     --reload-dry-run`` prints.
     """
-    from .layer import DeepGemmMegaMoEExperts
-
     ckpt = Checkpoint(checkpoint_dir)
     n = ep_size or ckpt.ep_size
     reports = []
     for rank in range(n):
-        model = nn.ModuleDict({
-            f"layer{li.index}": DeepGemmMegaMoEExperts(
-                ckpt.layer_spec(li.index, rank, n), device="meta", backend="reference", prefix=li.prefix,
-                layer_index=li.index)
-            for li in ckpt.layers})
+        model = nn.ModuleDict({f"layer{li.index}": ckpt.allocate_layer(li.index, "meta", "reference", rank, n)
+                               for li in ckpt.layers})
         rep = verify_reload(model, checkpoint_dir)
         rep.ep_rank = rank
         reports.append(rep)
@@ -625,7 +621,7 @@ def _dry_raw(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: Re
                     rep.errors.append(str(e))
                     continue
                 if ref.shared:
-                    if layer.param_for_role(f"shared_{'l2' if ref.shard_id == 'w2' else 'l1'}_weight") is None:
+                    if layer.param_for_role(ref.weight_role) is None:
                         rep.unused_names.append(f"{name} ({path.name}): the layer has no shared expert parameters")
                         continue
                     _guard(rep, icpt, name, lambda layer=layer, src=src, ref=ref: layer.shared_weight_loader(

@@ -84,6 +84,15 @@ def shared_role(kernel_field: str) -> str:
     return SHARED_PREFIX + kernel_field
 
 
+def role_of(stage: str, kind: str, shared: bool = False) -> str:
+    """The role of one stage's tensor of one kind (``role_of("l2", "scalar")`` is ``l2_global_scale``), so a
+    loader that knows a source tensor's stage and kind names its destination from this table, not by hand."""
+    for r in ROLE_TABLE:
+        if (r.stage, r.kind, r.shared) == (stage, kind, shared):
+            return r.name
+    raise KeyError(f"no role for stage {stage!r}, kind {kind!r}, shared={shared}")
+
+
 def is_shared_role(role: str) -> bool:
     r = ROLE_BY_NAME.get(role)
     return r is not None and r.shared
@@ -104,4 +113,4 @@ def expected_roles(has_scales: bool, has_scalars: bool, shared_has_scales: bool 
 
 __all__ = ["Role", "ROLE_TABLE", "ROLE_BY_NAME", "KERNEL_ROLES", "SCALAR_ROLES", "EXPERT_ROLES", "SHARED_ROLES",
            "MN_MAJOR_ROLES", "PASSTHROUGH_ROLE", "STORAGE_CONTIGUOUS", "STORAGE_MN_MAJOR", "STORAGES",
-           "shared_role", "is_shared_role", "expected_roles"]
+           "shared_role", "role_of", "is_shared_role", "expected_roles"]

@@ -61,7 +61,6 @@ __all__ = [
     "register_reader",
     "available_formats",
     "readers_in_order",
-    "format_descriptions",
     "detect_reader",
     "describe_quant_config",
 ]
@@ -107,10 +106,6 @@ def available_formats() -> list[str]:
 def readers_in_order() -> list[type[CheckpointReader]]:
     """The registered reader classes in ``DETECTION_ORDER``."""
     return _in_order()
-
-
-def format_descriptions() -> dict[str, str]:
-    return {cls.format_name: cls.description for cls in _in_order()}
 
 
 def describe_quant_config(source) -> str:

@@ -29,7 +29,6 @@ from ..errors import BackendUnavailableError, MegaMoEError
 
 __all__ = [
     "Backend",
-    "available_backends",
     "backend_status",
     "get_backend",
     "register_backend",
@@ -94,11 +93,6 @@ def register_backend(name: str, target: Union[str, Callable[..., Any]]) -> None:
     if not isinstance(name, str) or not name or name == "auto":
         raise MegaMoEError(f"backend name {name!r} is not valid (a non-empty string other than 'auto')")
     _REGISTRY[name] = target
-
-
-def available_backends() -> list[str]:
-    """Registered backend names (registered, not necessarily runnable here)."""
-    return list(_REGISTRY)
 
 
 def _resolve(name: str) -> Callable[..., Any]:

@@ -69,6 +69,7 @@ import torch
 from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
 from ..formats import get_row
 from ..scales import W13_RTOL, gate_up_disagreeing
+from ..roles import SHARED_ROLES
 from .reference import quantize_dispatch_nvfp4
 
 __all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
@@ -562,8 +563,8 @@ class DeepGemmBackend:
 
         spec = layer.spec
         prec = spec.shared.precision
-        s1w, s1s, s2w, s2s = (layer.shared_l1_weight, getattr(layer, "shared_l1_scale", None),
-                              layer.shared_l2_weight, getattr(layer, "shared_l2_scale", None))
+        # SHARED_ROLES is KernelTensors order: l1 weight, l1 scale, l2 weight, l2 scale (bf16 has no scales)
+        s1w, s1s, s2w, s2s = (getattr(layer, role, None) for role in SHARED_ROLES)
         if prec == "bf16":
             out: dict[str, Any] = {"shared_l1_weights": s1w, "shared_l2_weights": s2w}
             if fn == "fp4_fp4_mega_moe":

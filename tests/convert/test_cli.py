@@ -342,3 +342,13 @@ def test_inspect_size_estimate_says_about(tmp_path, synth_ckpt):
     src = synth_ckpt("quark-mxfp4", **SMALL)
     r = run_cli("inspect", src)
     assert "estimated output: about " in r.stdout
+
+
+def test_quantize_choices_are_the_readers_quantize_rows():
+    """cli.py lists the --quantize choices by hand (it imports no torch before a command runs); they must be
+    what the unquantized reader can produce, so a kernel-layout row added there fails here until listed."""
+    from megamoe_convert.readers.unquantized import QUANTIZE_ROWS
+
+    for name in ("convert", "inspect"):
+        opt = next(p for p in main.commands[name].params if p.name == "quantize")
+        assert tuple(opt.type.choices) == QUANTIZE_ROWS, name

@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from megamoe_convert import synth
 from megamoe_convert.cli import main
-from megamoe_convert.convert import convert, shared_to_precision
+from megamoe_convert.convert import convert
+from megamoe_convert.shared import shared_to_precision
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
 from megamoe_convert.output_dir import temp_dir_for
@@ -511,7 +512,7 @@ def test_resume_refuses_a_changed_source(tmp_path, what):
     and compared with what was written: refused, naming the tensor and file;
     the temp folder is kept. Negative control: put the byte back and the same
     resume completes to the reference bytes."""
-    from megamoe_convert.convert import SourceChangedError
+    from megamoe_convert.plan import SourceChangedError
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
     ref, out = tmp_path / "ref", tmp_path / "out"

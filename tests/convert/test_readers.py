@@ -11,7 +11,7 @@ import torch
 from megamoe_runtime import codecs
 from megamoe_runtime.canonical import ExpertTensors
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
-from megamoe_convert.readers import available_formats, detect_reader, format_descriptions
+from megamoe_convert.readers import available_formats, detect_reader, readers_in_order
 from megamoe_convert.readers.base import CheckpointReader, MoELayerInfo
 from megamoe_convert.source import open_source
 from megamoe_convert.synth import (
@@ -143,7 +143,7 @@ def test_registry():
               "ct-nvfp4", "ct-mxfp4", "ct-mxfp8", "deepseek-v4", "unquantized"):
         assert f in fmts
     assert fmts[-1] == "unquantized"
-    assert all(format_descriptions()[f] for f in fmts)
+    assert all(cls.description for cls in readers_in_order())
 
 
 # ------------------------------------------------------------------ NVFP4 scale semantics

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 import megamoe_runtime as mr
 from megamoe_convert.cli import main
-from megamoe_convert.convert import convert, inspect_checkpoint
+from megamoe_convert.convert import convert
+from megamoe_convert.inspection import inspect_checkpoint
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.readers.recipe import ACCEPT_FLAG, ActivationRecipe, compare
 from megamoe_convert.source import open_source
@@ -134,8 +135,8 @@ def test_coarser_recipe_is_refused_naming_the_flag(name, tmp_path):
     assert res.exit_code == 2 and ACCEPT_FLAG in res.output and "Traceback" not in res.output
     assert not (tmp_path / "o").exists() and not any(tmp_path.iterdir())
     rep = inspect_checkpoint(REAL / name)
-    assert any(f"convert needs {ACCEPT_FLAG}" in p for p in rep["problems"])
-    assert rep["recipe"]["activations"]["relation"] == "coarser"
+    assert any(f"convert needs {ACCEPT_FLAG}" in p for p in rep.problems)
+    assert rep.recipe["activations"]["relation"] == "coarser"
     res = CliRunner().invoke(main, ["inspect", str(REAL / name)])
     assert res.exit_code == 2 and f"convert needs {ACCEPT_FLAG}" in res.output
 
@@ -311,13 +312,13 @@ def test_inspect_reports_every_scale_problem_of_a_weight_only_nvfp4_export():
     used to hide the w1/w3 mismatch and the pair count)."""
     name = "quark-nvfp4-weight-only-qwen3moe"
     rep = inspect_checkpoint(REAL / name)
-    probs = "\n".join(rep["problems"])
+    probs = "\n".join(rep.problems)
     assert ACCEPT_FLAG in probs and "--l2-activation-scale" in probs
     assert "--on-scale-mismatch requantize" in probs
-    assert rep["scales"]["pairs"] == 8 and rep["scales"]["mismatched_pairs"] == 8
+    assert rep.scales["pairs"] == 8 and rep.scales["mismatched_pairs"] == 8
     rep = inspect_checkpoint(REAL / "modelopt-w4a16-nvfp4-qwen3moe")  # negative control: its pairs agree
-    assert rep["scales"]["pairs"] == 8 and rep["scales"]["mismatched_pairs"] == 0
-    assert "--on-scale-mismatch" not in "\n".join(rep["problems"])
+    assert rep.scales["pairs"] == 8 and rep.scales["mismatched_pairs"] == 0
+    assert "--on-scale-mismatch" not in "\n".join(rep.problems)
 
 
 @pytest.mark.parametrize("name,fmt,kind", [
@@ -376,7 +377,7 @@ def test_a_declared_recipe_the_converter_does_not_know_needs_the_flag(name, edit
     assert "does not know" in str(ei.value)
     r = detect_reader(open_source(src), accept_activation_change=True)
     assert r.activation_change.relation == "unknown" and r.activation_change.needs_flag
-    assert any(f"convert needs {ACCEPT_FLAG}" in p for p in inspect_checkpoint(src)["problems"])
+    assert any(f"convert needs {ACCEPT_FLAG}" in p for p in inspect_checkpoint(src).problems)
     # negative control: a checkpoint that states no recipe at all is still never refused
     assert not compare(ActivationRecipe("undeclared", False, "x"), "nvfp4").needs_flag
 
@@ -397,11 +398,23 @@ def test_inspect_takes_the_flags_its_problems_name(tmp_path):
     # negative controls: one flag short, a calibrated checkpoint given an a2, an mx row given one
     assert CliRunner().invoke(main, args[:3]).exit_code == 2
     rep = inspect_checkpoint(REAL / "modelopt-nvfp4-qwen3moe", l2_activation_scale=0.002)
-    assert any("drop it" in p for p in rep["problems"])
+    assert any("drop it" in p for p in rep.problems)
     rep = inspect_checkpoint(REAL / "modelopt-mxfp4-qwen3moe", l2_activation_scale=0.002)
-    assert any("only the nvfp4 row" in p for p in rep["problems"])
+    assert any("only the nvfp4 row" in p for p in rep.problems)
 
 
 def test_every_issue10_real_export_is_committed():
     missing = [n for n in CASES if not (REAL / n / "config.json").is_file()]
     assert not missing, f"real exports missing from {REAL}: {missing} (tests/fixtures/make_real_fixtures.py makes them)"
+
+
+def test_every_row_has_its_per_row_converter_facts():
+    """The converter's per-row tables a new kernel-layout row must extend (docs/ARCHITECTURE.md, files to touch):
+    the recipes it keeps (named in the refusal text), its dispatch description and the demo's threshold."""
+    from megamoe_convert.readers import recipe
+    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_runtime.formats import ROWS
+
+    for name, row in ROWS.items():
+        assert recipe._KEEPS[name] and recipe.KERNEL_ACTIVATIONS[name][1], name
+        assert THRESHOLDS[name] > 0, name

@@ -50,6 +50,19 @@ def test_ep_rank_opens_only_its_own_files_and_reshards(ckpts, layer_bytes):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_allocate_layer_is_build_layer_before_its_load(ckpts, layer_bytes):
+    """The reload dry run builds its meta layers with `allocate_layer`: the layer `build_layer` loads."""
+    _, out = ckpts.converted("modelopt-mxfp8", ep_size=2)
+    ckpt = mr.open_checkpoint(out)
+    empty = ckpt.allocate_layer(0, device="cpu", backend="reference", ep_rank=1, ep_size=2)
+    built = ckpt.build_layer(0, device="cpu", backend="reference", ep_rank=1, ep_size=2)
+    assert empty.spec == built.spec and (empty.prefix, empty.layer_index) == (built.prefix, built.layer_index)
+    assert empty.load_generation == 0 and built.load_generation == 1
+    ckpt.load_layer(empty)
+    a, b = layer_bytes(empty), layer_bytes(built)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "bf16"])
 def test_reload_writes_into_the_same_storage(ckpts, layer_bytes, fmt):
     _, out_a = ckpts.converted(fmt, seed=0)

@@ -219,12 +219,13 @@ def test_index_maps_match_reference_and_vllm_scatter():
                 b, rem = divmod(n, 64)
                 j, rem = divmod(rem, 16)
                 q, m = divmod(rem, 8)
-                assert layout.l1_scale_row(n + half * I, I) == 128 * b + 64 * q + 32 * half + 4 * m + j
+                assert layout.utccp_row(layout.interleave_row(n + half * I, I)) == 128 * b + 64 * q + 32 * half + 4 * m + j
                 assert layout.interleave_row(n + half * I, I) == (n // 8) * 16 + 8 * half + n % 8
     for r in range(512):
         s = layout.utccp_row(r)
         assert s == py_utccp(r)
-        assert layout.utccp_inverse_row(s) == r
+        base, (c, a) = s & ~127, divmod(s % 128, 4)
+        assert base + 32 * a + c == r  # the inverse: logical row stored at position s
         b, rem = divmod(r, 128)
         j, i = divmod(rem, 32)
         assert s == 128 * b + 4 * i + j  # vLLM w2 SF scatter

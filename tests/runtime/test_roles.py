@@ -1,6 +1,8 @@
 """roles.py: the role table, and what the code derived from it is."""
 from dataclasses import fields
 
+import pytest
+
 from megamoe_runtime import layout, roles
 from megamoe_runtime.formats import ROWS, get_row
 
@@ -33,3 +35,14 @@ def test_expected_roles_per_row_in_report_order():
             got = roles.expected_roles(row.has_scales, row.weight.has_global_scale,
                                        None if shared is None else get_row(shared).has_scales)
             assert got == want, (row.name, shared)
+
+
+def test_role_of_names_each_stage_and_kind_once():
+    """The raw loader names a source tensor's destination by stage and kind (``loaders._param_name``)."""
+    assert roles.role_of("l1", "weight") == "l1_weight" and roles.role_of("l2", "scale") == "l2_scale"
+    assert roles.role_of("l1", "scalar") == "l1_alpha" and roles.role_of("l2", "scalar") == "l2_global_scale"
+    assert roles.role_of("l2", "weight", shared=True) == "shared_l2_weight"
+    for r in roles.ROLE_TABLE:
+        assert roles.role_of(r.stage, r.kind, r.shared) == r.name
+    with pytest.raises(KeyError):
+        roles.role_of("l1", "scalar", shared=True)  # the shared expert has no per-expert scalars

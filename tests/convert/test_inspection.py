@@ -1,0 +1,35 @@
+"""inspection.py: `inspect_checkpoint` returns an `InspectReport`, which the CLI prints and dumps."""
+import json
+
+from click.testing import CliRunner
+
+from megamoe_convert import synth
+from megamoe_convert.cli import main
+from megamoe_convert.inspection import InspectReport, inspect_checkpoint
+
+SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+
+
+def test_report_is_a_dataclass_whose_dict_is_the_cli_json(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
+    rep = inspect_checkpoint(src, ep_size=2)
+    assert isinstance(rep, InspectReport) and rep.ok and rep.problems == []
+    assert (rep.format, rep.row, rep.ep_size) == ("modelopt-nvfp4", "nvfp4", 2)
+    assert rep.scales["pairs"] == 8 and rep.shared["present"]
+    res = CliRunner().invoke(main, ["inspect", str(src), "--ep-size", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert res.output == json.dumps(rep.to_dict(), indent=2) + "\n"
+    assert list(json.loads(res.output)) == [  # the key order the report always had
+        "source", "kind", "revision", "files", "bytes", "format", "row", "model", "recipe", "activations", "layers",
+        "layer_groups", "shapes", "shared", "scales", "ep_size", "estimated_expert_bytes", "passthrough_bytes",
+        "estimated_output_bytes", "problems", "warnings"]
+
+
+def test_a_problem_makes_it_not_ok_and_the_cli_exit_2(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL)
+    rep = inspect_checkpoint(src, ep_size=3)  # 4 experts do not split over 3 ranks
+    assert not rep.ok and rep.problems
+    res = CliRunner().invoke(main, ["inspect", str(src), "--ep-size", "3"])
+    assert res.exit_code == 2 and "problems (convert would refuse):" in res.output
+    # negative control: the same checkpoint on 2 ranks is convertible
+    assert inspect_checkpoint(src, ep_size=2).ok
