@@ -16,7 +16,9 @@ tensors are re-derived and compared instead of written (`Run.check`).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -41,6 +43,17 @@ from .temp_folder import Journal
 
 #: threads blake3 may use within one large tensor (sha256 is sequential)
 HASH_THREADS = 1
+
+
+def read_threads() -> int:
+    """Threads that read and pack routed experts: the cores this process may
+    run on (its affinity, so ``taskset`` is honoured), at most 4 (the hash and
+    write threads need cores too, and the page cache copy saturates first)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 class Run:
@@ -78,6 +91,8 @@ class Run:
         self._queued: list[tuple[Slot, object, int, str]] = []
         self._check_pool = None
         self._side = None
+        self._readers = None
+        self.read_threads = read_threads()
 
     def advance(self, n: int) -> None:
         self.done_bytes += n
@@ -216,11 +231,46 @@ class Run:
         return k, sets[k]
 
     def chunk_experts(self, row: Row, E_l: int, H: int, I: int) -> int:
-        """Experts per chunk buffer: about `CHUNK_BYTES` of packed experts, at least one."""
+        """Experts per chunk buffer: about `CHUNK_BYTES` of packed experts, and at
+        least one per reader thread (so a chunk keeps every reader busy)."""
         itemsize = {"l1_weight": row.weight.kernel_dtype.itemsize, "l2_weight": row.weight.kernel_dtype.itemsize}
         per_expert = sum(math.prod(shape) * itemsize.get(role, 4)  # scales are int32
                          for role, shape in layout.kernel_shapes(row, 1, H, I).items())
-        return max(1, min(E_l, self.CHUNK_BYTES // max(per_expert, 1)))
+        return max(1, min(E_l, max(self.read_threads, self.CHUNK_BYTES // max(per_expert, 1))))
+
+    def map_experts(self, fn, experts: range) -> list[tuple[int, object]]:
+        """``[(e, fn(e))]`` in expert order, the experts dealt round-robin over
+        `read_threads` threads (this one included). The positional reads and most
+        torch ops release the GIL, so a chunk's experts are read and packed on
+        several cores. Every call finishes before this returns; then the failure
+        of the lowest expert, if any, is raised, so errors do not depend on timing."""
+        n = min(self.read_threads, len(experts))
+        if n <= 1:
+            return [(e, fn(e)) for e in experts]
+
+        def share(k: int) -> list[tuple[int, object, BaseException | None]]:
+            out = []
+            for e in experts[k::n]:
+                try:
+                    out.append((e, fn(e), None))
+                except Exception as exc:  # reported in expert order below
+                    out.append((e, None, exc))
+                    break
+            return out
+
+        if self._readers is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._readers = ThreadPoolExecutor(self.read_threads - 1, thread_name_prefix="megamoe-read")
+        futs = [self._readers.submit(share, k) for k in range(1, n)]
+        results = share(0)
+        for f in futs:
+            results += f.result()
+        results.sort(key=lambda t: t[0])
+        for e, _, exc in results:
+            if exc is not None:
+                raise exc
+        return [(e, got) for e, got, _ in results]
 
     def side_pool(self):
         """One extra worker thread for per-layer work that overlaps the main loop."""
@@ -234,6 +284,9 @@ class Run:
         if self._side is not None:
             self._side.shutdown(wait=True)
             self._side = None
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
 
     def abort(self) -> None:
         self.close_side_pool()
@@ -326,24 +379,16 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             c1 = min(lo + E_l, c0 + buf.num_experts)
             kt = buf.experts(0, c1 - c0)
             direct = DirectWeights(reader, kt)
-            for e in range(c0, c1):
-                # the requantize repair needs the weights in hand: those experts take the read_expert path
-                if e not in mismatched and direct.read(info.index, e, e - c0):
-                    et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
-                    checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - c0))
-                    layout.write_expert_scales(row, kt, e - c0, et, where=f"{where} expert {e}")
-                else:
-                    et = reader.read_expert(info.index, e)
-                    checks.check_expert(et, row, info, e, reader.source)
-                    if e in mismatched:
-                        et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
-                        repairs.append({"expert": e, **rr})
-                    layout.write_expert(row, kt, e - c0, et, where=f"{where} expert {e}")
+            pack = functools.partial(_pack_expert, reader, row, info, kt, direct, c0, mismatched, where)
+            for e, got in run.map_experts(pack, range(c0, c1)):  # in expert order, the first failure raised
+                et, rr = got
+                if rr is not None:
+                    repairs.append({"expert": e, **rr})
                 if row.weight.has_global_scale:
                     alpha[e - lo, 0] = et.gate.global_scale
                     alpha[e - lo, 1] = et.up.global_scale
                     l2g[e - lo] = et.down.global_scale
-                del et
+                del et, got
                 run.advance(int(per_expert))
             pieces = kt.named()
             for role, (slot, sink) in routed.items():
@@ -379,6 +424,26 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             f"range (they now dequantize to 0; first: expert {zeroed[0]['expert']}, "
             f"max relative change {zeroed[0]['max_rel_change']:.3g})")
     return rec
+
+
+def _pack_expert(reader, row: Row, info, kt: layout.KernelTensors, direct: DirectWeights, c0: int,
+                 mismatched: set, where: str, e: int):
+    """Read, check (and repair if asked) expert `e` into chunk slot ``e - c0``:
+    (its ExpertTensors with scalars, the repair record or None). Runs on any of
+    the run's reader threads: it writes only its own slot."""
+    # the requantize repair needs the weights in hand: those experts take the read_expert path
+    if e not in mismatched and direct.read(info.index, e, e - c0):
+        et = reader.read_expert(info.index, e, weights=False)  # meta weights: dtype/shape still checked
+        checks.check_expert(et, row, info, e, reader.source, weights=direct.weights(row, e - c0))
+        layout.write_expert_scales(row, kt, e - c0, et, where=f"{where} expert {e}")
+        return et, None
+    et = reader.read_expert(info.index, e)
+    checks.check_expert(et, row, info, e, reader.source)
+    rr = None
+    if e in mismatched:
+        et, rr = checks.requantize_gate_up(et, f"{where} expert {e}")
+    layout.write_expert(row, kt, e - c0, et, where=f"{where} expert {e}")
+    return et, rr
 
 
 def copy_passthrough(source: CheckpointSource, run: Run) -> None:

@@ -40,8 +40,9 @@ def test_direct_weight_reads_taken_and_byte_identical(tmp_path, monkeypatch, ep)
     fast = tmp_path / "fast"
     convert(src, fast, ep_size=ep)
     E, I = SMALL["num_experts"] * SMALL["num_layers"], SMALL["intermediate"]
-    # per expert: gate and up (one iovec per 8-row group), then down (one)
-    assert calls == [I // 8, I // 8, 1] * E
+    # per expert: gate and up (one iovec per 8-row group), then down (one); experts may be read on
+    # several threads (stream.read_threads), so the calls of different experts interleave
+    assert sorted(calls) == sorted([I // 8, I // 8, 1] * E)
 
     calls.clear()
     monkeypatch.setattr(ModelOptNVFP4Reader, "weight_byte_ranges", lambda self, *a: None)

@@ -1,4 +1,5 @@
-"""The streaming pass packs a layer a few experts at a time (`stream.Run`).
+"""The streaming pass packs a layer a few experts at a time (`stream.Run`), on
+one or several reader threads.
 
 Real runs put about 24 MiB of experts in a chunk, so the tiny test models fit
 one chunk per layer; here the chunk is forced down to 1 or 3 experts (3 does
@@ -29,10 +30,13 @@ CHUNKED_CASES = [c for c in CASES if c[0] in (
 )]
 
 
-@pytest.fixture(params=[1, 3], ids=["1-expert-chunks", "3-expert-chunks"])
+@pytest.fixture(params=[(1, 1), (3, 2), (3, 3)], ids=["1-expert-chunks", "3-expert-chunks-2-readers",
+                                                      "3-expert-chunks-3-readers"])
 def chunk(request, monkeypatch):
-    monkeypatch.setattr(stream.Run, "chunk_experts", lambda self, row, E_l, H, I: min(E_l, request.param))
-    return request.param
+    size, readers = request.param
+    monkeypatch.setattr(stream.Run, "chunk_experts", lambda self, row, E_l, H, I: min(E_l, size))
+    monkeypatch.setattr(stream, "read_threads", lambda: readers)
+    return size
 
 
 @pytest.mark.parametrize("case", CHUNKED_CASES, ids=[c[0] for c in CHUNKED_CASES])
@@ -75,6 +79,7 @@ def test_small_chunks_resume_and_refuse_a_changed_source(chunk, tmp_path):
 
 def test_chunk_size_is_bounded_by_bytes_not_by_the_layer():
     run = stream.Run.__new__(stream.Run)
+    run.read_threads = 1
     row = get_row("nvfp4")
     # DeepSeek-V3 size: one expert is ~23 MB packed, so one expert per chunk
     assert run.chunk_experts(row, 256, 7168, 2048) == 1
@@ -82,6 +87,8 @@ def test_chunk_size_is_bounded_by_bytes_not_by_the_layer():
     small = run.chunk_experts(row, 128, 2048, 768)
     assert 1 < small < 128
     assert run.chunk_experts(row, 4, 256, 128) == 4
+    run.read_threads = 3  # at least one expert per reader thread
+    assert run.chunk_experts(row, 256, 7168, 2048) == 3
 
 
 def test_source_change_is_caught_in_a_chunked_check(chunk, tmp_path):
@@ -120,3 +127,27 @@ def test_source_change_is_caught_in_a_chunked_check(chunk, tmp_path):
     jpath.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(SourceChangedError, match="l2_weight"):
         convert(src, out, resume=True, max_shard_size="60KB")
+
+
+def test_reader_threads_report_the_first_failing_expert(tmp_path, monkeypatch):
+    """Two defects in one chunk read on three threads: the error names the lower
+    expert, as a single-threaded run does (errors do not depend on timing)."""
+    from megamoe_runtime.errors import MegaMoEError
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", num_layers=1, hidden=256,
+                                           intermediate=128, num_experts=8, top_k=2, seed=3)
+    monkeypatch.setattr(stream, "read_threads", lambda: 3)
+    monkeypatch.setattr(stream.Run, "chunk_experts", lambda self, row, E_l, H, I: E_l)
+    real = stream._pack_expert
+    calls = []
+
+    def failing(reader, row, info, kt, direct, c0, mismatched, where, e):
+        calls.append(e)
+        if e in (2, 6):
+            raise MegaMoEError(f"planted defect in expert {e}")
+        return real(reader, row, info, kt, direct, c0, mismatched, where, e)
+
+    monkeypatch.setattr(stream, "_pack_expert", failing)
+    with pytest.raises(MegaMoEError, match="planted defect in expert 2"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
