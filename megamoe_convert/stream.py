@@ -35,7 +35,7 @@ from . import checks
 from .direct import DirectWeights
 from .output_dir import Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError
-from .shard_writer import ST_METADATA, ShardWriter, copy_source_bytes, tensor_bytes
+from .shard_writer import ST_METADATA, CopyBuffers, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
 from .source import CheckpointSource
 from .temp_folder import Journal
@@ -447,6 +447,7 @@ def _pack_expert(reader, row: Row, info, kt: layout.KernelTensors, direct: Direc
 
 
 def copy_passthrough(source: CheckpointSource, run: Run) -> None:
+    buffers = CopyBuffers()  # one pair for every pass-through tensor
     for fname, slots in run.slots_by_file.items():
         if not slots or slots[0].role != PASSTHROUGH_ROLE:
             continue
@@ -457,7 +458,7 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
             for slot in slots:  # resume: the finished file's bytes must still be the source's
                 path, pos, n = source.tensor_data_range(slot.planned.name)
                 h = digests.new_hasher(run.checksum)
-                for chunk in copy_source_bytes(path, pos, n, run.advance):
+                for chunk in copy_source_bytes(path, pos, n, run.advance, buffers):
                     h.update(chunk)
                 run.check_bytes(slot, h.hexdigest())
             continue
@@ -465,7 +466,7 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
             th = source.tensor_header(slot.planned.name)
             path = source.file_of(slot.planned.name)
             fh = source.file_header(path)
-            chunks = copy_source_bytes(path, 8 + fh.header_len + th.begin, th.nbytes, run.advance)
+            chunks = copy_source_bytes(path, 8 + fh.header_len + th.begin, th.nbytes, run.advance, buffers)
             run.finish_tensor(slot, run.writer(fname).write_chunks(slot.planned.name, chunks))
 
 
