@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from . import page_cache_dma
 from .errors import CheckpointError, LayoutError
 from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_safetensors_header
 from .tensor_bytes import byte_view
@@ -277,6 +278,9 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
     large tensors. CUDA: each reader thread alternates two pinned 16 MiB chunks
     and issues ``non_blocking`` copies on its own stream, so page-cache / disk
     reads overlap the transfers; all copies are complete when this returns.
+    Tensors of 8 MiB and more are instead DMA'd straight from the file's page
+    cache where the device allows it (`page_cache_dma`: no CPU copy), falling
+    back to the pinned chunks if a registration is refused.
     """
     import os
 
@@ -293,6 +297,13 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
             return
         # the destination may still be in use by work queued on the current stream
         torch.cuda.current_stream(flat.device).synchronize()
+        if nbytes >= _DMA_MIN and os.fstat(fd).st_size >= offset + nbytes \
+                and page_cache_dma.available(flat.device) is True:
+            try:
+                _dma_into(fd, flat, offset, nbytes)
+                return
+            except OSError as e:  # refused somewhere: copy every byte the pinned way below, and from now on
+                page_cache_dma.disable(flat.device, f"page-cache DMA refused: {e}")
         chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
         workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
         if workers == 1:
@@ -306,6 +317,38 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
                 f.result()
     finally:
         os.close(fd)
+
+
+#: tensors from this size on are DMA'd from the page cache (`page_cache_dma`) where the device allows it
+_DMA_MIN = 8 << 20
+_dma_streams: dict[tuple, Any] = {}
+
+
+def _dma_into(fd: int, flat: torch.Tensor, offset: int, nbytes: int) -> None:
+    """`page_cache_dma.dma_worker` on up to 4 threads (registration is CPU work in
+    the kernel; the copies share the link), pieces dealt from one queue."""
+    piece = page_cache_dma.PIECE
+    pieces = [(a, min(a + piece, nbytes)) for a in range(0, nbytes, piece)]
+    workers = max(1, min(4, read_workers(), len(pieces)))
+    streams = []
+    for w in range(workers):
+        key = (flat.device, w)
+        if key not in _dma_streams:
+            _dma_streams[key] = torch.cuda.Stream(device=flat.device)
+        streams.append(_dma_streams[key])
+    if workers == 1:
+        page_cache_dma.dma_worker(fd, flat, offset, pieces, streams[0])
+        return
+    shared = _SharedChunks(pieces)
+    futs = [_pool().submit(page_cache_dma.dma_worker, fd, flat, offset, shared, streams[w]) for w in range(workers)]
+    errors = []
+    for f in futs:  # every worker finishes (and releases its pieces) before anything is reported
+        try:
+            f.result()
+        except OSError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _staged_h2d(dst: torch.Tensor, src: torch.Tensor) -> None:
