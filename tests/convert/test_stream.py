@@ -30,6 +30,24 @@ CHUNKED_CASES = [c for c in CASES if c[0] in (
 )]
 
 
+class _Stop(Exception):
+    pass
+
+
+def _interrupted(src, out, after: int = 9) -> None:
+    """Convert `src` to `out` (60 KB shards) and stop it at its `after`-th tensor: finished files are journaled."""
+    seen = [0]
+
+    def on_step(step):
+        if step == "tensor":
+            seen[0] += 1
+            if seen[0] >= after:
+                raise _Stop
+
+    with pytest.raises(_Stop):
+        convert(src, out, max_shard_size="60KB", on_step=on_step)
+
+
 @pytest.fixture(params=[(1, 1), (3, 2), (3, 3)], ids=["1-expert-chunks", "3-expert-chunks-2-readers",
                                                       "3-expert-chunks-3-readers"])
 def chunk(request, monkeypatch):
@@ -56,19 +74,7 @@ def test_small_chunks_resume_and_refuse_a_changed_source(chunk, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     convert(src, ref, max_shard_size="60KB")
 
-    class Stop(Exception):
-        pass
-
-    seen = [0]
-
-    def on_step(step):
-        if step == "tensor":
-            seen[0] += 1
-            if seen[0] >= 9:
-                raise Stop
-
-    with pytest.raises(Stop):
-        convert(src, out, max_shard_size="60KB", on_step=on_step)
+    _interrupted(src, out)
     tmp = temp_dir_for(out)
     journal = [json.loads(line) for line in (tmp / "megamoe-journal.jsonl").read_text().splitlines()]
     assert any(j["kind"] == "file" for j in journal)
@@ -98,19 +104,7 @@ def test_source_change_is_caught_in_a_chunked_check(chunk, tmp_path):
                                            intermediate=128, num_experts=4, top_k=2, seed=6)
     out = tmp_path / "out"
 
-    class Stop(Exception):
-        pass
-
-    seen = [0]
-
-    def on_step(step):
-        if step == "tensor":
-            seen[0] += 1
-            if seen[0] >= 9:
-                raise Stop
-
-    with pytest.raises(Stop):
-        convert(src, out, max_shard_size="60KB", on_step=on_step)
+    _interrupted(src, out)
     jpath = temp_dir_for(out) / "megamoe-journal.jsonl"
     records = [json.loads(line) for line in jpath.read_text().splitlines()]
     for r in records:
