@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
+from megamoe_runtime.roles import KERNEL_ROLES, SHARED_PREFIX, shared_role
 
 __all__ = ["TritonBackend"]
 
@@ -21,7 +22,7 @@ _MIN_CAPABILITY = (8, 9)
 
 class _Roles:
     def __init__(self, layer: Any, prefix: str):
-        for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        for role in KERNEL_ROLES:
             setattr(self, role, getattr(layer, prefix + role, None))
 
 
@@ -92,7 +93,7 @@ class TritonBackend:
 
     def shared_slot(self, layer: Any, shared_input: torch.Tensor) -> torch.Tensor:
         """The fused shared expert's bf16 slot (column K) on ``shared_input``."""
-        if getattr(layer, "shared_l1_weight", None) is None:
+        if getattr(layer, shared_role("l1_weight"), None) is None:
             raise MegaMoEError("the layer holds no fused shared expert tensors (shared_l1_weight is missing)")
         from .moe import moe_forward
 
@@ -102,7 +103,7 @@ class TritonBackend:
         w = torch.zeros(t, k, dtype=torch.float32, device=shared_input.device)
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), shared_input, w, ids, scalars=scalars,
-                               shared=_Roles(layer, "shared_"), config=self.config, return_slots=True,
+                               shared=_Roles(layer, SHARED_PREFIX), config=self.config, return_slots=True,
                                shared_input=shared_input)
         return slots[:, k]
 
@@ -115,11 +116,11 @@ class TritonBackend:
         spec = layer.spec
         shared = None
         if shared_input is not None:
-            if getattr(layer, "shared_l1_weight", None) is None:
+            if getattr(layer, shared_role("l1_weight"), None) is None:
                 raise MegaMoEError("shared_input was given but the layer holds no fused shared expert "
                                    "tensors (shared_l1_weight is missing); pass shared_input=None and "
                                    "run the shared expert outside")
-            shared = _Roles(layer, "shared_")
+            shared = _Roles(layer, SHARED_PREFIX)
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         from .moe import moe_forward
 
