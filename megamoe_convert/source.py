@@ -229,7 +229,11 @@ class CheckpointSource:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot open: {e}") from e
-            self._handles[path] = fd
+            # reader threads (stream.read_threads) may race here: keep the first descriptor, close ours
+            kept = self._handles.setdefault(path, fd)
+            if kept != fd:
+                os.close(fd)
+            fd = kept
         return fd
 
     def _read_bytes(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:

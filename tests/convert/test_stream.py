@@ -27,6 +27,8 @@ CHUNKED_CASES = [c for c in CASES if c[0] in (
     "llmcompressor-mxfp8-qwen3moe",
     "bf16-plain-qwen3moe",
     "synth-modelopt-nvfp4-mismatch-requantize",
+    "bf16-deepseekv3-quantize-nvfp4",  # the quantizing reader, on reader threads
+    "synth-deepseek-v4",
 )]
 
 
