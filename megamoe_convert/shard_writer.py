@@ -160,9 +160,10 @@ class _Digest:
     def done(self) -> bool:
         return self._hash.done() and self._write.done()
 
-    def result(self) -> str:
+    def result(self) -> str | None:
         self._write.result()
-        return self._hash.result().hex()
+        raw = self._hash.result()
+        return None if raw is None else raw.hex()  # None: a piece (`TensorParts.put`), hashed into its tensor
 
 
 _sync_file_range = None
@@ -428,7 +429,7 @@ class TensorParts:
         self._hasher = new_hasher(writer.algorithm)
         self._last_write = None
 
-    def put(self, data: memoryview) -> "_Both":
+    def put(self, data: memoryview) -> _Digest:
         w = self._w
         mv = memoryview(data).cast("B")
         if self._n + len(mv) > self._end - self._begin:
@@ -440,7 +441,7 @@ class TensorParts:
         wfut = w._submit_write(mv, w._data_start + self._begin + self._n)
         self._n += len(mv)
         self._last_write = wfut
-        return _Both(hfut, wfut)
+        return _Digest(hfut, wfut)  # done when the piece is hashed and written; its result() is None
 
     def finish(self) -> _Digest:
         w = self._w
@@ -459,22 +460,6 @@ class TensorParts:
             self._last_write = Future()
             self._last_write.set_result(None)
         return _Digest(hfut, self._last_write)
-
-
-class _Both:
-    """Done when a piece is both hashed and written (its memory is free again)."""
-
-    __slots__ = ("_a", "_b")
-
-    def __init__(self, a, b):
-        self._a, self._b = a, b
-
-    def done(self) -> bool:
-        return self._a.done() and self._b.done()
-
-    def result(self) -> None:
-        self._b.result()
-        self._a.result()
 
 
 class CopyBuffers:

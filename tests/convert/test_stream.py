@@ -109,17 +109,10 @@ def test_source_change_is_caught_in_a_chunked_check(chunk, tmp_path):
     _interrupted(src, out)
     jpath = temp_dir_for(out) / "megamoe-journal.jsonl"
     records = [json.loads(line) for line in jpath.read_text().splitlines()]
-    for r in records:
-        if r["kind"] == "file":
-            for t in r["tensors"].values():
-                if t["role"] == "l2_weight":
-                    t["sha256"] = "0" * 64
-                    break
-            else:
-                continue
-            break
-    else:
-        pytest.skip("no finished expert file with an l2_weight at this stop point")
+    finished_l2 = [t for r in records if r["kind"] == "file" for t in r["tensors"].values()
+                   if t["role"] == "l2_weight"]
+    assert finished_l2, "the stop point must leave a finished expert file holding an l2_weight"
+    finished_l2[0]["sha256"] = "0" * 64
     jpath.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(SourceChangedError, match="l2_weight"):
         convert(src, out, resume=True, max_shard_size="60KB")
