@@ -436,12 +436,15 @@ class TensorParts:
             raise MegaMoEError(f"{w.path.name}: tensor {self.planned.name!r} got more than its planned "
                                f"{self._end - self._begin} bytes")
         hash_pool, _ = w._pools()
-        hfut = hash_pool.submit(self._hasher.update, mv)
+        hfut = hash_pool.submit(self._update, mv)
         w._pending.append(hfut)
         wfut = w._submit_write(mv, w._data_start + self._begin + self._n)
         self._n += len(mv)
         self._last_write = wfut
         return _Digest(hfut, wfut)  # done when the piece is hashed and written; its result() is None
+
+    def _update(self, mv: memoryview) -> None:
+        self._hasher.update(mv)  # blake3's update returns the hasher: a piece's result is None
 
     def finish(self) -> _Digest:
         w = self._w

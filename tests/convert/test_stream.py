@@ -140,3 +140,15 @@ def test_reader_threads_report_the_first_failing_expert(tmp_path, monkeypatch):
     with pytest.raises(MegaMoEError, match="planted defect in expert 2"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_small_chunks_blake3_same_folder_as_one_chunk(tmp_path, monkeypatch):
+    """The blake3 kind hashes pieces in order too: chunked output (3 experts, 2 readers) equals one chunk per layer."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", num_layers=2, hidden=256,
+                                           intermediate=128, num_experts=8, top_k=2, seed=4)
+    convert(src, tmp_path / "whole", checksum="blake3")
+    monkeypatch.setattr(stream.Run, "chunk_experts", lambda self, row, E_l, H, I: min(E_l, 3))
+    monkeypatch.setattr(stream, "read_threads", lambda: 2)
+    convert(src, tmp_path / "chunked", checksum="blake3")
+    files = lambda d: {p.name: p.read_bytes() for p in d.iterdir()}  # noqa: E731
+    assert files(tmp_path / "chunked") == files(tmp_path / "whole")
