@@ -3,6 +3,7 @@
     python bench/load.py --gb 2                       # CPU, ~2 GB of expert weights
     python bench/load.py --gb 2 --device cuda         # into GPU memory (H200)
     python bench/load.py --gb 2 --device both --cold --json results.json
+    python bench/load.py --gb 2 --device cuda --pin-probe --dma-variants copy,64:2,256:1:0.5
 
 It builds (once, cached under --workdir) a synthetic ModelOpt MXFP8 checkpoint
 with at least --gb GB of routed-expert bytes and converts it with
@@ -335,6 +336,76 @@ def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.de
     return run
 
 
+def with_env(env: dict[str, str], run: Callable[[], Any]) -> Callable[[], Any]:
+    """``run`` under these environment variables, the page-cache DMA decision taken afresh."""
+    from megamoe_runtime import page_cache_dma
+
+    def wrapped() -> Any:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        page_cache_dma._state.clear()
+        try:
+            return run()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            page_cache_dma._state.clear()
+
+    return wrapped
+
+
+def pin_probe(files: list[Path], device: torch.device) -> list[dict]:
+    """How fast the kernel pins page-cache pages: one read-only mapping of the largest file,
+    ``cudaHostRegister(ReadOnly)`` over it in pieces on 1..8 threads, then unregistered."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megamoe_runtime import page_cache_dma as D
+
+    os.environ["MEGAMOE_LOAD_DMA"] = "1"
+    D._state.clear()
+    ok = D.available(device)
+    os.environ.pop("MEGAMOE_LOAD_DMA")
+    if ok is not True:
+        print(f"pin probe: page-cache DMA unavailable: {ok}")
+        return []
+    rt = D._state["rt"]
+    path = max(files, key=lambda p: p.stat().st_size)
+    size = path.stat().st_size // D._PAGE * D._PAGE
+    fd = os.open(path, os.O_RDONLY)
+    out = []
+    try:
+        for piece_mb in (64, 256):
+            for threads in (1, 2, 4, 8):
+                m = D._Mapping(fd, 0, size)
+                piece = piece_mb << 20
+                spans = [(m.base + k, min(piece, size - k)) for k in range(0, size, piece)]
+                try:
+                    t = time.perf_counter()
+                    with ThreadPoolExecutor(threads) as ex:
+                        codes = list(ex.map(lambda s: rt.cudaHostRegister(ctypes.c_void_p(s[0]), s[1], 10), spans))
+                    t_reg = time.perf_counter() - t
+                    t = time.perf_counter()
+                    for (b, _), c in zip(spans, codes):
+                        if c == 0:
+                            rt.cudaHostUnregister(ctypes.c_void_p(b))
+                    t_unreg = time.perf_counter() - t
+                finally:
+                    m.close()
+                r = {"piece_mb": piece_mb, "threads": threads, "bytes": size, "register_s": t_reg,
+                     "register_gbps": size / t_reg / 1e9, "unregister_s": t_unreg, "refused": sum(c != 0 for c in codes)}
+                print(f"pin probe: {size / 1e9:.2f} GB in {piece_mb} MiB pieces on {threads} threads: register "
+                      f"{r['register_gbps']:.1f} GB/s ({t_reg * 1e3:.1f} ms), unregister {t_unreg * 1e3:.1f} ms"
+                      + (f", {r['refused']} refused" if r["refused"] else ""), flush=True)
+                out.append(r)
+    finally:
+        os.close(fd)
+    return out
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -367,7 +438,7 @@ def _one(run: Callable[[], Any], device: torch.device, mem_dest: int, cold_files
 
 
 def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold: bool,
-                 skip: frozenset = frozenset()) -> list[dict]:
+                 skip: frozenset = frozenset(), dma_variants: tuple[str, ...] = ()) -> list[dict]:
     """Every phase once per round, ``repeats`` rounds (round-robin, so that a
     transient load on the machine hits all phases alike); best and median."""
     ck = mr.open_checkpoint(out)
@@ -393,6 +464,15 @@ def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold:
     ]
     if device.type == "cuda":
         phases.append(("pinned_h2d", phase_pinned_h2d(total, device), total, 0, None))
+        for v in dma_variants:  # "PIECE_MB:THREADS": page-cache DMA on, with these knobs; "copy": off
+            if v == "copy":
+                env = {"MEGAMOE_LOAD_DMA": "0"}
+            else:
+                mb, th, *share = v.split(":")
+                env = {"MEGAMOE_LOAD_DMA": "1", "MEGAMOE_LOAD_DMA_PIECE_MB": mb, "MEGAMOE_LOAD_DMA_THREADS": th,
+                       "MEGAMOE_LOAD_DMA_SHARE": share[0] if share else "1"}
+            phases.append((f"prelaid[{v}]", with_env(env, phase_prelaid(ck, device)), dest, dest, cold_out))
+            phases.append((f"reload[{v}]", with_env(env, phase_reload(ck, built, device)), dest, 0, cold_out))
     phases = [p for p in phases if p[0] not in skip]
     times: dict[str, list[float]] = {p[0]: [] for p in phases}
     mem: dict[str, dict[str, float]] = {}
@@ -423,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checksum", default="sha256", choices=["sha256", "blake3"],
                     help="tensor checksum algorithm of the converted folder (what reload_verify_checksums hashes)")
     ap.add_argument("--skip", default="", help="comma-separated phases to leave out (e.g. raw_direct)")
+    ap.add_argument("--dma-variants", default="",
+                    help="CUDA: extra prelaid/reload phases with page-cache DMA on, comma-separated "
+                         "PIECE_MB:THREADS[:SHARE] (SHARE: the DMA'd fraction, the rest copied at the same "
+                         "time; default 1), e.g. 64:2,256:1:0.5, or 'copy' for DMA off")
+    ap.add_argument("--pin-probe", action="store_true",
+                    help="CUDA: time cudaHostRegister(ReadOnly) of the largest file's page cache on 1-8 threads")
     args = ap.parse_args(argv)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     all_results = []
     for d in devices:
         dev = torch.device(d)
-        res = bench_device(dev, src, out, args.repeats, args.cold, frozenset(filter(None, args.skip.split(","))))
+        if args.pin_probe and d == "cuda":
+            all_results += [{"phase": "pin_probe", **r} for r in pin_probe(expert_files(out), dev)]
+        res = bench_device(dev, src, out, args.repeats, args.cold, frozenset(filter(None, args.skip.split(","))),
+                           tuple(filter(None, args.dma_variants.split(","))))
         all_results += res
         by = {r["phase"]: r for r in res}
         print(f"\n== {d}: {n_layers} layers, {by['prelaid']['bytes'] / 1e9:.2f} GB of kernel-layout expert "
@@ -453,20 +542,23 @@ def main(argv: list[str] | None = None) -> int:
         if "pinned_h2d" in by:
             link = by["pinned_h2d"]
             print(f"  pinned H2D (same run): {link['gbps']:.1f} GB/s best")
-            for ph in ("prelaid", "prelaid_reload", "safetensors", "raw_read"):
+            for ph in ("prelaid", "prelaid_reload", "safetensors", "raw_read",
+                       *[p for p in by if p.startswith(("prelaid[", "reload["))]):
                 if ph in by:
                     print(f"  {ph} vs pinned H2D: {ratio(ph, 'pinned_h2d', 'best_s'):.2f}x / "
                           f"{ratio(ph, 'pinned_h2d', 'median_s'):.2f}x of the link"
-                          + (" (goal >= 0.70x)" if ph.startswith("prelaid") else ""))
+                          + (" (goal >= 0.70x)" if ph.startswith(("prelaid", "reload[")) else ""))
         if "safetensors" in by:
             print(f"  prelaid vs safetensors.load_file: {ratio('prelaid', 'safetensors', 'best_s'):.2f}x / "
                   f"{ratio('prelaid', 'safetensors', 'median_s'):.2f}x throughput")
-        print(f"  prelaid (allocate + load) vs raw read into a fresh buffer: "
-              f"{ratio('prelaid', 'raw_read', 'best_s'):.2f}x / {ratio('prelaid', 'raw_read', 'median_s'):.2f}x "
-              f"throughput (goal >= 0.85x)")
-        print(f"  prelaid reload vs raw read into a resident buffer: "
-              f"{ratio('prelaid_reload', 'raw_read_resident', 'best_s'):.2f}x / "
-              f"{ratio('prelaid_reload', 'raw_read_resident', 'median_s'):.2f}x throughput (goal >= 0.85x)")
+        if "raw_read" in by and "prelaid" in by:
+            print(f"  prelaid (allocate + load) vs raw read into a fresh buffer: "
+                  f"{ratio('prelaid', 'raw_read', 'best_s'):.2f}x / {ratio('prelaid', 'raw_read', 'median_s'):.2f}x "
+                  f"throughput (goal >= 0.85x)")
+        if "raw_read_resident" in by and "prelaid_reload" in by:
+            print(f"  prelaid reload vs raw read into a resident buffer: "
+                  f"{ratio('prelaid_reload', 'raw_read_resident', 'best_s'):.2f}x / "
+                  f"{ratio('prelaid_reload', 'raw_read_resident', 'median_s'):.2f}x throughput (goal >= 0.85x)")
         for lvl in [v for v in ("none", "checksums") if f"reload_verify_{v}" in by]:
             ph = by[f"reload_verify_{lvl}"]
             print(f"  reload verify={lvl} vs the default (headers): {ph['best_s'] / by['prelaid_reload']['best_s']:.2f}x"

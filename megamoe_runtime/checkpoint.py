@@ -34,6 +34,7 @@ from .formats import LayerSpec, get_row
 from .folder import inside_folder
 from .roles import expected_roles
 from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
+from .file_io import deferred_gpu_reads
 from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
 from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
                           check_verify_level, identity_problems)
@@ -323,10 +324,13 @@ class Checkpoint:
         layer.begin_load("stored")
         copied, current = 0, None
         try:
-            for it, src in self.iter_sources(items, direct=True, headers=chk.headers):
-                current = f"{it.entry.name} ({it.entry.file})"
-                layer.load_stored(it.role, src, storage=it.entry.storage, experts=it.experts, name=it.entry.name)
-                copied += src.nbytes
+            with deferred_gpu_reads():  # a GPU layer's reads go together at the block's end (file_io)
+                for it, src in self.iter_sources(items, direct=True, headers=chk.headers):
+                    current = f"{it.entry.name} ({it.entry.file})"
+                    layer.load_stored(it.role, src, storage=it.entry.storage, experts=it.experts,
+                                      name=it.entry.name)
+                    copied += src.nbytes
+                current = f"the layer's reads ({copied} bytes queued)"
             current = "the layer's scalars"
             if chk.adopted_spec is not None:
                 layer.adopt_spec(chk.adopted_spec)

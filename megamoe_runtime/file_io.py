@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -26,7 +28,7 @@ from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_sa
 from .tensor_bytes import byte_view
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "FileSlice", "read_safetensors_header", "read_file_into",
-           "read_workers", "copy_into"]
+           "read_workers", "copy_into", "deferred_gpu_reads"]
 
 #: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
 #: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (docs/RELOAD.md#dry-run).
@@ -188,6 +190,20 @@ def read_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+_dma_pool_: Any = None
+
+
+def _dma_pool() -> Any:
+    """Threads that pin and queue page-cache DMA pieces, apart from the copying readers (which run at the
+    same time)."""
+    global _dma_pool_
+    if _dma_pool_ is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _dma_pool_ = ThreadPoolExecutor(max_workers=8, thread_name_prefix="megamoe-dma")
+    return _dma_pool_
+
+
 def _pool() -> Any:
     global _read_pool
     if _read_pool is None:
@@ -278,18 +294,20 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
     large tensors. CUDA: each reader thread alternates two pinned 16 MiB chunks
     and issues ``non_blocking`` copies on its own stream, so page-cache / disk
     reads overlap the transfers; all copies are complete when this returns.
-    Tensors of 8 MiB and more are instead DMA'd straight from the file's page
-    cache where the device allows it (`page_cache_dma`: no CPU copy), falling
-    back to the pinned chunks if a registration is refused.
+    Inside `deferred_gpu_reads` a CUDA read is only queued: the block's exit
+    does every queued read, DMA'd straight from the file's page cache where the
+    device allows it (`page_cache_dma`: no CPU copy).
     """
-    import os
-
     if not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes:
         raise LayoutError(f"{path}: cannot read {nbytes} bytes into a destination of {list(dst.shape)} "
                           f"{dst.dtype} (contiguous={dst.is_contiguous()})")
     if nbytes == 0:
         return
     flat = dst.detach().reshape(-1).view(torch.uint8)
+    queued = getattr(_deferred, "reads", None)
+    if flat.device.type != "cpu" and queued is not None:
+        queued.append((path, offset, nbytes, flat))
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         if flat.device.type == "cpu":
@@ -297,58 +315,108 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
             return
         # the destination may still be in use by work queued on the current stream
         torch.cuda.current_stream(flat.device).synchronize()
-        if nbytes >= _DMA_MIN and os.fstat(fd).st_size >= offset + nbytes \
-                and page_cache_dma.available(flat.device) is True:
-            try:
-                _dma_into(fd, flat, offset, nbytes)
-                return
-            except OSError as e:  # refused somewhere: copy every byte the pinned way below, and from now on
-                page_cache_dma.disable(flat.device, f"page-cache DMA refused: {e}")
-        chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
-        workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
-        if workers == 1:
-            _gpu_worker(fd, flat, offset, chunks, 0, path)
-        else:
-            # one shared queue of 16 MiB chunks: a reader takes the next one as soon as its
-            # pinned buffer is free, so no reader idles while another still has two spans to do
-            shared = _SharedChunks(chunks)
-            futs = [_pool().submit(_gpu_worker, fd, flat, offset, shared, w, path) for w in range(workers)]
-            for f in futs:
-                f.result()
+        _gpu_copy(fd, flat, offset, nbytes, path)
     finally:
         os.close(fd)
 
 
-#: tensors from this size on are DMA'd from the page cache (`page_cache_dma`) where the device allows it
-_DMA_MIN = 8 << 20
-_dma_streams: dict[tuple, Any] = {}
-
-
-def _dma_into(fd: int, flat: torch.Tensor, offset: int, nbytes: int) -> None:
-    """`page_cache_dma.dma_worker` on up to 4 threads (registration is CPU work in
-    the kernel; the copies share the link), pieces dealt from one queue."""
-    piece = page_cache_dma.PIECE
-    pieces = [(a, min(a + piece, nbytes)) for a in range(0, nbytes, piece)]
-    workers = max(1, min(4, read_workers(), len(pieces)))
-    streams = []
-    for w in range(workers):
-        key = (flat.device, w)
-        if key not in _dma_streams:
-            _dma_streams[key] = torch.cuda.Stream(device=flat.device)
-        streams.append(_dma_streams[key])
+def _gpu_copy(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any) -> None:
+    """The copying way to the GPU: page cache -> pinned chunks -> device, on reader threads."""
+    chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
+    workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
     if workers == 1:
-        page_cache_dma.dma_worker(fd, flat, offset, pieces, streams[0])
+        _gpu_worker(fd, flat, offset, chunks, 0, path)
         return
-    shared = _SharedChunks(pieces)
-    futs = [_pool().submit(page_cache_dma.dma_worker, fd, flat, offset, shared, streams[w]) for w in range(workers)]
-    errors = []
-    for f in futs:  # every worker finishes (and releases its pieces) before anything is reported
+    # one shared queue of 16 MiB chunks: a reader takes the next one as soon as its
+    # pinned buffer is free, so no reader idles while another still has two spans to do
+    shared = _SharedChunks(chunks)
+    futs = [_pool().submit(_gpu_worker, fd, flat, offset, shared, w, path) for w in range(workers)]
+    for f in futs:
+        f.result()
+
+
+#: reads of this size and more are DMA'd from the page cache (`page_cache_dma`) where the device allows it
+_DMA_MIN = 8 << 20
+_deferred = threading.local()
+
+
+@contextmanager
+def deferred_gpu_reads() -> Iterator[None]:
+    """Queue the CUDA reads made inside the block and do them all at its exit.
+
+    Why: DMA from the page cache pays for mapping and pinning; done for a whole
+    layer at once, each file is mapped once and the pinning of one tensor's
+    pieces overlaps the copies of the last, instead of every tensor paying a
+    pipeline start and drain. All queued reads are complete (or an error
+    raised) when the block exits normally; if the block raises, queued reads
+    are dropped unread. Nested blocks are done by the outermost one.
+    """
+    if getattr(_deferred, "reads", None) is not None:
+        yield
+        return
+    _deferred.reads = []
+    try:
+        yield
+        reads, _deferred.reads = _deferred.reads, None
+        _do_reads(reads)
+    finally:
+        _deferred.reads = None
+
+
+def _do_reads(reads: list[tuple[Any, int, int, torch.Tensor]]) -> None:
+    fds: dict[Any, int] = {}
+    try:
+        for path, *_ in reads:
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+        for dev in {r[3].device for r in reads}:
+            # the destinations may still be in use by work queued on the current stream
+            torch.cuda.current_stream(dev).synchronize()
+        dma, copy = [], []
+        share = page_cache_dma.dma_share()
+        for r in reads:
+            path, offset, nbytes, flat = r
+            fits = nbytes >= _DMA_MIN and os.fstat(fds[path]).st_size >= offset + nbytes
+            if not (fits and page_cache_dma.available(flat.device) is True):
+                copy.append(r)
+                continue
+            # the first `share` of the bytes by DMA, the rest copied at the same time: the kernel pins
+            # pages at about 25-35 GB/s on the H200 host whatever the threads, below the link, so the
+            # copying readers carry the other part in parallel (BENCHMARKS.md, issue 13)
+            cut = min(nbytes, -(-int(nbytes * share) // 4096) * 4096)
+            if cut:
+                dma.append((path, offset, cut, flat[:cut]))
+            if cut < nbytes:
+                copy.append((path, offset + cut, nbytes - cut, flat[cut:]))
+        failed: list[BaseException] = []
+        side = None
+        if dma:
+            def run_dma() -> None:
+                try:
+                    page_cache_dma.dma_reads([page_cache_dma.DmaRead(fds[p], o, n, f) for p, o, n, f in dma],
+                                             _dma_pool().submit)
+                except BaseException as e:  # noqa: BLE001 - reported on the calling thread below
+                    failed.append(e)
+
+            side = threading.Thread(target=run_dma, name="megamoe-dma", daemon=True)
+            side.start()
         try:
-            f.result()
-        except OSError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
+            for path, offset, nbytes, flat in copy:
+                _gpu_copy(fds[path], flat, offset, nbytes, path)
+        finally:
+            if side is not None:
+                side.join()
+        if failed:
+            if not isinstance(failed[0], OSError):
+                raise failed[0]
+            # refused somewhere: copy every DMA'd byte again the pinned way, and copy from now on
+            for dev in {r[3].device for r in dma}:
+                page_cache_dma.disable(dev, f"page-cache DMA refused: {failed[0]}")
+            for path, offset, nbytes, flat in dma:
+                _gpu_copy(fds[path], flat, offset, nbytes, path)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _staged_h2d(dst: torch.Tensor, src: torch.Tensor) -> None:
