@@ -465,8 +465,11 @@ def bench_device(device: torch.device, src: Path, out: Path, repeats: int, cold:
     if device.type == "cuda":
         phases.append(("pinned_h2d", phase_pinned_h2d(total, device), total, 0, None))
         for v in dma_variants:  # "PIECE_MB:THREADS": page-cache DMA on, with these knobs; "copy": off
-            if v == "copy":
+            if v.startswith("copy"):  # copy[:CHUNK_MB:THREADS]: the copying readers with these knobs
+                _, *knobs = v.split(":")
                 env = {"MEGAMOE_LOAD_DMA": "0"}
+                if knobs:
+                    env.update(MEGAMOE_LOAD_GPU_CHUNK_MB=knobs[0], MEGAMOE_LOAD_THREADS=knobs[1])
             else:
                 mb, th, *share = v.split(":")
                 env = {"MEGAMOE_LOAD_DMA": "1", "MEGAMOE_LOAD_DMA_PIECE_MB": mb, "MEGAMOE_LOAD_DMA_THREADS": th,
@@ -506,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dma-variants", default="",
                     help="CUDA: extra prelaid/reload phases with page-cache DMA on, comma-separated "
                          "PIECE_MB:THREADS[:SHARE] (SHARE: the DMA'd fraction, the rest copied at the same "
-                         "time; default 1), e.g. 64:2,256:1:0.5, or 'copy' for DMA off")
+                         "time; default 1), e.g. 64:2,256:1:0.5; 'copy' for DMA off, 'copy:CHUNK_MB:THREADS' with "
+                         "the copying readers' pinned chunk size and thread count")
     ap.add_argument("--pin-probe", action="store_true",
                     help="CUDA: time cudaHostRegister(ReadOnly) of the largest file's page cache on 1-8 threads")
     args = ap.parse_args(argv)

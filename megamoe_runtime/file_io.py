@@ -175,6 +175,13 @@ def _pinned(device: torch.device) -> tuple[list[torch.Tensor], list[Any]]:
 #: single reader tops out far below the memory / PCIe bandwidth; large tensors are split
 #: into chunks read concurrently (positional reads release the GIL).
 _READ_CHUNK = 16 << 20
+
+
+def _gpu_chunk() -> int:
+    """Bytes per pinned chunk of a GPU reader (``MEGAMOE_LOAD_GPU_CHUNK_MB``, default 16)."""
+    env = os.environ.get("MEGAMOE_LOAD_GPU_CHUNK_MB")
+    return max(4096, int(float(env) * (1 << 20)) // 4096 * 4096) if env else _READ_CHUNK
+
 _READ_MIN_PARALLEL = 32 << 20
 _read_pool: Any = None
 _worker_staging: dict[tuple, tuple] = {}
@@ -209,7 +216,8 @@ def _pool() -> Any:
     if _read_pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _read_pool = ThreadPoolExecutor(max_workers=read_workers(), thread_name_prefix="megamoe-load")
+        # threads start only as tasks need them: the callers decide how many run (read_workers())
+        _read_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="megamoe-load")
     return _read_pool
 
 
@@ -260,18 +268,19 @@ def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: Iterable[tuple[
                 path: Any) -> None:
     """One reader: its own two pinned chunks and stream; reads overlap its H2D copies.
     `spans` may be shared with the other readers (each takes the next chunk when free)."""
-    key = (flat.device, slot)
+    chunk = _gpu_chunk()
+    key = (flat.device, slot, chunk)
     st = _worker_staging.get(key)
     if st is None:
-        bufs = [torch.empty(_READ_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         st = _worker_staging[key] = (bufs, [torch.cuda.Event(), torch.cuda.Event()],
                                      torch.cuda.Stream(device=flat.device))
     bufs, events, stream = st
     used = [False, False]
     i = 0
     for a, b in spans:
-        for c in range(a, b, _READ_CHUNK):
-            m = min(_READ_CHUNK, b - c)
+        for c in range(a, b, chunk):
+            m = min(chunk, b - c)
             j = i % 2
             if used[j]:
                 events[j].synchronize()  # the GPU finished reading this pinned chunk
@@ -322,7 +331,8 @@ def read_file_into(path: Any, offset: int, nbytes: int, dst: torch.Tensor) -> No
 
 def _gpu_copy(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any) -> None:
     """The copying way to the GPU: page cache -> pinned chunks -> device, on reader threads."""
-    chunks = [(a, min(a + _READ_CHUNK, nbytes)) for a in range(0, nbytes, _READ_CHUNK)]
+    step = _gpu_chunk()
+    chunks = [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
     workers = 1 if nbytes < _READ_MIN_PARALLEL else min(read_workers(), len(chunks))
     if workers == 1:
         _gpu_worker(fd, flat, offset, chunks, 0, path)

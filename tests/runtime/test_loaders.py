@@ -257,3 +257,14 @@ def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
         L.read_file_into(path, 4096 + 8, n, torch.zeros(n, dtype=torch.uint8, device=device))
     with pytest.raises(LayoutError, match="cannot read"):
         L.read_file_into(path, 0, n, torch.zeros(n + 1, dtype=torch.uint8, device=device))
+
+
+def test_gpu_chunk_knob(monkeypatch):
+    import megamoe_runtime.file_io as L
+
+    monkeypatch.delenv("MEGAMOE_LOAD_GPU_CHUNK_MB", raising=False)
+    assert L._gpu_chunk() == L._READ_CHUNK
+    monkeypatch.setenv("MEGAMOE_LOAD_GPU_CHUNK_MB", "1.5")
+    assert L._gpu_chunk() == 3 << 19
+    monkeypatch.setenv("MEGAMOE_LOAD_GPU_CHUNK_MB", "0")
+    assert L._gpu_chunk() == 4096  # never below a page
