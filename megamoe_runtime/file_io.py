@@ -26,6 +26,7 @@ from . import page_cache_dma
 from .errors import CheckpointError, LayoutError
 from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_safetensors_header
 from .tensor_bytes import byte_view
+from .work_queue import SharedQueue
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "FileSlice", "read_safetensors_header", "read_file_into",
            "read_workers", "copy_into", "deferred_gpu_reads"]
@@ -245,25 +246,6 @@ def _cpu_chunks(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any
         f.result()
 
 
-class _SharedChunks:
-    """A thread-safe iterator over (begin, end) chunks, shared by the reader threads."""
-
-    def __init__(self, chunks: list[tuple[int, int]]):
-        import threading
-
-        self._chunks, self._i, self._lock = chunks, 0, threading.Lock()
-
-    def __iter__(self) -> "_SharedChunks":
-        return self
-
-    def __next__(self) -> tuple[int, int]:
-        with self._lock:
-            if self._i >= len(self._chunks):
-                raise StopIteration
-            self._i += 1
-            return self._chunks[self._i - 1]
-
-
 def _gpu_worker(fd: int, flat: torch.Tensor, offset: int, spans: Iterable[tuple[int, int]], slot: int,
                 path: Any) -> None:
     """One reader: its own two pinned chunks and stream; reads overlap its H2D copies.
@@ -339,7 +321,7 @@ def _gpu_copy(fd: int, flat: torch.Tensor, offset: int, nbytes: int, path: Any) 
         return
     # one shared queue of 16 MiB chunks: a reader takes the next one as soon as its
     # pinned buffer is free, so no reader idles while another still has two spans to do
-    shared = _SharedChunks(chunks)
+    shared = SharedQueue(chunks)
     futs = [_pool().submit(_gpu_worker, fd, flat, offset, shared, w, path) for w in range(workers)]
     for f in futs:
         f.result()

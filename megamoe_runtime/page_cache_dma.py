@@ -49,6 +49,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .work_queue import SharedQueue
+
 __all__ = ["available", "disable", "dma_reads", "DmaRead", "piece_bytes", "dma_threads", "dma_share"]
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
@@ -210,7 +212,7 @@ def _release(p: _Piece) -> None:
         p.registered = False
 
 
-def _worker(pieces: "_Queue", stream: "torch.cuda.Stream") -> None:
+def _worker(pieces: "SharedQueue[_Piece]", stream: "torch.cuda.Stream") -> None:
     """Pin the next free piece, queue its copies on `stream`; keep two pieces
     in flight, so pinning the next overlaps the copies of the last."""
     rt = _state["rt"]
@@ -234,23 +236,6 @@ def _worker(pieces: "_Queue", stream: "torch.cuda.Stream") -> None:
     finally:
         for p in inflight:
             _release(p)
-
-
-class _Queue:
-    """Pieces dealt to the threads in file order, each piece to one thread."""
-
-    def __init__(self, items: list[_Piece]):
-        self._items, self._i, self._lock = items, 0, threading.Lock()
-
-    def __iter__(self) -> "_Queue":
-        return self
-
-    def __next__(self) -> _Piece:
-        with self._lock:
-            if self._i >= len(self._items):
-                raise StopIteration
-            self._i += 1
-            return self._items[self._i - 1]
 
 
 _streams: dict[tuple, Any] = {}
@@ -277,7 +262,7 @@ def dma_reads(reads: Sequence[DmaRead], submit: Callable[..., Any]) -> None:
             if key not in _streams:
                 _streams[key] = torch.cuda.Stream(device=device)
             streams.append(_streams[key])
-        queue = _Queue(pieces)
+        queue = SharedQueue(pieces)
         if workers == 1:
             _worker(queue, streams[0])
             return
