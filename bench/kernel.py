@@ -41,6 +41,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+#: ``--decode`` variants of the frag paths: KernelConfig (decode, scale_load, l1_gu); "plain" is
+#: the frag path of the first issue-11 pass (its tiles too: ``default_config(..., l1_gu=False)``)
+DECODE_VARIANTS = {"plain": dict(decode="plain", scale_load="bytes", l1_gu=False),
+                   "fold": dict(decode="fold", scale_load="bytes", l1_gu=False),
+                   "fold+words": dict(decode="fold", scale_load="words", l1_gu=False),
+                   "gu": dict(decode="plain", scale_load="bytes", l1_gu=True),
+                   "new": dict(decode="fold", scale_load="bytes", l1_gu=True),
+                   "new+words": dict(decode="fold", scale_load="words", l1_gu=True)}
+
 SHAPES = {"dsv3": dict(H=7168, I=2048, E=256, K=8), "glm": dict(H=6144, I=2048, E=256, K=8)}
 
 
@@ -256,17 +265,20 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
         del base
         torch.cuda.empty_cache()
     peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens) if args.peer_path else {}
-    variants = []
+    variants = []  # (row, label, mma, k order, frag decode variant)
+    decodes = args.decode.split(",") if args.decode else [None]
     for row in rows:
         for mma in (args.mma.split(",") if get_row(row).dispatch == "mxfp8" else ["bf16"]):
             if mma == "bf16" and get_row(row).weight.element in ("e2m1", "e4m3"):
                 for ko in args.korder.split(","):  # K order of the E2M1 bf16 GEMMs
-                    variants.append((row, mma if ko == "split" else f"bf16-{ko}"))
+                    if ko == "split":
+                        variants.append((row, mma, mma, ko, None))
+                    else:
+                        for dv in decodes:
+                            variants.append((row, f"bf16-{ko}" + (f"/{dv}" if dv else ""), mma, ko, dv))
             else:
-                variants.append((row, mma))
-    for row, label in variants:
-        mma = label.split("-")[0]
-        korder = label.split("-")[1] if "-" in label else ("split" if label == "bf16" else None)
+                variants.append((row, mma, mma, "split" if mma == "bf16" else None, None))
+    for row, label, mma, korder, dv in variants:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -280,14 +292,18 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             touched = int(torch.unique(ids).numel())
             pairs = T * K
             # what a caller without a config gets (default_config), on the chosen path
-            configs = [dataclasses.replace(moe.default_config(pairs, E, korder), mma=mma, k_order=korder)]
+            dvk = DECODE_VARIANTS.get(dv, {})
+            configs = [dataclasses.replace(moe.default_config(pairs, E, korder, l1_gu=dvk.get("l1_gu"),
+                                                              w_kind=moe._W_KIND[row]), mma=mma,
+                                           k_order=korder, **dvk)]
             if args.tune and mma == "fp8":
                 from megamoe_runtime.backends.triton import mma8
 
                 configs = [moe.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]
             elif args.tune:
-                configs = [dataclasses.replace(c, mma=mma, k_order=korder)
-                           for c in moe.candidate_configs(pairs, E, korder)]
+                configs = [dataclasses.replace(c, mma=mma, k_order=korder, **dvk)
+                           for c in moe.candidate_configs(pairs, E, korder)
+                           if dvk.get("l1_gu") is None or bool(c.l1_gu) == dvk["l1_gu"]]
             best = None
             for cfg in configs:
                 try:
@@ -332,6 +348,9 @@ def main() -> None:
     ap.add_argument("--mma", default="fp8,bf16", help="GEMM paths of the MX rows to time (fp8, bf16)")
     ap.add_argument("--korder", default="split,frag",
                     help="K orders of the E2M1 rows' bf16 GEMMs to time (split, frag; frag is labelled bf16-frag)")
+    ap.add_argument("--decode", default=None,
+                    help="frag-path decode variants to time, comma-separated: " + ", ".join(DECODE_VARIANTS)
+                         + " (default: the backend's defaults only; labelled bf16-frag/VARIANT)")
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--no-staging", action="store_true")

@@ -290,13 +290,30 @@ mov.b32 {$6, $7}, r;
 E2M1_FRAG_ASM = tl.constexpr(_E2M1_FRAG_ASM)
 
 
+# "fold" decode: the same registers without the multiply by the bias 2^126 (E4M3: 2^120),
+# which the caller has folded into the scale operand (``sc2`` = bf16 of scale * 2^126): one
+# HMUL2 per register instead of two, the same single rounding of the same exact product
+# (a = value * 2^-126 is exact, so a * (scale * 2^126) rounds value * scale once, as the
+# plain decode's second multiply does). Only valid where scale * 2^126 is a finite bf16:
+# UE8M0 bytes <= 128 (E4M3 weights: <= 134); the kernels check that and redo a tile with
+# the plain decode otherwise (docs/KERNELS.md "Hopper triton kernels: the frag K order").
+_E2M1_FRAG_FOLD_ASM = "\n".join(
+    ln for ln in _E2M1_FRAG_ASM.splitlines() if "bias" not in ln and not ln.startswith(".reg")
+).replace("{\n", "{\n.reg .b32 a, s, r;\n", 1)
+E2M1_FRAG_FOLD_ASM = tl.constexpr(_E2M1_FRAG_FOLD_ASM)
+
+
 @triton.jit
-def e2m1_frag_words(wd, sc2):
+def e2m1_frag_words(wd, sc2, FOLD: tl.constexpr = False):
     """Decode int32 words ``wd`` of 8 E2M1 nibbles (n_i = bits 4i..4i+3) times the bf16 scale
     whose bits are both halves of int32 ``sc2``; returns 8 bf16 tensors of wd's shape:
-    nibbles (n0, n4, n1, n5, n2, n6, n3, n7)."""
-    return tl.inline_asm_elementwise(E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
-                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    nibbles (n0, n4, n1, n5, n2, n6, n3, n7). FOLD: ``sc2`` already holds scale * 2^126."""
+    if FOLD:
+        return tl.inline_asm_elementwise(E2M1_FRAG_FOLD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
 # The same idea for E4M3 weights ("frag" of the mxfp8 row): a thread owns 32 contiguous bytes
@@ -341,9 +358,19 @@ mov.b32 {$2, $3}, r;
 E4M3_FRAG_ASM = tl.constexpr(_E4M3_FRAG_ASM)
 
 
+_E4M3_FRAG_FOLD_ASM = "\n".join(
+    ln for ln in _E4M3_FRAG_ASM.splitlines() if "bias" not in ln and not ln.startswith(".reg")
+).replace("{\n", "{\n.reg .b32 a, s, r;\n", 1)
+E4M3_FRAG_FOLD_ASM = tl.constexpr(_E4M3_FRAG_FOLD_ASM)
+
+
 @triton.jit
-def e4m3_frag_words(wd, sc2):
+def e4m3_frag_words(wd, sc2, FOLD: tl.constexpr = False):
     """Decode int32 words of 4 E4M3 bytes times the bf16 scale in both halves of ``sc2``;
-    returns 4 bf16 tensors of wd's shape: bytes (0, 2, 1, 3)."""
-    return tl.inline_asm_elementwise(E4M3_FRAG_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
-                                     dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
+    returns 4 bf16 tensors of wd's shape: bytes (0, 2, 1, 3). FOLD: ``sc2`` holds scale * 2^120."""
+    if FOLD:
+        return tl.inline_asm_elementwise(E4M3_FRAG_FOLD_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
+                                         dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(E4M3_FRAG_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
+                                         dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)

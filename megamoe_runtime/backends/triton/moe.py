@@ -34,6 +34,7 @@ row block of tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -134,8 +135,34 @@ def _w_tiles(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 
 @triton.jit
+def _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD: tl.constexpr):
+    """int32 UE8M0 bytes ``[BN, 4]`` of the four MX groups of K-block k0 (128 wide).
+
+    The four bytes of a row are one int32 of the packed scales (``kg // 4`` is the same for
+    the block). SWORD reads that word (a 4-byte load, which Triton pipelines with cp.async
+    like the weight bytes) and shifts the bytes out; else one byte load per group (2-byte
+    vectors, not pipelined: its latency is paid in every K step)."""
+    q = tl.arange(0, 4)
+    if SWORD:
+        w32 = wsb_ptr.to(tl.pointer_type(tl.int32))
+        sw = tl.load(w32 + (k0 // 128) * NROWS + srows)
+        return (sw[:, None] >> (8 * q[None, :])) & 0xFF
+    else:
+        kg = k0 // 32 + q
+        return tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _fold_scale_bits(s, BIAS: tl.constexpr):
+    """bf16 bits (int32, low half) of ``2^(s - 127) * 2^BIAS`` for UE8M0 bytes s in [1, 127 - BIAS + 128]
+    (byte 0 -> 0.0 as ``pow2_from_byte``); larger bytes give garbage, which the kernels detect."""
+    return tl.where(s == 0, 0, (s + BIAS) << 7)
+
+
+@triton.jit
 def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
-            W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr):
+            W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+            FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
     """E2M1 weight tile ``[BN, 128]`` of K-block k0 (128 wide), decoded to bf16 in the frag K order.
 
     The bytes are read as ``[BN, 4, 16]``: row n, MX group q, 16 contiguous bytes (32 weights).
@@ -143,28 +170,45 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
     (docs/KERNELS.md, "The frag K order"), so the byte tile reaches the registers as 16-byte
     vectors, every run has one UE8M0 scale (two E4M3 scales for NVFP4), and the reshapes
     below only rename registers: no layout conversion through shared memory.
-    """
+
+    FOLD (inline asm only): the decode's 2^126 bias multiply is folded into the scale operand.
+    UE8M0: exact for bytes <= 128, which the caller checks (``_fold_bad``). NVFP4: the
+    operand is E4M3 scale * 2^118 (always a finite bf16: the scale is < 2^9), so the decoded
+    weight is value * scale * 2^-8, and the caller multiplies the fp32 accumulator by 2^8
+    (exact: every product and partial sum is the plain path's times 2^-8, far from fp32's
+    subnormals and overflow)."""
     q = tl.arange(0, 4)
     if W_KIND == 0:  # UE8M0 per 32: group q of the block
-        kg = k0 // 32 + q
-        s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
-        sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]
+        s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
+        sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]; 2^(s-127) exactly, byte 0 -> 0.0
     else:  # NVFP4: E4M3 per 16, two per run of 16 bytes
-        g = tl.arange(0, 8)
-        kg = k0 // 16 + g
-        sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
-        sc = _jit.e4m3_byte_to_f32(sfb, HW_CVT).to(tl.bfloat16).reshape(BN, 4, 2)
+        if SWORD:  # the 8 bytes of the block are 2 int32 words per row
+            w32 = wsb_ptr.to(tl.pointer_type(tl.int32))
+            h2 = tl.arange(0, 2)
+            sw = tl.load(w32 + (k0 // 64 + h2)[None, :] * NROWS + srows[:, None])
+            sfb = ((sw[:, :, None] >> (8 * q[None, None, :])) & 0xFF).reshape(BN, 8)
+        else:
+            g = tl.arange(0, 8)
+            kg = k0 // 16 + g
+            sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
+        scf = _jit.e4m3_byte_to_f32(sfb, HW_CVT)
+        if FOLD and ASM:
+            scf = scf * 3.32306998946229e+35  # 2^118, exact
+        sc = scf.to(tl.bfloat16).reshape(BN, 4, 2)  # exact
     if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
         iw = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
         wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + q[None, :, None] * 4 + iw[None, None, :])
-        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if FOLD and W_KIND == 0:  # bf16 bits of 2^(s-1) = scale * 2^126 straight from the byte
+            sb = _fold_scale_bits(s, 126)
+        else:
+            sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         sb = sb | (sb << 16)  # the scale in both halves of a bf16x2
         if W_KIND == 0:
             s2 = tl.broadcast_to(sb[:, :, None], (BN, 4, 4))
         else:  # words 0, 1 of a run take scale 2q, words 2, 3 scale 2q + 1
             s2 = tl.broadcast_to(sb[:, :, :, None], (BN, 4, 2, 2)).reshape(BN, 4, 4)
-        n0, n4, n1, n5, n2, n6, n3, n7 = _jit.e2m1_frag_words(wd, s2)
+        n0, n4, n1, n5, n2, n6, n3, n7 = _jit.e2m1_frag_words(wd, s2, FOLD)
         # nibble j + 4h of word w -> k = 16(2w + j//2) + 8(j%2) + 2q + h, j = 2o + j'
         b0 = tl.join(tl.join(n0, n4), tl.join(n1, n5))  # (n, q, w, h, j') for o = 0
         b1 = tl.join(tl.join(n2, n6), tl.join(n3, n7))  # o = 1
@@ -186,20 +230,24 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 @triton.jit
 def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr, HW_CVT: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
     """E4M3 weight tile ``[BN, 128]`` of K-block k0, decoded to bf16 in the E4M3 frag K order
-    (``_jit.frag8_pos``): per row and thread, 32 contiguous bytes with one UE8M0 scale."""
+    (``_jit.frag8_pos``): per row and thread, 32 contiguous bytes with one UE8M0 scale. FOLD (asm
+    only): the 2^120 bias rides on the scale operand, exact for UE8M0 bytes <= 134, which the
+    caller checks (``_fold_bad``)."""
     q = tl.arange(0, 4)
-    kg = k0 // 32 + q
-    s = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :]).to(tl.int32)
+    s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
     sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]
     if ASM:
+        if FOLD:  # bf16 bits of 2^(s-7) = scale * 2^120
+            sb = _fold_scale_bits(s, 120)
+        else:
+            sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         iw = tl.arange(0, 8)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
         wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 4 + q[None, :, None] * 8 + iw[None, None, :])
-        sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], (BN, 4, 8))
-        b0, b2, b1, b3 = _jit.e4m3_frag_words(wd, s2)
+        b0, b2, b1, b3 = _jit.e4m3_frag_words(wd, s2, FOLD)
         v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # (n, q, w, h, p): byte 2h + p
     else:
         i = tl.arange(0, 32)
@@ -213,12 +261,14 @@ def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr
 @triton.jit
 def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
               W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-              FRAG: tl.constexpr = False):
+              FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
+    """acc + W[rows, k0:k0+BK] @ x^T."""
     if FRAG:  # activations stored in the frag K order of the weight kind, BK == 128
         if W_KIND == 1:
-            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM)
+            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM, FOLD, SWORD)
         else:
-            wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM)
+            wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM, FOLD,
+                            SWORD)
         if HW_CVT:
             acc = tl.dot(wf, tl.trans(xa), acc)
         else:
@@ -234,6 +284,30 @@ def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
             if W_KIND == 0 or W_KIND == 2:
                 acc = tl.dot(wb.to(tl.float32), tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.constexpr):
+    """Whether any UE8M0 scale byte of rows ``srows`` (physical scale rows, K columns) is above
+    the FOLD decode's limit (E2M1: 128, scale * 2^126 must be a finite bf16; E4M3: 134).
+
+    A separate pass over the tile's packed scale words after the main loop (1/16 of the E2M1
+    bytes the loop read, still in L2) rather than a running max inside the loop: a loop-carried
+    tensor made Triton reload the scales unpipelined in a second layout. Per byte b:
+    ``(b & 0x7F) + (255 - LIMIT)`` carries into bit 7 exactly when ``b & 0x7F > LIMIT - 128``,
+    so ``b & that & 0x80`` flags ``b > LIMIT`` without carries between bytes."""
+    if W_KIND == 1:
+        ADD: tl.constexpr = 0x79797979  # 255 - 134 per byte
+    else:
+        ADD: tl.constexpr = 0x7F7F7F7F  # 255 - 128 per byte
+    w32 = wsb_ptr.to(tl.pointer_type(tl.int32))
+    NKB = K // 128
+    bad = tl.zeros((BN, 8), tl.int32)
+    for kb in range(0, NKB, 8):
+        c = kb + tl.arange(0, 8)
+        sw = tl.load(w32 + c[None, :] * NROWS + srows[:, None], mask=(c < NKB)[None, :], other=0)
+        bad = bad | (sw & ((sw & 0x7F7F7F7F) + ADD) & (-2139062144))  # 0x80808080
+    return tl.max(tl.max((bad != 0).to(tl.int32), axis=1), axis=0) != 0
 
 
 @triton.jit
@@ -279,6 +353,32 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
         return _jit.bf16r(a, HW_CVT).to(tl.bfloat16)
 
 
+@triton.jit
+def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr):
+    """The L1 main loop as a gate dot and an up dot of BN rows each (every K order)."""
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, H, BK):
+        xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+        acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                          FRAG, FOLD, SWORD)
+        acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                          FRAG, FOLD, SWORD)
+    if FOLD and W_KIND != 2:
+        if _fold_bad(wse, sg, NROWS, H, W_KIND, BN) or _fold_bad(wse, su, NROWS, H, W_KIND, BN):
+            acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
+            acc_u = tl.zeros((BN, BM), tl.float32)
+            for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
+                xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+                acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
+                                  ASM, FRAG, False, SWORD)
+                acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
+                                  ASM, FRAG, False, SWORD)
+    return acc_g, acc_u
+
+
 # --------------------------------------------------------------------------- L1
 
 
@@ -290,9 +390,26 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
                W_KIND: tl.constexpr, NV_IN: tl.constexpr, ACT: tl.constexpr, HAS_CLAMP: tl.constexpr,
                REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-               FRAG: tl.constexpr = False):
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
+               GU: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
-    epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``."""
+    epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
+
+    GU (frag only): the 2*BN contiguous kernel rows of the tile (gate and up interleaved in
+    groups of 8) are one ``[2BN, 128]`` operand and one dot, instead of a gate dot and an up
+    dot of BN rows each. In the wgmma accumulator a thread owns rows r and r + 8 of every
+    16-row slab, so gate row 16m + i and its up row 16m + 8 + i land in the same thread and
+    the split after the loop renames registers. Why: with 8 warps a 64-row dot is split along
+    the tokens and both warpgroups decode the same weights; a 128-row dot is split along the
+    rows, so 128-pair tiles can take 8 warps (half the accumulator registers per thread, no
+    spills) without decoding anything twice. Same products, same per-element sums: bitwise
+    the same output.
+
+    FOLD (frag + asm): the decode's bias multiply rides on the scale operand (``_w_frag``). MX
+    weights: exact while every UE8M0 byte of the tile is <= 128 (E4M3: 134); ``_fold_bad`` checks that
+    after the loop and, if one was larger, the tile is computed again with the plain decode
+    (never taken by real weights, so it costs only the check). NVFP4: the
+    accumulators are value * 2^-8 exactly and get the 2^8 back here."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = tl.arange(0, BM)
@@ -321,12 +438,31 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
     wse = wsb_ptr + e64 * stride_wse
     NROWS = 2 * I
     SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
-    acc_g = tl.zeros((BN, BM), tl.float32)
-    acc_u = tl.zeros((BN, BM), tl.float32)
-    for k0 in range(0, H, BK):
-        xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
-        acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
-        acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
+    if GU:  # one dot over the 2BN contiguous kernel rows (gate/up interleaved by 8)
+        r2 = pid_n * (2 * BN) + tl.arange(0, 2 * BN)
+        s2 = _utccp(r2)
+        acc = tl.zeros((2 * BN, BM), tl.float32)
+        for k0 in range(0, H, BK):
+            xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+            acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
+                            FRAG, FOLD, SWORD)
+        if FOLD and W_KIND != 2:
+            if _fold_bad(wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale above the limit: plain decode again
+                acc = tl.zeros((2 * BN, BM), tl.float32)
+                for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
+                    xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+                    acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT,
+                                    ASM, FRAG, False, SWORD)
+        a4 = tl.permute(acc.reshape(BN // 8, 2, 8, BM), (0, 2, 3, 1))  # (slab, i, token, gate/up)
+        acc_g, acc_u = tl.split(a4)
+        acc_g = acc_g.reshape(BN, BM)
+        acc_u = acc_u.reshape(BN, BM)
+    else:
+        acc_g, acc_u = _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND, BN,
+                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT)
+    if FOLD and W_KIND == 2:
+        acc_g = acc_g * 256.0
+        acc_u = acc_u * 256.0
     if NV_IN:  # NVFP4: acc * (token_scale * l1_alpha[e, half]), scalar product first
         ts = tl.load(xts_ptr + tok, mask=mvalid, other=0.0)
         acc_g = acc_g * (ts * tl.load(alpha_ptr + e64 * 2))[None, :]
@@ -364,8 +500,9 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
                T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-               FRAG: tl.constexpr = False):
-    """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
+    """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
+    (FOLD and SWORD as in ``_l1_kernel``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = tl.arange(0, BM)
@@ -396,7 +533,16 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
     xrow = arow * I
     for k0 in range(0, I, BK):
         xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG)
+        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD)
+    if FOLD and W_KIND != 2:
+        if _fold_bad(wse, sn, H, I, W_KIND, BN):  # a scale above the limit: redo with the plain decode
+            acc = tl.zeros((BN, BM), tl.float32)
+            for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
+                xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
+                acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                                FRAG, False, SWORD)
+    if FOLD and W_KIND == 2:
+        acc = acc * 256.0
     if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
         p = _jit.bf16r(acc * (tl.load(l2s_ptr + e64) * tl.load(a2_ptr)), HW_CVT)
         if SHARED:
@@ -468,6 +614,19 @@ class KernelConfig:
     #: paths) or None = env ``MEGAMOE_TRITON_KORDER`` (default ``DEFAULT_K_ORDER``).
     #: frag needs H and I multiples of 128 (else the old order is used).
     k_order: Optional[str] = None
+    #: weight decode of the frag paths: "fold" (the decode's bias multiply folded into the scale
+    #: operand: one bf16x2 multiply per operand register instead of two, bitwise the same
+    #: output; docs/KERNELS.md "The frag K order"), "plain", or None = env
+    #: ``MEGAMOE_TRITON_DECODE``, else by row (``resolve_decode``). Needs the inline-asm decode.
+    decode: Optional[str] = None
+    #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
+    #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), or
+    #: None = env ``MEGAMOE_TRITON_SCALES`` (default ``DEFAULT_SCALE_LOAD``).
+    scale_load: Optional[str] = None
+    #: frag L1 as one dot over the tile's 2*BN gate/up kernel rows (``_l1_kernel`` GU) instead
+    #: of a gate dot and an up dot; None = env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off
+    #: (``default_config`` sets it where it was measured faster, with its tiles).
+    l1_gu: Optional[bool] = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -479,23 +638,69 @@ class KernelConfig:
         return 128
 
 
-def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None) -> KernelConfig:
+def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:
+    """Whether the frag L1 runs as one gate/up dot: ``KernelConfig.l1_gu`` (``default_config``
+    sets it per regime and row), else env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off."""
+    import os
+
+    if cfg is not None and cfg.l1_gu is not None:
+        return bool(cfg.l1_gu)
+    v = os.environ.get("MEGAMOE_TRITON_L1GU")
+    return False if v is None else v not in ("0", "false", "no", "")
+
+
+def gu_by_default(mean_pairs: float, w_kind: Optional[int]) -> bool:
+    """Where the one-dot L1 with its tiles was measured faster than the two-dot frag path on
+    the H200 (BENCHMARKS.md, "issue 11, 2026-12-02, second pass"): up to 8 pairs per expert
+    (1-64 tokens of top-8 over 256 experts) for every E2M1/E4M3 row; above 32 pairs (4096
+    tokens) for the NVFP4 and E4M3 rows only (mxfp4 there: 15.1 ms vs 12.1 ms); 9-32 pairs
+    (512 tokens) for no row (4.8-6.3 ms vs 4.2-6.1 ms)."""
+    if mean_pairs <= 8:
+        return True
+    if mean_pairs <= 32:
+        return False
+    return w_kind in (W_E2M1_NV, W_E4M3_MX)
+
+
+def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
+                   l1_gu: Optional[bool] = None, w_kind: Optional[int] = None) -> KernelConfig:
     """Tiles by regime: decode (few pairs per expert) streams weights with small
     row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
 
     ``k_order`` "frag" (the MX/NV rows' default): the tiles measured fastest for that path
     on the H200 (BENCHMARKS.md, issue 11 "frag K order"): 4 warps at every size, since
-    its A operand is built in registers (8 warps at 128-pair blocks were 1.5x slower)."""
+    its A operand is built in registers (8 warps at 128-pair blocks were 1.5x slower: a 64-row
+    dot with 8 warps is split along the tokens and both warpgroups decode the same weights).
+    The one-dot L1 tiles (``l1_gu``, 128-256 rows per dot, split along the rows) give the L1 8
+    warps above 8 pairs per expert (no duplicated decode, half the accumulator registers per
+    thread: 4 warps spill at 128-pair tiles) and the 128-pair L2 128-row tiles with 8 warps
+    (half the activation reads per weight row). ``l1_gu`` None: env
+    ``MEGAMOE_TRITON_L1GU``, else where it was measured faster (``gu_by_default``, by row
+    ``w_kind``); True / False: those tiles at every size."""
+    import os
+
     mean = n_pairs / max(1, num_local)
+    if l1_gu is None:
+        env = os.environ.get("MEGAMOE_TRITON_L1GU")
+        l1_gu = gu_by_default(mean, w_kind) if env is None else env not in ("0", "false", "no", "")
+    if k_order == "frag" and l1_gu:
+        if mean <= 8:
+            return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
+                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=True)
+        if mean <= 32:
+            return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=8, l1_stages=3,
+                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=True)
+        return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=8, l1_stages=3,
+                            l2_bn=128, l2_bk=128, l2_warps=8, l2_stages=3, k_order="frag", l1_gu=True)
     if k_order == "frag":
         if mean <= 8:
             return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
-                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
+                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
         if mean <= 32:
             return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=4, l1_stages=3,
-                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
+                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
         return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
-                            l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag")
+                            l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
@@ -510,6 +715,10 @@ def candidate_configs(n_pairs: int, num_local: int, k_order: Optional[str] = Non
     """What ``bench/kernel.py --tune`` tries around the default."""
     d = default_config(n_pairs, num_local, k_order)
     bm = d.block_m
+    if d.l1_gu:  # one-dot L1: (l1 bn, l1 warps, l2 bn, l2 warps)
+        r = [(64, 4, 64, 4), (128, 8, 128, 4), (64, 8, 64, 4)] if bm <= 32 else \
+            [(64, 8, 64, 4), (64, 4, 64, 4), (32, 4, 128, 8)]
+        return [d] + [dataclasses.replace(d, l1_bn=a, l1_warps=b, l2_bn=c, l2_warps=w) for a, b, c, w in r]
     if bm <= 32:
         raw = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
                (64, 128, 4, 2), (128, 128, 4, 3)]
@@ -545,6 +754,41 @@ def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
     if k == "frag" and (H % 128 or I % 128):
         return old
     return "frag" if k == "frag" else old
+
+
+#: frag-path decode and scale loads when neither the config nor the environment names one
+DECODES = ("fold", "plain")
+DEFAULT_SCALE_LOAD = "bytes"  # "words" routed the E2M1 operand through shared memory with triton 3.6
+SCALE_LOADS = ("words", "bytes")
+
+
+def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str) -> str:
+    import os
+
+    v = value or os.environ.get(env) or default
+    if v not in valid:
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"triton {what} {v!r}; valid: {', '.join(valid)}")
+    return v
+
+
+def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None, gu: bool = False) -> tuple[bool, bool]:
+    """(fold, scale words) of the frag paths from ``KernelConfig.decode`` / ``scale_load``, the
+    env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else the measured defaults: fold
+    for the NVFP4 and E4M3 rows on the one-dot L1 (faster there on the H200), plain for mxfp4
+    (fold's range check cost more than the multiply it saves: 138 vs 128 us at 1 token, 657 vs
+    642 us at 8) and everywhere else; scale bytes (``DEFAULT_SCALE_LOAD``)."""
+    import os
+
+    dflt = "fold" if gu and w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
+    d = cfg.decode or os.environ.get("MEGAMOE_TRITON_DECODE") or dflt
+    if d not in DECODES:
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"triton decode {d!r}; valid: {', '.join(DECODES)}")
+    return (d == "fold",
+            _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "words")
 
 
 _W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
@@ -598,8 +842,15 @@ def _scale_stride(sf: Optional[torch.Tensor]) -> int:
     return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
 
 
+def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
+    """Scale words for the E2M1 frag kernels only: with E4M3 weights the word tensor's layout made
+    Triton route the decoded operand through shared memory (PRMT/STS in the SASS, +30%
+    instructions per step), so the mxfp8 row keeps its byte loads."""
+    return bool(sword and frag and w_kind in (W_E2M1_MX, W_E2M1_NV))
+
+
 def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
-               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False):
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False):
     act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
     swe, swn = _weight_strides(w)
     bn = min(cfg.l1_bn, I)
@@ -614,11 +865,12 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
-        HW_CVT=hw, ASM=asm, FRAG=frag, num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
+        HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
 
 
 def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False):
+               frag=False, fold=False, sword=False):
     swe, swn = _weight_strides(w)
     bn = min(cfg.l2_bn, H)
     grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
@@ -630,7 +882,7 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
-        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts())
+        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts())
 
 
 # --------------------------------------------------------------------------- E2M1 decode self-check
@@ -652,19 +904,19 @@ def _decode_check_kernel(b_ptr, s_ptr, out_ptr, N: tl.constexpr):
 
 
 @triton.jit
-def _frag_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr):
+def _frag_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr, FOLD: tl.constexpr = False):
     i = tl.arange(0, NW)
     sb = tl.load(s_ptr + i).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    outs = _jit.e2m1_frag_words(tl.load(w_ptr + i), sb | (sb << 16))
+    outs = _jit.e2m1_frag_words(tl.load(w_ptr + i), sb | (sb << 16), FOLD)
     for k in tl.static_range(8):
         tl.store(out_ptr + i * 8 + k, outs[k])
 
 
 @triton.jit
-def _frag8_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr):
+def _frag8_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr, FOLD: tl.constexpr = False):
     i = tl.arange(0, NW)
     sb = tl.load(s_ptr + i).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    outs = _jit.e4m3_frag_words(tl.load(w_ptr + i), sb | (sb << 16))
+    outs = _jit.e4m3_frag_words(tl.load(w_ptr + i), sb | (sb << 16), FOLD)
     for k in tl.static_range(4):
         tl.store(out_ptr + i * 4 + k, outs[k])
 
@@ -717,12 +969,57 @@ def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict
             v8 = (e8.view(torch.float8_e4m3fn).float().reshape(-1, 4) * s_rep.float()[:, None])
             w8 = v8[:, torch.tensor([0, 2, 1, 3], device=device)].reshape(-1).to(torch.bfloat16).view(torch.int16)
             res[name]["frag8"] = int((f8.view(torch.int16) != w8).sum())
+        res[name].update(_fold_decode_check(name, byts, device))
         bad = ((o[0] != wl) | (o[1] != wh)).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
             res[name]["first"] = (int(b_all[i]), float(s_rep[i // 4]), int(o[0, i]), int(wl[i]), int(o[1, i]),
                                   int(wh[i]))
     return res
+
+
+def _fold_decode_check(name: str, byts: torch.Tensor, device: torch.device) -> dict:
+    """Mismatches of the FOLD decodes (bias folded into the scale operand) against codecs over
+    all 256 bytes: E2M1 x UE8M0 bytes 0..128 (operand 2^(s-1)), E4M3 weights x UE8M0 bytes
+    0..134 (operand 2^(s-7)), E2M1 x E4M3 block scales (operand scale * 2^118, result value *
+    scale * 2^-8: the kernels restore the 2^8 on the fp32 accumulator). 16 scales per launch."""
+    def chunks(t):
+        t = torch.cat([t, t[-1:].expand((-t.numel()) % 16)])
+        return t.split(16)
+
+    if name == "ue8m0":
+        e = torch.arange(0, 129, dtype=torch.int32, device=device)
+        sc = (e << 23).view(torch.float32).to(torch.bfloat16)  # the plain decode's scale (byte 0 -> 0)
+        opnd = torch.where(e == 0, 0, (e + 126) << 7).to(torch.int16).view(torch.bfloat16)
+    else:
+        sc = torch.arange(0, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).to(torch.bfloat16)
+        opnd = (sc.float() * 2.0 ** 118).to(torch.bfloat16)
+        sc = (sc.float() * 2.0 ** -8).to(torch.bfloat16)  # exact
+    out = {"frag_fold": 0}
+    for s16, o16 in zip(chunks(sc), chunks(opnd)):
+        b_all = byts.repeat(16)
+        s_rep, o_rep = s16.repeat_interleave(64), o16.repeat_interleave(64)
+        fr = torch.empty(2 * b_all.numel(), dtype=torch.bfloat16, device=device)
+        _frag_decode_check_kernel[(1,)](b_all.view(torch.int32), o_rep, fr, NW=b_all.numel() // 4, FOLD=True,
+                                        **_opts())
+        out["frag_fold"] += int((fr.view(torch.int16) != frag_decode_expected(b_all, s_rep)).sum())
+    if name == "ue8m0":
+        out["frag8_fold"] = 0
+        e8 = torch.arange(0, 135, dtype=torch.int32, device=device)
+        sc8 = (e8 << 23).view(torch.float32).to(torch.bfloat16)
+        op8 = torch.where(e8 == 0, 0, (e8 + 120) << 7).to(torch.int16).view(torch.bfloat16)
+        b8 = byts.clone()
+        b8[(b8 & 0x7F) == 0x7F] = 0  # no NaN weights
+        b8 = b8.repeat(16)
+        for s16, o16 in zip(chunks(sc8), chunks(op8)):
+            s_rep, o_rep = s16.repeat_interleave(64), o16.repeat_interleave(64)
+            f8 = torch.empty(b8.numel(), dtype=torch.bfloat16, device=device)
+            _frag8_decode_check_kernel[(1,)](b8.view(torch.int32), o_rep, f8, NW=b8.numel() // 4, FOLD=True,
+                                             **_opts())
+            v8 = b8.view(torch.float8_e4m3fn).float().reshape(-1, 4) * s_rep.float()[:, None]
+            w8 = v8[:, torch.tensor([0, 2, 1, 3], device=device)].reshape(-1).to(torch.bfloat16).view(torch.int16)
+            out["frag8_fold"] += int((f8.view(torch.int16) != w8).sum())
+    return out
 
 
 def asm_decode_ok(device: torch.device) -> bool:
@@ -740,7 +1037,7 @@ def asm_decode_ok(device: torch.device) -> bool:
     try:
         res = asm_decode_check(device)
         ok = all(v["asm_lo"] == 0 and v["asm_hi"] == 0 and v["frag"] == 0 and v.get("frag8", 0) == 0
-                 for v in res.values())
+                 and v.get("frag_fold", 0) == 0 and v.get("frag8_fold", 0) == 0 for v in res.values())
     except Exception as exc:  # pragma: no cover - depends on the GPU / PTX support
         res, ok = repr(exc), False
     if not ok:
@@ -795,7 +1092,8 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     e2m1 = w_kind in (W_E2M1_MX, W_E2M1_NV)
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
 
-    cfg = config or default_config(T * K, E_l, resolve_k_order(KernelConfig(), _W_KIND[row], H, I))
+    cfg = config or default_config(T * K, E_l, resolve_k_order(KernelConfig(), _W_KIND[row], H, I),
+                                   w_kind=_W_KIND[row])
     from . import mma8
 
     if mma8.selected(row, hw, cfg.mma):
@@ -806,6 +1104,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
     korder = resolve_k_order(cfg, w_kind, H, I)
     frag = korder == "frag"
+    fold, sword = resolve_decode(cfg, w_kind, resolve_l1_gu(cfg)) if frag else (False, False)
     if spec.row_spec.dispatch == "mxfp8":
         xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder if e2m1 or not frag else "frag8")[3]
         req, apply_w = REQ_MX8, True
@@ -826,9 +1125,10 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
-               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag)
+               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
+               fold=fold, sword=sword)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag)
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

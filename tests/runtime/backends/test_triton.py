@@ -211,6 +211,46 @@ def test_frag_k_order_bitwise(row, T, bm):
     assert calc_diff(bad, ref) > 1e-3, "a wrong K order must be caught"
 
 
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T,bm", [(1, None), (37, None), (300, 16), (300, None)])
+@pytest.mark.parametrize("big", [False, True], ids=["scales_in_range", "scales_above_fold_limit"])
+def test_fold_decode_bitwise(row, T, bm, big):
+    """The frag decode with the bias multiply folded into the scale operand (and the scales read
+    as int32 words), and the one-dot gate/up L1, give the plain decode's two-dot output bit for
+    bit and match the reference. With
+    UE8M0 bytes above the fold limit (big: 131 for E2M1, 137 for E4M3, where scale * 2^126 or
+    * 2^120 is no finite bf16) the kernels must detect it and redo those tiles; the negative
+    control is that those bytes change the output."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.reference import ReferenceBackend
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T, mask_frac=0.1,
+                                                zero_tokens=min(2, T - 1))
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    if big:
+        if row == "nvfp4":
+            pytest.skip("NVFP4 block scales are E4M3 (< 2^9): its fold has no range limit")
+        before = ref
+        for t in (lay.l1_scale, lay.l2_scale):  # expert 0, the first 4 K groups of 16 physical rows
+            moe._scale_bytes(t, t.device)[:64] = 131 if row == "mxfp4" else 137
+        ids = ids.clone()
+        ids[~(ids == 0).any(1), 0] = 0  # every token through expert 0 (top-k ids stay distinct)
+        ref = ReferenceBackend().forward(lay, x, tw, ids)
+        assert calc_diff(ref, before) > 1e-3, "the large scales must change the output"
+    outs = {(d, w, gu): moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc,
+                                        config=moe.KernelConfig(block_m=bm, k_order="frag", decode=d, scale_load=w,
+                                                                l1_gu=gu))
+            for d, w, gu in (("plain", "bytes", False), ("fold", "bytes", False), ("fold", "words", True),
+                             ("plain", "bytes", True))}
+    plain = outs[("plain", "bytes", False)]
+    for k, o in outs.items():
+        assert torch.equal(o.view(torch.int16), plain.view(torch.int16)), f"{k} differs from the plain decode"
+    d = _assert_matches(outs[("fold", "words", True)], ref, f"fold {row}/T={T}/big={big}")
+    _report(test="fold_decode", row=row, T=T, block_m=bm, big=big, calc_diff=d,
+            bitwise_frac=float((plain.view(torch.int16) == ref.view(torch.int16)).float().mean()))
+
+
 def test_e2m1_asm_decode_self_check():
     """The PRMT lookup-table E2M1 decode (the fast path) agrees with codecs on this GPU,
     and a forward through it equals the arithmetic decode bit for bit."""
