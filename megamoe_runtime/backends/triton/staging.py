@@ -452,7 +452,9 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     mb = max_blocks_for(n, num_local, block_m)
     sorted_pairs = torch.empty(max(mb * block_m, 1), dtype=torch.int32, device=dev)
     block_expert = torch.empty(max(mb, 1), dtype=torch.int32, device=dev)
-    num_blocks = torch.zeros(1, dtype=torch.int32, device=dev)
+    # the routing kernel stores the block count unconditionally: a zero fill (one more launch in
+    # every forward, BENCHMARKS.md issue 11 point 3) is needed only when it does not run
+    num_blocks = (torch.empty if n else torch.zeros)(1, dtype=torch.int32, device=dev)
     if n:
         e_lp = max(triton.next_power_of_2(num_local), 16)
         cnt = torch.empty(e_lp, dtype=torch.int32, device=dev)
