@@ -150,9 +150,12 @@ class Peer:
     scale layouts (``convert_layout``). Per call: routing metadata from the same top-k ids
     (sort by expert, histogram, its ragged-tensor metadata), ``matmul_ogs`` gate/up with the
     fused SwiGLU (gather), ``matmul_ogs`` down with the top-k weights and the scatter combine.
-    bf16 activations, as the peer runs them."""
+    bf16 activations, as the peer runs them. ``weights="mxfp8"``: E4M3 weights with UE8M0 scales
+    per 32 along K instead (its ``downcast_to_mxfp`` to ``float8_e4m3fn``, column-major values as
+    its Hopper FP8 path requires, scales in its plain strided layout, upcast in its ``dot_scaled``):
+    the like-for-like peer of the mxfp8 row, which moves twice the MXFP4 weight bytes."""
 
-    def __init__(self, path, H, I, E, K):
+    def __init__(self, path, H, I, E, K, weights="mxfp4"):
         if path not in sys.path:
             sys.path.insert(0, path)
         import triton_kernels.matmul_ogs as mo
@@ -167,6 +170,12 @@ class Peer:
 
         def quant(kdim, n):
             w = torch.randn(E, n, kdim, device="cuda", dtype=torch.bfloat16).mul_(kdim ** -0.5).transpose(1, 2)
+            if weights == "mxfp8":
+                wq, ws = downcast_to_mxfp(w, torch.float8_e4m3fn, axis=1)
+                del w
+                if wq.stride(-2) != 1:  # column-major (K contiguous), as its Hopper FP8 path asserts
+                    wq = wq.transpose(1, 2).contiguous().transpose(1, 2)
+                return wrap_torch_tensor(wq), wrap_torch_tensor(ws)
             wq, ws = downcast_to_mxfp(w, torch.uint8, axis=1)
             del w
             vl, vk = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
@@ -197,13 +206,13 @@ class Peer:
                              precision_config=self.pc2, gammas=rdata.gate_scal)
 
 
-def bench_peer(path, H, I, E, K, tokens):
+def bench_peer(path, H, I, E, K, tokens, weights="mxfp4"):
     """{T: (ms, graph captured?)} of the peer's MoE on the same routing as bench_moe."""
     res = {}
     try:
-        peer = Peer(path, H, I, E, K)
+        peer = Peer(path, H, I, E, K, weights)
     except Exception as e:
-        print(f"# peer unavailable: {type(e).__name__}: {str(e)[:400]}")
+        print(f"# peer ({weights}) unavailable: {type(e).__name__}: {str(e)[:400]}")
         return res
     for T in tokens:
         tw, ids = routing(T, E, K, seed=T)
@@ -213,10 +222,10 @@ def bench_peer(path, H, I, E, K, tokens):
                 res[T] = (_bench(lambda: peer(x, tw, ids), graph=graph), graph)
                 break
             except Exception as e:
-                print(f"# peer T={T} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"# peer ({weights}) T={T} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
                 torch.cuda.synchronize()
         if T in res:
-            print(f"peer  T={T:5d} {res[T][0] * 1e3:9.1f} us{'' if res[T][1] else ' (eager)'}", flush=True)
+            print(f"peer {weights} T={T:5d} {res[T][0] * 1e3:9.1f} us{'' if res[T][1] else ' (eager)'}", flush=True)
     del peer
     torch.cuda.empty_cache()
     return res
@@ -265,6 +274,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
         del base
         torch.cuda.empty_cache()
     peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens) if args.peer_path else {}
+    # the mxfp8 row also against the peer on E4M3 weights (the same weight bytes per element)
+    peer8_ms = (bench_peer(args.peer_path, H, I, E, K, tokens, "mxfp8")
+                if args.peer_path and "mxfp8" in rows and not args.no_peer8 else {})
     variants = []  # (row, label, mma, k order, frag decode variant)
     decodes = args.decode.split(",") if args.decode else [None]
     for row in rows:
@@ -329,9 +341,12 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
                      baseline_us=base_ms.get(T, float("nan")) * 1e3,
                      speedup=base_ms.get(T, float("nan")) / ms, config=str(cfg) if cfg else "default",
                      baseline_graph=base_graph.get(T) if not args.no_baseline else None)
+            p8ms, _ = peer8_ms.get(T, (float("nan"), None)) if row == "mxfp8" else (float("nan"), None)
+            r.update(peer8_us=p8ms * 1e3, vs_peer8=p8ms / ms)
             results.append(r)
             print(f"{shape_name:5s} {row:6s} {label:9s} T={T:5d} {r['us']:9.1f} us  peer {r['peer_us']:8.1f} us "
-                  f"x{r['vs_peer']:.2f}  touched={touched:3d} "
+                  f"x{r['vs_peer']:.2f}" + (f"  peer-mxfp8 {r['peer8_us']:8.1f} us x{r['vs_peer8']:.2f}"
+                                           if row == "mxfp8" else "") + f"  touched={touched:3d} "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac_copy']:4.0f}% copy)  {r['TFLOPs']:6.1f} TFLOP/s  "
                   f"baseline {r['baseline_us']:9.1f} us  x{r['speedup']:.2f}", flush=True)
         del lay, kt
@@ -351,6 +366,8 @@ def main() -> None:
     ap.add_argument("--decode", default=None,
                     help="frag-path decode variants to time, comma-separated: " + ", ".join(DECODE_VARIANTS)
                          + " (default: the backend's defaults only; labelled bf16-frag/VARIANT)")
+    ap.add_argument("--no-peer8", action="store_true",
+                    help="with --peer-path: skip the peer on E4M3 weights (the mxfp8 row's like-for-like column)")
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--no-staging", action="store_true")
@@ -394,15 +411,17 @@ def render(info, results, staging_rows) -> str:
          f"(read+write), bf16 matmul {info['bf16_matmul_TFLOPs']:.0f} TFLOP/s. E2M1 decode: "
          f"{info.get('e2m1_decode')}.", "",
          "| shape | row | GEMM | tokens | time (us) | experts touched | weight MB | GB/s | % of copy BW | TFLOP/s "
-         "| bf16 grouped_mm (us) | speedup | peer triton_kernels (us) | vs peer |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| bf16 grouped_mm (us) | speedup | peer triton_kernels (us) | vs peer | peer, E4M3 weights (us) "
+         "| vs that |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         star = "" if r.get("baseline_graph") in (True, None) else " (eager)"
         pstar = "" if r.get("peer_graph") in (True, None) else " (eager)"
         L.append(f"| {r['shape']} | {r['row']} | {r['mma']} | {r['T']} | {r['us']:.1f} | {r['touched']} | "
                  f"{r['weight_MB']:.0f} | {r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['TFLOPs']:.1f} | "
                  f"{r['baseline_us']:.1f}{star} | {r['speedup']:.2f}x | {r['peer_us']:.1f}{pstar} | "
-                 f"{r['vs_peer']:.2f}x |")
+                 f"{r['vs_peer']:.2f}x | {r.get('peer8_us', float('nan')):.1f} | "
+                 f"{r.get('vs_peer8', float('nan')):.2f}x |")
     if staging_rows:
         L += ["", "| staging | tokens | H | time (us) | GB/s | % of copy BW |", "|---|---|---|---|---|---|"]
         for r in staging_rows:
