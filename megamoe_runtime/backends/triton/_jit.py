@@ -297,9 +297,14 @@ E2M1_FRAG_ASM = tl.constexpr(_E2M1_FRAG_ASM)
 # plain decode's second multiply does). Only valid where scale * 2^126 is a finite bf16:
 # UE8M0 bytes <= 128 (E4M3 weights: <= 134); the kernels check that and redo a tile with
 # the plain decode otherwise (docs/KERNELS.md "Hopper triton kernels: the frag K order").
-_E2M1_FRAG_FOLD_ASM = "\n".join(
-    ln for ln in _E2M1_FRAG_ASM.splitlines() if "bias" not in ln and not ln.startswith(".reg")
-).replace("{\n", "{\n.reg .b32 a, s, r;\n", 1)
+def _without_bias(asm: str) -> str:
+    """The fold variant of a frag decode: the same asm without its bias register and the
+    ``mul.bf16x2`` by it (the caller's scale operand carries the bias instead)."""
+    return "\n".join(ln for ln in asm.splitlines() if "bias" not in ln and not ln.startswith(".reg")
+                     ).replace("{\n", "{\n.reg .b32 a, s, r;\n", 1)
+
+
+_E2M1_FRAG_FOLD_ASM = _without_bias(_E2M1_FRAG_ASM)
 E2M1_FRAG_FOLD_ASM = tl.constexpr(_E2M1_FRAG_FOLD_ASM)
 
 
@@ -358,9 +363,7 @@ mov.b32 {$2, $3}, r;
 E4M3_FRAG_ASM = tl.constexpr(_E4M3_FRAG_ASM)
 
 
-_E4M3_FRAG_FOLD_ASM = "\n".join(
-    ln for ln in _E4M3_FRAG_ASM.splitlines() if "bias" not in ln and not ln.startswith(".reg")
-).replace("{\n", "{\n.reg .b32 a, s, r;\n", 1)
+_E4M3_FRAG_FOLD_ASM = _without_bias(_E4M3_FRAG_ASM)
 E4M3_FRAG_FOLD_ASM = tl.constexpr(_E4M3_FRAG_FOLD_ASM)
 
 

@@ -683,24 +683,16 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     if l1_gu is None:
         env = os.environ.get("MEGAMOE_TRITON_L1GU")
         l1_gu = gu_by_default(mean, w_kind) if env is None else env not in ("0", "false", "no", "")
-    if k_order == "frag" and l1_gu:
+    if k_order == "frag":  # the one-dot L1 (l1_gu) takes 8 warps above 8 pairs, and 128x8 L2 tiles above 32
+        gu = bool(l1_gu)
         if mean <= 8:
-            return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
-                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=True)
-        if mean <= 32:
-            return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=8, l1_stages=3,
-                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=True)
-        return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=8, l1_stages=3,
-                            l2_bn=128, l2_bk=128, l2_warps=8, l2_stages=3, k_order="frag", l1_gu=True)
-    if k_order == "frag":
-        if mean <= 8:
-            return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
-                                l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
-        if mean <= 32:
-            return KernelConfig(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_bk=128, l1_warps=4, l1_stages=3,
-                                l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
-        return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=3,
-                            l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=3, k_order="frag", l1_gu=False)
+            tiles = dict(block_m=16, l1_bn=64, l1_warps=4, l2_bn=64, l2_warps=4)
+        elif mean <= 32:
+            tiles = dict(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_warps=8 if gu else 4, l2_bn=128, l2_warps=4)
+        else:
+            tiles = dict(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_warps=8 if gu else 4,
+                         l2_bn=128 if gu else 64, l2_warps=8 if gu else 4)
+        return KernelConfig(l1_bk=128, l1_stages=3, l2_bk=128, l2_stages=3, k_order="frag", l1_gu=gu, **tiles)
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
