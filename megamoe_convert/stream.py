@@ -35,7 +35,7 @@ from . import checks
 from .direct import DirectWeights
 from .output_dir import Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError
-from .shard_writer import ST_METADATA, CopyBuffers, ShardWriter, copy_source_bytes, tensor_bytes
+from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
 from .source import CheckpointSource
 from .temp_folder import Journal
@@ -43,6 +43,8 @@ from .temp_folder import Journal
 
 #: threads blake3 may use within one large tensor (sha256 is sequential)
 HASH_THREADS = 1
+#: write the shards' page-aligned bytes with O_DIRECT where the file system takes it (`ShardWriter`)
+DIRECT_WRITES = True
 
 
 def read_threads() -> int:
@@ -92,7 +94,10 @@ class Run:
         self._check_pool = None
         self._side = None
         self._readers = None
+        self._direct: DirectIO | None = None
         self.read_threads = read_threads()
+        #: hash threads per shard writer: two where two cores are ours (`ShardWriter` hash lanes), else one
+        self.hash_lanes = min(2, self.read_threads)
 
     def advance(self, n: int) -> None:
         self.done_bytes += n
@@ -110,9 +115,17 @@ class Run:
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
                 meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
             w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step,
-                            algorithm=self.checksum, hash_threads=HASH_THREADS)
+                            algorithm=self.checksum, hash_threads=HASH_THREADS, hash_lanes=self.hash_lanes,
+                            direct_io=self.direct_io())
             self.writers[fname] = w
         return w
+
+    def direct_io(self) -> DirectIO | None:
+        """The staging buffers and device-write thread shared by this run's
+        shard writers (`DIRECT_WRITES`), made on first use."""
+        if DIRECT_WRITES and self._direct is None:
+            self._direct = DirectIO()
+        return self._direct
 
     def finish_tensor(self, slot: Slot, checksum: str) -> None:
         self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(checksum, self.checksum).to_dict()
@@ -298,6 +311,9 @@ class Run:
         if self._check_pool is not None:
             self._check_pool.shutdown(wait=True)
             self._check_pool = None
+        if self._direct is not None:  # every writer is closed or aborted by now
+            self._direct.close()
+            self._direct = None
 
 
 def convert_layer(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, journaled: dict | None,

@@ -161,3 +161,183 @@ def test_parts_refuse_too_many_or_too_few_bytes(tmp_path):
     with pytest.raises(MegaMoEError, match="'s' is not planned or was already written"):
         w.open_parts("s")
     w.abort()
+
+
+# --------------------------------------------------------------------------- O_DIRECT writes and hash lanes
+
+#: tensors that span several pages at odd offsets (the header makes the first one start unaligned)
+BIG = {
+    "w1": torch.randint(0, 255, (37, 1031), dtype=torch.uint8),  # 38147 B
+    "s1": torch.randint(-9, 9, (3, 5), dtype=torch.int32),  # 60 B: one page's head and tail at once
+    "w2": torch.randint(0, 255, (5000 * 4 + 3,), dtype=torch.uint8),  # 20003 B
+    "e": torch.zeros(0, dtype=torch.float32),
+    "z": torch.tensor(3.25),
+}
+
+
+def _write_parts(path, **kw):
+    """w1 and w2 streamed side by side in odd pieces (out of plan order), the rest whole,
+    the last through `write_chunks`: every path of `ShardWriter`."""
+    w = ShardWriter(path, _plan(BIG), **kw)
+    f1, f2 = BIG["w1"].reshape(-1).numpy().data, BIG["w2"].numpy().data
+    p1, p2 = w.open_parts("w1"), w.open_parts("w2")
+    for i, j in zip(range(0, len(f1), 4099), range(0, len(f2), 1777)):
+        p1.put(f1[i:i + 4099])
+        p2.put(f2[j:j + 1777])
+    p1.put(f1[i + 4099:])
+    p2.put(f2[j + 1777:])
+    got = {"w1": p1.finish(), "w2": p2.finish(), "s1": w.write_async("s1", BIG["s1"]),
+           "e": w.write_async("e", BIG["e"])}
+    raw = BIG["z"].reshape(1).view(torch.uint8).numpy().data
+    got = {n: d.result() for n, d in got.items()}
+    got["z"] = w.write_chunks("z", [raw[:1], raw[1:]])
+    return got, w.close()
+
+
+def _count_direct(monkeypatch):
+    """Count the device writes `DirectIO` makes (bytes)."""
+    from megamoe_convert import shard_writer as sw
+
+    seen = []
+    real = sw.DirectIO._write
+
+    def spy(self, writer, buf, n, pos):
+        seen.append((pos, n))
+        return real(self, writer, buf, n, pos)
+
+    monkeypatch.setattr(sw.DirectIO, "_write", spy)
+    return seen
+
+
+def test_direct_writes_give_the_same_file_and_digests(tmp_path, monkeypatch):
+    """O_DIRECT for the whole pages inside each tensor, the page cache for the
+    unaligned heads and tails (pages shared by two tensors): the same bytes and
+    digests as page-cache writes alone, and most bytes went the direct way."""
+    from megamoe_convert.shard_writer import DIRECT_ALIGN
+
+    ref = tmp_path / "ref.safetensors"
+    want = _write_parts(ref)
+    seen = _count_direct(monkeypatch)
+    p = tmp_path / "direct.safetensors"
+    assert _write_parts(p, direct=True) == want
+    assert p.read_bytes() == ref.read_bytes()
+    if not seen:
+        pytest.skip("this file system refuses O_DIRECT (the page-cache path ran; see the fallback tests)")
+    assert all(pos % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 for pos, n in seen)
+    assert sum(n for _, n in seen) >= 38147 + 20003 - 4 * DIRECT_ALIGN
+
+
+def test_direct_writes_shared_staging_across_writers(tmp_path):
+    """Several files open at once share one `DirectIO` (its few staging buffers)."""
+    from megamoe_convert.shard_writer import DirectIO
+
+    want = _write_parts(tmp_path / "ref.safetensors")
+    io = DirectIO(buffers=2, size=8192)
+    try:
+        ws = [ShardWriter(tmp_path / f"{k}.safetensors", _plan(BIG), direct_io=io) for k in range(3)]
+        for w in ws:
+            for n, t in BIG.items():
+                w.write_async(n, t)
+        got = [w.close() for w in ws]
+    finally:
+        io.close()
+    assert got == [want[1]] * 3
+    assert {(tmp_path / f"{k}.safetensors").read_bytes() for k in range(3)} == {
+        (tmp_path / "ref.safetensors").read_bytes()}
+
+
+def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """A file system that opens O_DIRECT but refuses the write (EINVAL): that
+    buffer and everything after it goes through the page cache, same bytes."""
+    import errno
+    import os
+
+    want = _write_parts(tmp_path / "ref.safetensors")
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, pos):
+        if fd in direct_fds:
+            refused.append(pos)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, pos)
+
+    from megamoe_convert import shard_writer as sw
+
+    real_open, direct_fds = sw._open_direct, set()
+
+    def open_direct(path):
+        fd = real_open(path)
+        if fd is not None:
+            direct_fds.add(fd)
+        return fd
+
+    monkeypatch.setattr(sw, "_open_direct", open_direct)
+    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    p = tmp_path / "x.safetensors"
+    assert _write_parts(p, direct=True) == want
+    assert p.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    if direct_fds:
+        assert len(refused) == 1  # refused once, then the page cache for the rest of the file
+
+
+def test_direct_write_error_surfaces_at_close(tmp_path, monkeypatch):
+    """Negative: a device write failing otherwise (here ENOSPC) is not swallowed."""
+    import errno
+    import os
+
+    from megamoe_convert import shard_writer as sw
+
+    opened = []
+    real_open = sw._open_direct
+    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    real = os.pwrite
+
+    def pwrite(fd, data, pos):
+        if fd in opened:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct=True)
+    if opened[0] is None:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT")
+    for n, t in BIG.items():
+        w.write_async(n, t)
+    with pytest.raises(OSError, match="No space left"):
+        w.close()
+    w.abort()
+
+
+def test_direct_on_a_file_system_without_it(tmp_path):
+    """tmpfs refuses O_DIRECT at open: the writer uses the page cache alone."""
+    import os
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    want = _write_parts(tmp_path / "ref.safetensors")
+    d = shm / f"megamoe-test-{os.getpid()}"
+    d.mkdir()
+    try:
+        assert _write_parts(d / "x.safetensors", direct=True) == want
+        assert (d / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+def test_hash_lanes_split_large_tensors_and_keep_digests(tmp_path):
+    """Two hash lanes: the two large tensors land on different lanes (fewest
+    planned bytes first); digests and file equal the one-lane ones."""
+    want = _write_parts(tmp_path / "ref.safetensors")
+    p = tmp_path / "x.safetensors"
+    assert _write_parts(p, hash_lanes=2) == want
+    assert p.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    w = ShardWriter(tmp_path / "y.safetensors", _plan(BIG), hash_lanes=2)
+    p1, p2 = w.open_parts("w1"), w.open_parts("w2")
+    assert p1._lane is not p2._lane
+    assert w._lane_bytes == [38147, 20003]
+    w.abort()
