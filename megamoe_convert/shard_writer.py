@@ -370,11 +370,17 @@ class ShardWriter:
         self._pending.append(fut)
         return fut
 
-    def flush(self) -> None:
-        """Wait until every queued byte is written and hashed (re-raising errors)."""
+    def _wait_queued(self) -> None:
+        """Wait until every queued byte is hashed and handed to the kernel (or,
+        for direct writes, copied into a staging buffer): the caller may reuse
+        its memory. Device writes may still be running (`flush` waits for them)."""
         pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
+
+    def flush(self) -> None:
+        """Wait until every queued byte is written and hashed (re-raising errors)."""
+        self._wait_queued()
         for fut in list(self._io):  # the device writes those queued
             fut.result()
 
@@ -456,7 +462,7 @@ class ShardWriter:
         for c in chunks:
             mv = memoryview(c).cast("B")
             if n + len(mv) > p.nbytes:
-                self.flush()
+                self._wait_queued()
                 raise CheckpointError(f"{self.path.name}: tensor {name!r} got more than {p.nbytes} bytes")
             fut = self._submit_write(region, mv)
             h.update(mv)
@@ -465,7 +471,7 @@ class ShardWriter:
                 prev.result()
             prev = fut
         self._submit_write(region, None)
-        self.flush()
+        self._wait_queued()  # the chunks' memory is the caller's again (the device writes go on)
         if n != p.nbytes:
             raise CheckpointError(f"{self.path.name}: tensor {name!r} got {n} bytes, expected {p.nbytes}")
         from concurrent.futures import Future
