@@ -25,6 +25,7 @@ and journal are ``temp_folder``; verifying a finished folder is
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -297,7 +298,7 @@ class ShardWriter:
                 if buf is None:
                     buf = io.buffer()
                 k = min(len(part), len(buf) - fill)
-                buf[fill:fill + k] = part[:k]
+                _copy_into(buf[fill:fill + k], part[:k])
                 fill, part = fill + k, part[k:]
                 if fill == len(buf):
                     self._io.append(io.submit(self, buf, fill, pos))
@@ -573,6 +574,24 @@ class TensorParts:
 #: file offset and length alignment of ``O_DIRECT`` writes: the page size, a multiple of every
 #: common logical block size (512 B, 4 KiB)
 DIRECT_ALIGN = 4096
+
+
+#: copies at least this large release the GIL (`_copy_into`)
+_NOGIL_COPY = 64 << 10
+
+
+def _copy_into(dst: memoryview, src: memoryview) -> None:
+    """``dst[:len(src)] = src``. Large copies from writable memory go through
+    ``ctypes.memmove``, which releases the GIL (a memoryview slice assignment
+    holds it): the staging copy of every shard byte would otherwise stall the
+    device-write thread and the readers for a millisecond per 8 MiB
+    (BENCHMARKS.md, issue 13, third pass)."""
+    n = len(src)
+    if n >= _NOGIL_COPY and not src.readonly:
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)),
+                       ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
+    else:
+        dst[:n] = src
 
 
 class DirectIO:

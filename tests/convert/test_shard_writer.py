@@ -341,3 +341,19 @@ def test_hash_lanes_split_large_tensors_and_keep_digests(tmp_path):
     assert p1._lane is not p2._lane
     assert w._lane_bytes == [38147, 20003]
     w.abort()
+
+
+def test_direct_large_copies_from_writable_and_read_only_memory(tmp_path):
+    """Staging copies of 64 KiB and more go through ctypes.memmove (GIL released)
+    from writable memory, a slice assignment from read-only bytes: same file."""
+    from megamoe_convert.shard_writer import _NOGIL_COPY
+
+    big = torch.randint(0, 255, (3 * _NOGIL_COPY + 5,), dtype=torch.uint8)
+    ts = {"a": big, "b": big.flip(0).clone()}
+    ref = tmp_path / "ref.safetensors"
+    want = _write(ref, ts)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(ts), direct=True)
+    got = {"a": w.write("a", ts["a"]),  # writable tensor memory
+           "b": w.write_chunks("b", [bytes(ts["b"].numpy())])}  # read-only bytes
+    assert (got, w.close()) == want
+    assert (tmp_path / "x.safetensors").read_bytes() == ref.read_bytes()
