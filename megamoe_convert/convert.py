@@ -44,6 +44,7 @@ lists the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import time
@@ -164,7 +165,7 @@ def convert(
     check_placement(out, source_roots(src))
     created = ensure_parent(out)
     try:
-        with OutputLock(out) as lock:
+        with OutputLock(out) as lock, _heap_frozen():
             if lock.stale is not None:
                 log(f"note: {lock.path} was left by an earlier run ({lock.stale.describe()}) that is no longer "
                     "running; taking it over")
@@ -180,6 +181,27 @@ def convert(
         raise
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """Keep the objects that exist now (torch's and the interpreter's, several
+    hundred thousand after ``import torch``) out of the garbage collector's
+    passes, and give them back afterwards (``gc.freeze`` / ``gc.unfreeze``).
+    Reading the source's headers and planning make many small objects, and
+    each oldest-generation pass walked the whole heap: 0.06 of the 0.16 s
+    before the first layer on a 1 GiB source (BENCHMARKS.md, issue 13, third
+    pass; `_convert_locked` disables the collector for the streaming pass
+    itself). Garbage made meanwhile is still collected. Left alone if the
+    caller froze objects itself (its freeze is not ours to undo)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int, max_bytes: int,
