@@ -108,6 +108,20 @@ def test_hub_id_syntax():
 # ------------------------------------------------------------------ sharded
 
 
+def test_tensor_header_is_the_files_entry_and_unknown_names_still_fail(synth_ckpt):
+    """`tensor_header` remembers entries by name: the same object as its file's
+    header entry, every time, in every shard; a name not in the checkpoint
+    still raises (twice: a miss is not remembered)."""
+    p = synth_ckpt("modelopt-nvfp4", max_shard_bytes=150_000)
+    src = open_source(p)
+    for name in src.tensor_names()[::13]:
+        th = src.tensor_header(name)
+        assert th is src.file_header(src.file_of(name)).tensors[name] is src.tensor_header(name)
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="no tensor 'no_such.weight'"):
+            src.tensor_header("no_such.weight")
+
+
 def test_sharded_index(synth_ckpt):
     p = synth_ckpt("modelopt-nvfp4", max_shard_bytes=150_000)
     shards = sorted(p.glob("model-*.safetensors"))
