@@ -215,8 +215,10 @@ class ShardWriter:
     hashed on one lane, the one with the fewest planned bytes so far, so its
     pieces are hashed in order; two lanes let the routed ``l1_weight`` and
     ``l2_weight`` of a rank, which stream side by side, be hashed on two cores
-    (sha256 is sequential within a tensor, and one sha256 thread was the
-    bottleneck on two cores: BENCHMARKS.md, issue 13, third pass). Writes stay
+    (sha256 is sequential within a tensor: one thread caps the run at about
+    1.1 GB/s on this VM's cores; on the 2-core VM itself, busy with the other
+    threads, two lanes measured the same as one: BENCHMARKS.md, issue 13,
+    third pass). Writes stay
     in order. The memory of a queued tensor must stay untouched until its
     digest is done (``flush()`` waits for everything; ``close()`` flushes).
     """
@@ -330,19 +332,26 @@ class ShardWriter:
             done += os.pwrite(fd, view[done:], pos + done)
 
     def _close_direct(self) -> None:
-        """After the write thread stopped: wait for the device writes (their
-        errors re-raised), then give back the descriptor and an own `DirectIO`."""
+        """After the write thread stopped: wait for every device write, then
+        give back the descriptor and an own `DirectIO`, then re-raise the first
+        write error. All of them are waited for first: a descriptor closed
+        under a write still queued could be reused by another open, and that
+        write would land in another file."""
         io_futs, self._io = self._io, []
-        try:
-            for fut in io_futs:
+        first: BaseException | None = None
+        for fut in io_futs:
+            try:
                 fut.result()
-        finally:
-            if self._dfd is not None:
-                os.close(self._dfd)
-                self._dfd = None
-            if self._own_io and self._direct_io is not None:
-                self._direct_io.close()
-            self._direct_io = None
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once every write is over
+                first = first or exc
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        if self._own_io and self._direct_io is not None:
+            self._direct_io.close()
+        self._direct_io = None
+        if first is not None:
+            raise first
 
     def _digest(self, mv: memoryview) -> bytes:
         return digest_bytes(self.algorithm, mv, self._hash_threads)

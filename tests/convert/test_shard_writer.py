@@ -357,3 +357,50 @@ def test_direct_large_copies_from_writable_and_read_only_memory(tmp_path):
            "b": w.write_chunks("b", [bytes(ts["b"].numpy())])}  # read-only bytes
     assert (got, w.close()) == want
     assert (tmp_path / "x.safetensors").read_bytes() == ref.read_bytes()
+
+
+def test_direct_close_waits_for_every_device_write_before_closing(tmp_path, monkeypatch):
+    """Negative: with the first device write failing, close raises it, and the
+    descriptor is given back (by the abort that follows) only after the later
+    writes are over (a reused descriptor number would send them into another
+    file)."""
+    import errno
+    import os
+    import threading
+
+    from megamoe_convert import shard_writer as sw
+
+    opened, order = [], []
+    real_open = sw._open_direct
+    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    real_pwrite, real_close = os.pwrite, os.close
+    first = threading.Event()
+
+    def pwrite(fd, data, pos):
+        if fd in opened:
+            if not first.is_set():
+                first.set()
+                raise OSError(errno.EIO, "Input/output error")
+            order.append(("write", pos))
+        return real_pwrite(fd, data, pos)
+
+    def close(fd):
+        if fd in opened:
+            order.append(("close", fd))
+        return real_close(fd)
+
+    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    monkeypatch.setattr(sw.os, "close", close)
+    io = sw.DirectIO(buffers=2, size=8192)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct_io=io)
+    if opened[0] is None:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT")
+    for n, t in BIG.items():
+        w.write_async(n, t)
+    with pytest.raises(OSError, match="Input/output error"):
+        w.close()
+    w.abort()  # what the converter does after a failed close (`Run.abort`)
+    io.close()
+    assert order and order[-1][0] == "close" and all(k == "write" for k, _ in order[:-1])
+    assert len(order) > 2  # the writes after the failed one still ran, before the close
