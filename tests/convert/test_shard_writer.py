@@ -209,6 +209,38 @@ def _count_direct(monkeypatch):
     return seen
 
 
+def _direct_fds(monkeypatch) -> list:
+    """The O_DIRECT descriptors `ShardWriter`s open from now on (None where refused)."""
+    from megamoe_convert import shard_writer as sw
+
+    opened = []
+    real_open = sw._open_direct
+    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    return opened
+
+
+def _fail_direct_writes(monkeypatch, opened: list, err: int, first_only: bool = False) -> list:
+    """Make O_DIRECT writes on `opened` descriptors fail with `err` (only the first
+    one with `first_only`); the positions of the writes that went through are returned."""
+    import os
+    import threading
+
+    from megamoe_convert import shard_writer as sw
+
+    real, failed, through = os.pwrite, threading.Event(), []
+
+    def pwrite(fd, data, pos):
+        if fd in opened:
+            if not (first_only and failed.is_set()):
+                failed.set()
+                raise OSError(err, os.strerror(err))
+            through.append(("write", pos))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    return through
+
+
 def test_direct_writes_give_the_same_file_and_digests(tmp_path, monkeypatch):
     """O_DIRECT for the whole pages inside each tensor, the page cache for the
     unaligned heads and tails (pages shared by two tensors): the same bytes and
@@ -250,54 +282,22 @@ def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     """A file system that opens O_DIRECT but refuses the write (EINVAL): that
     buffer and everything after it goes through the page cache, same bytes."""
     import errno
-    import os
 
     want = _write_parts(tmp_path / "ref.safetensors")
-    real, refused = os.pwrite, []
-
-    def pwrite(fd, data, pos):
-        if fd in direct_fds:
-            refused.append(pos)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, data, pos)
-
-    from megamoe_convert import shard_writer as sw
-
-    real_open, direct_fds = sw._open_direct, set()
-
-    def open_direct(path):
-        fd = real_open(path)
-        if fd is not None:
-            direct_fds.add(fd)
-        return fd
-
-    monkeypatch.setattr(sw, "_open_direct", open_direct)
-    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    opened = _direct_fds(monkeypatch)
+    through = _fail_direct_writes(monkeypatch, opened, errno.EINVAL, first_only=True)
     p = tmp_path / "x.safetensors"
     assert _write_parts(p, direct=True) == want
     assert p.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    if direct_fds:
-        assert len(refused) == 1  # refused once, then the page cache for the rest of the file
+    assert through == []  # refused once, then the page cache for the rest of the file
 
 
 def test_direct_write_error_surfaces_at_close(tmp_path, monkeypatch):
     """Negative: a device write failing otherwise (here ENOSPC) is not swallowed."""
     import errno
-    import os
 
-    from megamoe_convert import shard_writer as sw
-
-    opened = []
-    real_open = sw._open_direct
-    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
-    real = os.pwrite
-
-    def pwrite(fd, data, pos):
-        if fd in opened:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, pos)
-
-    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    opened = _direct_fds(monkeypatch)
+    _fail_direct_writes(monkeypatch, opened, errno.ENOSPC)
     w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct=True)
     if opened[0] is None:
         w.abort()
@@ -366,30 +366,18 @@ def test_direct_close_waits_for_every_device_write_before_closing(tmp_path, monk
     file)."""
     import errno
     import os
-    import threading
 
     from megamoe_convert import shard_writer as sw
 
-    opened, order = [], []
-    real_open = sw._open_direct
-    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
-    real_pwrite, real_close = os.pwrite, os.close
-    first = threading.Event()
-
-    def pwrite(fd, data, pos):
-        if fd in opened:
-            if not first.is_set():
-                first.set()
-                raise OSError(errno.EIO, "Input/output error")
-            order.append(("write", pos))
-        return real_pwrite(fd, data, pos)
+    opened = _direct_fds(monkeypatch)
+    order = _fail_direct_writes(monkeypatch, opened, errno.EIO, first_only=True)
+    real_close = os.close
 
     def close(fd):
         if fd in opened:
             order.append(("close", fd))
         return real_close(fd)
 
-    monkeypatch.setattr(sw.os, "pwrite", pwrite)
     monkeypatch.setattr(sw.os, "close", close)
     io = sw.DirectIO(buffers=2, size=8192)
     w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct_io=io)
