@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -101,6 +102,8 @@ from .summary import ConvertSummary, summary_of_output
 from .temp_folder import check_output_target, prepare_temp_dir
 
 DEFAULT_CHECKSUM = digests.DEFAULT_CHECKSUM
+#: the interpreter's thread switch interval during the streaming pass, seconds (`_convert_locked`)
+SWITCH_INTERVAL = 0.0005
 
 
 def convert(
@@ -270,6 +273,13 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         # wall time, measured); a conversion makes no reference cycles worth collecting.
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        # The hash, write and device-write threads each take the GIL for a moment per piece, between
+        # system calls that release it; with the reader threads' Python holding it, each such moment
+        # waited up to the 5 ms switch interval: 0.5 ms cut a 1 GiB conversion from 1.41 to 1.30 s
+        # (medians, 2 cores; a simulated writer with one busy Python thread beside it: 0.61 -> 1.08 GB/s;
+        # BENCHMARKS.md, issue 13, third pass).
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, SWITCH_INTERVAL))
         try:
             return run_conversion(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
                         fingerprint, ep_size, progress, log, on_step,
@@ -281,6 +291,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             raise
         finally:
             torch.set_num_threads(threads)
+            sys.setswitchinterval(switch)
             if gc_was_enabled:
                 gc.enable()
     finally:
