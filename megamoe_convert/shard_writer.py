@@ -733,8 +733,8 @@ class CopyBuffers:
         self._mvs: list[memoryview] | None = None
 
     def get(self) -> list[memoryview]:
-        if self._mvs is None:
-            self._mvs = [memoryview(bytearray(self.size)) for _ in range(2)]
+        if self._mvs is None:  # anonymous mappings: no zero-filling pass under the GIL (a bytearray's)
+            self._mvs = [memoryview(mmap.mmap(-1, self.size)) for _ in range(2)]
         return self._mvs
 
 

@@ -276,9 +276,9 @@ class CheckpointSource:
         ``os.preadv`` with one iovec per view, at most IOV_MAX per call, short
         reads resumed. No temporary buffer and no copy after the read."""
         fd = self._fd(path)
-        total = sum(len(v) for v in views)
+        total = sum(map(len, views))
         i, got = 0, 0
-        while i < len(views):
+        while got < total:
             batch = views[i:i + _IOV_MAX]
             n = os.preadv(fd, batch, pos + got) if hasattr(os, "preadv") else _pread_into(fd, batch[0], pos + got)
             if n <= 0:
@@ -286,6 +286,8 @@ class CheckpointSource:
                     f"{path}: unexpected end of file reading {total} bytes at {pos} (file changed since it was opened?)"
                 )
             got += n
+            if got == total:  # the usual case: one call filled every view (no per-view bookkeeping)
+                return
             while i < len(views) and n >= len(views[i]):  # drop the views filled by this read
                 n -= len(views[i])
                 i += 1

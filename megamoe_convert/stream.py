@@ -95,6 +95,7 @@ class Run:
         self._side = None
         self._readers = None
         self._direct: DirectIO | None = None
+        self._directs: dict[int, tuple[layout.KernelTensors, DirectWeights]] = {}  # `direct_weights`
         self.read_threads = read_threads()
         #: hash threads per shard writer: two where two cores are ours (`ShardWriter` hash lanes), else one
         self.hash_lanes = min(2, self.read_threads)
@@ -234,6 +235,7 @@ class Run:
         if key not in self._buffers:
             self.settle()  # a different layer shape: let the old ones go
             self._buffers.clear()
+            self._directs.clear()
             self._buffers[key] = [None] * self.NUM_BUFFER_SETS
         k = self._turn
         self._turn = (self._turn + 1) % self.NUM_BUFFER_SETS
@@ -242,6 +244,15 @@ class Run:
         if sets[k] is None:
             sets[k] = layout.allocate_kernel_tensors(row, g, H, I)
         return k, sets[k]
+
+    def direct_weights(self, reader, bset: int, buf: layout.KernelTensors) -> DirectWeights:
+        """The `DirectWeights` of chunk buffer set `bset` (all of `buf`, the
+        set as `chunk_buffers` gave it): one per set while its buffers live, so
+        the iovec lists of each expert slot are built once per run."""
+        got = self._directs.get(bset)
+        if got is None or got[0] is not buf or got[1].reader is not reader:
+            got = self._directs[bset] = (buf, DirectWeights(reader, buf))
+        return got[1]
 
     def chunk_experts(self, row: Row, E_l: int, H: int, I: int) -> int:
         """Experts per chunk buffer: about `CHUNK_BYTES` of packed experts, and at
@@ -394,7 +405,7 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             bset, buf = run.chunk_buffers(row, E_l, info.hidden, info.intermediate)
             c1 = min(lo + E_l, c0 + buf.num_experts)
             kt = buf.experts(0, c1 - c0)
-            direct = DirectWeights(reader, kt)
+            direct = run.direct_weights(reader, bset, buf)
             pack = functools.partial(_pack_expert, reader, row, info, kt, direct, c0, mismatched, where)
             for e, got in run.map_experts(pack, range(c0, c1)):  # in expert order, the first failure raised
                 et, rr = got
