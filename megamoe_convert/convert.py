@@ -44,8 +44,10 @@ lists the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -100,6 +102,8 @@ from .summary import ConvertSummary, summary_of_output
 from .temp_folder import check_output_target, prepare_temp_dir
 
 DEFAULT_CHECKSUM = digests.DEFAULT_CHECKSUM
+#: the interpreter's thread switch interval during the streaming pass, seconds (`_convert_locked`)
+SWITCH_INTERVAL = 0.0005
 
 
 def convert(
@@ -164,7 +168,7 @@ def convert(
     check_placement(out, source_roots(src))
     created = ensure_parent(out)
     try:
-        with OutputLock(out) as lock:
+        with OutputLock(out) as lock, _heap_frozen():
             if lock.stale is not None:
                 log(f"note: {lock.path} was left by an earlier run ({lock.stale.describe()}) that is no longer "
                     "running; taking it over")
@@ -180,6 +184,27 @@ def convert(
         raise
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """Keep the objects that exist now (torch's and the interpreter's, several
+    hundred thousand after ``import torch``) out of the garbage collector's
+    passes, and give them back afterwards (``gc.freeze`` / ``gc.unfreeze``).
+    Reading the source's headers and planning make many small objects, and
+    each oldest-generation pass walked the whole heap: 0.06 of the 0.16 s
+    before the first layer on a 1 GiB source (BENCHMARKS.md, issue 13, third
+    pass; `_convert_locked` disables the collector for the streaming pass
+    itself). Garbage made meanwhile is still collected. Left alone if the
+    caller froze objects itself (its freeze is not ours to undo)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int, max_bytes: int,
@@ -248,6 +273,13 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         # wall time, measured); a conversion makes no reference cycles worth collecting.
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        # The hash, write and device-write threads each take the GIL for a moment per piece, between
+        # system calls that release it; with the reader threads' Python holding it, each such moment
+        # waited up to the 5 ms switch interval: 0.5 ms cut a 1 GiB conversion from 1.41 to 1.30 s
+        # (medians, 2 cores; a simulated writer with one busy Python thread beside it: 0.61 -> 1.08 GB/s;
+        # BENCHMARKS.md, issue 13, third pass).
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, SWITCH_INTERVAL))
         try:
             return run_conversion(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
                         fingerprint, ep_size, progress, log, on_step,
@@ -259,6 +291,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             raise
         finally:
             torch.set_num_threads(threads)
+            sys.setswitchinterval(switch)
             if gc_was_enabled:
                 gc.enable()
     finally:

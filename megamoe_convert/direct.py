@@ -42,6 +42,10 @@ class DirectWeights:
         self.l1_bytes = n2 * dw * isz  # one expert's l1_weight
         self.l2_bytes = kt.l2_weight[0].numel() * kt.l2_weight.element_size()
         self._l1 = self._l2 = None  # byte views, made on first use
+        #: slot -> (gate iovecs, up iovecs, down iovec): the same for every chunk packed into these
+        #: buffers (`stream.Run.direct_weights` keeps one instance per chunk buffer set), so the ~200
+        #: views per expert are sliced once per slot, not once per expert read
+        self._iovecs: dict[int, tuple[list[memoryview], list[memoryview], list[memoryview]]] = {}
 
     def read(self, layer: int, e: int, slot: int) -> bool:
         """Read expert ``e``'s gate/up/down weights into kernel slot ``slot``;
@@ -51,14 +55,17 @@ class DirectWeights:
         if any(r is None for r in ranges) or ranges[0][2] != self.half_bytes or ranges[1][2] != self.half_bytes \
                 or ranges[2][2] != self.l2_bytes or self.groups * 16 != self.kt.l1_weight.shape[1]:
             return False
-        if self._l1 is None:
-            self._l1, self._l2 = byte_view(self.kt.l1_weight), byte_view(self.kt.l2_weight)
-        src, base = self.reader.source, slot * self.l1_bytes
-        for half in (0, 1):
-            path, pos, _ = ranges[half]
-            src.read_into(path, pos, [self._l1[base + off: base + off + n] for off, n in self.runs[half]])
-        path, pos, _ = ranges[2]
-        src.read_into(path, pos, [self._l2[slot * self.l2_bytes:(slot + 1) * self.l2_bytes]])
+        iov = self._iovecs.get(slot)
+        if iov is None:
+            if self._l1 is None:
+                self._l1, self._l2 = byte_view(self.kt.l1_weight), byte_view(self.kt.l2_weight)
+            base = slot * self.l1_bytes
+            iov = self._iovecs[slot] = (
+                *([self._l1[base + off: base + off + n] for off, n in self.runs[half]] for half in (0, 1)),
+                [self._l2[slot * self.l2_bytes:(slot + 1) * self.l2_bytes]])
+        src = self.reader.source
+        for (path, pos, _), views in zip(ranges, iov):
+            src.read_into(path, pos, views)
         return True
 
     def weights(self, row: Row, slot: int) -> dict[str, Callable[[], torch.Tensor]]:

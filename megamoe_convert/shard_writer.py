@@ -25,7 +25,10 @@ and journal are ``temp_folder``; verifying a finished folder is
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -205,10 +208,17 @@ class ShardWriter:
     rename. (The journal needs no fsynced shards either: ``--resume``
     re-hashes every file it lists, so a shard lost in a crash is redone.)
 
-    Threads: the tensor hash runs on one background thread (blake3 may use
-    ``hash_threads`` for one large tensor) and the file write on another
-    (hashlib, blake3 and file writes release the GIL), both reading
-    the caller's memory, while the caller packs the next layer. Writes stay
+    Threads: tensor hashes run on ``hash_lanes`` background threads (blake3
+    may also use ``hash_threads`` for one large tensor) and the file write on
+    another (hashlib, blake3 and file writes release the GIL), all reading
+    the caller's memory, while the caller packs the next layer. Each tensor is
+    hashed on one lane, the one with the fewest planned bytes so far, so its
+    pieces are hashed in order; two lanes let the routed ``l1_weight`` and
+    ``l2_weight`` of a rank, which stream side by side, be hashed on two cores
+    (sha256 is sequential within a tensor: one thread caps the run at about
+    1.1 GB/s on this VM's cores; on the 2-core VM itself, busy with the other
+    threads, two lanes measured the same as one: BENCHMARKS.md, issue 13,
+    third pass). Writes stay
     in order. The memory of a queued tensor must stay untouched until its
     digest is done (``flush()`` waits for everything; ``close()`` flushes).
     """
@@ -216,13 +226,18 @@ class ShardWriter:
     _SLICE = 4 << 20
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
-                 on_step: StepHook | None = None, algorithm: str = SHA256, hash_threads: int = 1):
+                 on_step: StepHook | None = None, algorithm: str = SHA256, hash_threads: int = 1,
+                 hash_lanes: int = 1, direct: bool = False, direct_io: "DirectIO | None" = None):
         """`on_step` is called with ``"tensor"`` after each tensor is queued
-        (tests plant a crash there, see ``output_dir``)."""
+        (tests plant a crash there, see ``output_dir``). `direct` (or a shared
+        `direct_io`): write the page-aligned middle of every tensor with
+        ``O_DIRECT`` where the file system takes it (`_Region`), else through
+        the page cache."""
         self.path = Path(path)
         self.algorithm = algorithm
         self.digest_kind = composite_kind(algorithm)
         self._hash_threads = hash_threads
+        self._lane_bytes = [0] * max(1, hash_lanes)  # planned bytes given to each hash lane so far
         new_hasher(algorithm)  # an unknown or unavailable algorithm fails here, before any byte is written
         self._on_step = on_step
         self.plan = list(tensors)
@@ -234,7 +249,8 @@ class ShardWriter:
             off += t.nbytes
         self._digests: list[tuple[int, int, str, object]] = []  # (begin, end, name, future of raw digest)
         self._pending: list = []
-        self._hash_pool = self._write_pool = None
+        self._hash_pools: list = []
+        self._write_pool = None
         self._claimed: set[int] = set()  # plan indices whose bytes are queued (or being streamed in parts)
         self._index = {t.name: i for i, t in enumerate(self.plan)}
         self._f = open(self.path, "wb", buffering=0)
@@ -242,6 +258,11 @@ class ShardWriter:
         self._size = 0
         self._write_all(memoryview(self._header), 0)
         self._data_start = len(self._header)
+        self._dfd = _open_direct(self.path) if direct or direct_io is not None else None  # O_DIRECT, same file
+        self._direct_ok = self._dfd is not None  # False once the file system refused an O_DIRECT write
+        self._own_io = self._dfd is not None and direct_io is None
+        self._direct_io = (direct_io or DirectIO()) if self._dfd is not None else None
+        self._io: list = []  # futures of the device writes (`DirectIO.submit`)
 
     def _write_all(self, mv: memoryview, offset: int) -> None:
         """Write `mv` at file position `offset` (runs on the write thread), and
@@ -261,26 +282,116 @@ class ShardWriter:
         if len(mv) >= self._SLICE:
             start_writeback(fd, offset, len(mv))
 
+    def _region(self, begin: int, end: int) -> "_Region":
+        """A data span ``[begin, end)`` (offsets in the data section) to fill
+        front to back, piece by piece, on the write thread."""
+        return _Region(self, self._data_start + begin, self._data_start + end)
+
+    def _write_direct(self, parts: list[memoryview], offset: int, nbytes: int) -> None:
+        """Write the concatenation of `parts` (`nbytes`, a multiple of
+        `DIRECT_ALIGN`) at the aligned `offset` with ``O_DIRECT`` (write
+        thread): copied into the aligned staging buffers of `DirectIO` (the
+        caller's memory has any alignment) and written from there on its I/O
+        thread, so that the next copy overlaps the device write. Errors
+        surface in `flush` / `close`."""
+        io, buf, fill, pos = self._direct_io, None, 0, offset
+        for part in parts:
+            while part:
+                if buf is None:
+                    buf = io.buffer()
+                k = min(len(part), len(buf) - fill)
+                _copy_into(buf[fill:fill + k], part[:k])
+                fill, part = fill + k, part[k:]
+                if fill == len(buf):
+                    self._io.append(io.submit(self, buf, fill, pos))
+                    buf, pos, fill = None, pos + fill, 0
+        if fill:
+            self._io.append(io.submit(self, buf, fill, pos))
+        self._size = max(self._size, offset + nbytes)
+
+    def _pwrite_direct(self, view: memoryview, pos: int) -> None:
+        """Write `view` (aligned memory, aligned offset and length) with
+        ``O_DIRECT`` (`DirectIO`'s thread). On a refusal (``EINVAL``: a file
+        system or device with other alignment rules) it goes through the page
+        cache instead, and so does the rest of the file."""
+        done, n = 0, len(view)
+        while done < n and self._direct_ok:
+            try:
+                k = os.pwrite(self._dfd, view[done:], pos + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_ok = False
+                break
+            if k <= 0 or k % DIRECT_ALIGN:  # a short write off the alignment: finish it buffered
+                done += max(k, 0)
+                break
+            done += k
+        fd = self._f.fileno()
+        while done < n:
+            done += os.pwrite(fd, view[done:], pos + done)
+
+    def _close_direct(self) -> None:
+        """After the write thread stopped: wait for every device write, then
+        give back the descriptor and an own `DirectIO`, then re-raise the first
+        write error. All of them are waited for first: a descriptor closed
+        under a write still queued could be reused by another open, and that
+        write would land in another file."""
+        io_futs, self._io = self._io, []
+        first: BaseException | None = None
+        for fut in io_futs:
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once every write is over
+                first = first or exc
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        if self._own_io and self._direct_io is not None:
+            self._direct_io.close()
+        self._direct_io = None
+        if first is not None:
+            raise first
+
     def _digest(self, mv: memoryview) -> bytes:
         return digest_bytes(self.algorithm, mv, self._hash_threads)
 
-    def _pools(self):
+    def _start_pools(self) -> None:
         if self._write_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-hash")
+            self._hash_pools = [ThreadPoolExecutor(1, thread_name_prefix="megamoe-hash")
+                                for _ in self._lane_bytes]
             self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-write")
-        return self._hash_pool, self._write_pool
 
-    def _submit_write(self, mv: memoryview, offset: int):
-        fut = self._pools()[1].submit(self._write_all, mv, offset)
+    def _hash_lane(self, nbytes: int):
+        """The single-thread hash pool for a tensor of `nbytes`: the lane with
+        the fewest planned bytes so far (first lane on ties). One tensor keeps
+        its lane, so its pieces and its final digest run in order."""
+        self._start_pools()
+        k = min(range(len(self._lane_bytes)), key=self._lane_bytes.__getitem__)
+        self._lane_bytes[k] += nbytes
+        return self._hash_pools[k]
+
+    def _submit_write(self, region: "_Region", mv: memoryview | None):
+        """Queue the next piece of `region` (None: the region is complete) on the write thread."""
+        self._start_pools()
+        fut = self._write_pool.submit(region.finish if mv is None else region.put, mv)
         self._pending.append(fut)
         return fut
 
-    def flush(self) -> None:
-        """Wait until every queued byte is written and hashed (re-raising errors)."""
+    def _wait_queued(self) -> None:
+        """Wait until every queued byte is hashed and handed to the kernel (or,
+        for direct writes, copied into a staging buffer): the caller may reuse
+        its memory. Device writes may still be running (`flush` waits for them)."""
         pending, self._pending = self._pending, []
         for fut in pending:
+            fut.result()
+
+    def flush(self) -> None:
+        """Wait until every queued byte is written and hashed (re-raising errors)."""
+        self._wait_queued()
+        for fut in list(self._io):  # the device writes those queued
             fut.result()
 
     @property
@@ -319,11 +430,12 @@ class ShardWriter:
                 f"{p.dtype} {list(p.shape)}"
             )
         data = tensor_bytes(tensor)
-        hash_pool, _ = self._pools()
-        hfut = hash_pool.submit(self._digest, data)
+        hfut = self._hash_lane(p.nbytes).submit(self._digest, data)
         self._pending.append(hfut)
         begin, end = self._claim(self._index[name])
-        wfut = self._submit_write(data, self._data_start + begin)
+        region = self._region(begin, end)
+        self._submit_write(region, data)
+        wfut = self._submit_write(region, None)
         self._digests.append((begin, end, name, hfut))
         if self._on_step is not None:
             self._on_step(STEP_TENSOR)
@@ -354,20 +466,22 @@ class ShardWriter:
         p = self._expect(name)
         begin, end = self._claim(self._next)
         h = new_hasher(self.algorithm)
+        region = self._region(begin, end)
         n = 0
         prev = None
         for c in chunks:
             mv = memoryview(c).cast("B")
             if n + len(mv) > p.nbytes:
-                self.flush()
+                self._wait_queued()
                 raise CheckpointError(f"{self.path.name}: tensor {name!r} got more than {p.nbytes} bytes")
-            fut = self._submit_write(mv, self._data_start + begin + n)
+            fut = self._submit_write(region, mv)
             h.update(mv)
             n += len(mv)
             if prev is not None:
                 prev.result()
             prev = fut
-        self.flush()
+        self._submit_write(region, None)
+        self._wait_queued()  # the chunks' memory is the caller's again (the device writes go on)
         if n != p.nbytes:
             raise CheckpointError(f"{self.path.name}: tensor {name!r} got {n} bytes, expected {p.nbytes}")
         from concurrent.futures import Future
@@ -388,6 +502,7 @@ class ShardWriter:
             )
         self.flush()
         self._shutdown()
+        self._close_direct()
         self._f.close()  # no fsync here: finalize_output syncs every file once, at the end
         want = self._data_start + (self._spans[-1][1] if self._spans else 0)
         if self._size != want:  # pragma: no cover - every claimed tensor checks its own byte count
@@ -397,10 +512,10 @@ class ShardWriter:
         return self._size, digest
 
     def _shutdown(self) -> None:
-        for pool in (self._hash_pool, self._write_pool):
+        for pool in (*self._hash_pools, self._write_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._hash_pool = self._write_pool = None
+        self._hash_pools, self._write_pool = [], None
 
     def abort(self) -> None:
         """Stop without finishing (the partial file stays for --resume to redo)."""
@@ -409,6 +524,10 @@ class ShardWriter:
         except Exception:
             pass
         self._shutdown()
+        try:
+            self._close_direct()
+        except Exception:
+            pass
         if not self._f.closed:
             self._f.close()
 
@@ -427,6 +546,8 @@ class TensorParts:
         self._begin, self._end = begin, end
         self._n = 0
         self._hasher = new_hasher(writer.algorithm)
+        self._lane = writer._hash_lane(end - begin)  # every piece, and the digest, on this one thread
+        self._region = writer._region(begin, end)
         self._last_write = None
 
     def put(self, data: memoryview) -> _Digest:
@@ -435,10 +556,9 @@ class TensorParts:
         if self._n + len(mv) > self._end - self._begin:
             raise MegaMoEError(f"{w.path.name}: tensor {self.planned.name!r} got more than its planned "
                                f"{self._end - self._begin} bytes")
-        hash_pool, _ = w._pools()
-        hfut = hash_pool.submit(self._update, mv)
+        hfut = self._lane.submit(self._update, mv)
         w._pending.append(hfut)
-        wfut = w._submit_write(mv, w._data_start + self._begin + self._n)
+        wfut = w._submit_write(self._region, mv)
         self._n += len(mv)
         self._last_write = wfut
         return _Digest(hfut, wfut)  # done when the piece is hashed and written; its result() is None
@@ -451,18 +571,155 @@ class TensorParts:
         if self._n != self._end - self._begin:
             raise MegaMoEError(f"{w.path.name}: tensor {self.planned.name!r} got {self._n} bytes, planned "
                                f"{self._end - self._begin}")
-        hash_pool, _ = w._pools()
-        hfut = hash_pool.submit(self._hasher.digest)  # after every piece: the hash thread runs in order
+        hfut = self._lane.submit(self._hasher.digest)  # after every piece: the lane's one thread runs in order
         w._pending.append(hfut)
         w._digests.append((self._begin, self._end, self.planned.name, hfut))
         if w._on_step is not None:
             w._on_step(STEP_TENSOR)
-        if self._last_write is None:  # an empty tensor
-            from concurrent.futures import Future
-
-            self._last_write = Future()
-            self._last_write.set_result(None)
+        self._last_write = w._submit_write(self._region, None)  # the unaligned tail, after every piece
         return _Digest(hfut, self._last_write)
+
+
+#: file offset and length alignment of ``O_DIRECT`` writes: the page size, a multiple of every
+#: common logical block size (512 B, 4 KiB)
+DIRECT_ALIGN = 4096
+
+
+#: copies at least this large release the GIL (`_copy_into`)
+_NOGIL_COPY = 64 << 10
+
+
+def _copy_into(dst: memoryview, src: memoryview) -> None:
+    """``dst[:len(src)] = src``. Large copies from writable memory go through
+    ``ctypes.memmove``, which releases the GIL (a memoryview slice assignment
+    holds it): the staging copy of every shard byte would otherwise stall the
+    device-write thread and the readers for a millisecond per 8 MiB
+    (BENCHMARKS.md, issue 13, third pass)."""
+    n = len(src)
+    if n >= _NOGIL_COPY and not src.readonly:
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)),
+                       ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
+    else:
+        dst[:n] = src
+
+
+class DirectIO:
+    """Page-aligned staging buffers and the one thread that writes them with
+    ``O_DIRECT``, shared by the shard writers of a run (their write threads
+    copy into a free buffer, this thread writes it out and frees it): the
+    device write of one buffer overlaps the copy into the next, and the
+    staging memory (`buffers` x `size`) does not grow with the number of
+    files open at once (one per expert-parallel rank)."""
+
+    def __init__(self, buffers: int = 3, size: int = 8 << 20):
+        import queue
+        import threading
+
+        self.size, self._max = size, buffers
+        self._free: "queue.SimpleQueue[memoryview]" = queue.SimpleQueue()
+        self._made = 0
+        self._lock = threading.Lock()
+        self._pool = None
+
+    def buffer(self) -> memoryview:
+        """A free staging buffer (made on first use, up to `buffers`; then
+        waits for the I/O thread to free one)."""
+        with self._lock:
+            if self._made < self._max:
+                self._made += 1
+                return memoryview(mmap.mmap(-1, self.size))  # anonymous mappings are page-aligned
+        return self._free.get()
+
+    def submit(self, writer: ShardWriter, buf: memoryview, n: int, pos: int):
+        with self._lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-direct")
+        return self._pool.submit(self._write, writer, buf, n, pos)
+
+    def _write(self, writer: ShardWriter, buf: memoryview, n: int, pos: int) -> None:
+        try:
+            writer._pwrite_direct(buf[:n], pos)
+        finally:
+            self._free.put(buf)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second, ``O_DIRECT`` write descriptor of `path` (already created), or
+    None where the platform or file system has none (tmpfs refuses it)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+class _Region:
+    """One tensor's data span of a `ShardWriter`, filled front to back on the
+    write thread (pieces of one region arrive in order: one write thread).
+
+    Without a direct descriptor every piece is a positional page-cache write
+    (`ShardWriter._write_all`). With one, the pages that lie wholly inside the
+    span are written with ``O_DIRECT`` from an aligned staging buffer, and
+    only the unaligned head and tail (under a page each; a page shared with a
+    neighbouring tensor is only ever written through the page cache, by both)
+    go through the page cache; `finalize_output`'s fsync still makes all of it
+    durable. Why: on the 2-core VM a page-cache write of fresh pages cost
+    0.25-3 CPU-s per GB (page allocation; a VM faults in fresh guest memory),
+    an ``O_DIRECT`` write from a reused buffer 0.17 CPU-s per GB, copy
+    included, with nothing left dirty for the final fsync (BENCHMARKS.md,
+    issue 13, third pass)."""
+
+    __slots__ = ("_w", "_start", "_end", "_pos", "_carry")
+
+    def __init__(self, writer: ShardWriter, start: int, end: int):
+        self._w, self._start, self._end = writer, start, end
+        self._pos = start  # file offset of the first byte not yet written (or carried)
+        self._carry = bytearray()  # bytes from _pos on, held until a page boundary
+
+    def put(self, mv: memoryview) -> None:
+        w = self._w
+        if not w._direct_ok:  # page-cache writes: nothing to align
+            if self._carry:
+                w._write_all(memoryview(self._carry), self._pos)
+                self._pos += len(self._carry)
+                self._carry = bytearray()
+            w._write_all(mv, self._pos)
+            self._pos += len(mv)
+            return
+        if self._pos % DIRECT_ALIGN:  # the head: up to the first page boundary, through the page cache
+            head = min(-self._pos % DIRECT_ALIGN - len(self._carry), len(mv))
+            self._carry += mv[:head]
+            mv = mv[head:]
+            if self._pos + len(self._carry) < self._end and (self._pos + len(self._carry)) % DIRECT_ALIGN:
+                return  # still short of the boundary
+            w._write_all(memoryview(self._carry), self._pos)
+            self._pos += len(self._carry)
+            self._carry = bytearray()
+        have = len(self._carry) + len(mv)
+        full = have - have % DIRECT_ALIGN
+        if full:
+            used = full - len(self._carry)
+            w._write_direct([memoryview(self._carry), mv[:used]], self._pos, full)
+            self._pos += full
+            self._carry = bytearray(mv[used:])
+        else:
+            self._carry += mv
+
+    def finish(self, _=None) -> None:
+        """Write what is still carried (the tail, through the page cache)."""
+        if self._carry:
+            self._w._write_all(memoryview(self._carry), self._pos)
+            self._pos += len(self._carry)
+            self._carry = bytearray()
 
 
 class CopyBuffers:
@@ -476,8 +733,8 @@ class CopyBuffers:
         self._mvs: list[memoryview] | None = None
 
     def get(self) -> list[memoryview]:
-        if self._mvs is None:
-            self._mvs = [memoryview(bytearray(self.size)) for _ in range(2)]
+        if self._mvs is None:  # anonymous mappings: no zero-filling pass under the GIL (a bytearray's)
+            self._mvs = [memoryview(mmap.mmap(-1, self.size)) for _ in range(2)]
         return self._mvs
 
 
@@ -530,6 +787,6 @@ def json_bytes(obj) -> bytes:
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA", "INDEX_NAME", "parse_size", "format_bytes", "PlannedTensor",
-    "plan_shards", "safetensors_header", "ShardWriter", "tensor_bytes", "start_writeback", "copy_source_bytes", "CopyBuffers",
+    "plan_shards", "safetensors_header", "ShardWriter", "DirectIO", "DIRECT_ALIGN", "tensor_bytes", "start_writeback", "copy_source_bytes", "CopyBuffers",
     "sha256_file", "write_bytes_atomic", "json_bytes",
 ]

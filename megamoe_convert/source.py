@@ -115,6 +115,10 @@ class CheckpointSource:
         self._headers: dict[Path, FileHeader] = {}
         self._weight_map: dict[str, Path] = {}
         self._index_files()
+        #: name -> its header entry, filled on first use: the conversion asks for a few headers per expert
+        #: read, and each two-level lookup compared `Path` keys (36 000 ``PurePath.__eq__`` calls on a
+        #: 1 GiB source; the headers do not change after `_index_files`)
+        self._tensor_headers: dict[str, TensorHeader] = {}
 
     # -- opening / validation ---------------------------------------------------
     def _read_json(self, name: str) -> dict[str, Any] | None:
@@ -212,7 +216,10 @@ class CheckpointSource:
             raise CheckpointError(f"{self.id}: no tensor {name!r} in the checkpoint") from None
 
     def tensor_header(self, name: str) -> TensorHeader:
-        return self._headers[self.file_of(name)].tensors[name]
+        th = self._tensor_headers.get(name)
+        if th is None:
+            th = self._tensor_headers[name] = self._headers[self.file_of(name)].tensors[name]
+        return th
 
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
         """``(safetensors dtype string, shape)`` from the header, no data read."""
@@ -269,9 +276,9 @@ class CheckpointSource:
         ``os.preadv`` with one iovec per view, at most IOV_MAX per call, short
         reads resumed. No temporary buffer and no copy after the read."""
         fd = self._fd(path)
-        total = sum(len(v) for v in views)
+        total = sum(map(len, views))
         i, got = 0, 0
-        while i < len(views):
+        while got < total:
             batch = views[i:i + _IOV_MAX]
             n = os.preadv(fd, batch, pos + got) if hasattr(os, "preadv") else _pread_into(fd, batch[0], pos + got)
             if n <= 0:
@@ -279,6 +286,8 @@ class CheckpointSource:
                     f"{path}: unexpected end of file reading {total} bytes at {pos} (file changed since it was opened?)"
                 )
             got += n
+            if got == total:  # the usual case: one call filled every view (no per-view bookkeeping)
+                return
             while i < len(views) and n >= len(views[i]):  # drop the views filled by this read
                 n -= len(views[i])
                 i += 1

@@ -35,7 +35,7 @@ from . import checks
 from .direct import DirectWeights
 from .output_dir import Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError
-from .shard_writer import ST_METADATA, CopyBuffers, ShardWriter, copy_source_bytes, tensor_bytes
+from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
 from .source import CheckpointSource
 from .temp_folder import Journal
@@ -43,6 +43,8 @@ from .temp_folder import Journal
 
 #: threads blake3 may use within one large tensor (sha256 is sequential)
 HASH_THREADS = 1
+#: write the shards' page-aligned bytes with O_DIRECT where the file system takes it (`ShardWriter`)
+DIRECT_WRITES = True
 
 
 def read_threads() -> int:
@@ -92,7 +94,11 @@ class Run:
         self._check_pool = None
         self._side = None
         self._readers = None
+        self._direct: DirectIO | None = None
+        self._directs: dict[int, tuple[layout.KernelTensors, DirectWeights]] = {}  # `direct_weights`
         self.read_threads = read_threads()
+        #: hash threads per shard writer: two where two cores are ours (`ShardWriter` hash lanes), else one
+        self.hash_lanes = min(2, self.read_threads)
 
     def advance(self, n: int) -> None:
         self.done_bytes += n
@@ -110,9 +116,17 @@ class Run:
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
                 meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
             w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step,
-                            algorithm=self.checksum, hash_threads=HASH_THREADS)
+                            algorithm=self.checksum, hash_threads=HASH_THREADS, hash_lanes=self.hash_lanes,
+                            direct_io=self.direct_io())
             self.writers[fname] = w
         return w
+
+    def direct_io(self) -> DirectIO | None:
+        """The staging buffers and device-write thread shared by this run's
+        shard writers (`DIRECT_WRITES`), made on first use."""
+        if DIRECT_WRITES and self._direct is None:
+            self._direct = DirectIO()
+        return self._direct
 
     def finish_tensor(self, slot: Slot, checksum: str) -> None:
         self.entries.setdefault(slot.file, {})[slot.key] = slot.entry(checksum, self.checksum).to_dict()
@@ -221,6 +235,7 @@ class Run:
         if key not in self._buffers:
             self.settle()  # a different layer shape: let the old ones go
             self._buffers.clear()
+            self._directs.clear()
             self._buffers[key] = [None] * self.NUM_BUFFER_SETS
         k = self._turn
         self._turn = (self._turn + 1) % self.NUM_BUFFER_SETS
@@ -229,6 +244,15 @@ class Run:
         if sets[k] is None:
             sets[k] = layout.allocate_kernel_tensors(row, g, H, I)
         return k, sets[k]
+
+    def direct_weights(self, reader, bset: int, buf: layout.KernelTensors) -> DirectWeights:
+        """The `DirectWeights` of chunk buffer set `bset` (all of `buf`, the
+        set as `chunk_buffers` gave it): one per set while its buffers live, so
+        the iovec lists of each expert slot are built once per run."""
+        got = self._directs.get(bset)
+        if got is None or got[0] is not buf or got[1].reader is not reader:
+            got = self._directs[bset] = (buf, DirectWeights(reader, buf))
+        return got[1]
 
     def chunk_experts(self, row: Row, E_l: int, H: int, I: int) -> int:
         """Experts per chunk buffer: about `CHUNK_BYTES` of packed experts, and at
@@ -298,6 +322,9 @@ class Run:
         if self._check_pool is not None:
             self._check_pool.shutdown(wait=True)
             self._check_pool = None
+        if self._direct is not None:  # every writer is closed or aborted by now
+            self._direct.close()
+            self._direct = None
 
 
 def convert_layer(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, journaled: dict | None,
@@ -378,7 +405,7 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             bset, buf = run.chunk_buffers(row, E_l, info.hidden, info.intermediate)
             c1 = min(lo + E_l, c0 + buf.num_experts)
             kt = buf.experts(0, c1 - c0)
-            direct = DirectWeights(reader, kt)
+            direct = run.direct_weights(reader, bset, buf)
             pack = functools.partial(_pack_expert, reader, row, info, kt, direct, c0, mismatched, where)
             for e, got in run.map_experts(pack, range(c0, c1)):  # in expert order, the first failure raised
                 et, rr = got

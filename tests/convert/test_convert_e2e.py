@@ -558,3 +558,86 @@ def test_resume_refuses_a_changed_source(tmp_path, what):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     s = convert(src, out, resume=True, **args)  # the byte back: resumes
     assert s.resumed_files > 0 and tree_bytes(out) == tree_bytes(ref)
+
+
+# --------------------------------------------------------------------------- the frozen heap
+
+
+def test_convert_freezes_the_heap_only_while_it_runs(tmp_path, monkeypatch):
+    """The objects alive at the start are kept out of the collector's passes
+    during the run (gc.freeze) and given back after it, also after a failure."""
+    import gc
+
+    import megamoe_convert.convert as mc
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=3)
+    seen = []
+    real = mc._convert_locked
+    monkeypatch.setattr(mc, "_convert_locked", lambda *a, **k: seen.append(gc.get_freeze_count()) or real(*a, **k))
+    assert gc.get_freeze_count() == 0
+    convert(src, tmp_path / "out")
+    assert seen[0] > 0 and gc.get_freeze_count() == 0
+
+    def boom(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(mc, "_convert_locked", boom)
+    with pytest.raises(RuntimeError, match="planted"):
+        convert(src, tmp_path / "out2")
+    assert gc.get_freeze_count() == 0
+
+
+def test_convert_leaves_a_callers_frozen_heap_alone(tmp_path):
+    """Negative: a caller that froze objects itself keeps its freeze (not undone)."""
+    import gc
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=3)
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        convert(src, tmp_path / "out")
+        assert gc.get_freeze_count() == before > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_convert_shortens_the_switch_interval_only_while_streaming(tmp_path, monkeypatch):
+    """The streaming pass runs with `SWITCH_INTERVAL` (the writer threads wait
+    less for the GIL); the caller's interval is back afterwards, also after a
+    failure, and a caller's shorter one is kept."""
+    import megamoe_convert.convert as mc
+    import megamoe_convert.run as mr
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=3)
+    seen = []
+    real = mr.run_conversion
+
+    def spy(*a, **k):
+        seen.append(sys.getswitchinterval())
+        return real(*a, **k)
+
+    monkeypatch.setattr(mc, "run_conversion", spy)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        convert(src, tmp_path / "out")
+        # (the interpreter keeps whole microseconds: compare loosely)
+        assert seen == [pytest.approx(mc.SWITCH_INTERVAL, rel=0.05)]
+        assert sys.getswitchinterval() == pytest.approx(0.004, rel=0.05)
+        sys.setswitchinterval(0.0001)  # shorter already: kept
+        convert(src, tmp_path / "out2")
+        assert seen[-1] == pytest.approx(0.0001, rel=0.05)
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+
+        def boom(*a, **k):
+            seen.append(sys.getswitchinterval())
+            raise RuntimeError("planted")
+
+        monkeypatch.setattr(mc, "run_conversion", boom)
+        sys.setswitchinterval(0.004)
+        with pytest.raises(RuntimeError, match="planted"):
+            convert(src, tmp_path / "out3")
+        assert seen[-1] == pytest.approx(mc.SWITCH_INTERVAL, rel=0.05)
+        assert sys.getswitchinterval() == pytest.approx(0.004, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)

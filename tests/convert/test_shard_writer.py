@@ -161,3 +161,234 @@ def test_parts_refuse_too_many_or_too_few_bytes(tmp_path):
     with pytest.raises(MegaMoEError, match="'s' is not planned or was already written"):
         w.open_parts("s")
     w.abort()
+
+
+# --------------------------------------------------------------------------- O_DIRECT writes and hash lanes
+
+#: tensors that span several pages at odd offsets (the header makes the first one start unaligned)
+BIG = {
+    "w1": torch.randint(0, 255, (37, 1031), dtype=torch.uint8),  # 38147 B
+    "s1": torch.randint(-9, 9, (3, 5), dtype=torch.int32),  # 60 B: one page's head and tail at once
+    "w2": torch.randint(0, 255, (5000 * 4 + 3,), dtype=torch.uint8),  # 20003 B
+    "e": torch.zeros(0, dtype=torch.float32),
+    "z": torch.tensor(3.25),
+}
+
+
+def _write_parts(path, **kw):
+    """w1 and w2 streamed side by side in odd pieces (out of plan order), the rest whole,
+    the last through `write_chunks`: every path of `ShardWriter`."""
+    w = ShardWriter(path, _plan(BIG), **kw)
+    f1, f2 = BIG["w1"].reshape(-1).numpy().data, BIG["w2"].numpy().data
+    p1, p2 = w.open_parts("w1"), w.open_parts("w2")
+    for i, j in zip(range(0, len(f1), 4099), range(0, len(f2), 1777)):
+        p1.put(f1[i:i + 4099])
+        p2.put(f2[j:j + 1777])
+    p1.put(f1[i + 4099:])
+    p2.put(f2[j + 1777:])
+    got = {"w1": p1.finish(), "w2": p2.finish(), "s1": w.write_async("s1", BIG["s1"]),
+           "e": w.write_async("e", BIG["e"])}
+    raw = BIG["z"].reshape(1).view(torch.uint8).numpy().data
+    got = {n: d.result() for n, d in got.items()}
+    got["z"] = w.write_chunks("z", [raw[:1], raw[1:]])
+    return got, w.close()
+
+
+def _count_direct(monkeypatch):
+    """Count the device writes `DirectIO` makes (bytes)."""
+    from megamoe_convert import shard_writer as sw
+
+    seen = []
+    real = sw.DirectIO._write
+
+    def spy(self, writer, buf, n, pos):
+        seen.append((pos, n))
+        return real(self, writer, buf, n, pos)
+
+    monkeypatch.setattr(sw.DirectIO, "_write", spy)
+    return seen
+
+
+def _direct_fds(monkeypatch) -> list:
+    """The O_DIRECT descriptors `ShardWriter`s open from now on (None where refused)."""
+    from megamoe_convert import shard_writer as sw
+
+    opened = []
+    real_open = sw._open_direct
+    monkeypatch.setattr(sw, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    return opened
+
+
+def _fail_direct_writes(monkeypatch, opened: list, err: int, first_only: bool = False) -> list:
+    """Make O_DIRECT writes on `opened` descriptors fail with `err` (only the first
+    one with `first_only`); the positions of the writes that went through are returned."""
+    import os
+    import threading
+
+    from megamoe_convert import shard_writer as sw
+
+    real, failed, through = os.pwrite, threading.Event(), []
+
+    def pwrite(fd, data, pos):
+        if fd in opened:
+            if not (first_only and failed.is_set()):
+                failed.set()
+                raise OSError(err, os.strerror(err))
+            through.append(("write", pos))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    return through
+
+
+def test_direct_writes_give_the_same_file_and_digests(tmp_path, monkeypatch):
+    """O_DIRECT for the whole pages inside each tensor, the page cache for the
+    unaligned heads and tails (pages shared by two tensors): the same bytes and
+    digests as page-cache writes alone, and most bytes went the direct way."""
+    from megamoe_convert.shard_writer import DIRECT_ALIGN
+
+    ref = tmp_path / "ref.safetensors"
+    want = _write_parts(ref)
+    seen = _count_direct(monkeypatch)
+    p = tmp_path / "direct.safetensors"
+    assert _write_parts(p, direct=True) == want
+    assert p.read_bytes() == ref.read_bytes()
+    if not seen:
+        pytest.skip("this file system refuses O_DIRECT (the page-cache path ran; see the fallback tests)")
+    assert all(pos % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 for pos, n in seen)
+    assert sum(n for _, n in seen) >= 38147 + 20003 - 4 * DIRECT_ALIGN
+
+
+def test_direct_writes_shared_staging_across_writers(tmp_path):
+    """Several files open at once share one `DirectIO` (its few staging buffers)."""
+    from megamoe_convert.shard_writer import DirectIO
+
+    want = _write_parts(tmp_path / "ref.safetensors")
+    io = DirectIO(buffers=2, size=8192)
+    try:
+        ws = [ShardWriter(tmp_path / f"{k}.safetensors", _plan(BIG), direct_io=io) for k in range(3)]
+        for w in ws:
+            for n, t in BIG.items():
+                w.write_async(n, t)
+        got = [w.close() for w in ws]
+    finally:
+        io.close()
+    assert got == [want[1]] * 3
+    assert {(tmp_path / f"{k}.safetensors").read_bytes() for k in range(3)} == {
+        (tmp_path / "ref.safetensors").read_bytes()}
+
+
+def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """A file system that opens O_DIRECT but refuses the write (EINVAL): that
+    buffer and everything after it goes through the page cache, same bytes."""
+    import errno
+
+    want = _write_parts(tmp_path / "ref.safetensors")
+    opened = _direct_fds(monkeypatch)
+    through = _fail_direct_writes(monkeypatch, opened, errno.EINVAL, first_only=True)
+    p = tmp_path / "x.safetensors"
+    assert _write_parts(p, direct=True) == want
+    assert p.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert through == []  # refused once, then the page cache for the rest of the file
+
+
+def test_direct_write_error_surfaces_at_close(tmp_path, monkeypatch):
+    """Negative: a device write failing otherwise (here ENOSPC) is not swallowed."""
+    import errno
+
+    opened = _direct_fds(monkeypatch)
+    _fail_direct_writes(monkeypatch, opened, errno.ENOSPC)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct=True)
+    if opened[0] is None:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT")
+    for n, t in BIG.items():
+        w.write_async(n, t)
+    with pytest.raises(OSError, match="No space left"):
+        w.close()
+    w.abort()
+
+
+def test_direct_on_a_file_system_without_it(tmp_path):
+    """tmpfs refuses O_DIRECT at open: the writer uses the page cache alone."""
+    import os
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    want = _write_parts(tmp_path / "ref.safetensors")
+    d = shm / f"megamoe-test-{os.getpid()}"
+    d.mkdir()
+    try:
+        assert _write_parts(d / "x.safetensors", direct=True) == want
+        assert (d / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+def test_hash_lanes_split_large_tensors_and_keep_digests(tmp_path):
+    """Two hash lanes: the two large tensors land on different lanes (fewest
+    planned bytes first); digests and file equal the one-lane ones."""
+    want = _write_parts(tmp_path / "ref.safetensors")
+    p = tmp_path / "x.safetensors"
+    assert _write_parts(p, hash_lanes=2) == want
+    assert p.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    w = ShardWriter(tmp_path / "y.safetensors", _plan(BIG), hash_lanes=2)
+    p1, p2 = w.open_parts("w1"), w.open_parts("w2")
+    assert p1._lane is not p2._lane
+    assert w._lane_bytes == [38147, 20003]
+    w.abort()
+
+
+def test_direct_large_copies_from_writable_and_read_only_memory(tmp_path):
+    """Staging copies of 64 KiB and more go through ctypes.memmove (GIL released)
+    from writable memory, a slice assignment from read-only bytes: same file."""
+    from megamoe_convert.shard_writer import _NOGIL_COPY
+
+    big = torch.randint(0, 255, (3 * _NOGIL_COPY + 5,), dtype=torch.uint8)
+    ts = {"a": big, "b": big.flip(0).clone()}
+    ref = tmp_path / "ref.safetensors"
+    want = _write(ref, ts)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(ts), direct=True)
+    got = {"a": w.write("a", ts["a"]),  # writable tensor memory
+           "b": w.write_chunks("b", [bytes(ts["b"].numpy())])}  # read-only bytes
+    assert (got, w.close()) == want
+    assert (tmp_path / "x.safetensors").read_bytes() == ref.read_bytes()
+
+
+def test_direct_close_waits_for_every_device_write_before_closing(tmp_path, monkeypatch):
+    """Negative: with the first device write failing, close raises it, and the
+    descriptor is given back (by the abort that follows) only after the later
+    writes are over (a reused descriptor number would send them into another
+    file)."""
+    import errno
+    import os
+
+    from megamoe_convert import shard_writer as sw
+
+    opened = _direct_fds(monkeypatch)
+    order = _fail_direct_writes(monkeypatch, opened, errno.EIO, first_only=True)
+    real_close = os.close
+
+    def close(fd):
+        if fd in opened:
+            order.append(("close", fd))
+        return real_close(fd)
+
+    monkeypatch.setattr(sw.os, "close", close)
+    io = sw.DirectIO(buffers=2, size=8192)
+    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct_io=io)
+    if opened[0] is None:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT")
+    for n, t in BIG.items():
+        w.write_async(n, t)
+    with pytest.raises(OSError, match="Input/output error"):
+        w.close()
+    w.abort()  # what the converter does after a failed close (`Run.abort`)
+    io.close()
+    assert order and order[-1][0] == "close" and all(k == "write" for k, _ in order[:-1])
+    assert len(order) > 2  # the writes after the failed one still ran, before the close

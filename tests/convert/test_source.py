@@ -108,6 +108,20 @@ def test_hub_id_syntax():
 # ------------------------------------------------------------------ sharded
 
 
+def test_tensor_header_is_the_files_entry_and_unknown_names_still_fail(synth_ckpt):
+    """`tensor_header` remembers entries by name: the same object as its file's
+    header entry, every time, in every shard; a name not in the checkpoint
+    still raises (twice: a miss is not remembered)."""
+    p = synth_ckpt("modelopt-nvfp4", max_shard_bytes=150_000)
+    src = open_source(p)
+    for name in src.tensor_names()[::13]:
+        th = src.tensor_header(name)
+        assert th is src.file_header(src.file_of(name)).tensors[name] is src.tensor_header(name)
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="no tensor 'no_such.weight'"):
+            src.tensor_header("no_such.weight")
+
+
 def test_sharded_index(synth_ckpt):
     p = synth_ckpt("modelopt-nvfp4", max_shard_bytes=150_000)
     shards = sorted(p.glob("model-*.safetensors"))
@@ -553,3 +567,53 @@ def test_org_name_that_is_neither_names_both_readings(tmp_path, monkeypatch):
     assert msg.startswith(f"some-org/some-model: no such local folder ({tmp_path / 'some-org' / 'some-model'}); "
                           "as a hub repo id: "), msg
     assert f"not in the hub cache at {cache}" in msg and "`hf download some-org/some-model --revision v2`" in msg
+
+
+# ------------------------------------------------------------------ scatter reads
+
+
+def _scatter(src, name: str, sizes: list[int]):
+    """`read_into` the first sum(sizes) bytes of tensor `name` into views of those sizes."""
+    path, pos, n = src.tensor_data_range(name)
+    total = sum(sizes)
+    assert total <= n
+    buf = bytearray(total)
+    views, off = [], 0
+    for k in sizes:
+        views.append(memoryview(buf)[off:off + k])
+        off += k
+    src.read_into(path, pos, views)
+    with open(path, "rb") as f:
+        f.seek(pos)
+        return bytes(buf), f.read(total)
+
+
+def test_read_into_many_views_and_short_reads(synth_ckpt, monkeypatch):
+    """More views than one preadv takes (IOV_MAX), and a kernel that returns
+    short reads (ending inside a view, or exactly at a view's end): the views
+    still get the file's bytes in order."""
+    import megamoe_convert.source as source_mod
+
+    src = open_source(synth_ckpt("bf16"))
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"  # 64 KiB
+    got, want = _scatter(src, name, [7, 1, 64] * 400)  # 1200 views > IOV_MAX (1024)
+    assert got == want
+    real = os.preadv
+    for cap in (100, 72, 5):  # 72: short reads that end exactly at view ends
+
+        def short(fd, views, pos, cap=cap):
+            return real(fd, [memoryview(views[0])[:cap]], pos) if len(views[0]) > cap else real(fd, views[:1], pos)
+
+        monkeypatch.setattr(source_mod.os, "preadv", short)
+        got, want = _scatter(src, name, [50, 22, 300, 1, 999])
+        assert got == want
+    monkeypatch.undo()
+
+
+def test_read_into_past_the_end_fails(synth_ckpt):
+    """Negative: views longer than what is left in the file raise, naming the file."""
+    src = open_source(synth_ckpt("bf16"))
+    path = src.files()[-1]
+    size = path.stat().st_size
+    with pytest.raises(CheckpointError, match="unexpected end of file"):
+        src.read_into(path, size - 10, [memoryview(bytearray(8)), memoryview(bytearray(8))])
