@@ -43,8 +43,15 @@ from .temp_folder import Journal
 
 #: threads blake3 may use within one large tensor (sha256 is sequential)
 HASH_THREADS = 1
-#: write the shards' page-aligned bytes with O_DIRECT where the file system takes it (`ShardWriter`)
+#: write the shards' page-aligned bytes with O_DIRECT where the file system takes it (`ShardWriter`);
+#: ``MEGAMOE_CONVERT_DIRECT=0`` writes through the page cache instead (an output to be loaded right
+#: away then stays cached; a file system where O_DIRECT is slow)
 DIRECT_WRITES = True
+
+
+def direct_writes() -> bool:
+    """`DIRECT_WRITES`, unless ``MEGAMOE_CONVERT_DIRECT=0`` turns it off for this process."""
+    return DIRECT_WRITES and os.environ.get("MEGAMOE_CONVERT_DIRECT", "1") not in ("0", "false", "no")
 
 
 def read_threads() -> int:
@@ -123,8 +130,8 @@ class Run:
 
     def direct_io(self) -> DirectIO | None:
         """The staging buffers and device-write thread shared by this run's
-        shard writers (`DIRECT_WRITES`), made on first use."""
-        if DIRECT_WRITES and self._direct is None:
+        shard writers (`direct_writes()`), made on first use."""
+        if self._direct is None and direct_writes():
             self._direct = DirectIO()
         return self._direct
 

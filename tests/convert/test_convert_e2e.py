@@ -641,3 +641,24 @@ def test_convert_shortens_the_switch_interval_only_while_streaming(tmp_path, mon
         assert sys.getswitchinterval() == pytest.approx(0.004, rel=0.05)
     finally:
         sys.setswitchinterval(before)
+
+
+# --------------------------------------------------------------------------- O_DIRECT switch
+
+
+def test_direct_writes_can_be_turned_off_with_the_same_bytes(tmp_path, monkeypatch):
+    """``MEGAMOE_CONVERT_DIRECT=0``: no O_DIRECT descriptor is opened and the
+    output is byte for byte the default (O_DIRECT where the file system takes it)."""
+    import megamoe_convert.shard_writer as sw
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, seed=5)
+    opened = []
+    real = sw._open_direct
+    monkeypatch.setattr(sw, "_open_direct", lambda p: opened.append(p) or real(p))
+    convert(src, tmp_path / "on")
+    assert opened, "the default run never asked for an O_DIRECT descriptor"
+    opened.clear()
+    monkeypatch.setenv("MEGAMOE_CONVERT_DIRECT", "0")
+    convert(src, tmp_path / "off")
+    assert opened == []
+    assert tree_bytes(tmp_path / "off") == tree_bytes(tmp_path / "on")
