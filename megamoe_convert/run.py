@@ -83,6 +83,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
     repaired = 0
     layer_entries = []
     try:
+        run.start_passthrough(source)
         for lp in plans:
             rec = convert_layer(reader, row, lp, ep_size, run, layer_records.get(lp.info.index), log)
             repaired += len(rec["repairs"])

@@ -33,7 +33,7 @@ from megamoe_runtime.roles import KERNEL_ROLES, is_shared_role, shared_role
 
 from . import checks
 from .direct import DirectWeights
-from .output_dir import Log, StepHook
+from .output_dir import STEP_TENSOR, Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError
 from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
@@ -103,6 +103,7 @@ class Run:
         self._readers = None
         self._direct: DirectIO | None = None
         self._directs: dict[int, tuple[layout.KernelTensors, DirectWeights]] = {}  # `direct_weights`
+        self.passthrough: PassthroughCopy | None = None  # `start_passthrough`
         self.read_threads = read_threads()
         #: hash threads per shard writer: two where two cores are ours (`ShardWriter` hash lanes), else one
         self.hash_lanes = min(2, self.read_threads)
@@ -115,14 +116,17 @@ class Run:
     def needed(self, slot: Slot) -> bool:
         return slot.file not in self.done_files
 
-    def writer(self, fname: str) -> ShardWriter:
+    def writer(self, fname: str, steps: bool = True) -> ShardWriter:
+        """`fname`'s shard writer, made on first use; `steps` False: it reports
+        no ``tensor`` steps itself (`PassthroughCopy` replays them in order)."""
         w = self.writers.get(fname)
         if w is None:
             slots = self.slots_by_file[fname]
             meta = dict(ST_METADATA)
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)
                 meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
-            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta, on_step=self.on_step,
+            w = ShardWriter(self.tmp / fname, [s.planned for s in slots], meta,
+                            on_step=self.on_step if steps else None,
                             algorithm=self.checksum, hash_threads=HASH_THREADS, hash_lanes=self.hash_lanes,
                             direct_io=self.direct_io())
             self.writers[fname] = w
@@ -319,7 +323,15 @@ class Run:
             self._readers.shutdown(wait=True)
             self._readers = None
 
+    def start_passthrough(self, source: CheckpointSource) -> None:
+        """Start copying the pass-through files still to write on their own
+        thread (`PassthroughCopy`); `copy_passthrough` records them."""
+        if self.passthrough is None:
+            self.passthrough = PassthroughCopy(source, self)
+
     def abort(self) -> None:
+        if self.passthrough is not None:  # its thread uses writers and buffers that go below
+            self.passthrough.stop()
         self.close_side_pool()
         for w in self.writers.values():
             w.abort()
@@ -480,8 +492,97 @@ def _pack_expert(reader, row: Row, info, kt: layout.KernelTensors, direct: Direc
     return et, rr
 
 
+class _Stopped(MegaMoEError):
+    """The run stopped (`PassthroughCopy.stop`) before this tensor was copied."""
+
+
+class PassthroughCopy:
+    """The pass-through tensors of the files still to write, copied from the
+    start of the streaming pass on a thread of their own, beside the MoE
+    layers, instead of after the last one.
+
+    Why: copied last, they were a 0.15-0.19 s tail of a 1.2 s conversion (1
+    GiB, 2 cores) in which one thread read, hashed and handed on 16 MiB at a
+    time and the disk was busy half the time, and the disk idled while the
+    plan was made; beside the layers the same work fills the cores' and the
+    disk's idle moments (BENCHMARKS.md, issue 13, fourth pass).
+
+    Only the bytes move early. Each tensor's ``tensor`` step, progress and
+    manifest entry (and so the journal record of its file) are still made on
+    the converting thread after the last layer, in plan order (`finish`):
+    the N-th step is the same tensor as with a sequential copy, so a crash
+    planted there leaves the same journal, and an unjournaled file is
+    rewritten on ``--resume`` whatever part of it was written. Errors are
+    raised in plan order too. Its writers are made here, on the calling
+    thread, and used only by the copy thread until `finish` has its result."""
+
+    def __init__(self, source: CheckpointSource, run: Run):
+        import threading
+        from concurrent.futures import Future
+
+        self.run = run
+        self.jobs: list[tuple[Slot, Path, int, int, Future]] = []  # slot, path, offset, nbytes, its checksum
+        for fname, slots in run.slots_by_file.items():
+            if not slots or slots[0].role != PASSTHROUGH_ROLE or fname in run.done_files:
+                continue
+            run.writer(fname, steps=False)
+            for slot in slots:
+                th = source.tensor_header(slot.planned.name)
+                path = source.file_of(slot.planned.name)
+                fh = source.file_header(path)
+                self.jobs.append((slot, path, 8 + fh.header_len + th.begin, th.nbytes, Future()))
+        self._stop = threading.Event()
+        self._thread = None
+        if self.jobs:
+            self._thread = threading.Thread(target=self._copy, name="megamoe-passthrough", daemon=True)
+            self._thread.start()
+
+    def _copy(self) -> None:
+        buffers = CopyBuffers()  # one pair for every pass-through tensor
+        for i, (slot, path, pos, n, fut) in enumerate(self.jobs):
+            try:
+                chunks = self._until_stopped(copy_source_bytes(path, pos, n, None, buffers))
+                fut.set_result(self.run.writers[slot.file].write_chunks(slot.planned.name, chunks))
+            except BaseException as exc:  # raised by `finish` in plan order; nothing after it is copied
+                for *_, f in self.jobs[i:]:
+                    f.set_exception(exc)
+                return
+
+    def _until_stopped(self, chunks):
+        for c in chunks:
+            if self._stop.is_set():
+                raise _Stopped("stopped before the pass-through copy was complete")
+            yield c
+
+    def finish(self, fname: str) -> None:
+        """Record `fname`'s tensors in plan order (their bytes copied by now or
+        next): the ``tensor`` step, progress and entry of each."""
+        for slot, _, _, n, fut in self.jobs:
+            if slot.file != fname:
+                continue
+            digest = fut.result()
+            self.run.advance(n)
+            if self.run.on_step is not None:
+                self.run.on_step(STEP_TENSOR)
+            self.run.finish_tensor(slot, digest)
+
+    def stop(self) -> None:
+        """Stop the copy at its next chunk and wait for its thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 def copy_passthrough(source: CheckpointSource, run: Run) -> None:
-    buffers = CopyBuffers()  # one pair for every pass-through tensor
+    """Record (or, on resume, check) the pass-through files in plan order;
+    their bytes are copied by `PassthroughCopy` (`Run.start_passthrough`,
+    started here if it was not yet)."""
+    run.start_passthrough(source)
+    buffers = CopyBuffers()  # resume checks
     for fname, slots in run.slots_by_file.items():
         if not slots or slots[0].role != PASSTHROUGH_ROLE:
             continue
@@ -496,12 +597,8 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
                     h.update(chunk)
                 run.check_bytes(slot, h.hexdigest())
             continue
-        for slot in slots:
-            th = source.tensor_header(slot.planned.name)
-            path = source.file_of(slot.planned.name)
-            fh = source.file_header(path)
-            chunks = copy_source_bytes(path, 8 + fh.header_len + th.begin, th.nbytes, run.advance, buffers)
-            run.finish_tensor(slot, run.writer(fname).write_chunks(slot.planned.name, chunks))
+        run.passthrough.finish(fname)
+    run.passthrough.join()
 
 
-__all__ = ["HASH_THREADS", "Run", "convert_layer", "copy_passthrough"]
+__all__ = ["HASH_THREADS", "PassthroughCopy", "Run", "convert_layer", "copy_passthrough"]

@@ -152,3 +152,109 @@ def test_small_chunks_blake3_same_folder_as_one_chunk(tmp_path, monkeypatch):
     convert(src, tmp_path / "chunked", checksum="blake3")
     files = lambda d: {p.name: p.read_bytes() for p in d.iterdir()}  # noqa: E731
     assert files(tmp_path / "chunked") == files(tmp_path / "whole")
+
+
+# --------------------------------------------------------------------------- pass-through copy beside the layers
+
+PASSTHROUGH_CASE = next(c for c in CASES if c[0] == "quark-mxfp4-deepseekv3-ep4-small-shards")
+
+
+def _passthrough_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "megamoe-passthrough" and t.is_alive()]
+
+
+def test_passthrough_bytes_copied_during_the_first_layer_recorded_after_the_last(tmp_path, monkeypatch):
+    """The pass-through copy runs beside the layers (here: all of it is awaited
+    inside the first layer, so this does not depend on timing), yet its files
+    are journaled only after the last layer and every ``tensor`` step fires on
+    the converting thread, in plan order: the output is the golden one."""
+    import threading
+
+    import megamoe_convert.run as run_mod
+
+    name, spec, kwargs = PASSTHROUGH_CASE
+    real = run_mod.convert_layer
+    seen = {"layers": 0, "copied_early": 0}
+
+    def layer(reader, row, lp, ep_size, run, journaled, log):
+        if seen["layers"] == 0:
+            assert run.passthrough is not None and run.passthrough.jobs
+            for slot, *_, fut in run.passthrough.jobs:
+                fut.result()  # copied and hashed before any layer ran
+                assert slot.file not in run.done_files  # ... but not recorded yet
+            seen["copied_early"] = len(run.passthrough.jobs)
+        seen["layers"] += 1
+        return real(reader, row, lp, ep_size, run, journaled, log)
+
+    steps = []
+    monkeypatch.setattr(run_mod, "convert_layer", layer)
+    got = _convert_case(spec, {**kwargs, "on_step": lambda s: steps.append((s, threading.current_thread()))},
+                        tmp_path)
+    assert got["output"] == _golden()["convert"][name]["output"]
+    assert seen["copied_early"] > 0 and seen["layers"] >= 1
+    assert steps and all(t is threading.main_thread() for _, t in steps)
+    assert not _passthrough_threads()
+
+
+def test_passthrough_copy_error_is_raised_and_resume_redoes_the_file(tmp_path, monkeypatch):
+    """Negative: a read error on the copy thread is raised by convert (at the
+    pass-through file's turn), the thread is gone, the file is not journaled,
+    and --resume writes the golden bytes."""
+    name, spec, kwargs = PASSTHROUGH_CASE
+    real = stream.copy_source_bytes
+    calls = [0]
+
+    def failing(path, offset, nbytes, progress=None, buffers=None):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(5, "planted pass-through read error")
+        return real(path, offset, nbytes, progress, buffers)
+
+    monkeypatch.setattr(stream, "copy_source_bytes", failing)
+    with pytest.raises(OSError, match="planted pass-through read error"):
+        _convert_case(spec, kwargs, tmp_path)
+    assert not _passthrough_threads()
+    journal = [json.loads(line) for line in
+               (temp_dir_for(tmp_path / "out") / "megamoe-journal.jsonl").read_text().splitlines()]
+    journaled = {j["name"] for j in journal if j["kind"] == "file"}
+    assert journaled and not any(all(t["role"] == "passthrough" for t in j["tensors"].values())
+                                 for j in journal if j["kind"] == "file")
+    monkeypatch.setattr(stream, "copy_source_bytes", real)
+    got = _convert_case(spec, {**kwargs, "resume": True}, tmp_path)
+    assert got["output"] == _golden()["convert"][name]["output"]
+
+
+def test_a_layer_error_stops_the_passthrough_copy(tmp_path, monkeypatch):
+    """Negative: a failure in a MoE layer while the copy may still run stops and
+    joins the copy thread before the writers are aborted (no thread left
+    writing into the temp folder), and the error is the layer's."""
+    import megamoe_convert.run as run_mod
+
+    class Planted(Exception):
+        pass
+
+    name, spec, kwargs = PASSTHROUGH_CASE
+
+    def layer(*a, **k):
+        raise Planted("layer failed")
+
+    monkeypatch.setattr(run_mod, "convert_layer", layer)
+    with pytest.raises(Planted):
+        _convert_case(spec, kwargs, tmp_path)
+    assert not _passthrough_threads()
+
+
+def test_passthrough_copy_stop_refuses_the_remaining_tensors(tmp_path):
+    """`PassthroughCopy.stop` ends the copy at its next chunk: a tensor not yet
+    copied is never reported as copied (its result is the stop error)."""
+    from megamoe_convert.stream import PassthroughCopy, _Stopped
+
+    copy = PassthroughCopy.__new__(PassthroughCopy)
+    import threading
+
+    copy._stop = threading.Event()
+    copy._stop.set()
+    with pytest.raises(_Stopped):
+        list(copy._until_stopped(iter([b"x"])))
