@@ -634,7 +634,7 @@ class SchemeReader(CheckpointReader):
         cache = self.__dict__.setdefault("_scalar_values", {})
         v = cache.get(name)
         if v is None:
-            v = cache[name] = float(self.source.get_tensor(name).float().reshape(-1)[0])
+            v = cache[name] = self.source.first_value(name)
         if rescale is not None:
             if not (math.isfinite(v) and v > 0):
                 raise ScaleError(f"{where}: {self._where(name)} = {v!r}; a scale must be finite and > 0")

@@ -116,13 +116,18 @@ def test_reads_are_lazy(synth_ckpt):
     r = detect_reader(src)
     r.moe_layers()  # header-only structure
     seen: list[str] = []
-    orig = src.get_tensor
+    orig, orig_value = src.get_tensor, src.first_value
 
     def spy(name):
         seen.append(name)
         return orig(name)
 
+    def spy_value(name):  # scalar scales: one small read each, no tensor
+        seen.append(name)
+        return orig_value(name)
+
     src.get_tensor = spy  # type: ignore[method-assign]
+    src.first_value = spy_value  # type: ignore[method-assign]
     r.read_expert(1, 6)
     assert seen and all(".experts.6." in n and n.startswith("model.layers.1.") for n in seen)
     assert len(seen) == 12  # 3 projections x (weight, scale, scale_2, input_scale)

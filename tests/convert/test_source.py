@@ -289,6 +289,64 @@ def test_valid_handmade_header(tmp_path):
     assert fh.tensors["a"].nbytes == 8
 
 
+def _scalar_file(tmp_path, values: dict[str, torch.Tensor]) -> Path:
+    """A one-file checkpoint folder holding `values` (name -> tensor)."""
+    header, data = {}, b""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int32: "I32"}
+    for name, t in values.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _write_raw(d / "model.safetensors", header, data)
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_first_value_equals_the_tensor_path_bit_for_bit(tmp_path):
+    """`first_value` (struct decode for F32/F16/BF16, get_tensor otherwise) gives
+    what ``float(get_tensor(n).float().reshape(-1)[0])`` gives, specials included."""
+    specials = [0.0, -0.0, 1.0, 3.0e-3, 448.0, 1e-45, 3.4e38, float("inf"), float("-inf"), float("nan"), -2.5]
+    values = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32):
+        for i, v in enumerate(specials):
+            if dt == torch.int32 and not (abs(v) < 1e9 and v == v):
+                continue
+            values[f"{dt}.{i}.scalar"] = torch.tensor(v).to(dt)
+            values[f"{dt}.{i}.vector"] = torch.tensor([v, 7.0]).to(dt)
+    src = open_source(str(_scalar_file(tmp_path, values)))
+    wants = {name: float(src.get_tensor(name).float().reshape(-1)[0]) for name in values}
+    real = src.get_tensor
+
+    def guarded(name):  # the struct path must not make a tensor
+        assert not name.startswith(("torch.float32", "torch.float16", "torch.bfloat16")), name
+        return real(name)
+
+    src.get_tensor = guarded
+    for name, want in wants.items():
+        got = src.first_value(name)
+        assert type(got) is float
+        assert struct.pack("<d", got) == struct.pack("<d", want) or (got != got and want != want), name
+
+
+def test_first_value_of_a_truncated_file_is_an_error(tmp_path):
+    """Negative: a scalar whose bytes lie past the end of a file that shrank after
+    its header was read is refused (a short read falls back to get_tensor's error),
+    and an empty tensor has no first value."""
+    d = _scalar_file(tmp_path, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0), "e": torch.zeros(0)})
+    src = open_source(str(d))
+    assert src.first_value("b") == 3.0
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-4])  # "b" is gone
+    with pytest.raises(CheckpointError, match="unexpected end of file"):
+        src.first_value("b")
+    with pytest.raises(IndexError):
+        src.first_value("e")
+
+
 # ------------------------------------------------------------------ hub
 
 
