@@ -142,12 +142,14 @@ class CheckpointSource:
                     f"{self.root / INDEX_NAME} names shard(s) missing from {self.root}: {missing}"
                     + (" (incomplete download?)" if self.kind == "hub" else "")
                 )
-            for f in files:
-                self._check_inside(self.root / f)
-                self._headers[self.root / f] = read_safetensors_header(self.root / f)
+            paths = {f: self.root / f for f in files}  # one Path per shard, not one per tensor (thousands)
+            for f, path in paths.items():
+                self._check_inside(path)
+                self._headers[path] = read_safetensors_header(path)
+            tensors_of = {f: self._headers[path].tensors for f, path in paths.items()}
             for name, f in wm.items():
-                path = self.root / f
-                if name not in self._headers[path].tensors:
+                path = paths[f]
+                if name not in tensors_of[f]:
                     raise CheckpointError(
                         f"{self.root / INDEX_NAME} maps tensor {name!r} to {path.name}, but {path} has no such tensor"
                     )
