@@ -40,7 +40,6 @@ or a whole stack at once.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -377,16 +376,7 @@ def _packed_scale(src: torch.Tensor, p: int, where: str) -> torch.Tensor:
     g = src.shape[-1]
     if -(-g // 4) != p:
         raise LayoutError(f"{where}: {g} scale groups per row pack to {-(-g // 4)} int32, expected P={p}")
-    u = src.view(torch.uint8)
-    if g % 4 == 0 and _LITTLE_ENDIAN and u.device.type in ("cpu", "cuda") and u.is_contiguous() \
-            and u.data_ptr() % 4 == 0:
-        # the words `pack_bytes_int32` would copy out (its little-endian path), read in place: the
-        # callers only copy_ from the result, and the converter packs three scales per expert
-        return u.view(torch.int32)
-    return _codecs().pack_bytes_int32(u)
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
+    return _codecs().pack_bytes_int32(src.view(torch.uint8))
 
 
 def _check_scale_dst(kv: torch.Tensor, where: str) -> None:

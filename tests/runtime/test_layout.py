@@ -721,37 +721,3 @@ def test_l1_half_row_runs_match_write_l1_weight(I):
         assert not torch.equal(wrong, want)
     with pytest.raises(LayoutError, match="needs % 8"):
         layout.l1_half_row_runs(12, 0)
-
-
-def test_scale_writes_read_aligned_bytes_in_place_and_match_the_packed_copy():
-    """`_packed_scale` reinterprets contiguous, 4-byte aligned scale bytes as
-    int32 without a copy (what the converter passes for every expert); the
-    kernel scales written from it equal those written from `pack_bytes_int32`'s
-    copy, and a misaligned, non-contiguous or odd-width source (negative
-    cases) still takes the copying path with the same result."""
-    from megamoe_runtime.codecs import pack_bytes_int32
-
-    g = torch.Generator().manual_seed(5)
-    I, H = 128, 256
-    row = "nvfp4"
-    kt = layout.allocate_kernel_tensors(row, 1, H, I)
-    p1 = kt.l1_scale.shape[-1]
-    raw = torch.randint(1, 0x7F, (I * (H // 16) + 1,), dtype=torch.uint8, generator=g)
-    aligned = raw[:-1].view(I, H // 16)
-    assert aligned.data_ptr() % 4 == 0
-    packed_view = layout._packed_scale(aligned, p1, "t")
-    assert packed_view.data_ptr() == aligned.data_ptr()  # in place
-    misaligned = raw[1:].view(I, H // 16)
-    assert layout._packed_scale(misaligned, p1, "t").data_ptr() != misaligned.data_ptr()
-    wide = torch.randint(1, 0x7F, (I, 2 * (H // 16)), dtype=torch.uint8, generator=g)
-    strided = wide[:, ::2]
-    assert not strided.is_contiguous()
-    for src in (aligned, misaligned, strided):
-        a = layout.allocate_kernel_tensors(row, 1, H, I)
-        b = layout.allocate_kernel_tensors(row, 1, H, I)
-        layout.write_l1_scale(a.l1_scale[0], src.view(torch.float8_e4m3fn), 1)
-        layout.write_l1_scale(b.l1_scale[0], pack_bytes_int32(src.contiguous()), 1)
-        assert torch.equal(a.l1_scale, b.l1_scale)
-    odd = torch.randint(1, 0x7F, (I, 6), dtype=torch.uint8, generator=g)  # 6 groups: padded to 2 words
-    assert layout._packed_scale(odd, 2, "t").data_ptr() != odd.data_ptr()
-    assert torch.equal(layout._packed_scale(odd, 2, "t"), pack_bytes_int32(odd))
