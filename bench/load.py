@@ -143,7 +143,7 @@ def build_checkpoint(workdir: Path, gb: float, checksum: str = "sha256") -> tupl
         if not (src / "config.json").is_file():
             build_synthetic_checkpoint(src, "modelopt-mxfp8", num_layers=layers, hidden=H, intermediate=I,
                                        num_experts=E, top_k=4, max_shard_bytes=2 << 30)
-        convert(src, out, overwrite=True, **({} if checksum == "sha256" else {"checksum": checksum}))
+        convert(src, out, overwrite=True, checksum=checksum)
         print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
     return src, out, layers
 

@@ -46,8 +46,17 @@ SHA256 = "sha256"
 BLAKE3 = "blake3"
 #: checksum algorithms, in the order the manifest schema lists them
 ALGORITHMS = (SHA256, BLAKE3)
-#: what the converter writes unless told otherwise (`--checksum`; measured in BENCHMARKS.md, issue 13)
-DEFAULT_CHECKSUM = SHA256
+def _default_checksum() -> str:
+    """blake3 (a declared dependency: about 4x sha256 a core, which took the converter from 0.56x to
+    0.73x of ``cp -r`` + ``sync`` on 2 cores, BENCHMARKS.md issue 13), or sha256 where the package is
+    absent (an install without dependencies): a conversion never fails for want of a hash."""
+    import importlib.util
+
+    return BLAKE3 if importlib.util.find_spec("blake3") is not None else SHA256
+
+
+#: what the converter writes unless told otherwise (`--checksum`)
+DEFAULT_CHECKSUM = _default_checksum()
 
 DIGEST_SHA256 = "sha256"
 DIGEST_HEADER_AND_TENSORS = "sha256-of-header-and-tensor-digests"

@@ -543,7 +543,7 @@ def test_resume_refuses_a_changed_source(tmp_path, what):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     assert open_source(src).content_hash() == fingerprint_before  # the sampled identity cannot see it
-    with pytest.raises(SourceChangedError, match=rf"tensor .* of the finished file .* would now be sha256 .*"
+    with pytest.raises(SourceChangedError, match=rf"tensor .* of the finished file .* would now be blake3 .*"
                                                  rf"the interrupted run wrote .*Pass --overwrite"):
         convert(src, out, resume=True, **args)
     assert tmp.is_dir() and not out.exists()

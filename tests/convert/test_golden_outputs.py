@@ -26,6 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL = "tests/fixtures/real"
+#: the checksum kind the golden outputs were recorded with (sha256, the default until blake3 became it);
+#: `test_default_checksum_writes_the_golden_shard_bytes` ties the default's output to the same bytes
+GOLDEN_CHECKSUM = "sha256"
 GOLDEN = ROOT / "tests" / "fixtures" / "golden_outputs.json"
 
 #: (case id, source spec, convert kwargs). A source spec is a real fixture's
@@ -113,7 +116,7 @@ def _convert_case(spec, kwargs: dict, base: Path) -> dict:
             _, fmt, kw = spec
             src = "synth"
             build_synthetic_checkpoint(base / src, fmt, **kw)
-        convert(src, base / "out", **kwargs)
+        convert(src, base / "out", **{"checksum": GOLDEN_CHECKSUM, **kwargs})
     finally:
         os.chdir(cwd)
     rec = {"output": _tree(base / "out")}
@@ -220,3 +223,25 @@ def _record() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     _record()
+
+
+def test_default_checksum_writes_the_golden_shard_bytes(tmp_path):
+    """The default checksum kind (blake3 where installed) changes only megamoe.json: every other
+    output file is byte for byte the golden (sha256-kind) output; and the
+    manifest says which kind it is."""
+    from megamoe_convert.convert import convert
+    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_runtime.digests import DEFAULT_CHECKSUM
+    from megamoe_runtime.manifest import read_manifest
+
+    for name, spec, kwargs in [c for c in CASES if not isinstance(c[1], str)][:3]:
+        _, fmt, kw = spec
+        src = tmp_path / name / "synth"
+        build_synthetic_checkpoint(src, fmt, **kw)
+        convert(src, tmp_path / name / "out", **kwargs)
+        got = _tree(tmp_path / name / "out")
+        want = _golden()["convert"][name]["output"]
+        assert set(got) == set(want)
+        assert {k: v for k, v in got.items() if k != "megamoe.json"} == \
+            {k: v for k, v in want.items() if k != "megamoe.json"}, name
+        assert read_manifest(tmp_path / name / "out").checksum == DEFAULT_CHECKSUM

@@ -79,3 +79,15 @@ def test_without_blake3_only_blake3_fails(monkeypatch, tmp_path):
     assert D.hash_file(p, "sha256") == hashlib.sha256(b"abc").hexdigest()
     with pytest.raises(DigestUnavailableError, match=r"package 'blake3' is not installed.*--checksum sha256"):
         D.hash_file(p, "blake3")
+
+
+def test_default_checksum_is_blake3_where_installed_else_sha256(monkeypatch):
+    import importlib.util
+
+    from megamoe_runtime import digests
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "blake3" else real(name, *a))
+    assert digests._default_checksum() == "sha256"  # an install without the package still converts
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert digests._default_checksum() == ("blake3" if real("blake3") is not None else "sha256")
