@@ -292,21 +292,27 @@ def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     assert through == []  # refused once, then the page cache for the rest of the file
 
 
+def _write_big_expecting(w: ShardWriter, opened: list, match: str) -> None:
+    """Queue every BIG tensor on an O_DIRECT writer and expect `close` to raise `match`; then
+    abort, as the converter does after a failed close (`Run.abort`). Skips where the file
+    system refused O_DIRECT at open (nothing direct to fail)."""
+    if opened[0] is None:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT")
+    for n, t in BIG.items():
+        w.write_async(n, t)
+    with pytest.raises(OSError, match=match):
+        w.close()
+    w.abort()
+
+
 def test_direct_write_error_surfaces_at_close(tmp_path, monkeypatch):
     """Negative: a device write failing otherwise (here ENOSPC) is not swallowed."""
     import errno
 
     opened = _direct_fds(monkeypatch)
     _fail_direct_writes(monkeypatch, opened, errno.ENOSPC)
-    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct=True)
-    if opened[0] is None:
-        w.abort()
-        pytest.skip("this file system refuses O_DIRECT")
-    for n, t in BIG.items():
-        w.write_async(n, t)
-    with pytest.raises(OSError, match="No space left"):
-        w.close()
-    w.abort()
+    _write_big_expecting(ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct=True), opened, "No space left")
 
 
 def test_direct_on_a_file_system_without_it(tmp_path):
@@ -380,15 +386,8 @@ def test_direct_close_waits_for_every_device_write_before_closing(tmp_path, monk
 
     monkeypatch.setattr(sw.os, "close", close)
     io = sw.DirectIO(buffers=2, size=8192)
-    w = ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct_io=io)
-    if opened[0] is None:
-        w.abort()
-        pytest.skip("this file system refuses O_DIRECT")
-    for n, t in BIG.items():
-        w.write_async(n, t)
-    with pytest.raises(OSError, match="Input/output error"):
-        w.close()
-    w.abort()  # what the converter does after a failed close (`Run.abort`)
+    _write_big_expecting(ShardWriter(tmp_path / "x.safetensors", _plan(BIG), direct_io=io), opened,
+                         "Input/output error")
     io.close()
     assert order and order[-1][0] == "close" and all(k == "write" for k, _ in order[:-1])
     assert len(order) > 2  # the writes after the failed one still ran, before the close
