@@ -274,9 +274,10 @@ def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, c
     from megamoe_runtime.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", **SMALL)
+    src_bytes = {f.name: f.read_bytes() for f in Path(src).iterdir()}
     out = tmp_path / "out dir"  # a space: the printed command must quote it
     args = ["convert", src, out, "--max-shard-size", "60KB", "--no-progress"] + (["--json"] if as_json else [])
-    p = crashing_run("tensor", "5:60", *args, wait=False)
+    p = crashing_run("tensor", "5:60", *args, wait=False)  # mid-layers: pass-through thread and O_DIRECT writes live
     err = ""
     try:
         deadline = time.time() + 120
@@ -302,6 +303,7 @@ def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, c
     r = run_cli(*shlex.split(cmd)[1:])
     assert r.exit_code == 0, r.output
     assert verify_output(out).ok and not tmp.exists()
+    assert {f.name: f.read_bytes() for f in Path(src).iterdir()} == src_bytes  # the source never written
 
 
 def test_json_errors_for_every_command(tmp_path):
