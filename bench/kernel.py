@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: ``--decode`` variants of the frag paths: KernelConfig (decode, scale_load, l1_gu); "plain" is
-#: the frag path of the first issue-11 pass (its tiles too: ``default_config(..., l1_gu=False)``)
+#: ``--decode`` variants of the frag paths: KernelConfig (decode, scale_load, l1_gu) on the
+#: default tiles (``default_config(..., l1_gu=)`` flips only the L1 form)
 DECODE_VARIANTS = {"plain": dict(decode="plain", scale_load="bytes", l1_gu=False),
                    "fold": dict(decode="fold", scale_load="bytes", l1_gu=False),
                    "fold+words": dict(decode="fold", scale_load="words", l1_gu=False),
@@ -72,6 +72,49 @@ def _bench(fn, graph: bool = True, rep: int = 200, warmup: int = 30) -> float:
     else:
         run = fn
     return float(tt.do_bench(run, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def kernel_breakdown(fn, iters: int = 20) -> list[tuple[str, float, float]]:
+    """Per-kernel device time of ``fn`` run eagerly: [(kernel name, launches per call, us per
+    call)], largest first. L2 is flushed before every call (a 256 MB ``bitwise_not_``, left out
+    of the sums), as ``do_bench`` does; kernel durations are those of the graph replays, without
+    the launch gaps a graph removes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t <= 0 or "bitwise_not" in ev.key or ev.key.startswith("cuda") or ev.key.startswith("Memcpy"):
+            continue
+        rows.append((ev.key, ev.count / iters, t / iters))
+    # one row per kernel (the CPU-side op rows carry the same device time): keep kernel names only
+    seen = {}
+    for name, n, us in rows:
+        if name.startswith("aten::"):
+            continue
+        seen[name] = max(seen.get(name, (0, 0.0)), (n, us), key=lambda v: v[1])
+    out = sorted(((k, v[0], v[1]) for k, v in seen.items()), key=lambda r: -r[2])
+    del flush
+    return out
+
+
+def print_breakdown(label: str, rows: list[tuple[str, float, float]], sink: list) -> None:
+    total = sum(r[2] for r in rows)
+    print(f"# profile {label}: {total:.1f} us of kernels per call", flush=True)
+    for name, n, us in rows:
+        print(f"#   {us:9.1f} us {100 * us / max(total, 1e-9):5.1f}%  x{n:.0f}  {name[:110]}", flush=True)
+    sink.append(dict(label=label, total_us=total, kernels=[dict(name=a, launches=b, us=c) for a, b, c in rows]))
 
 
 def copy_bandwidth() -> float:
@@ -206,7 +249,7 @@ class Peer:
                              precision_config=self.pc2, gammas=rdata.gate_scal)
 
 
-def bench_peer(path, H, I, E, K, tokens, weights="mxfp4"):
+def bench_peer(path, H, I, E, K, tokens, weights="mxfp4", profiles=None):
     """{T: (ms, graph captured?)} of the peer's MoE on the same routing as bench_moe."""
     res = {}
     try:
@@ -224,6 +267,8 @@ def bench_peer(path, H, I, E, K, tokens, weights="mxfp4"):
             except Exception as e:
                 print(f"# peer ({weights}) T={T} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
                 torch.cuda.synchronize()
+        if T in res and profiles is not None:
+            print_breakdown(f"peer {weights} T={T}", kernel_breakdown(lambda: peer(x, tw, ids)), profiles)
         if T in res:
             print(f"peer {weights} T={T:5d} {res[T][0] * 1e3:9.1f} us{'' if res[T][1] else ' (eager)'}", flush=True)
     del peer
@@ -273,7 +318,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
                     base_ms[T] = float("nan")
         del base
         torch.cuda.empty_cache()
-    peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens) if args.peer_path else {}
+    profiles = args.profiles if args.profile else None
+    peer_ms = bench_peer(args.peer_path, H, I, E, K, tokens, profiles=profiles) if args.peer_path else {}
     # the mxfp8 row also against the peer on E4M3 weights (the same weight bytes per element)
     peer8_ms = (bench_peer(args.peer_path, H, I, E, K, tokens, "mxfp8")
                 if args.peer_path and "mxfp8" in rows and not args.no_peer8 else {})
@@ -330,6 +376,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             if best is None:
                 continue
             ms, cfg = best
+            if profiles is not None:
+                print_breakdown(f"{shape_name} {row} {label} T={T}", kernel_breakdown(
+                    lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg)), profiles)
             act_bytes = 2 * T * H * 2 + pairs * I * 2 * 2 + pairs * H * 2 * 2
             wbytes = touched * ebytes
             gbps = (wbytes + act_bytes) / ms / 1e6
@@ -371,8 +420,11 @@ def main() -> None:
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--no-staging", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each point's per-kernel device time (torch.profiler, eager, L2 flushed)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    args.profiles = []
     import triton
 
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -401,8 +453,8 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench.md").write_text(md)
-        (Path(args.out) / "bench.json").write_text(json.dumps(dict(info=info, moe=results, staging=staging_rows),
-                                                              indent=1))
+        (Path(args.out) / "bench.json").write_text(json.dumps(dict(info=info, moe=results, staging=staging_rows,
+                                                                   profiles=args.profiles), indent=1))
 
 
 def render(info, results, staging_rows) -> str:

@@ -649,17 +649,32 @@ def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:
     return False if v is None else v not in ("0", "false", "no", "")
 
 
+def frag_regime(mean_pairs: float) -> str:
+    """Regime of the frag tiles by mean (token, expert) pairs per local expert: "decode"
+    (<= 8: weight streaming, row blocks mostly padding), "mid" (<= 32), "prefill"."""
+    return "decode" if mean_pairs <= 8 else ("mid" if mean_pairs <= 32 else "prefill")
+
+
+#: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
+#: ``bench/sweep.py`` on the H200, which times the two kernels apart (BENCHMARKS.md, "issue 11,
+#: third pass"). Fields: block_m (None: 64 up to 64 pairs per expert, else 128), one-dot L1,
+#: L1 pairs per tile, L1 warps, L1 stages, L2 columns per tile, L2 warps, L2 stages.
+FRAG_TILES = {
+    ("decode", W_E2M1_MX): (16, True, 64, 4, 4, 128, 4, 3),
+    ("decode", W_E2M1_NV): (16, True, 64, 4, 3, 128, 4, 3),
+    ("decode", W_E4M3_MX): (16, True, 64, 4, 4, 64, 4, 3),
+    ("mid", W_E2M1_MX): (32, True, 64, 4, 3, 128, 4, 3),
+    ("mid", W_E2M1_NV): (32, False, 128, 4, 3, 128, 4, 3),
+    ("mid", W_E4M3_MX): (32, False, 128, 4, 3, 128, 4, 3),
+    ("prefill", W_E2M1_MX): (None, True, 64, 4, 3, 128, 4, 3),
+    ("prefill", W_E2M1_NV): (None, True, 64, 8, 3, 256, 8, 3),
+    ("prefill", W_E4M3_MX): (None, True, 128, 8, 3, 256, 8, 3),
+}
+
+
 def gu_by_default(mean_pairs: float, w_kind: Optional[int]) -> bool:
-    """Where the one-dot L1 with its tiles was measured faster than the two-dot frag path on
-    the H200 (BENCHMARKS.md, "issue 11, 2026-12-02, second pass"): up to 8 pairs per expert
-    (1-64 tokens of top-8 over 256 experts) for every E2M1/E4M3 row; above 32 pairs (4096
-    tokens) for the NVFP4 and E4M3 rows only (mxfp4 there: 15.1 ms vs 12.1 ms); 9-32 pairs
-    (512 tokens) for no row (4.8-6.3 ms vs 4.2-6.1 ms)."""
-    if mean_pairs <= 8:
-        return True
-    if mean_pairs <= 32:
-        return False
-    return w_kind in (W_E2M1_NV, W_E4M3_MX)
+    """Whether the frag tiles of this regime and weight kind use the one-dot L1 (``FRAG_TILES``)."""
+    return FRAG_TILES[(frag_regime(mean_pairs), w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX)][1]
 
 
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
@@ -667,32 +682,23 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     """Tiles by regime: decode (few pairs per expert) streams weights with small
     row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
 
-    ``k_order`` "frag" (the MX/NV rows' default): the tiles measured fastest for that path
-    on the H200 (BENCHMARKS.md, issue 11 "frag K order"): 4 warps at every size, since
-    its A operand is built in registers (8 warps at 128-pair blocks were 1.5x slower: a 64-row
-    dot with 8 warps is split along the tokens and both warpgroups decode the same weights).
-    The one-dot L1 tiles (``l1_gu``, 128-256 rows per dot, split along the rows) give the L1 8
-    warps above 8 pairs per expert (no duplicated decode, half the accumulator registers per
-    thread: 4 warps spill at 128-pair tiles) and the 128-pair L2 128-row tiles with 8 warps
-    (half the activation reads per weight row). ``l1_gu`` None: env
-    ``MEGAMOE_TRITON_L1GU``, else where it was measured faster (``gu_by_default``, by row
-    ``w_kind``); True / False: those tiles at every size."""
+    ``k_order`` "frag" (the MX/NV rows' default): ``FRAG_TILES`` by regime and weight kind
+    ``w_kind`` (None: the mxfp4 tiles). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
+    table's; True / False flips only that field (benchmarks compare the two L1 forms)."""
     import os
 
     mean = n_pairs / max(1, num_local)
-    if l1_gu is None:
+    if k_order == "frag":
+        kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
+        bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = FRAG_TILES[(frag_regime(mean), kind)]
         env = os.environ.get("MEGAMOE_TRITON_L1GU")
-        l1_gu = gu_by_default(mean, w_kind) if env is None else env not in ("0", "false", "no", "")
-    if k_order == "frag":  # the one-dot L1 (l1_gu) takes 8 warps above 8 pairs, and 128x8 L2 tiles above 32
-        gu = bool(l1_gu)
-        if mean <= 8:
-            tiles = dict(block_m=16, l1_bn=64, l1_warps=4, l2_bn=64, l2_warps=4)
-        elif mean <= 32:
-            tiles = dict(block_m=16 if mean <= 16 else 32, l1_bn=128, l1_warps=8 if gu else 4, l2_bn=128, l2_warps=4)
-        else:
-            tiles = dict(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_warps=8 if gu else 4,
-                         l2_bn=128 if gu else 64, l2_warps=8 if gu else 4)
-        return KernelConfig(l1_bk=128, l1_stages=3, l2_bk=128, l2_stages=3, k_order="frag", l1_gu=gu, **tiles)
+        if l1_gu is None and env is not None:
+            l1_gu = env not in ("0", "false", "no", "")
+        if bm is None:
+            bm = 64 if mean <= 64 else 128
+        return KernelConfig(block_m=bm, l1_bn=l1_bn, l1_bk=128, l1_warps=l1_w, l1_stages=l1_st, l2_bn=l2_bn,
+                            l2_bk=128, l2_warps=l2_w, l2_stages=l2_st, k_order="frag",
+                            l1_gu=gu if l1_gu is None else bool(l1_gu))
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
@@ -768,12 +774,12 @@ def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str)
 def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None, gu: bool = False) -> tuple[bool, bool]:
     """(fold, scale words) of the frag paths from ``KernelConfig.decode`` / ``scale_load``, the
     env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else the measured defaults: fold
-    for the NVFP4 and E4M3 rows on the one-dot L1 (faster there on the H200), plain for mxfp4
-    (fold's range check cost more than the multiply it saves: 138 vs 128 us at 1 token, 657 vs
-    642 us at 8) and everywhere else; scale bytes (``DEFAULT_SCALE_LOAD``)."""
+    for the NVFP4 and E4M3 rows (as fast or faster at every tile of the H200 sweeps), plain for
+    mxfp4 (fold's range check cost more than the multiply it saves: 138 vs 128 us at 1 token,
+    657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``). ``gu`` is kept for callers."""
     import os
 
-    dflt = "fold" if gu and w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
+    dflt = "fold" if w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
     d = cfg.decode or os.environ.get("MEGAMOE_TRITON_DECODE") or dflt
     if d not in DECODES:
         from megamoe_runtime.errors import MegaMoEError
