@@ -13,8 +13,9 @@ combined. That combination and ``default_config`` are then timed the usual way (
 in one CUDA graph, ``do_bench`` median), and both lines are printed.
 
 Candidates: ``L1_VARIANTS`` / ``L2_VARIANTS`` by regime (mean pairs per expert), or
-``--l1`` / ``--l2`` as ``gu:bn:warps:stages[:decode[:bk]]`` and ``bn:warps:stages[:decode[:bk]]``
-lists separated by commas (decode "-" = the row's default, bk 128 unless given).
+``--l1`` / ``--l2`` as ``gu:bn:warps:stages[:decode[:bk[:maxnreg]]]`` and
+``bn:warps:stages[:decode[:bk[:maxnreg]]]`` lists separated by commas (decode "-" = the row's
+default, bk "-" = 128; the frag kernels take 128 whatever is asked).
 """
 from __future__ import annotations
 
@@ -63,16 +64,20 @@ def block_ms(mean: float) -> list[int]:
 def _l1(v: str) -> tuple[dict, str | None]:
     p = v.split(":")
     d = dict(l1_gu=p[0] == "1", l1_bn=int(p[1]), l1_warps=int(p[2]), l1_stages=int(p[3]))
-    if len(p) > 5:
+    if len(p) > 5 and p[5] != "-":
         d["l1_bk"] = int(p[5])
+    if len(p) > 6:
+        d["l1_maxnreg"] = int(p[6])
     return d, (p[4] if len(p) > 4 and p[4] != "-" else None)
 
 
 def _l2(v: str) -> tuple[dict, str | None]:
     p = v.split(":")
     d = dict(l2_bn=int(p[0]), l2_warps=int(p[1]), l2_stages=int(p[2]))
-    if len(p) > 4:
+    if len(p) > 4 and p[4] != "-":
         d["l2_bk"] = int(p[4])
+    if len(p) > 5:
+        d["l2_maxnreg"] = int(p[5])
     return d, (p[3] if len(p) > 3 and p[3] != "-" else None)
 
 
@@ -122,7 +127,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None) -> dict:
     if best is None:
         return {}
     _, b1, b2 = best
-    l1f = {k: getattr(b1["cfg"], k) for k in ("l1_gu", "l1_bn", "l1_bk", "l1_warps", "l1_stages")}
+    l1f = {k: getattr(b1["cfg"], k) for k in ("l1_gu", "l1_bn", "l1_bk", "l1_warps", "l1_stages", "l1_maxnreg")}
     combo = dataclasses.replace(b2["cfg"], **l1f)
     if b1["cfg"].decode != b2["cfg"].decode:
         combo = dataclasses.replace(combo, decode=b1["cfg"].decode or b2["cfg"].decode)

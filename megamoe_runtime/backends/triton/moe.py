@@ -627,6 +627,11 @@ class KernelConfig:
     #: of a gate dot and an up dot; None = env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off
     #: (``default_config`` sets it where it was measured faster, with its tiles).
     l1_gu: Optional[bool] = None
+    #: register cap per thread of the L1 / L2 kernel (ptxas ``.maxnreg``; None: the compiler's
+    #: choice). Occupancy is set by registers: 8-warp tiles at 132 registers fit one CTA per
+    #: SM, at 128 two.
+    l1_maxnreg: Optional[int] = None
+    l2_maxnreg: Optional[int] = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -792,8 +797,11 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None, gu: bool =
 _W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
 
 
-def _opts() -> dict:
-    return {"enable_fp_fusion": False} if hw_cvt_default() else {}
+def _opts(maxnreg: Optional[int] = None) -> dict:
+    """Compile options: no fp contraction on the GPU; a register cap where a config sets one."""
+    if not hw_cvt_default():
+        return {}
+    return {"enable_fp_fusion": False} | ({"maxnreg": int(maxnreg)} if maxnreg else {})
 
 
 def _scale_bytes(sf: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -864,7 +872,8 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **_opts())
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
+        **_opts(cfg.l1_maxnreg))
 
 
 def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
@@ -880,7 +889,8 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
-        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts())
+        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), num_warps=cfg.l2_warps,
+        num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
 
 
 # --------------------------------------------------------------------------- E2M1 decode self-check
