@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Run the triton backend's default forward a few times at one point, for a profiler to attach.
+
+    ncu -k regex:_l1_kernel -c 1 --section WarpStateStats python bench/one_forward.py --row mxfp4 --tokens 8
+    ncu -k regex:swiglu -c 1 --section WarpStateStats python bench/one_forward.py --peer-path .peer-tk --tokens 8
+
+Same layer, weights and routing as ``bench/kernel.py`` (random valid kernel-layout bytes,
+uniform top-k); no timing of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel import SHAPES, Peer, routing  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="dsv3", choices=sorted(SHAPES))
+    ap.add_argument("--row", default="mxfp4")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--peer-path", default=None, help="run the peer's MoE (bench/kernel.py Peer) instead")
+    args = ap.parse_args()
+    if args.peer_path:
+        sh = SHAPES[args.shape]
+        peer = Peer(args.peer_path, sh["H"], sh["I"], sh["E"], sh["K"])
+        tw, ids = routing(args.tokens, sh["E"], sh["K"], seed=args.tokens)
+        x = torch.randn(args.tokens, sh["H"], device="cuda", dtype=torch.bfloat16)
+        for _ in range(args.calls):
+            peer(x, tw, ids)
+        torch.cuda.synchronize()
+        print(f"peer T={args.tokens}")
+        return
+    from megamoe_runtime.backends.triton import moe, synth
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
+
+    sh = SHAPES[args.shape]
+    H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
+    spec = LayerSpec(args.row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
+    lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
+    kt = _Roles(lay, "")
+    sc = _NvScalars(lay) if get_row(args.row).has_alphas else None
+    tw, ids = routing(args.tokens, E, K, seed=args.tokens)
+    x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
+    for _ in range(args.calls):
+        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc)
+    torch.cuda.synchronize()
+    print(f"{args.row} T={args.tokens}: {moe.default_config(args.tokens * K, E, 'frag', w_kind=moe._W_KIND[args.row])}")
+
+
+if __name__ == "__main__":
+    main()
