@@ -251,6 +251,24 @@ def test_fold_decode_bitwise(row, T, bm, big):
             bitwise_frac=float((plain.view(torch.int16) == ref.view(torch.int16)).float().mean()))
 
 
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+def test_register_cap_same_bits(row):
+    """A register cap (``KernelConfig.l1_maxnreg`` / ``l2_maxnreg``, ptxas ``.maxnreg``) changes
+    occupancy, never the output: bitwise the uncapped default's, which matches the reference."""
+    import dataclasses
+
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=37)
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    base = moe.default_config(37 * spec.top_k, spec.experts_per_rank, "frag", w_kind=moe._W_KIND[row])
+    outs = [moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, config=c)
+            for c in (base, dataclasses.replace(base, l1_maxnreg=96, l2_maxnreg=64))]
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), "the register cap changed the output"
+    _assert_matches(outs[1], ref, f"maxnreg {row}")
+
+
 def test_e2m1_asm_decode_self_check():
     """The PRMT lookup-table E2M1 decode (the fast path) agrees with codecs on this GPU,
     and a forward through it equals the arithmetic decode bit for bit."""

@@ -1,0 +1,100 @@
+"""Host-side tile and decode choices of the triton backend (``backends/triton/moe.py``): no GPU.
+
+The kernels themselves are tested on the GPU (test_triton.py); these pin the rules that pick
+their compile-time parameters, which the benchmarks in BENCHMARKS.md measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("triton")
+
+from megamoe_runtime.backends.triton import moe  # noqa: E402
+from megamoe_runtime.errors import MegaMoEError  # noqa: E402
+
+KINDS = {"mxfp4": moe.W_E2M1_MX, "nvfp4": moe.W_E2M1_NV, "mxfp8": moe.W_E4M3_MX}
+E = 256
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for v in ("MEGAMOE_TRITON_L1GU", "MEGAMOE_TRITON_DECODE", "MEGAMOE_TRITON_SCALES", "MEGAMOE_TRITON_KORDER"):
+        monkeypatch.delenv(v, raising=False)
+
+
+@pytest.mark.parametrize("mean,regime", [(0.03, "decode"), (8, "decode"), (8.5, "mid"), (16, "mid"), (32, "mid"),
+                                         (33, "prefill"), (128, "prefill")])
+def test_frag_regime_boundaries(mean, regime):
+    assert moe.frag_regime(mean) == regime
+
+
+@pytest.mark.parametrize("row", sorted(KINDS))
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 512, 1024, 2048, 4096])
+def test_default_frag_config_follows_the_table(row, tokens):
+    """Top-8 over 256 experts: what a forward without a config runs."""
+    pairs = tokens * 8
+    mean = pairs / E
+    cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
+    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (gu, l1_bn, l1_w, l1_st)
+    assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (l2_bn, l2_w, l2_st)
+    assert cfg.k_order == "frag" and cfg.l1_bk == cfg.l2_bk == 128
+    assert cfg.block_m == (bm if bm is not None else (64 if mean <= 64 else 128))
+    # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks)
+    assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode"
+    assert cfg.pick_block_m(pairs, E) == cfg.block_m
+    assert cfg.l1_maxnreg is None and cfg.l2_maxnreg is None
+
+
+def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
+    for regime in ("decode", "mid", "prefill"):
+        for kind in KINDS.values():
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = moe.FRAG_TILES[(regime, kind)]
+            assert bm in (None, 16, 32, 64, 128)
+            assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
+            # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
+            l1_rows = 2 * l1_bn if gu else l1_bn
+            assert l1_rows >= 64 * (l1_w // 4) and l2_bn >= 64 * (l2_w // 4), (regime, kind)
+
+
+def test_l1_gu_override_flips_only_that_field(monkeypatch):
+    base = moe.default_config(64 * 8, E, "frag", w_kind=moe.W_E2M1_MX)
+    for gu in (True, False):
+        cfg = moe.default_config(64 * 8, E, "frag", l1_gu=gu, w_kind=moe.W_E2M1_MX)
+        assert cfg == dataclasses.replace(base, l1_gu=gu)
+    monkeypatch.setenv("MEGAMOE_TRITON_L1GU", "0")
+    assert moe.default_config(64 * 8, E, "frag", w_kind=moe.W_E2M1_MX) == dataclasses.replace(base, l1_gu=False)
+    assert moe.default_config(64 * 8, E, "frag", l1_gu=True, w_kind=moe.W_E2M1_MX).l1_gu is True
+
+
+def test_unknown_weight_kind_gets_the_mxfp4_tiles():
+    for pairs in (8, 4096, 32768):
+        assert moe.default_config(pairs, E, "frag") == moe.default_config(pairs, E, "frag", w_kind=moe.W_E2M1_MX)
+
+
+def test_non_frag_defaults_unchanged():
+    """The split/natural paths and the shared expert (``default_config(T, 1)``) keep their tiles."""
+    assert moe.default_config(8, E).block_m == 16
+    assert moe.default_config(300, 1).block_m == 128 and moe.default_config(300, 1).l1_warps == 8
+
+
+@pytest.mark.parametrize("row,fold", [("mxfp4", False), ("nvfp4", True), ("mxfp8", True)])
+def test_default_decode_by_row(row, fold, monkeypatch):
+    assert moe.resolve_decode(moe.KernelConfig(), KINDS[row]) == (fold, False)
+    assert moe.resolve_decode(moe.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
+    monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fold")
+    assert moe.resolve_decode(moe.KernelConfig(), KINDS[row]) == (True, False)
+    assert moe.resolve_decode(moe.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
+    monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
+    with pytest.raises(MegaMoEError, match="decode 'fast'"):
+        moe.resolve_decode(moe.KernelConfig(), KINDS[row])
+
+
+def test_register_cap_reaches_the_compile_options(monkeypatch):
+    monkeypatch.setattr(moe, "hw_cvt_default", lambda: True)
+    assert moe._opts() == {"enable_fp_fusion": False}
+    assert moe._opts(96) == {"enable_fp_fusion": False, "maxnreg": 96}
+    monkeypatch.setattr(moe, "hw_cvt_default", lambda: False)  # the interpreter takes no compile options
+    assert moe._opts(96) == {}
