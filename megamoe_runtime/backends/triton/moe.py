@@ -677,11 +677,6 @@ FRAG_TILES = {
 }
 
 
-def gu_by_default(mean_pairs: float, w_kind: Optional[int]) -> bool:
-    """Whether the frag tiles of this regime and weight kind use the one-dot L1 (``FRAG_TILES``)."""
-    return FRAG_TILES[(frag_regime(mean_pairs), w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX)][1]
-
-
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
                    l1_gu: Optional[bool] = None, w_kind: Optional[int] = None) -> KernelConfig:
     """Tiles by regime: decode (few pairs per expert) streams weights with small
@@ -776,12 +771,12 @@ def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str)
     return v
 
 
-def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None, gu: bool = False) -> tuple[bool, bool]:
+def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[bool, bool]:
     """(fold, scale words) of the frag paths from ``KernelConfig.decode`` / ``scale_load``, the
     env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else the measured defaults: fold
     for the NVFP4 and E4M3 rows (as fast or faster at every tile of the H200 sweeps), plain for
     mxfp4 (fold's range check cost more than the multiply it saves: 138 vs 128 us at 1 token,
-    657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``). ``gu`` is kept for callers."""
+    657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``)."""
     import os
 
     dflt = "fold" if w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
@@ -1112,7 +1107,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     alpha, l2s, a2 = dummy_f, dummy_f, dummy_f
     korder = resolve_k_order(cfg, w_kind, H, I)
     frag = korder == "frag"
-    fold, sword = resolve_decode(cfg, w_kind, resolve_l1_gu(cfg)) if frag else (False, False)
+    fold, sword = resolve_decode(cfg, w_kind) if frag else (False, False)
     if spec.row_spec.dispatch == "mxfp8":
         xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder if e2m1 or not frag else "frag8")[3]
         req, apply_w = REQ_MX8, True
