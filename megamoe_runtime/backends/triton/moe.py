@@ -774,9 +774,9 @@ def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str)
 def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[bool, bool]:
     """(fold, scale words) of the frag paths from ``KernelConfig.decode`` / ``scale_load``, the
     env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else the measured defaults: fold
-    for the NVFP4 and E4M3 rows (nvfp4: as fast or faster at the default tiles in the H200 sweeps), plain for
-    mxfp4 (fold's range check cost more than the multiply it saves: 138 vs 128 us at 1 token,
-    657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``)."""
+    for the NVFP4 and E4M3 rows (nvfp4: as fast or faster at the default tiles in the H200
+    sweeps), plain for mxfp4 (fold's range check cost more than the multiply it saves: 138 vs
+    128 us at 1 token, 657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``)."""
     import os
 
     dflt = "fold" if w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
