@@ -9,8 +9,8 @@ S = {6, 7, 8, 15, 22, 23, 24, 31}. If some stored arrangement let every register
 ``(window >> s) & mask`` of the loaded bits, translates of S would tile the loaded bits. This
 searches every offset for exact covers of 32, 64, 128 and 256 contiguous bits (windows that
 cross a 32-bit word are one funnel shift), and prints the integer-instruction counts per 32-bit
-word (8 values) of the decode as the kernels do it on DeepGEMM's bytes and of the best
-arrangement that exists (three registers by one shift + mask, the fourth from three pieces).
+word (8 values) of the decode as the kernels do it on DeepGEMM's bytes and of a near tiling
+(three registers by one shift + mask, the fourth from three pieces).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def kernel_layout_cost() -> int:
     return shifts + 4 + 4
 
 
-def best_arrangement_cost() -> int:
+def near_tiling_cost() -> int:
     """Three registers at offsets 0, -3, -6 (one mask, shift + mask, shift + mask) and the fourth
     from the bits left over ({10, 11, 13, 14} + 16), which lie at three different offsets from
     S: three shifts, one mask and two masked merges (3-input LOP3)."""
@@ -67,7 +67,7 @@ def main() -> None:
         covers = exact_covers(n)
         print(f"exact covers of {n:3d} bits by translates of S: {'none' if not covers else covers[0]}")
     print(f"integer instructions per 32-bit word: DeepGEMM's bytes {kernel_layout_cost()}, "
-          f"best stored arrangement {best_arrangement_cost()}")
+          f"a near tiling (three registers by one shift + mask) {near_tiling_cost()}")
 
 
 if __name__ == "__main__":
