@@ -77,8 +77,8 @@ def _bench(fn, graph: bool = True, rep: int = 200, warmup: int = 30) -> float:
 def kernel_breakdown(fn, iters: int = 20) -> list[tuple[str, float, float]]:
     """Per-kernel device time of ``fn`` run eagerly: [(kernel name, launches per call, us per
     call)], largest first. L2 is flushed before every call (a 256 MB ``bitwise_not_``, left out
-    of the sums), as ``do_bench`` does; kernel durations are those of the graph replays, without
-    the launch gaps a graph removes."""
+    of the sums), as ``do_bench`` does. These are the kernels a graph replay runs; the sum leaves
+    out the launch gaps of eager execution."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")

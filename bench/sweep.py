@@ -47,10 +47,6 @@ L2_VARIANTS = {
 }
 
 
-def regime(mean: float) -> str:
-    return "decode" if mean <= 8 else ("mid" if mean <= 32 else "prefill")
-
-
 def block_ms(mean: float) -> list[int]:
     if mean <= 8:
         return [16]
@@ -91,8 +87,8 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None) -> dict:
     w_kind = moe._W_KIND[spec.row]
     dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
     # one decode for every candidate (the backend picks one for both kernels): the row's
-    # one-dot default, so the best L1 and the best L2 can be combined as measured
-    row_decode = "fold" if w_kind in (moe.W_E2M1_NV, moe.W_E4M3_MX) else "plain"
+    # default, so the best L1 and the best L2 can be combined as measured
+    row_decode = "fold" if moe.resolve_decode(moe.KernelConfig(), w_kind)[0] else "plain"
     rows = []
     bms = bms or block_ms(mean)
     for bm in bms:
@@ -151,13 +147,15 @@ def main() -> None:
     ap.add_argument("--shape", default="dsv3", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="mxfp4,nvfp4,mxfp8")
     ap.add_argument("--tokens", default="8,64,512,4096")
-    ap.add_argument("--l1", default=None, help="L1 variants gu:bn:warps:stages[:decode], comma-separated")
-    ap.add_argument("--l2", default=None, help="L2 variants bn:warps:stages[:decode], comma-separated")
+    ap.add_argument("--l1", default=None,
+                    help="L1 variants gu:bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
+    ap.add_argument("--l2", default=None,
+                    help="L2 variants bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
     ap.add_argument("--block-m", default=None, help="row blocks to try, comma-separated (default: by regime)")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    from megamoe_runtime.backends.triton import synth
+    from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
 
@@ -178,7 +176,7 @@ def main() -> None:
         kt = _Roles(lay, "")
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
         for T in (int(t) for t in args.tokens.split(",")):
-            reg = regime(T * K / E)
+            reg = moe.frag_regime(T * K / E)
             l1s = args.l1.split(",") if args.l1 else L1_VARIANTS[reg]
             l2s = args.l2.split(",") if args.l2 else L2_VARIANTS[reg]
             log(f"# {row} T={T} ({reg})")
