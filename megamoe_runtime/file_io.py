@@ -406,10 +406,6 @@ def _do_reads(reads: list[tuple[Any, int, int, torch.Tensor]]) -> None:
                 page_cache_dma.disable(dev, f"page-cache DMA refused: {failed[0]}")
             for path, offset, nbytes, flat in dma:
                 _gpu_copy(fds[path], flat, offset, nbytes, path)
-        for *_, flat in dma:
-            # raw-pointer DMA writes bypass torch: count them as writes, so state derived from the
-            # bytes and kept against the version counter (the triton fold_range cache) is redone
-            torch.autograd.graph.increment_version(flat)
     finally:
         for fd in fds.values():
             os.close(fd)

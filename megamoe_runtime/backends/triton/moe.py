@@ -356,8 +356,7 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
 @triton.jit
 def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
-                 FOLD_CHECK: tl.constexpr):
+                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr):
     """The L1 main loop as a gate dot and an up dot of BN rows each (every K order)."""
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
@@ -367,7 +366,7 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
                           FRAG, FOLD, SWORD)
         acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
                           FRAG, FOLD, SWORD)
-    if FOLD and W_KIND != 2 and FOLD_CHECK:
+    if FOLD and W_KIND != 2:
         if _fold_bad(wse, sg, NROWS, H, W_KIND, BN) or _fold_bad(wse, su, NROWS, H, W_KIND, BN):
             acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
             acc_u = tl.zeros((BN, BM), tl.float32)
@@ -392,7 +391,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
                REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               GU: tl.constexpr = False, FOLD_CHECK: tl.constexpr = True):
+               GU: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -409,8 +408,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
     FOLD (frag + asm): the decode's bias multiply rides on the scale operand (``_w_frag``). MX
     weights: exact while every UE8M0 byte of the tile is <= 128 (E4M3: 134); ``_fold_bad`` checks that
     after the loop and, if one was larger, the tile is computed again with the plain decode
-    (never taken by real weights, so it costs only the check). FOLD_CHECK=False drops that check
-    where the host knows every scale byte of the tensor is within the limit (``fold_range``). NVFP4: the
+    (never taken by real weights, so it costs only the check). NVFP4: the
     accumulators are value * 2^-8 exactly and get the 2^8 back here."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -448,7 +446,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
             xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
             acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
                             FRAG, FOLD, SWORD)
-        if FOLD and W_KIND != 2 and FOLD_CHECK:
+        if FOLD and W_KIND != 2:
             if _fold_bad(wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale above the limit: plain decode again
                 acc = tl.zeros((2 * BN, BM), tl.float32)
                 for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
@@ -461,7 +459,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         acc_u = acc_u.reshape(BN, BM)
     else:
         acc_g, acc_u = _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND, BN,
-                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, FOLD_CHECK)
+                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT)
     if FOLD and W_KIND == 2:
         acc_g = acc_g * 256.0
         acc_u = acc_u * 256.0
@@ -502,10 +500,9 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
                T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               FOLD_CHECK: tl.constexpr = True):
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
-    (FOLD, FOLD_CHECK and SWORD as in ``_l1_kernel``)."""
+    (FOLD and SWORD as in ``_l1_kernel``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = tl.arange(0, BM)
@@ -537,7 +534,7 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
     for k0 in range(0, I, BK):
         xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
         acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD)
-    if FOLD and W_KIND != 2 and FOLD_CHECK:
+    if FOLD and W_KIND != 2:
         if _fold_bad(wse, sn, H, I, W_KIND, BN):  # a scale above the limit: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
             for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
@@ -846,20 +843,6 @@ def _scale_stride(sf: Optional[torch.Tensor]) -> int:
     return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
 
 
-#: largest UE8M0 scale byte the fold decode is exact for, by weight kind (``_fold_bad``)
-FOLD_LIMIT = {W_E2M1_MX: 128, W_E4M3_MX: 134}
-
-
-def _needs_fold_check(fold: bool, w_kind: int, sf: Optional[torch.Tensor], device: torch.device) -> bool:
-    """Whether a fold-decode kernel must check its tiles' scale bytes: not when ``fold_range``
-    knows every byte of the tensor is within the limit (NVFP4's fold needs no check at all)."""
-    if not fold or w_kind not in FOLD_LIMIT:
-        return False
-    from .fold_range import within_fold_limit
-
-    return not within_fold_limit(_scale_bytes(sf, device), FOLD_LIMIT[w_kind])
-
-
 def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
     """Scale words for the E2M1 frag kernels only: with E4M3 weights the word tensor's layout made
     Triton route the decoded operand through shared memory (PRMT/STS in the SASS, +30%
@@ -868,8 +851,7 @@ def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
 
 
 def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
-               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False,
-               fold_check=True):
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False):
     act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
     swe, swn = _weight_strides(w)
     bn = min(cfg.l1_bn, I)
@@ -885,13 +867,12 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), FOLD_CHECK=bool(fold_check),
-        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
         **_opts(cfg.l1_maxnreg))
 
 
 def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False, fold=False, sword=False, fold_check=True):
+               frag=False, fold=False, sword=False):
     swe, swn = _weight_strides(w)
     bn = min(cfg.l2_bn, H)
     grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
@@ -903,8 +884,8 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
-        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), FOLD_CHECK=bool(fold_check),
-        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
+        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), num_warps=cfg.l2_warps,
+        num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
 
 
 # --------------------------------------------------------------------------- E2M1 decode self-check
@@ -1148,10 +1129,9 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
                rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
-               fold=fold, sword=sword, fold_check=_needs_fold_check(fold, w_kind, kt.l1_scale, dev))
+               fold=fold, sword=sword)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword,
-               fold_check=_needs_fold_check(fold, w_kind, kt.l2_scale, dev))
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

@@ -251,41 +251,6 @@ def test_fold_decode_bitwise(row, T, bm, big):
             bitwise_frac=float((plain.view(torch.int16) == ref.view(torch.int16)).float().mean()))
 
 
-@pytest.mark.parametrize("row", ["mxfp4", "mxfp8"])
-def test_fold_check_skipped_only_while_scales_fit(row, monkeypatch):
-    """The fold kernels skip their per-tile scale check when ``fold_range`` knows the tensor's
-    bytes fit; a reload-style in-place write of larger scales must bring the check back before
-    the next forward (same output as the reference), and skipping the check on those scales
-    anyway (the negative control) must give a wrong output."""
-    _, moe, _ = _triton()
-    from megamoe_runtime.backends.reference import ReferenceBackend
-    from megamoe_runtime.backends.triton import fold_range
-    from megamoe_runtime.backends.triton.backend import _Roles
-
-    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=37, mask_frac=0.1, zero_tokens=2)
-    kind = moe._W_KIND[row]
-    cfg = moe.KernelConfig(k_order="frag", decode="fold")
-    run = lambda: moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, config=cfg)  # noqa: E731
-    out = run()
-    assert not moe._needs_fold_check(True, kind, lay.l1_scale, x.device), "in-range scales: check skipped"
-    assert not moe._needs_fold_check(True, kind, lay.l2_scale, x.device)
-    _assert_matches(out, ref, f"{row} trusted fold")
-    plain = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, config=moe.KernelConfig(k_order="frag", decode="plain"))
-    assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
-    for t in (lay.l1_scale, lay.l2_scale):  # what a reload of larger scales writes, in place
-        moe._scale_bytes(t, t.device)[:64] = 131 if row == "mxfp4" else 137
-    ids = ids.clone()
-    ids[~(ids == 0).any(1), 0] = 0
-    ref = ReferenceBackend().forward(lay, x, tw, ids)
-    assert moe._needs_fold_check(True, kind, lay.l1_scale, x.device), "new bytes must be looked at again"
-    _assert_matches(run(), ref, f"{row} fold after a reload of large scales")
-    monkeypatch.setattr(moe, "_needs_fold_check", lambda *a: False)  # negative control: trust stale knowledge
-    bad = run()
-    assert not bool(torch.isfinite(bad.float()).all()) or calc_diff(bad, ref) > 1e-3, \
-        "skipping the check on scales above the limit must be caught"
-    assert fold_range.FOLD_CHECK_ENV == "MEGAMOE_TRITON_FOLD_CHECK"
-
-
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 def test_register_cap_same_bits(row):
     """A register cap (``KernelConfig.l1_maxnreg`` / ``l2_maxnreg``, ptxas ``.maxnreg``) changes
