@@ -86,9 +86,9 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None) -> dict:
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     w_kind = moe._W_KIND[spec.row]
     dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
-    # one decode for every candidate (the backend picks one for both kernels): the row's
-    # default, so the best L1 and the best L2 can be combined as measured
-    row_decode = "fold" if moe.resolve_decode(moe.KernelConfig(), w_kind)[0] else "plain"
+    # one decode for every candidate (the backend picks one for both kernels): the default's
+    # for this regime and row, so the best L1 and the best L2 can be combined as measured
+    row_decode = dflt.decode
     rows = []
     bms = bms or block_ms(mean)
     for bm in bms:

@@ -662,18 +662,20 @@ def frag_regime(mean_pairs: float) -> str:
 
 #: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
 #: ``bench/sweep.py`` on the H200, which times the two kernels apart (BENCHMARKS.md, "issue 11,
-#: third pass"). Fields: block_m (None: 64 up to 64 pairs per expert, else 128), one-dot L1,
-#: L1 pairs per tile, L1 warps, L1 stages, L2 columns per tile, L2 warps, L2 stages.
+#: third pass"), and the faster weight decode of the two (plain / fold, "fourth pass": fold
+#: issues fewer instructions but is slower where the tile is latency bound). Fields: block_m
+#: (None: 64 up to 64 pairs per expert, else 128), one-dot L1, L1 pairs per tile, L1 warps, L1
+#: stages, L2 columns per tile, L2 warps, L2 stages, decode.
 FRAG_TILES = {
-    ("decode", W_E2M1_MX): (16, True, 64, 4, 4, 128, 4, 3),
-    ("decode", W_E2M1_NV): (16, True, 64, 4, 3, 128, 4, 3),
-    ("decode", W_E4M3_MX): (16, True, 64, 4, 4, 64, 4, 3),
-    ("mid", W_E2M1_MX): (32, True, 64, 4, 3, 128, 4, 3),
-    ("mid", W_E2M1_NV): (32, False, 128, 4, 3, 128, 4, 3),
-    ("mid", W_E4M3_MX): (32, False, 128, 4, 3, 128, 4, 3),
-    ("prefill", W_E2M1_MX): (None, True, 64, 4, 3, 128, 4, 3),
-    ("prefill", W_E2M1_NV): (None, True, 64, 8, 3, 256, 8, 3),
-    ("prefill", W_E4M3_MX): (None, True, 128, 8, 3, 256, 8, 3),
+    ("decode", W_E2M1_MX): (16, True, 64, 4, 4, 128, 4, 3, "plain"),
+    ("decode", W_E2M1_NV): (16, True, 64, 4, 3, 128, 4, 3, "fold"),
+    ("decode", W_E4M3_MX): (16, True, 64, 4, 4, 64, 4, 3, "plain"),
+    ("mid", W_E2M1_MX): (32, True, 64, 4, 3, 128, 4, 3, "plain"),
+    ("mid", W_E2M1_NV): (32, False, 128, 4, 3, 128, 4, 3, "fold"),
+    ("mid", W_E4M3_MX): (32, False, 128, 4, 3, 128, 4, 3, "fold"),
+    ("prefill", W_E2M1_MX): (None, True, 64, 4, 3, 128, 4, 3, "plain"),
+    ("prefill", W_E2M1_NV): (None, True, 64, 8, 3, 256, 8, 3, "fold"),
+    ("prefill", W_E4M3_MX): (None, True, 128, 8, 3, 256, 8, 3, "plain"),
 }
 
 
@@ -684,13 +686,14 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
 
     ``k_order`` "frag" (the MX/NV rows' default): ``FRAG_TILES`` by regime and weight kind
     ``w_kind`` (None: the mxfp4 tiles). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
-    table's; True / False flips only that field (benchmarks compare the two L1 forms)."""
+    table's; True / False flips only that field (benchmarks compare the two L1 forms). The
+    decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one."""
     import os
 
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
-        bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = FRAG_TILES[(frag_regime(mean), kind)]
+        bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode = FRAG_TILES[(frag_regime(mean), kind)]
         env = os.environ.get("MEGAMOE_TRITON_L1GU")
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
@@ -698,7 +701,8 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
             bm = 64 if mean <= 64 else 128
         return KernelConfig(block_m=bm, l1_bn=l1_bn, l1_bk=128, l1_warps=l1_w, l1_stages=l1_st, l2_bn=l2_bn,
                             l2_bk=128, l2_warps=l2_w, l2_stages=l2_st, k_order="frag",
-                            l1_gu=gu if l1_gu is None else bool(l1_gu))
+                            l1_gu=gu if l1_gu is None else bool(l1_gu),
+                            decode=os.environ.get("MEGAMOE_TRITON_DECODE") or decode)
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
@@ -773,10 +777,9 @@ def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str)
 
 def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[bool, bool]:
     """(fold, scale words) of the frag paths from ``KernelConfig.decode`` / ``scale_load``, the
-    env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else the measured defaults: fold
-    for the NVFP4 and E4M3 rows (nvfp4: as fast or faster at the default tiles in the H200
-    sweeps), plain for mxfp4 (fold's range check cost more than the multiply it saves: 138 vs
-    128 us at 1 token, 657 vs 642 us at 8); scale bytes (``DEFAULT_SCALE_LOAD``)."""
+    env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else a row default for configs
+    built by hand (``default_config`` fills ``decode`` per regime from ``FRAG_TILES``): fold
+    for the NVFP4 and E4M3 rows, plain for mxfp4; scale bytes (``DEFAULT_SCALE_LOAD``)."""
     import os
 
     dflt = "fold" if w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"

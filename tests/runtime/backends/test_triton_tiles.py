@@ -37,8 +37,9 @@ def test_default_frag_config_follows_the_table(row, tokens):
     pairs = tokens * 8
     mean = pairs / E
     cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
-    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
     assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (gu, l1_bn, l1_w, l1_st)
+    assert cfg.decode == decode and moe.resolve_decode(cfg, KINDS[row])[0] == (decode == "fold")
     assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (l2_bn, l2_w, l2_st)
     assert cfg.k_order == "frag" and cfg.l1_bk == cfg.l2_bk == 128
     assert cfg.block_m == (bm if bm is not None else (64 if mean <= 64 else 128))
@@ -51,8 +52,8 @@ def test_default_frag_config_follows_the_table(row, tokens):
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("decode", "mid", "prefill"):
         for kind in KINDS.values():
-            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st = moe.FRAG_TILES[(regime, kind)]
-            assert bm in (None, 16, 32, 64, 128)
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode = moe.FRAG_TILES[(regime, kind)]
+            assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
             l1_rows = 2 * l1_bn if gu else l1_bn
@@ -90,6 +91,20 @@ def test_default_decode_by_row(row, fold, monkeypatch):
     monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
     with pytest.raises(MegaMoEError, match="decode 'fast'"):
         moe.resolve_decode(moe.KernelConfig(), KINDS[row])
+
+
+def test_decode_env_overrides_the_table(monkeypatch):
+    """The measured per-regime decode (mxfp8: plain at decode and prefill sizes, fold in the mid
+    regime) gives way to ``MEGAMOE_TRITON_DECODE``; a config's own decode wins over both."""
+    mid = moe.default_config(512 * 8, E, "frag", w_kind=moe.W_E4M3_MX)
+    dec = moe.default_config(8 * 8, E, "frag", w_kind=moe.W_E4M3_MX)
+    assert (mid.decode, dec.decode) == ("fold", "plain")
+    monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "plain")
+    assert moe.default_config(512 * 8, E, "frag", w_kind=moe.W_E4M3_MX).decode == "plain"
+    assert moe.resolve_decode(mid, moe.W_E4M3_MX) == (True, False)  # a config built earlier keeps its decode
+    monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
+    with pytest.raises(MegaMoEError, match="decode 'fast'"):
+        moe.resolve_decode(moe.default_config(8 * 8, E, "frag", w_kind=moe.W_E4M3_MX), moe.W_E4M3_MX)
 
 
 def test_register_cap_reaches_the_compile_options(monkeypatch):
