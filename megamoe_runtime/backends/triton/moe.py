@@ -201,6 +201,8 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
         wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + q[None, :, None] * 4 + iw[None, None, :])
         if FOLD and W_KIND == 0:  # bf16 bits of 2^(s-1) = scale * 2^126 straight from the byte
             sb = _fold_scale_bits(s, 126)
+        elif W_KIND == 0:  # bf16 bits of 2^(s-127) straight from the byte (0 -> 0.0): no F2F in the loop
+            sb = s << 7
         else:
             sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         sb = sb | (sb << 16)  # the scale in both halves of a bf16x2
