@@ -619,7 +619,8 @@ class KernelConfig:
     #: weight decode of the frag paths: "fold" (the decode's bias multiply folded into the scale
     #: operand: one bf16x2 multiply per operand register instead of two, bitwise the same
     #: output; docs/KERNELS.md "The frag K order"), "plain", or None = env
-    #: ``MEGAMOE_TRITON_DECODE``, else by row (``resolve_decode``). Needs the inline-asm decode.
+    #: ``MEGAMOE_TRITON_DECODE``, else by row (``resolve_decode``); ``default_config`` sets it
+    #: per regime and row from ``FRAG_TILES``. Needs the inline-asm decode.
     decode: Optional[str] = None
     #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
     #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), or
