@@ -1,0 +1,203 @@
+"""The inline-asm weight decodes of the triton backend, checked on the CPU (no triton, no GPU).
+
+``decode_asm`` holds the PTX text the kernels paste into ``tl.inline_asm_elementwise``. A
+small interpreter of the few instructions it uses (integer and/or/shifts/multiplies, byte
+permutes, ``mul.rn.bf16x2``) runs those exact strings over every nibble / byte value and a
+range of scales, and the results must equal ``codecs``' decode times the scale, bf16 bit for
+bit. The GPU runs the compiled code through the same comparison (``moe.asm_decode_check``)
+before using it; this catches an edit of the text in CPU CI. Negative controls: a changed
+mask, a dropped multiply and a swapped output order are caught.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from megamoe_runtime import codecs
+from megamoe_runtime.backends.triton import decode_asm
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def _bf16_mul2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``mul.rn.bf16x2``: per 16-bit half, the product rounded to bf16 (ties even). The fp32
+    product of two bf16 values is exact here (the decodes multiply exact values), so rounding it
+    once more to bf16 is the instruction's single rounding."""
+    out = np.zeros_like(a)
+    for sh in (0, 16):
+        fa = ((a >> np.uint64(sh)) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
+        fb = ((b >> np.uint64(sh)) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
+        with np.errstate(over="ignore"):
+            p = (fa.view(np.float32) * fb.view(np.float32)).view(np.uint32).astype(np.uint64)
+        r = ((p + np.uint64(0x7FFF) + ((p >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)) & np.uint64(0xFFFF)
+        out |= r << np.uint64(sh)
+    return out
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """``prmt.b32`` default mode: byte i of the result is byte (sel >> 4i) & 7 of {b, a}; with
+    bit 3 of that selector nibble set, the selected byte's sign bit replicated."""
+    both = (b << np.uint64(32)) | a
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> np.uint64(4 * i)) & np.uint64(15)
+        byte = (both >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        rep = np.where((byte >> np.uint64(7)) & np.uint64(1) == 1, np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nib & np.uint64(8) != 0, rep, byte) << np.uint64(8 * i)
+    return out
+
+
+def run_ptx(text: str, inputs: list[np.ndarray], n_out: int) -> list[np.ndarray]:
+    """Run decode PTX over uint64 arrays holding 32-bit values; returns the ``n_out`` outputs
+    (16-bit outputs of a ``mov.b32 {lo, hi}`` are returned as 16-bit values)."""
+    regs: dict[str, np.ndarray] = {f"${n_out + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.full_like(inputs[0], int(tok, 0), dtype=np.uint64)
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("", "{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        m = re.fullmatch(r"\{(\$\d+),\s*(\$\d+)\},\s*(\S+)", rest)
+        if op == "mov.b32" and m:  # unpack a bf16x2 register into two 16-bit outputs
+            r = val(m.group(3))
+            regs[m.group(1)] = r & np.uint64(0xFFFF)
+            regs[m.group(2)] = (r >> np.uint64(16)) & np.uint64(0xFFFF)
+            continue
+        d, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "shl.b32":
+            r = (a[0] << a[1]) & M32
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "mul.lo.u32":
+            r = (a[0] * a[1]) & M32
+        elif op == "mul.hi.u32":
+            r = (a[0] * a[1]) >> np.uint64(32)
+        elif op == "prmt.b32":
+            r = _prmt(a[0], a[1], a[2])
+        elif op == "mul.rn.bf16x2":
+            r = _bf16_mul2(a[0], a[1])
+        else:
+            raise AssertionError(f"the decode PTX uses {op!r}, which this interpreter does not know")
+        regs[d] = r & M32
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16).astype(np.uint64)
+
+
+def _words_and_scales(seed: int = 0):
+    """Words covering every nibble pair at every register position, with random other nibbles,
+    each paired with a UE8M0 scale byte in 1..128 (the fold decode's range)."""
+    g = np.random.default_rng(seed)
+    pairs = np.arange(256, dtype=np.uint64)
+    words = []
+    for j in range(4):  # register j holds nibbles j and j + 4
+        w = g.integers(0, 2**32, size=256, dtype=np.uint64)
+        keep = ~((np.uint64(0xF) << np.uint64(4 * j)) | (np.uint64(0xF) << np.uint64(4 * j + 16))) & M32
+        words.append((w & keep) | ((pairs & np.uint64(15)) << np.uint64(4 * j))
+                     | ((pairs >> np.uint64(4)) << np.uint64(4 * j + 16)))
+    words = np.concatenate(words + [g.integers(0, 2**32, size=4096, dtype=np.uint64)])
+    scales = g.integers(1, 129, size=words.size, dtype=np.uint64)
+    return words, scales
+
+
+def _e2m1_expected(words: np.ndarray, scales: np.ndarray) -> list[np.ndarray]:
+    nib = np.stack([(words >> np.uint64(4 * i)) & np.uint64(15) for i in range(8)], 1)
+    vals = codecs.e2m1_decode(torch.from_numpy(nib.astype(np.uint8)))
+    sc = torch.from_numpy((scales.astype(np.int64) - 127).astype(np.float64)).exp2().float()
+    prod = vals.float() * sc[:, None]
+    return [_bf16_bits(prod[:, i]) for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
+def test_e2m1_frag_decode_matches_codecs(fold):
+    words, scales = _words_and_scales()
+    # the scale operand: bf16 bits of 2^(s-127) (fold: of 2^(s-1) = scale * 2^126), both halves
+    sb = (scales + np.uint64(126) if fold else scales) << np.uint64(7)
+    sc2 = sb | (sb << np.uint64(16))
+    text = decode_asm.E2M1_FRAG_FOLD if fold else decode_asm.E2M1_FRAG
+    got = run_ptx(text, [words, sc2], 8)
+    want = _e2m1_expected(words, scales)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g, w), f"output {i}: {int((g != w).sum())} values differ"
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
+def test_e4m3_frag_decode_matches_codecs(fold):
+    g = np.random.default_rng(1)
+    b = np.arange(256, dtype=np.uint64)
+    b = b[(b & np.uint64(0x7F)) != np.uint64(0x7F)]  # no NaN bytes in weights
+    words = np.concatenate([b | (g.choice(b, b.size) << np.uint64(8)) | (g.choice(b, b.size) << np.uint64(16))
+                            | (g.choice(b, b.size) << np.uint64(24)) for _ in range(4)])
+    words = np.concatenate([words, np.roll(words, 3) << np.uint64(8) & M32 | (words >> np.uint64(24))])
+    scales = g.integers(1, 135, size=words.size, dtype=np.uint64)
+    sb = (scales + np.uint64(120) if fold else scales) << np.uint64(7)
+    got = run_ptx(decode_asm.E4M3_FRAG_FOLD if fold else decode_asm.E4M3_FRAG, [words, sb | (sb << np.uint64(16))], 4)
+    byts = np.stack([(words >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1).astype(np.uint8)
+    vals = codecs.e4m3_decode(torch.from_numpy(byts).view(torch.float8_e4m3fn)).float()
+    sc = torch.from_numpy((scales.astype(np.int64) - 127).astype(np.float64)).exp2().float()
+    prod = vals * sc[:, None]
+    for i, byte in enumerate((0, 2, 1, 3)):
+        want = _bf16_bits(prod[:, byte])
+        assert np.array_equal(got[i], want), f"output {i} (byte {byte}): {int((got[i] != want).sum())} differ"
+
+
+def test_e2m1_prmt_decode_matches_codecs():
+    """The split order's lookup-table decode: 4 bytes -> low-nibble and high-nibble bf16 pairs."""
+    g = np.random.default_rng(2)
+    words = np.concatenate([np.arange(256, dtype=np.uint64) * np.uint64(0x01010101),
+                            g.integers(0, 2**32, size=4096, dtype=np.uint64)])
+    scales = g.integers(1, 255, size=words.size, dtype=np.uint64)
+    sb = scales << np.uint64(7)
+    sc2 = sb | (sb << np.uint64(16))
+    lo01, lo23, hi01, hi23 = run_ptx(decode_asm.E2M1_PRMT, [words, sc2, sc2], 4)
+    byts = np.stack([(words >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)
+    sc = torch.from_numpy((scales.astype(np.int64) - 127).astype(np.float64)).exp2().float()
+    for nib_shift, regs in ((0, (lo01, lo23)), (4, (hi01, hi23))):
+        codes = torch.from_numpy(((byts >> np.uint64(nib_shift)) & np.uint64(15)).astype(np.uint8))
+        want = _bf16_bits(codecs.e2m1_decode(codes).float() * sc[:, None])
+        got = np.stack([regs[0] & np.uint64(0xFFFF), regs[0] >> np.uint64(16),
+                        regs[1] & np.uint64(0xFFFF), regs[1] >> np.uint64(16)], 1)
+        assert np.array_equal(got, want), f"nibble shift {nib_shift}: {int((got != want).sum())} differ"
+
+
+@pytest.mark.parametrize("break_it", ["mask", "multiply", "order"])
+def test_interpreter_catches_a_broken_decode(break_it):
+    """Negative controls: the comparison must fail for a wrong mask, a dropped bias multiply,
+    or outputs in another order."""
+    words, scales = _words_and_scales(3)
+    sb = scales << np.uint64(7)
+    text = decode_asm.E2M1_FRAG
+    if break_it == "mask":
+        text = text.replace("0x81C081C0", "0x818081C0", 1)  # drops bit 22 (nibble 4)
+    elif break_it == "multiply":
+        text = text.replace("mul.rn.bf16x2 t, t, bias;", "", 1)
+    got = run_ptx(text, [words, sb | (sb << np.uint64(16))], 8)
+    want = _e2m1_expected(words, scales)
+    if break_it == "order":
+        got = got[1:] + got[:1]
+    assert not all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_fold_texts_are_the_plain_ones_without_the_bias():
+    for plain, fold in ((decode_asm.E2M1_FRAG, decode_asm.E2M1_FRAG_FOLD),
+                        (decode_asm.E4M3_FRAG, decode_asm.E4M3_FRAG_FOLD)):
+        assert "bias" in plain and "bias" not in fold
+        assert fold.count("mul.rn.bf16x2") * 2 == plain.count("mul.rn.bf16x2")
