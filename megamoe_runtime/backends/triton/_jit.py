@@ -164,8 +164,8 @@ def e2m1_pair_bf16(b, sc, ASM: tl.constexpr):
     """(low-nibble values, high-nibble values) * sc as bf16, for uint8/int8 bytes b and a
     bf16 scale sc of the same shape (constant over each run of 4 bytes).
 
-    ASM: the PRMT lookup-table decode (``decode_asm.E2M1_PRMT``, GPU); else the arithmetic decode (interpreter,
-    and the fallback if the GPU self-check of the asm path fails)."""
+    ASM: the PRMT lookup-table decode (``decode_asm.E2M1_PRMT``, GPU); else the arithmetic
+    decode (interpreter, and the fallback if the GPU self-check of the asm path fails)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             _E2M1_ASM_C, "=r,=r,=r,=r,r,r,r", [b.to(tl.uint8, bitcast=True), sc],
