@@ -77,7 +77,7 @@ def _l2(v: str) -> tuple[dict, str | None]:
     return d, (p[3] if len(p) > 3 and p[3] != "-" else None)
 
 
-def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None) -> dict:
+def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0) -> dict:
     from megamoe_runtime.backends.triton import moe
 
     pairs = T * K
@@ -85,7 +85,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None) -> dict:
     tw, ids = routing(T, E, K, seed=T)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     w_kind = moe._W_KIND[spec.row]
-    dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
+    dflt = dataclasses.replace(moe.default_config(pairs, E, "frag", w_kind=w_kind), w_tile=w_tile)
     # one decode for every candidate (the backend picks one for both kernels): the default's
     # for this regime and row, so the best L1 and the best L2 can be combined as measured
     row_decode = dflt.decode
@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--l2", default=None,
                     help="L2 variants bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
     ap.add_argument("--block-m", default=None, help="row blocks to try, comma-separated (default: by regime)")
+    ap.add_argument("--w-tile", type=int, default=0,
+                    help="read weights in the tiled arrangement of WT rows (moe.tile_weights); 0: as converted")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -174,6 +176,9 @@ def main() -> None:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         kt = _Roles(lay, "")
+        if args.w_tile:
+            kt.l1_weight = moe.tile_weights(kt.l1_weight, args.w_tile)
+            kt.l2_weight = moe.tile_weights(kt.l2_weight, args.w_tile)
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
         for T in (int(t) for t in args.tokens.split(",")):
             reg = moe.frag_regime(T * K / E)
@@ -181,7 +186,7 @@ def main() -> None:
             l2s = args.l2.split(",") if args.l2 else L2_VARIANTS[reg]
             log(f"# {row} T={T} ({reg})")
             r = sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log,
-                            [int(b) for b in args.block_m.split(",")] if args.block_m else None)
+                            [int(b) for b in args.block_m.split(",")] if args.block_m else None, args.w_tile)
             if r:
                 touched = int(torch.unique(routing(T, E, K, seed=T)[1]).numel())
                 r.update(row=row, shape=args.shape, frac_copy_best=touched * expert_bytes(row, H, I) / (

@@ -153,6 +153,19 @@ def _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD: tl.constexpr):
 
 
 @triton.jit
+def _w_run(rows, k0, stride, RB: tl.constexpr, WT: tl.constexpr):
+    """Offset (in the unit of ``stride``) of the ``RB`` units of each kernel row in K-block k0
+    (128 wide). WT 0: the converted layout, rows of ``stride`` units. WT > 0: the tiled Hopper
+    arrangement (docs/KERNELS.md, "Tiled weights"): each group of WT rows stores its K blocks
+    one after another, every block WT * RB contiguous units, so a tile reads whole runs of memory
+    instead of RB units per row strided by the row length."""
+    if WT == 0:
+        return rows * stride + (k0 // 128) * RB
+    else:
+        return (rows // WT) * (WT * stride) + (k0 // 128) * (WT * RB) + (rows % WT) * RB
+
+
+@triton.jit
 def _fold_scale_bits(s, BIAS: tl.constexpr):
     """bf16 bits (int32, low half) of ``2^(s - 127) * 2^BIAS`` for UE8M0 bytes s in [1, 127 - BIAS + 128]
     (byte 0 -> 0.0 as ``pow2_from_byte``); larger bytes give garbage, which the kernels detect."""
@@ -162,7 +175,7 @@ def _fold_scale_bits(s, BIAS: tl.constexpr):
 @triton.jit
 def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-            FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
+            FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0):
     """E2M1 weight tile ``[BN, 128]`` of K-block k0 (128 wide), decoded to bf16 in the frag K order.
 
     The bytes are read as ``[BN, 4, 16]``: row n, MX group q, 16 contiguous bytes (32 weights).
@@ -198,7 +211,8 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
     if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
         iw = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + q[None, :, None] * 4 + iw[None, None, :])
+        wd = tl.load(w32 + _w_run(rows, k0, stride_wn // 4, 16, WT)[:, None, None] + q[None, :, None] * 4
+                     + iw[None, None, :])
         if FOLD and W_KIND == 0:  # bf16 bits of 2^(s-1) = scale * 2^126 straight from the byte
             sb = _fold_scale_bits(s, 126)
         elif W_KIND == 0:  # bf16 bits of 2^(s-127) straight from the byte (0 -> 0.0): no F2F in the loop
@@ -218,7 +232,7 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
         v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # (n, w, o, j', q, h)
     else:  # arithmetic decode of the bytes: natural nibble i = 2 * byte + (high nibble) = 4h + 2o + j'
         i = tl.arange(0, 16)
-        off = rows[:, None, None] * stride_wn + k0 // 2 + q[None, :, None] * 16 + i[None, None, :]
+        off = _w_run(rows, k0, stride_wn, 64, WT)[:, None, None] + q[None, :, None] * 16 + i[None, None, :]
         b = tl.load(w_ptr + off)
         if W_KIND == 0:
             scb = tl.broadcast_to(sc[:, :, None], (BN, 4, 16))
@@ -232,7 +246,7 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 @triton.jit
 def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr, HW_CVT: tl.constexpr,
-             ASM: tl.constexpr, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
+             ASM: tl.constexpr, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0):
     """E4M3 weight tile ``[BN, 128]`` of K-block k0, decoded to bf16 in the E4M3 frag K order
     (``_jit.frag8_pos``): per row and thread, 32 contiguous bytes with one UE8M0 scale. FOLD (asm
     only): the 2^120 bias rides on the scale operand, exact for UE8M0 bytes <= 134, which the
@@ -247,13 +261,15 @@ def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr
             sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         iw = tl.arange(0, 8)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        wd = tl.load(w32 + rows[:, None, None] * (stride_wn // 4) + k0 // 4 + q[None, :, None] * 8 + iw[None, None, :])
+        wd = tl.load(w32 + _w_run(rows, k0, stride_wn // 4, 32, WT)[:, None, None] + q[None, :, None] * 8
+                     + iw[None, None, :])
         s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], (BN, 4, 8))
         b0, b2, b1, b3 = _jit.e4m3_frag_words(wd, s2, FOLD)
         v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # (n, q, w, h, p): byte 2h + p
     else:
         i = tl.arange(0, 32)
-        b = tl.load(w_ptr + rows[:, None, None] * stride_wn + k0 + q[None, :, None] * 32 + i[None, None, :])
+        b = tl.load(w_ptr + _w_run(rows, k0, stride_wn, 128, WT)[:, None, None] + q[None, :, None] * 32
+                    + i[None, None, :])
         v = (_jit.e4m3_byte_to_f32(b, HW_CVT) * sc.to(tl.float32)[:, :, None]).to(tl.bfloat16)
         v = v.reshape(BN, 4, 8, 2, 2)  # (n, q, w, h, p)
     v = tl.permute(v, (0, 2, 4, 1, 3))  # (n, w, p, q, h): k = 16w + 8p + 2q + h
@@ -263,14 +279,15 @@ def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr
 @triton.jit
 def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
               W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-              FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
-    """acc + W[rows, k0:k0+BK] @ x^T."""
+              FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
+              WT: tl.constexpr = 0):
+    """acc + W[rows, k0:k0+BK] @ x^T (WT: ``_w_run``; frag only)."""
     if FRAG:  # activations stored in the frag K order of the weight kind, BK == 128
         if W_KIND == 1:
-            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM, FOLD, SWORD)
+            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM, FOLD, SWORD, WT)
         else:
             wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM, FOLD,
-                            SWORD)
+                         SWORD, WT)
         if HW_CVT:
             acc = tl.dot(wf, tl.trans(xa), acc)
         else:
@@ -358,16 +375,17 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
 @triton.jit
 def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr):
+                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
+                 WT: tl.constexpr = 0):
     """The L1 main loop as a gate dot and an up dot of BN rows each (every K order)."""
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     for k0 in range(0, H, BK):
         xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
         acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
-                          FRAG, FOLD, SWORD)
+                          FRAG, FOLD, SWORD, WT)
         acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
-                          FRAG, FOLD, SWORD)
+                          FRAG, FOLD, SWORD, WT)
     if FOLD and W_KIND != 2:
         if _fold_bad(wse, sg, NROWS, H, W_KIND, BN) or _fold_bad(wse, su, NROWS, H, W_KIND, BN):
             acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
@@ -375,9 +393,9 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
             for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
                 xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
                 acc_g = _mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
-                                  ASM, FRAG, False, SWORD)
+                                  ASM, FRAG, False, SWORD, WT)
                 acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
-                                  ASM, FRAG, False, SWORD)
+                                  ASM, FRAG, False, SWORD, WT)
     return acc_g, acc_u
 
 
@@ -393,7 +411,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
                REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               GU: tl.constexpr = False):
+               GU: tl.constexpr = False, WT: tl.constexpr = 0):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -447,21 +465,21 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         for k0 in range(0, H, BK):
             xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
             acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
-                            FRAG, FOLD, SWORD)
+                            FRAG, FOLD, SWORD, WT)
         if FOLD and W_KIND != 2:
             if _fold_bad(wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale above the limit: plain decode again
                 acc = tl.zeros((2 * BN, BM), tl.float32)
                 for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
                     xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
                     acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT,
-                                    ASM, FRAG, False, SWORD)
+                                    ASM, FRAG, False, SWORD, WT)
         a4 = tl.permute(acc.reshape(BN // 8, 2, 8, BM), (0, 2, 3, 1))  # (slab, i, token, gate/up)
         acc_g, acc_u = tl.split(a4)
         acc_g = acc_g.reshape(BN, BM)
         acc_u = acc_u.reshape(BN, BM)
     else:
         acc_g, acc_u = _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND, BN,
-                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT)
+                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT)
     if FOLD and W_KIND == 2:
         acc_g = acc_g * 256.0
         acc_u = acc_u * 256.0
@@ -502,7 +520,8 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
                T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False):
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
+               WT: tl.constexpr = 0):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
     (FOLD and SWORD as in ``_l1_kernel``)."""
     pid_n = tl.program_id(0)
@@ -535,14 +554,15 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
     xrow = arow * I
     for k0 in range(0, I, BK):
         xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD)
+        acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
+                        WT)
     if FOLD and W_KIND != 2:
         if _fold_bad(wse, sn, H, I, W_KIND, BN):  # a scale above the limit: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
             for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
                 xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
                 acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
-                                FRAG, False, SWORD)
+                                FRAG, False, SWORD, WT)
     if FOLD and W_KIND == 2:
         acc = acc * 256.0
     if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
@@ -635,6 +655,9 @@ class KernelConfig:
     #: SM, at 128 two.
     l1_maxnreg: Optional[int] = None
     l2_maxnreg: Optional[int] = None
+    #: rows per contiguous weight block of the frag kernels (``_w_run``): 0 reads the converted
+    #: layout; WT > 0 needs weights arranged by ``tile_weights(w, WT)``.
+    w_tile: int = 0
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -849,6 +872,15 @@ def _scale_stride(sf: Optional[torch.Tensor]) -> int:
     return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
 
 
+def tile_weights(w: torch.Tensor, wt: int) -> torch.Tensor:
+    """A copy of kernel-layout weights ``[E, N, Kbytes]`` in the tiled arrangement ``_w_run``
+    reads with WT = ``wt``: per expert, rows in groups of ``wt``, each group's 128-wide K
+    blocks stored one after another."""
+    E, N, kb = w.shape
+    nblk = kb // (64 if w.element_size() == 1 and w.dtype != torch.float8_e4m3fn else 128)
+    return w.reshape(E, N // wt, wt, nblk, kb // nblk).transpose(2, 3).contiguous().reshape(E, N, kb)
+
+
 def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
     """Scale words for the E2M1 frag kernels only: with E4M3 weights the word tensor's layout made
     Triton route the decoded operand through shared memory (PRMT/STS in the SASS, +30%
@@ -873,7 +905,8 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=cfg.w_tile if frag and not shared else 0,
+        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
         **_opts(cfg.l1_maxnreg))
 
 
@@ -890,7 +923,8 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
-        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind), num_warps=cfg.l2_warps,
+        FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
+        WT=cfg.w_tile if frag and not shared else 0, num_warps=cfg.l2_warps,
         num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
 
 

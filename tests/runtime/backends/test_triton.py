@@ -269,6 +269,35 @@ def test_register_cap_same_bits(row):
     _assert_matches(outs[1], ref, f"maxnreg {row}")
 
 
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("wt,T", [(16, 8), (64, 300)])
+def test_tiled_weights_same_bits(row, wt, T):
+    """Weights in the tiled arrangement (``moe.tile_weights``) read with ``KernelConfig.w_tile``
+    give the converted layout's output bit for bit (plain and fold decodes, both L1 forms); the
+    converted bytes read as if tiled must not."""
+    import dataclasses
+    import types
+
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T)
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    kt = _Roles(lay, "")
+    tiled = types.SimpleNamespace(**vars(kt))
+    tiled.l1_weight = moe.tile_weights(kt.l1_weight, wt)
+    tiled.l2_weight = moe.tile_weights(kt.l2_weight, wt)
+    base = moe.default_config(T * spec.top_k, spec.experts_per_rank, "frag", w_kind=moe._W_KIND[row])
+    want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
+    for d, gu in (("plain", True), ("fold", False)):
+        cfg = dataclasses.replace(base, w_tile=wt, decode=d, l1_gu=gu)
+        out = moe.moe_forward(spec, tiled, x, tw, ids, scalars=sc, config=cfg)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"tiled {wt} {d} gu={gu} differs"
+    _assert_matches(want, ref, f"tiled {row}")
+    bad = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=dataclasses.replace(base, w_tile=wt))
+    assert calc_diff(bad, ref) > 1e-3, "converted bytes read as tiled must be caught"
+
+
 def test_e2m1_asm_decode_self_check():
     """The PRMT lookup-table E2M1 decode (the fast path) agrees with codecs on this GPU,
     and a forward through it equals the arithmetic decode bit for bit."""
