@@ -293,6 +293,7 @@ def bench_staging(tokens, H, bw):
 
 
 def bench_moe(shape_name, rows, tokens, bw, args, results):
+    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
 
@@ -343,6 +344,15 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
 
         kt = _Roles(lay, "")
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
+        # the weight arrangement a layer derives after its load for this path (megamoe_runtime.weight_tiles)
+        wt = args.w_tile if args.w_tile is not None else moe.resolve_w_tile(
+            spec, "cuda", moe.KernelConfig(mma=mma, k_order=korder))
+        if wt and korder == "frag" and mma == "bf16":
+            weight_tiles.tile_in_place(kt.l1_weight, wt)
+            weight_tiles.tile_in_place(kt.l2_weight, wt)
+        else:
+            wt = 0
+        label = label + (f"/t{wt}" if wt and args.w_tile is not None else "")
         ebytes = expert_bytes(row, H, I)
         for T in tokens:
             tw, ids = routing(T, E, K, seed=T)
@@ -365,7 +375,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             best = None
             for cfg in configs:
                 try:
-                    ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg), graph=True)
+                    ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt),
+                                graph=True)
                 except Exception as e:
                     print(f"# {shape_name} {row} T={T} cfg={cfg}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -378,7 +389,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             ms, cfg = best
             if profiles is not None:
                 print_breakdown(f"{shape_name} {row} {label} T={T}", kernel_breakdown(
-                    lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg)), profiles)
+                    lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt)), profiles)
             act_bytes = 2 * T * H * 2 + pairs * I * 2 * 2 + pairs * H * 2 * 2
             wbytes = touched * ebytes
             gbps = (wbytes + act_bytes) / ms / 1e6
@@ -419,6 +430,9 @@ def main() -> None:
                     help="with --peer-path: skip the peer on E4M3 weights (the mxfp8 row's like-for-like column)")
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
+    ap.add_argument("--w-tile", type=int, default=None,
+                    help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.weight_tiles); "
+                         "default: what a layer derives (moe.resolve_w_tile), 0: the converted layout")
     ap.add_argument("--no-staging", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="also print each point's per-kernel device time (torch.profiler, eager, L2 flushed)")

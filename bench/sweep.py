@@ -85,7 +85,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     tw, ids = routing(T, E, K, seed=T)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     w_kind = moe._W_KIND[spec.row]
-    dflt = dataclasses.replace(moe.default_config(pairs, E, "frag", w_kind=w_kind), w_tile=w_tile)
+    dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
     # one decode for every candidate (the backend picks one for both kernels): the default's
     # for this regime and row, so the best L1 and the best L2 can be combined as measured
     row_decode = dflt.decode
@@ -99,7 +99,8 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
                 continue
             cfg = dataclasses.replace(dflt, block_m=bm, **a, **b, decode=da or db or row_decode)
             try:
-                ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg), iters=10)
+                ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=w_tile),
+                                      iters=10)
             except Exception as e:  # a tile that does not compile / fit: skip it
                 log(f"#   skip bm={bm} {l1s[i % len(l1s)]} / {l2s[i % len(l2s)]}: {type(e).__name__}: {str(e)[:160]}")
                 continue
@@ -132,7 +133,8 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
                rows=[{k: v for k, v in r.items() if k != "cfg"} for r in rows])
     for label, cfg in (("default", dflt), ("best", combo)):
         try:
-            res[f"{label}_us"] = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg)) * 1e3
+            res[f"{label}_us"] = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
+                                                             w_tile=w_tile)) * 1e3
         except Exception as e:
             log(f"# {label} failed: {type(e).__name__}: {str(e)[:200]}")
             res[f"{label}_us"] = float("nan")
@@ -153,10 +155,11 @@ def main() -> None:
                     help="L2 variants bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
     ap.add_argument("--block-m", default=None, help="row blocks to try, comma-separated (default: by regime)")
     ap.add_argument("--w-tile", type=int, default=0,
-                    help="read weights in the tiled arrangement of WT rows (moe.tile_weights); 0: as converted")
+                    help="weights in the tiled arrangement of WT rows (megamoe_runtime.weight_tiles); 0: as converted")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
@@ -177,8 +180,8 @@ def main() -> None:
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         kt = _Roles(lay, "")
         if args.w_tile:
-            kt.l1_weight = moe.tile_weights(kt.l1_weight, args.w_tile)
-            kt.l2_weight = moe.tile_weights(kt.l2_weight, args.w_tile)
+            kt.l1_weight = weight_tiles.tiled_copy(kt.l1_weight, args.w_tile)
+            kt.l2_weight = weight_tiles.tiled_copy(kt.l2_weight, args.w_tile)
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
         for T in (int(t) for t in args.tokens.split(",")):
             reg = moe.frag_regime(T * K / E)

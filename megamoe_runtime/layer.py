@@ -49,7 +49,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from . import layout, loaders, scales
+from . import layout, loaders, scales, weight_tiles
 from .backends import get_backend
 from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from .formats import LayerSpec, SharedSpec, get_row
@@ -279,6 +279,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
         #: int32 [E_l] ``cumulative_local_expert_recv_stats`` (DeepGEMM's name), or None: see
         #: `track_expert_recv_stats`.
         self.expert_recv_stats: Optional[torch.Tensor] = None
+        #: rows per tile of the routed weights' in-memory arrangement (`megamoe_runtime.weight_tiles`): 0 while
+        #: they hold the converted layout; the backend's ``weight_tiles`` choice after every successful load.
+        self.weight_tiles = 0
 
         # Shared-expert fusion: decided here, once.
         module_tensors: Optional[dict] = None  # an engine's shared MLP that matches a fusable spec
@@ -436,13 +439,70 @@ class DeepGemmMegaMoEExperts(nn.Module):
     def begin_load(self, mode: str = "stored") -> None:
         """Start a load pass (resets the per-load pending state: the w1/w3
         pairs and the a2 inputs of THIS load only)."""
+        self._restore_converted_layout()
         self._load_state = loaders.LoadState(mode=mode)
+
+    def _restore_converted_layout(self) -> None:
+        """Loaders write the converted layout: a tiled arrangement goes back to it, in place, before the first
+        write of any load (a partial reload then leaves no expert in the other arrangement). If no scratch can
+        be allocated nothing moved and the layer stays as it was; a failure after bytes moved makes the layer
+        unusable until a load succeeds."""
+        wt = self.weight_tiles
+        if not wt:
+            return
+        for i, w in enumerate((self.l1_weight, self.l2_weight)):
+            try:
+                with torch.no_grad():
+                    weight_tiles.untile_in_place(w, wt)
+            except weight_tiles.ScratchError:
+                if i == 0:
+                    raise
+                self.mark_unusable("restoring the converted weight layout stopped half way (no scratch memory)")
+                raise
+            except BaseException as e:
+                self.mark_unusable(f"restoring the converted weight layout failed: {type(e).__name__}: {e}")
+                raise
+        self.weight_tiles = 0
+
+    def _arrange_for_backend(self) -> None:
+        """After a successful load: the arrangement the backend reads fastest (its ``weight_tiles``), derived in
+        place (same storage, one pass per tensor, `megamoe_runtime.weight_tiles`). The forward hands
+        ``self.weight_tiles`` to the backend. Without scratch memory the layer keeps the converted layout (a
+        warning; the forward is as correct, only slower)."""
+        want = getattr(self.backend, "weight_tiles", None)
+        wt = int(want(self.spec, self.device)) if callable(want) else 0
+        if not wt or wt == self.weight_tiles or self.device.type == "meta":
+            return
+        self._restore_converted_layout()
+        done = []
+        for w in (self.l1_weight, self.l2_weight):
+            try:
+                with torch.no_grad():
+                    weight_tiles.tile_in_place(w, wt)
+            except weight_tiles.ScratchError as e:
+                try:
+                    with torch.no_grad():
+                        for d in done:
+                            weight_tiles.untile_in_place(d, wt)
+                except BaseException:
+                    self.mark_unusable(f"tiling the weights stopped half way ({e}) and undoing it failed")
+                    raise
+                import warnings
+
+                warnings.warn(f"{self.prefix or 'layer'}: weights keep the converted layout: {e}")
+                return
+            except BaseException as e:
+                self.mark_unusable(f"tiling the weights failed: {type(e).__name__}: {e}")
+                raise
+            done.append(w)
+        self.weight_tiles = wt
 
     def load_state(self, mode: Optional[str] = None) -> Optional[loaders.LoadState]:
         """The pending state of the load pass in progress (the loaders' only
         way to it). With ``mode``, a pass is started if none is (a raw
         ``weight_loader`` call without `begin_load`, as vLLM makes them)."""
         if self._load_state is None and mode is not None:
+            self._restore_converted_layout()
             self._load_state = loaders.LoadState(mode=mode)
         return self._load_state
 
@@ -453,6 +513,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
     def load_stored(self, role: str, tensor: torch.Tensor, *, storage: str = STORAGE_CONTIGUOUS,
                     experts: Optional[tuple[int, int]] = None, name: str = "") -> None:
         """Pre-laid-out load of one stored tensor (one ``copy_``), see `loaders.copy_stored`."""
+        if not tensor.is_meta:  # a meta source is a dry run: it moves no byte
+            self._restore_converted_layout()
         with torch.no_grad():
             loaders.copy_stored(self, role, tensor, storage=storage, experts=experts, name=name)
 
@@ -514,6 +576,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         (post-load hooks belong here)."""
         self.unusable_reason = None
         self.load_generation += 1
+        self._arrange_for_backend()
 
     def mark_unusable(self, reason: str) -> None:
         """A load failed after it started writing: until a load succeeds, `forward` raises LayerUnusableError

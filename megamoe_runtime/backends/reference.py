@@ -592,7 +592,14 @@ def _layer_kernel_tensors(layer: Any, prefix: str) -> Optional[layout.KernelTens
     on-disk role names), or None when the layer has no ``{prefix}l1_weight``."""
     if getattr(layer, prefix + "l1_weight", None) is None:
         return None
-    return layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in KERNEL_ROLES))
+    kt = layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in KERNEL_ROLES))
+    wt = getattr(layer, "weight_tiles", 0) if not prefix else 0
+    if wt:  # another backend's in-memory arrangement: read copies in the converted layout
+        from ..weight_tiles import untiled_copy
+
+        kt = layout.KernelTensors(untiled_copy(kt.l1_weight, wt), kt.l1_scale, untiled_copy(kt.l2_weight, wt),
+                                  kt.l2_scale)
+    return kt
 
 
 class ReferenceBackend:

@@ -71,6 +71,13 @@ class TritonBackend:
             return "the folded shared intermediate must be a multiple of 128"
         return True
 
+    def weight_tiles(self, spec: Any, device: Any) -> int:
+        """Rows per tile of the in-memory weight arrangement this backend reads fastest (the layer
+        derives it after each load, `megamoe_runtime.weight_tiles`); 0 keeps the converted layout."""
+        from .moe import resolve_w_tile
+
+        return resolve_w_tile(spec, device, self.config)
+
     def supports_fused_shared(self, spec: Any) -> bool:
         if spec.shared is None:
             return False
@@ -88,7 +95,8 @@ class TritonBackend:
         spec = dataclasses.replace(layer.spec, top_k=1, shared=None)
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), ids.reshape(-1, 1),
-                               scalars=scalars, config=self.config, return_slots=True)
+                               scalars=scalars, config=self.config, return_slots=True,
+                               w_tile=getattr(layer, "weight_tiles", 0))
         return slots[:, 0]
 
     def shared_slot(self, layer: Any, shared_input: torch.Tensor) -> torch.Tensor:
@@ -104,7 +112,7 @@ class TritonBackend:
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), shared_input, w, ids, scalars=scalars,
                                shared=_Roles(layer, SHARED_PREFIX), config=self.config, return_slots=True,
-                               shared_input=shared_input)
+                               shared_input=shared_input, w_tile=getattr(layer, "weight_tiles", 0))
         return slots[:, k]
 
     def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
@@ -125,4 +133,5 @@ class TritonBackend:
         from .moe import moe_forward
 
         return moe_forward(spec, _Roles(layer, ""), hidden_states, topk_weights, topk_ids,
-                           scalars=scalars, shared=shared, config=self.config, shared_input=shared_input)
+                           scalars=scalars, shared=shared, config=self.config, shared_input=shared_input,
+                           w_tile=getattr(layer, "weight_tiles", 0))

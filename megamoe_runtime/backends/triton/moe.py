@@ -655,9 +655,6 @@ class KernelConfig:
     #: SM, at 128 two.
     l1_maxnreg: Optional[int] = None
     l2_maxnreg: Optional[int] = None
-    #: rows per contiguous weight block of the frag kernels (``_w_run``): 0 reads the converted
-    #: layout; WT > 0 needs weights arranged by ``tile_weights(w, WT)``.
-    w_tile: int = 0
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -784,6 +781,43 @@ def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
     return "frag" if k == "frag" else old
 
 
+#: rows per tile of the weight arrangement the layer derives after a load for this backend
+#: (`megamoe_runtime.weight_tiles`; 16 and 64 measured the same on the H200, BENCHMARKS.md issue 11
+#: fifth pass); env ``MEGAMOE_TRITON_WTILE`` ("0": keep the converted layout)
+DEFAULT_W_TILE = 16
+
+
+def resolve_w_tile(spec: Any, device: Any, cfg: Optional["KernelConfig"] = None) -> int:
+    """Rows per tile for a layer of ``spec`` on ``device`` (0: the converted layout): CUDA, a row with
+    E2M1 or E4M3 weights, and the frag bf16 GEMMs (not the fp8 path, not the split order) per the
+    config and environment at load time."""
+    import os
+
+    from . import mma8
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    w_kind = _W_KIND.get(spec.row)
+    if dev.type != "cuda" or w_kind not in (W_E2M1_MX, W_E2M1_NV, W_E4M3_MX):
+        return 0
+    cfg = cfg or KernelConfig()
+    if mma8.selected(spec.row, True, cfg.mma) or \
+            resolve_k_order(cfg, w_kind, spec.hidden, spec.intermediate) != "frag":
+        return 0
+    v = os.environ.get("MEGAMOE_TRITON_WTILE")
+    try:
+        wt = DEFAULT_W_TILE if v is None or v == "" else int(v)
+    except ValueError:
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"MEGAMOE_TRITON_WTILE={v!r}; expected rows per tile (16, 32, 64, ...) or 0") from None
+    if wt < 0 or (wt and ((2 * spec.intermediate) % wt or spec.hidden % wt)):
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"MEGAMOE_TRITON_WTILE={wt}: must be 0 or divide both 2*intermediate "
+                           f"({2 * spec.intermediate}) and hidden ({spec.hidden})")
+    return wt
+
+
 #: frag-path decode and scale loads when neither the config nor the environment names one
 DECODES = ("fold", "plain")
 DEFAULT_SCALE_LOAD = "bytes"  # "words" routed the E2M1 operand through shared memory with triton 3.6
@@ -872,15 +906,6 @@ def _scale_stride(sf: Optional[torch.Tensor]) -> int:
     return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
 
 
-def tile_weights(w: torch.Tensor, wt: int) -> torch.Tensor:
-    """A copy of kernel-layout weights ``[E, N, Kbytes]`` in the tiled arrangement ``_w_run``
-    reads with WT = ``wt``: per expert, rows in groups of ``wt``, each group's 128-wide K
-    blocks stored one after another."""
-    E, N, kb = w.shape
-    nblk = kb // (64 if w.element_size() == 1 and w.dtype != torch.float8_e4m3fn else 128)
-    return w.reshape(E, N // wt, wt, nblk, kb // nblk).transpose(2, 3).contiguous().reshape(E, N, kb)
-
-
 def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
     """Scale words for the E2M1 frag kernels only: with E4M3 weights the word tensor's layout made
     Triton route the decoded operand through shared memory (PRMT/STS in the SASS, +30%
@@ -889,7 +914,8 @@ def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
 
 
 def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
-               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False):
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False,
+               wt=0):
     act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
     swe, swn = _weight_strides(w)
     bn = min(cfg.l1_bn, I)
@@ -905,13 +931,13 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=cfg.w_tile if frag and not shared else 0,
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=wt,
         num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
         **_opts(cfg.l1_maxnreg))
 
 
 def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False, fold=False, sword=False):
+               frag=False, fold=False, sword=False, wt=0):
     swe, swn = _weight_strides(w)
     bn = min(cfg.l2_bn, H)
     grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
@@ -924,7 +950,7 @@ def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_k
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
         FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        WT=cfg.w_tile if frag and not shared else 0, num_warps=cfg.l2_warps,
+        WT=wt, num_warps=cfg.l2_warps,
         num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
 
 
@@ -1093,7 +1119,7 @@ def asm_decode_ok(device: torch.device) -> bool:
 def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, scalars: Any = None, shared: Any = None,
                 config: Optional[KernelConfig] = None, return_slots: bool = False,
-                shared_input: Optional[torch.Tensor] = None, asm: Optional[bool] = None):
+                shared_input: Optional[torch.Tensor] = None, asm: Optional[bool] = None, w_tile: int = 0):
     """bf16 ``[T, H]`` MoE output of one layer on this EP rank (the reference's numerics).
 
     ``kt``: routed kernel tensors (``l1_weight``, ``l1_scale``, ``l2_weight``,
@@ -1102,7 +1128,9 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     ``shared``: 2-D shared kernel tensors, fused as slot K and computed on
     ``shared_input`` (default: the hidden states). Top-k ids are GLOBAL (-1
     masked); only this rank's experts contribute. ``asm``: force the E2M1
-    decode path (default: the PRMT path if its self-check passed).
+    decode path (default: the PRMT path if its self-check passed). ``w_tile``: the arrangement of the
+    routed weights (`megamoe_runtime.weight_tiles`; 0 = the converted layout), which only the frag
+    K order's bf16 GEMMs read.
     """
     hw = hw_cvt_default()
     row = spec.row
@@ -1139,6 +1167,13 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
                                    w_kind=_W_KIND[row])
     from . import mma8
 
+    if w_tile and (mma8.selected(row, hw, cfg.mma) or resolve_k_order(cfg, _W_KIND[row], H, I) != "frag"):
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"the routed weights are tiled by {w_tile} rows (layer.weight_tiles), which only the "
+                           f"frag K order's bf16 GEMMs read; this config asks for mma={cfg.mma!r}, k_order="
+                           f"{cfg.k_order!r} (env MEGAMOE_TRITON_MMA / MEGAMOE_TRITON_KORDER). Build and load the "
+                           f"layer with MEGAMOE_TRITON_WTILE=0 to run other paths")
     if mma8.selected(row, hw, cfg.mma):
         return _forward_fp8(spec, kt, cfg, x_bf16, x_sh, tw, ids, shared, out, nslot, return_slots, act_spec, rsf,
                             w_kind, asm)
@@ -1169,9 +1204,9 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
                rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
-               fold=fold, sword=sword)
+               fold=fold, sword=sword, wt=w_tile)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword)
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword, wt=w_tile)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

@@ -272,29 +272,30 @@ def test_register_cap_same_bits(row):
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("wt,T", [(16, 8), (64, 300)])
 def test_tiled_weights_same_bits(row, wt, T):
-    """Weights in the tiled arrangement (``moe.tile_weights``) read with ``KernelConfig.w_tile``
-    give the converted layout's output bit for bit (plain and fold decodes, both L1 forms); the
-    converted bytes read as if tiled must not."""
+    """Weights in the tiled arrangement (``weight_tiles.tiled_copy``) read with ``w_tile`` give the
+    converted layout's output bit for bit (plain and fold decodes, both L1 forms); the converted
+    bytes read as if tiled must not."""
     import dataclasses
     import types
 
     _, moe, _ = _triton()
+    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
     spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T)
     sc = _NvScalars(lay) if row == "nvfp4" else None
     kt = _Roles(lay, "")
     tiled = types.SimpleNamespace(**vars(kt))
-    tiled.l1_weight = moe.tile_weights(kt.l1_weight, wt)
-    tiled.l2_weight = moe.tile_weights(kt.l2_weight, wt)
+    tiled.l1_weight = weight_tiles.tiled_copy(kt.l1_weight, wt)
+    tiled.l2_weight = weight_tiles.tiled_copy(kt.l2_weight, wt)
     base = moe.default_config(T * spec.top_k, spec.experts_per_rank, "frag", w_kind=moe._W_KIND[row])
     want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
     for d, gu in (("plain", True), ("fold", False)):
-        cfg = dataclasses.replace(base, w_tile=wt, decode=d, l1_gu=gu)
-        out = moe.moe_forward(spec, tiled, x, tw, ids, scalars=sc, config=cfg)
+        cfg = dataclasses.replace(base, decode=d, l1_gu=gu)
+        out = moe.moe_forward(spec, tiled, x, tw, ids, scalars=sc, config=cfg, w_tile=wt)
         assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"tiled {wt} {d} gu={gu} differs"
     _assert_matches(want, ref, f"tiled {row}")
-    bad = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=dataclasses.replace(base, w_tile=wt))
+    bad = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base, w_tile=wt)
     assert calc_diff(bad, ref) > 1e-3, "converted bytes read as tiled must be caught"
 
 
@@ -544,6 +545,57 @@ def test_real_export_end_to_end(fixture, tmp_path):
         _report(test="real_export", fixture=fixture, layer=idx, row=spec.row,
                 shared=spec.shared.precision if spec.shared else "none", fused=bool(lt.shared_fused),
                 calc_diff=d, bitwise_frac=float((yt.view(torch.int16) == yr.view(torch.int16)).float().mean()))
+
+
+@pytest.mark.parametrize("fmt", ["modelopt-mxfp4", "modelopt-nvfp4", "modelopt-mxfp8"])
+def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
+    """A triton layer on the GPU holds its routed weights tiled after every load (same storage),
+    computes bit for bit what the converted layout computes, survives a reload under a captured
+    CUDA graph, and refuses a path that cannot read tiles."""
+    _, moe, _ = _triton()
+    from megamoe_runtime import weight_tiles
+    from megamoe_runtime.checkpoint import open_checkpoint
+    from megamoe_runtime.errors import MegaMoEError
+
+    _, out = ckpts.converted(fmt)
+    ck = open_checkpoint(out)
+    lt = ck.build_layer(0, device="cuda", backend="triton")
+    lr = ck.build_layer(0, device="cuda", backend="reference")
+    monkeypatch.setenv("MEGAMOE_TRITON_WTILE", "0")
+    l0 = ck.build_layer(0, device="cuda", backend="triton")
+    monkeypatch.delenv("MEGAMOE_TRITON_WTILE")
+    assert lt.weight_tiles == moe.DEFAULT_W_TILE and l0.weight_tiles == 0
+    for name in ("l1_weight", "l2_weight"):
+        want = weight_tiles.tiled_copy(getattr(lr, name).detach(), lt.weight_tiles)
+        assert torch.equal(getattr(lt, name).view(torch.uint8), want.view(torch.uint8)), name
+    spec = lt.spec
+    T = 21
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(T, spec.hidden, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.argsort(torch.rand(T, spec.num_experts, generator=g), 1)[:, :spec.top_k].cuda()
+    tw = torch.softmax(torch.randn(T, spec.top_k, generator=g), 1).float().cuda()
+    y = lt(x, tw, ids)
+    assert torch.equal(y.view(torch.int16), l0(x, tw, ids).view(torch.int16)), "tiled != converted layout"
+    _assert_matches(y, lr(x, tw, ids), f"tiled layer {fmt}")
+    # a reload under a captured graph: same storage, tiles derived again, same output on replay
+    snap = lt.storage_snapshot
+    lt(x, tw, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = lt(x, tw, ids)
+    ck.load_layer(lt)
+    assert lt.storage_snapshot == snap and lt.weight_tiles == moe.DEFAULT_W_TILE
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg.view(torch.int16), y.view(torch.int16))
+    # negative control: the converted bytes read as tiles
+    lt.weight_tiles, l0.weight_tiles = 0, moe.DEFAULT_W_TILE
+    assert calc_diff(l0(x, tw, ids), y) > 1e-3
+    lt.weight_tiles = moe.DEFAULT_W_TILE
+    # the split order cannot read tiles: a clear error, not wrong numbers
+    lt.backend.config = moe.KernelConfig(k_order="split")
+    with pytest.raises(MegaMoEError, match="tiled by"):
+        lt(x, tw, ids)
 
 
 # --------------------------------------------------------------------------- negative controls
