@@ -15,7 +15,8 @@ in one CUDA graph, ``do_bench`` median), and both lines are printed.
 Candidates: ``L1_VARIANTS`` / ``L2_VARIANTS`` by regime (mean pairs per expert), or
 ``--l1`` / ``--l2`` as ``gu:bn:warps:stages[:decode[:bk[:maxnreg]]]`` and
 ``bn:warps:stages[:decode[:bk[:maxnreg]]]`` lists separated by commas (decode "-" = the row's
-default, bk "-" = 128; the frag kernels take 128 whatever is asked).
+default, bk "-" = 128; the frag kernels take 128 whatever is asked; maxnreg absent = the default
+config's register cap, 0 = none).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _l1(v: str) -> tuple[dict, str | None]:
     if len(p) > 5 and p[5] != "-":
         d["l1_bk"] = int(p[5])
     if len(p) > 6:
-        d["l1_maxnreg"] = int(p[6])
+        d["l1_maxnreg"] = int(p[6]) or None
     return d, (p[4] if len(p) > 4 and p[4] != "-" else None)
 
 
@@ -73,7 +74,7 @@ def _l2(v: str) -> tuple[dict, str | None]:
     if len(p) > 4 and p[4] != "-":
         d["l2_bk"] = int(p[4])
     if len(p) > 5:
-        d["l2_maxnreg"] = int(p[5])
+        d["l2_maxnreg"] = int(p[5]) or None
     return d, (p[3] if len(p) > 3 and p[3] != "-" else None)
 
 

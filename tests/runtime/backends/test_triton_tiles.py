@@ -37,7 +37,8 @@ def test_default_frag_config_follows_the_table(row, tokens):
     pairs = tokens * 8
     mean = pairs / E
     cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
-    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    tiles = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l1_reg = tiles
     assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (gu, l1_bn, l1_w, l1_st)
     assert cfg.decode == decode and moe.resolve_decode(cfg, KINDS[row])[0] == (decode == "fold")
     assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (l2_bn, l2_w, l2_st)
@@ -46,14 +47,15 @@ def test_default_frag_config_follows_the_table(row, tokens):
     # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks)
     assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode"
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
-    assert cfg.l1_maxnreg is None and cfg.l2_maxnreg is None
+    assert cfg.l1_maxnreg == l1_reg and cfg.l2_maxnreg is None
 
 
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("decode", "mid", "prefill"):
         for kind in KINDS.values():
-            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode = moe.FRAG_TILES[(regime, kind)]
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l1_reg = moe.FRAG_TILES[(regime, kind)]
             assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES
+            assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128))  # 4 CTAs of 4 warps at 128 registers
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
             l1_rows = 2 * l1_bn if gu else l1_bn
