@@ -5,9 +5,12 @@ exact byte layout (docs/LAYOUT.md). This layer allocates those tensors ONCE,
 at construction, as the very tensors a kernel reads (MN-major scale views over
 contiguous physical storage, registered as parameters with
 ``requires_grad=False``), and every loader afterwards only ``copy_``s into
-them. Nothing is reallocated, rebound or transformed at load or reload, so
-pointers captured by a CUDA graph stay valid and a reload cannot leave a
-stale copy behind (docs/RELOAD.md#storage-identity, #field-failures).
+them. Nothing is reallocated or rebound at load or reload, so pointers
+captured by a CUDA graph stay valid and a reload cannot leave a stale copy
+behind (docs/RELOAD.md#storage-identity, #field-failures). The one transform:
+a backend that reads the routed weights faster tiled (the triton backend on a
+GPU) gets them rearranged in place after each load and restored before the
+next load writes (``weight_tiles``; docs/LAYOUT.md#tiled-weights-in-memory).
 
 Attributes (= manifest roles, `megamoe_runtime.manifest`):
 
