@@ -500,6 +500,21 @@ class DeepGemmMegaMoEExperts(nn.Module):
             done.append(w)
         self.weight_tiles = wt
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """A state dict holds the converted layout whatever the in-memory arrangement (converted copies of
+        tiled weights), so it loads into any layer."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight_tiles:
+            for name in ("l1_weight", "l2_weight"):
+                destination[prefix + name] = weight_tiles.untiled_copy(getattr(self, name).detach(),
+                                                                       self.weight_tiles)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """``load_state_dict`` writes converted bytes: restore that layout first, tile again after."""
+        self._restore_converted_layout()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._arrange_for_backend()
+
     def load_state(self, mode: Optional[str] = None) -> Optional[loaders.LoadState]:
         """The pending state of the load pass in progress (the loaders' only
         way to it). With ``mode``, a pass is started if none is (a raw

@@ -206,3 +206,18 @@ def test_no_scratch_keeps_the_converted_layout(ckpts, monkeypatch):
     assert layer.weight_tiles == 0 and layer.unusable_reason is None
     x, w, ids = _inputs(plain.spec)
     assert torch.equal(layer(x, w, ids), plain(x, w, ids))
+
+
+def test_state_dict_holds_the_converted_layout(ckpts):
+    _, out = ckpts.converted(FMT, **SIZES)
+    ck = mr.open_checkpoint(out)
+    plain = ck.build_layer(0, backend="reference")
+    tiled = ck.build_layer(0, backend=_TilingReference())
+    sd = tiled.state_dict()
+    for name in ("l1_weight", "l2_weight"):
+        assert torch.equal(sd[name].view(torch.uint8), getattr(plain, name).view(torch.uint8)), name
+    other = ck.allocate_layer(0, backend=_TilingReference())
+    other.load_state_dict(sd)
+    assert other.weight_tiles == 16
+    x, w, ids = _inputs(plain.spec)
+    assert torch.equal(other(x, w, ids), plain(x, w, ids))
