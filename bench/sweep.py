@@ -100,8 +100,8 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
                 continue
             cfg = dataclasses.replace(dflt, block_m=bm, **a, **b, decode=da or db or row_decode)
             try:
-                ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=w_tile),
-                                      iters=10)
+                ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
+                                                              w_tile=w_tile), iters=10)
             except Exception as e:  # a tile that does not compile / fit: skip it
                 log(f"#   skip bm={bm} {l1s[i % len(l1s)]} / {l2s[i % len(l2s)]}: {type(e).__name__}: {str(e)[:160]}")
                 continue

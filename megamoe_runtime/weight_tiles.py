@@ -17,7 +17,8 @@ import torch
 
 from .errors import LayoutError
 
-__all__ = ["ScratchError", "run_bytes", "check_tileable", "tiled_copy", "untiled_copy", "tile_in_place", "untile_in_place"]
+__all__ = ["ScratchError", "run_bytes", "check_tileable", "tiled_copy", "untiled_copy", "tile_in_place",
+           "untile_in_place"]
 
 #: upper bound of the scratch buffer the in-place passes use (whole experts at a time, at least one)
 SCRATCH_BYTES = 256 << 20
