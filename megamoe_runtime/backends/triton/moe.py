@@ -689,12 +689,13 @@ def frag_regime(mean_pairs: float) -> str:
 #: issues fewer instructions but is slower where the tile is latency bound). Fields: block_m
 #: (None: 64 up to 64 pairs per expert, else 128), one-dot L1, L1 pairs per tile, L1 warps, L1
 #: stages, L2 columns per tile, L2 warps, L2 stages, decode, L1 register cap (None: the
-#: compiler's; 128 lets four 4-warp L1 CTAs share an SM: 3-6% faster L1 on tiled weights at 8-64
-#: tokens, "fifth pass").
+#: compiler's; 128 lets four 4-warp L1 CTAs share an SM). "Fifth pass", on tiled weights: the
+#: cap made the decode-size L1 3-8% faster, and fold overtook plain for mxfp4 there (the L1 4-6%,
+#: the L2 3-5%): less waiting on memory left the instruction count to matter.
 FRAG_TILES = {
-    ("decode", W_E2M1_MX): (16, True, 64, 4, 4, 128, 4, 3, "plain", 128),
+    ("decode", W_E2M1_MX): (16, True, 64, 4, 3, 128, 4, 3, "fold", 128),
     ("decode", W_E2M1_NV): (16, True, 64, 4, 3, 128, 4, 3, "fold", 128),
-    ("decode", W_E4M3_MX): (16, True, 64, 4, 4, 64, 4, 3, "plain", None),
+    ("decode", W_E4M3_MX): (16, True, 64, 4, 3, 64, 4, 3, "plain", 128),
     ("mid", W_E2M1_MX): (32, True, 64, 4, 3, 128, 4, 3, "plain", None),
     ("mid", W_E2M1_NV): (32, False, 128, 4, 3, 128, 4, 3, "fold", None),
     ("mid", W_E4M3_MX): (32, False, 128, 4, 3, 128, 4, 3, "fold", None),
