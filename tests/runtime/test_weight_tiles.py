@@ -221,3 +221,60 @@ def test_state_dict_holds_the_converted_layout(ckpts):
     assert other.weight_tiles == 16
     x, w, ids = _inputs(plain.spec)
     assert torch.equal(other(x, w, ids), plain(x, w, ids))
+
+
+def test_a_load_failing_midway_on_a_tiled_layer(ckpts, monkeypatch):
+    """A read failing after writes began: the layer (restored to the converted layout before the first write)
+    is unusable; the next good load makes it usable, tiled and equal to a fresh build."""
+    from megamoe_runtime import file_io
+    from megamoe_runtime.errors import LayerUnusableError
+
+    _, out = ckpts.converted(FMT, **SIZES)
+    ck = mr.open_checkpoint(out)
+    plain = ck.build_layer(0, backend="reference")
+    layer = ck.build_layer(0, backend=_TilingReference())
+    real, calls = file_io.read_file_into, {"n": 0}
+
+    def flaky(path, offset, nbytes, dst):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(5, "Input/output error")
+        return real(path, offset, nbytes, dst)
+
+    monkeypatch.setattr(file_io, "read_file_into", flaky)
+    with pytest.raises(LayerUnusableError, match="Input/output error"):
+        ck.load_layer(layer)
+    assert layer.weight_tiles == 0
+    x, w, ids = _inputs(plain.spec)
+    with pytest.raises(LayerUnusableError):
+        layer(x, w, ids)
+    monkeypatch.setattr(file_io, "read_file_into", real)
+    ck.load_layer(layer)
+    assert layer.weight_tiles == 16 and layer.unusable_reason is None
+    assert torch.equal(layer(x, w, ids), plain(x, w, ids))
+
+
+def test_no_scratch_to_restore_refuses_the_load_and_keeps_the_layer(ckpts, layer_bytes, monkeypatch):
+    """Without memory to restore the converted layout, a load is refused before its first write: the layer keeps
+    its tiled bytes, its flag and its usability."""
+    _, out = ckpts.converted(FMT, **SIZES)
+    ck = mr.open_checkpoint(out)
+    plain = ck.build_layer(0, backend="reference")
+    layer = ck.build_layer(0, backend=_TilingReference())
+    before = layer_bytes(layer)
+    real_empty = torch.empty
+
+    def no_scratch(*a, dtype=None, **k):
+        if dtype is torch.int64:
+            raise torch.OutOfMemoryError("simulated")
+        return real_empty(*a, dtype=dtype, **k)
+
+    monkeypatch.setattr(weight_tiles.torch, "empty", no_scratch)
+    with pytest.raises(weight_tiles.ScratchError, match="scratch"):
+        ck.load_layer(layer)
+    monkeypatch.undo()
+    after = layer_bytes(layer)
+    assert layer.weight_tiles == 16 and layer.unusable_reason is None
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    x, w, ids = _inputs(plain.spec)
+    assert torch.equal(layer(x, w, ids), plain(x, w, ids))
