@@ -5,7 +5,8 @@ the SASS instructions of their main K loop (issue 11; BENCHMARKS.md quotes these
     python bench/inspect_frag.py                    # the table below, with the installed triton
     python bench/inspect_frag.py --out DIR          # also write each kernel's SASS and TTGIR
 
-Per variant (kernel, weight kind, BM, BN, warps, fold decode, scale words, one-dot L1): the
+Per variant (kernel, weight kind, BM, BN, warps, fold decode, scale words, one-dot L1, stages,
+tile rows of the weight arrangement; compiled without a register cap): the
 instructions between the main loop's label and its backward branch (the largest loop when the
 kernel has two: with the fold decode the second, never-taken redo loop is smaller, unpipelined),
 the top opcodes, shared-memory stores and barriers inside the loop (a layout round trip of the
@@ -44,12 +45,12 @@ L2_TYPES = {"act_ptr": "*bf16", "w_ptr": "*u8", "wsb_ptr": "*u8", "pair_ptr": "*
 KINDS = {"mxfp4": moe.W_E2M1_MX, "nvfp4": moe.W_E2M1_NV, "mxfp8": moe.W_E4M3_MX}
 
 
-def compile_kernel(which, w_kind, bm, bn, warps, fold, sword, gu, stages=3):
+def compile_kernel(which, w_kind, bm, bn, warps, fold, sword, gu, stages=3, wt=0):
     fn = moe._l1_kernel if which == "l1" else moe._l2_kernel
     types = L1_TYPES if which == "l1" else L2_TYPES
     nv = w_kind == moe.W_E2M1_NV
     cx = dict(W_KIND=w_kind, BM=bm, BN=bn, BK=128, HW_CVT=True, ASM=True, FRAG=True, FOLD=fold, SWORD=sword,
-              SHARED=False)
+              SHARED=False, WT=wt)
     if which == "l1":
         cx.update(NV_IN=nv, ACT=0, HAS_CLAMP=True, REQ=moe.REQ_NV4 if nv else moe.REQ_MX8, APPLY_W=not nv,
                   SPLIT_OUT=3 if w_kind == moe.W_E4M3_MX else 2, GU=gu)
@@ -93,7 +94,7 @@ def main_loop(sass):
     return best[1] if best else []
 
 
-VARIANTS = [  # (kernel, row, BM, BN, warps, fold, words, one-dot L1)
+VARIANTS = [  # (kernel, row, BM, BN, warps, fold, words, one-dot L1[, stages, tile rows])
     ("l1", "mxfp4", 16, 64, 4, False, False, False), ("l1", "mxfp4", 16, 64, 4, False, False, True),
     ("l1", "mxfp4", 16, 64, 4, True, False, False), ("l1", "mxfp4", 16, 64, 4, True, False, True),
     ("l1", "mxfp4", 16, 64, 4, True, True, True), ("l1", "nvfp4", 16, 64, 4, False, False, False),
@@ -101,6 +102,10 @@ VARIANTS = [  # (kernel, row, BM, BN, warps, fold, words, one-dot L1)
     ("l1", "mxfp4", 128, 64, 8, False, False, True), ("l2", "mxfp4", 16, 64, 4, False, False, False),
     ("l2", "mxfp4", 16, 64, 4, True, False, False), ("l2", "mxfp4", 16, 64, 4, False, True, False),
     ("l2", "mxfp4", 128, 64, 4, False, False, False), ("l2", "mxfp4", 128, 128, 8, False, False, False),
+    # the defaults of the fifth pass, on tiled weights (FRAG_TILES)
+    ("l1", "mxfp4", 16, 64, 4, True, False, True, 3, 16), ("l1", "nvfp4", 16, 64, 4, True, False, True, 3, 16),
+    ("l1", "mxfp8", 16, 64, 4, False, False, True, 3, 16), ("l2", "mxfp4", 16, 128, 4, True, False, False, 3, 16),
+    ("l1", "nvfp4", 64, 64, 4, False, False, True, 3, 16), ("l1", "mxfp4", 128, 64, 4, False, False, True, 3, 16),
 ]
 
 
@@ -109,13 +114,14 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
-    print("| kernel | row | BM | BN | warps | fold | words | one-dot L1 | loop instr | top opcodes | STS/BAR in loop "
-          "| regs | stack |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | row | BM | BN | warps | fold | words | one-dot L1 | stages | tile rows | loop instr | top opcodes "
+          "| STS/BAR in loop | regs | stack |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for which, row, bm, bn, w, fold, words, gu in VARIANTS:
-            name = f"{which}_{row}_bm{bm}_bn{bn}_w{w}_f{int(fold)}_s{int(words)}_g{int(gu)}"
-            c = compile_kernel(which, KINDS[row], bm, bn, w, fold, words, gu)
+        for which, row, bm, bn, w, fold, words, gu, *rest in VARIANTS:
+            stages, wt = rest if rest else (3, 0)
+            name = f"{which}_{row}_bm{bm}_bn{bn}_w{w}_f{int(fold)}_s{int(words)}_g{int(gu)}_st{stages}_t{wt}"
+            c = compile_kernel(which, KINDS[row], bm, bn, w, fold, words, gu, stages, wt)
             sass, (regs, stack) = sass_and_regs(c, tmp, name)
             body = main_loop(sass)
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
@@ -123,7 +129,7 @@ def main():
             bar = sum(1 for x in body if x.startswith("BAR"))
             top = ", ".join(f"{k} {v}" for k, v in ops.most_common(4))
             print(f"| {which} | {row} | {bm} | {bn} | {w} | {fold} | {words} | {gu if which == 'l1' else '-'} | "
-                  f"{len(body)} | {top} | {sts}/{bar} | {regs} | {stack} |", flush=True)
+                  f"{stages} | {wt} | {len(body)} | {top} | {sts}/{bar} | {regs} | {stack} |", flush=True)
             if args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / (name + ".sass")).write_text(sass)
