@@ -97,6 +97,20 @@ class _TilingReference(ReferenceBackend):
         return self.wt
 
 
+@pytest.fixture
+def no_scratch_memory(monkeypatch):
+    """Calling it makes the in-place passes' scratch allocation (int64) fail as CUDA out of memory would;
+    ``monkeypatch.undo()`` ends it."""
+    real_empty = torch.empty
+
+    def no_scratch(*a, dtype=None, **k):
+        if dtype is torch.int64:
+            raise torch.OutOfMemoryError("simulated")
+        return real_empty(*a, dtype=dtype, **k)
+
+    return lambda: monkeypatch.setattr(weight_tiles.torch, "empty", no_scratch)
+
+
 FMT = "modelopt-mxfp4"
 SIZES = dict(intermediate=256)  # two K blocks in the down projection too
 
@@ -187,19 +201,12 @@ def test_raw_checkpoint_load_tiles_at_the_end(ckpts):
     assert torch.equal(layer(x, w, ids), ref(x, w, ids))
 
 
-def test_no_scratch_keeps_the_converted_layout(ckpts, monkeypatch):
+def test_no_scratch_keeps_the_converted_layout(ckpts, monkeypatch, no_scratch_memory):
     _, out = ckpts.converted(FMT, **SIZES)
     ck = mr.open_checkpoint(out)
     plain = ck.build_layer(0, backend="reference")
     layer = ck.allocate_layer(0, backend=_TilingReference())
-    real_empty = torch.empty
-
-    def no_scratch(*a, dtype=None, **k):
-        if dtype is torch.int64:
-            raise torch.OutOfMemoryError("simulated")
-        return real_empty(*a, dtype=dtype, **k)
-
-    monkeypatch.setattr(weight_tiles.torch, "empty", no_scratch)
+    no_scratch_memory()
     with pytest.warns(UserWarning, match="converted layout"):
         ck.load_layer(layer)
     monkeypatch.undo()
@@ -254,7 +261,8 @@ def test_a_load_failing_midway_on_a_tiled_layer(ckpts, monkeypatch):
     assert torch.equal(layer(x, w, ids), plain(x, w, ids))
 
 
-def test_no_scratch_to_restore_refuses_the_load_and_keeps_the_layer(ckpts, layer_bytes, monkeypatch):
+def test_no_scratch_to_restore_refuses_the_load_and_keeps_the_layer(ckpts, layer_bytes, monkeypatch,
+                                                                   no_scratch_memory):
     """Without memory to restore the converted layout, a load is refused before its first write: the layer keeps
     its tiled bytes, its flag and its usability."""
     _, out = ckpts.converted(FMT, **SIZES)
@@ -262,14 +270,7 @@ def test_no_scratch_to_restore_refuses_the_load_and_keeps_the_layer(ckpts, layer
     plain = ck.build_layer(0, backend="reference")
     layer = ck.build_layer(0, backend=_TilingReference())
     before = layer_bytes(layer)
-    real_empty = torch.empty
-
-    def no_scratch(*a, dtype=None, **k):
-        if dtype is torch.int64:
-            raise torch.OutOfMemoryError("simulated")
-        return real_empty(*a, dtype=dtype, **k)
-
-    monkeypatch.setattr(weight_tiles.torch, "empty", no_scratch)
+    no_scratch_memory()
     with pytest.raises(weight_tiles.ScratchError, match="scratch"):
         ck.load_layer(layer)
     monkeypatch.undo()
