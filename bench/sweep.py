@@ -87,8 +87,9 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     w_kind = moe._W_KIND[spec.row]
     dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
-    # one decode for every candidate (the backend picks one for both kernels): the default's
-    # for this regime and row, so the best L1 and the best L2 can be combined as measured
+    # a variant without a decode runs the default's for this regime and row; each kernel keeps its
+    # own (KernelConfig.decode for the L1, l2_decode for the L2), so the best L1 and the best L2
+    # combine as measured
     row_decode = dflt.decode
     rows = []
     bms = bms or block_ms(mean)
@@ -96,9 +97,8 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
         n = max(len(l1s), len(l2s))
         for i in range(n):
             (a, da), (b, db) = _l1(l1s[i % len(l1s)]), _l2(l2s[i % len(l2s)])
-            if da and db and da != db:
-                continue
-            cfg = dataclasses.replace(dflt, block_m=bm, **a, **b, decode=da or db or row_decode)
+            cfg = dataclasses.replace(dflt, block_m=bm, **a, **b, decode=da or row_decode,
+                                      l2_decode=db or row_decode)
             try:
                 ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
                                                               w_tile=w_tile), iters=10)
@@ -125,10 +125,11 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     if best is None:
         return {}
     _, b1, b2 = best
-    l1f = {k: getattr(b1["cfg"], k) for k in ("l1_gu", "l1_bn", "l1_bk", "l1_warps", "l1_stages", "l1_maxnreg")}
+    l1f = {k: getattr(b1["cfg"], k) for k in ("l1_gu", "l1_bn", "l1_bk", "l1_warps", "l1_stages", "l1_maxnreg",
+                                               "decode")}
+    l2_dec = b2["cfg"].l2_decode  # the decode the best L2 ran with
     combo = dataclasses.replace(b2["cfg"], **l1f)
-    if b1["cfg"].decode != b2["cfg"].decode:
-        combo = dataclasses.replace(combo, decode=b1["cfg"].decode or b2["cfg"].decode)
+    combo = dataclasses.replace(combo, l2_decode=None if l2_dec == combo.decode else l2_dec)
     res = dict(T=T, mean=mean, default=str(dflt), best=str(combo), best_l1=b1["l1"], best_l1_us=b1["l1_us"],
                best_l2=b2["l2"], best_l2_us=b2["l2_us"], block_m=b1["bm"],
                rows=[{k: v for k, v in r.items() if k != "cfg"} for r in rows])

@@ -642,6 +642,9 @@ class KernelConfig:
     #: ``MEGAMOE_TRITON_DECODE``, else by row (``resolve_decode``); ``default_config`` sets it
     #: per regime and row from ``FRAG_TILES``. Needs the inline-asm decode.
     decode: Optional[str] = None
+    #: the L2 kernel's decode where it differs from ``decode`` (the two kernels are separate
+    #: launches, so each can take the one measured faster for it); None: ``decode``
+    l2_decode: Optional[str] = None
     #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
     #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), or
     #: None = env ``MEGAMOE_TRITON_SCALES`` (default ``DEFAULT_SCALE_LOAD``).
@@ -855,6 +858,18 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[b
         raise MegaMoEError(f"triton decode {d!r}; valid: {', '.join(DECODES)}")
     return (d == "fold",
             _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "words")
+
+
+def resolve_l2_fold(cfg: "KernelConfig", w_kind: Optional[int] = None) -> bool:
+    """Whether the L2 kernel runs the fold decode: ``KernelConfig.l2_decode`` if set, else the
+    L1's (``resolve_decode``)."""
+    if cfg.l2_decode is None:
+        return resolve_decode(cfg, w_kind)[0]
+    if cfg.l2_decode not in DECODES:
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"triton l2_decode {cfg.l2_decode!r}; valid: {', '.join(DECODES)}")
+    return cfg.l2_decode == "fold"
 
 
 _W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
@@ -1188,6 +1203,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     korder = resolve_k_order(cfg, w_kind, H, I)
     frag = korder == "frag"
     fold, sword = resolve_decode(cfg, w_kind) if frag else (False, False)
+    fold2 = resolve_l2_fold(cfg, w_kind) if frag else False
     if spec.row_spec.dispatch == "mxfp8":
         xq = quantize_mxfp8(x_bf16, hw_cvt=hw, dequant=korder if e2m1 or not frag else "frag8")[3]
         req, apply_w = REQ_MX8, True
@@ -1211,7 +1227,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
                rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
                fold=fold, sword=sword, wt=w_tile)
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold, sword=sword, wt=w_tile)
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold2, sword=sword, wt=w_tile)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

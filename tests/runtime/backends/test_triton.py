@@ -243,6 +243,10 @@ def test_fold_decode_bitwise(row, T, bm, big):
                                                                 l1_gu=gu))
             for d, w, gu in (("plain", "bytes", False), ("fold", "bytes", False), ("fold", "words", True),
                              ("plain", "bytes", True))}
+    for l1d, l2d in (("fold", "plain"), ("plain", "fold")):  # a decode per kernel
+        outs[(l1d, l2d, "per-kernel")] = moe.moe_forward(
+            spec, _Roles(lay, ""), x, tw, ids, scalars=sc,
+            config=moe.KernelConfig(block_m=bm, k_order="frag", decode=l1d, l2_decode=l2d))
     plain = outs[("plain", "bytes", False)]
     for k, o in outs.items():
         assert torch.equal(o.view(torch.int16), plain.view(torch.int16)), f"{k} differs from the plain decode"

@@ -117,3 +117,13 @@ def test_register_cap_reaches_the_compile_options(monkeypatch):
     assert moe._opts(96) == {"enable_fp_fusion": False, "maxnreg": 96}
     monkeypatch.setattr(moe, "hw_cvt_default", lambda: False)  # the interpreter takes no compile options
     assert moe._opts(96) == {}
+
+
+def test_l2_decode_overrides_only_the_l2(monkeypatch):
+    cfg = moe.KernelConfig(decode="plain", l2_decode="fold")
+    assert moe.resolve_decode(cfg, moe.W_E2M1_NV)[0] is False and moe.resolve_l2_fold(cfg, moe.W_E2M1_NV) is True
+    for d in ("fold", "plain"):  # unset: the L1's, wherever that comes from
+        monkeypatch.setenv("MEGAMOE_TRITON_DECODE", d)
+        assert moe.resolve_l2_fold(moe.KernelConfig(), moe.W_E2M1_MX) is (d == "fold")
+    with pytest.raises(MegaMoEError, match="l2_decode 'fast'"):
+        moe.resolve_l2_fold(moe.KernelConfig(l2_decode="fast"), moe.W_E2M1_MX)
