@@ -9,7 +9,8 @@ the inputs, in the order of each wrapper in ``_jit``.
 """
 from __future__ import annotations
 
-__all__ = ["E2M1_PRMT", "E2M1_FRAG", "E2M1_FRAG_FOLD", "E4M3_FRAG", "E4M3_FRAG_FOLD", "without_bias"]
+__all__ = ["E2M1_PRMT", "E2M1_FRAG", "E2M1_FRAG_FOLD", "E4M3_FRAG", "E4M3_FRAG_FOLD", "without_bias",
+           "NV_FOLD_SCALE_MUL", "NV_FOLD_SCALE_ADD", "NV_FOLD_SCALE_BYTES"]
 
 # E2M1 -> bf16 by byte permutes (PRMT as an 8-entry lookup table), then one
 # bf16x2 multiply by the block scale. Per 4 packed bytes: ~10 integer ops and 2
@@ -150,3 +151,14 @@ mov.b32 {$2, $3}, r;
 
 
 E4M3_FRAG_FOLD = without_bias(E4M3_FRAG)
+
+
+# The NVFP4 fold decode's scale operand, from the E4M3 byte by one integer multiply-add
+# (``moe._nv_fold_scale_bits``): byte b = e << 3 | m, shifted left by 4, is the bf16 pattern
+# of E4M3(b) * 2^-120 when e >= 1; adding 238 to the exponent field makes it E4M3(b) * 2^118,
+# the value the FOLD decode wants, and ``* 0x100010`` puts it in both halves of a bf16x2.
+# Exact for the bytes of NV_FOLD_SCALE_BYTES (normal, positive, finite); the kernels detect any
+# other byte and compute that tile with the plain decode.
+NV_FOLD_SCALE_MUL = 0x100010
+NV_FOLD_SCALE_ADD = 0x77007700
+NV_FOLD_SCALE_BYTES = range(0x08, 0x7F)

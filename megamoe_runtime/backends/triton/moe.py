@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _jit
+from . import _jit, decode_asm
 from .staging import hw_cvt_default, quantize_mxfp8, quantize_nvfp4_per_token, route
 
 # weight kinds
@@ -172,6 +172,30 @@ def _fold_scale_bits(s, BIAS: tl.constexpr):
     return tl.where(s == 0, 0, (s + BIAS) << 7)
 
 
+#: NVFP4 tiles redone with the plain decode (a scale byte ``_nv_fold_scale_bits`` cannot take)
+#: hold the plain accumulators; times 2^-8 they are what the fold would have held, so the fold's
+#: closing ``* 256`` applies unchanged. Exact: every nonzero product of an E2M1 * E4M3 weight and
+#: an activation is a multiple of 2^-20, so no accumulator comes near fp32's subnormals.
+_NV_REDO_SCALE = tl.constexpr(0.00390625)
+_NV_FOLD_MUL = tl.constexpr(decode_asm.NV_FOLD_SCALE_MUL)
+_NV_FOLD_ADD = tl.constexpr(decode_asm.NV_FOLD_SCALE_ADD)
+
+
+@triton.jit
+def _nv_fold_scale_bits(b):
+    """bf16x2 bits (int32, the same value in both halves) of ``E4M3(b) * 2^118`` for scale bytes b.
+
+    A normal E4M3 byte ``b = e << 3 | m`` (e >= 1) shifted left by 4 is the bf16 pattern with
+    exponent field e and mantissa m, i.e. the scale times 2^-120; adding 238 to the exponent
+    field gives the scale times 2^118. ``b * 0x100010 + 0x77007700`` (``decode_asm``) does both
+    for both halves in one integer multiply-add (no carry crosses a half: ``0x7F0 + 0x7700 < 0x10000``).
+    Exact only for normal, positive, finite bytes 0x08..0x7E: subnormal and zero bytes (whose
+    value is not linear in the bits), NaN and sign bits give garbage, which ``_fold_bad``
+    detects after the loop so the tile is computed again with the plain decode (docs/KERNELS.md,
+    "The NVFP4 scale operand")."""
+    return b.to(tl.int32) * _NV_FOLD_MUL + _NV_FOLD_ADD
+
+
 @triton.jit
 def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
@@ -204,10 +228,8 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             g = tl.arange(0, 8)
             kg = k0 // 16 + g
             sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
-        scf = _jit.e4m3_byte_to_f32(sfb, HW_CVT)
-        if FOLD and ASM:
-            scf = scf * 3.32306998946229e+35  # 2^118, exact
-        sc = scf.to(tl.bfloat16).reshape(BN, 4, 2)  # exact
+        if not (FOLD and ASM):
+            sc = _jit.e4m3_byte_to_f32(sfb, HW_CVT).to(tl.bfloat16).reshape(BN, 4, 2)  # exact
     if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
         iw = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
@@ -217,9 +239,12 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             sb = _fold_scale_bits(s, 126)
         elif W_KIND == 0:  # bf16 bits of 2^(s-127) straight from the byte (0 -> 0.0): no F2F in the loop
             sb = s << 7
+        elif FOLD:  # E4M3 scale * 2^118 in both bf16 halves by one multiply-add (_nv_fold_scale_bits)
+            sb = _nv_fold_scale_bits(sfb).reshape(BN, 4, 2)
         else:
             sb = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        sb = sb | (sb << 16)  # the scale in both halves of a bf16x2
+        if not (FOLD and W_KIND == 2):
+            sb = sb | (sb << 16)  # the scale in both halves of a bf16x2
         if W_KIND == 0:
             s2 = tl.broadcast_to(sb[:, :, None], (BN, 4, 4))
         else:  # words 0, 1 of a run take scale 2q, words 2, 3 scale 2q + 1
@@ -307,25 +332,36 @@ def _mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
 
 @triton.jit
 def _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.constexpr):
-    """Whether any UE8M0 scale byte of rows ``srows`` (physical scale rows, K columns) is above
-    the FOLD decode's limit (E2M1: 128, scale * 2^126 must be a finite bf16; E4M3: 134).
+    """Whether any scale byte of rows ``srows`` (physical scale rows, K columns) is outside what
+    the FOLD decode computes exactly: UE8M0 bytes above its limit (E2M1: 128, scale * 2^126
+    must be a finite bf16; E4M3: 134), or for NVFP4 any E4M3 byte that is not normal, positive
+    and finite (0x08..0x7E, ``_nv_fold_scale_bits``).
 
     A separate pass over the tile's packed scale words after the main loop (1/16 of the E2M1
     bytes the loop read, still in L2) rather than a running max inside the loop: a loop-carried
-    tensor made Triton reload the scales unpipelined in a second layout. Per byte b:
-    ``(b & 0x7F) + (255 - LIMIT)`` carries into bit 7 exactly when ``b & 0x7F > LIMIT - 128``,
-    so ``b & that & 0x80`` flags ``b > LIMIT`` without carries between bytes."""
+    tensor made Triton reload the scales unpipelined in a second layout. The tests are per byte
+    with no carries between bytes (each sum stays below 0x100): UE8M0 ``(b & 0x7F) + (255 -
+    LIMIT)`` carries into bit 7 exactly when ``b & 0x7F > LIMIT - 128``, so ``b & that & 0x80``
+    flags ``b > LIMIT``; E4M3 with ``lo = b & 0x7F``: ``lo + 0x78`` lacks bit 7 exactly when
+    ``lo < 8`` and ``lo + 1`` has it exactly when ``lo == 0x7F``."""
     if W_KIND == 1:
         ADD: tl.constexpr = 0x79797979  # 255 - 134 per byte
     else:
         ADD: tl.constexpr = 0x7F7F7F7F  # 255 - 128 per byte
     w32 = wsb_ptr.to(tl.pointer_type(tl.int32))
-    NKB = K // 128
+    if W_KIND == 2:
+        NW = K // 64  # 16 weights per E4M3 byte, 4 bytes per word
+    else:
+        NW = K // 128
     bad = tl.zeros((BN, 8), tl.int32)
-    for kb in range(0, NKB, 8):
+    for kb in range(0, NW, 8):
         c = kb + tl.arange(0, 8)
-        sw = tl.load(w32 + c[None, :] * NROWS + srows[:, None], mask=(c < NKB)[None, :], other=0)
-        bad = bad | (sw & ((sw & 0x7F7F7F7F) + ADD) & (-2139062144))  # 0x80808080
+        sw = tl.load(w32 + c[None, :] * NROWS + srows[:, None], mask=(c < NW)[None, :], other=0x08080808)
+        if W_KIND == 2:
+            lo = sw & 0x7F7F7F7F
+            bad = bad | ((sw | ~(lo + 0x78787878) | (lo + 0x01010101)) & (-2139062144))  # 0x80808080
+        else:
+            bad = bad | (sw & ((sw & 0x7F7F7F7F) + ADD) & (-2139062144))  # 0x80808080
     return tl.max(tl.max((bad != 0).to(tl.int32), axis=1), axis=0) != 0
 
 
@@ -386,7 +422,7 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
                           FRAG, FOLD, SWORD, WT)
         acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
                           FRAG, FOLD, SWORD, WT)
-    if FOLD and W_KIND != 2:
+    if FOLD:
         if _fold_bad(wse, sg, NROWS, H, W_KIND, BN) or _fold_bad(wse, su, NROWS, H, W_KIND, BN):
             acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
             acc_u = tl.zeros((BN, BM), tl.float32)
@@ -396,6 +432,9 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
                                   ASM, FRAG, False, SWORD, WT)
                 acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
                                   ASM, FRAG, False, SWORD, WT)
+            if W_KIND == 2:  # the caller restores the fold's 2^8 (exact: see _NV_REDO_SCALE)
+                acc_g = acc_g * _NV_REDO_SCALE
+                acc_u = acc_u * _NV_REDO_SCALE
     return acc_g, acc_u
 
 
@@ -466,13 +505,15 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
             xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
             acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
                             FRAG, FOLD, SWORD, WT)
-        if FOLD and W_KIND != 2:
+        if FOLD:
             if _fold_bad(wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale above the limit: plain decode again
                 acc = tl.zeros((2 * BN, BM), tl.float32)
                 for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
                     xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
                     acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT,
                                     ASM, FRAG, False, SWORD, WT)
+                if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see _NV_REDO_SCALE)
+                    acc = acc * _NV_REDO_SCALE
         a4 = tl.permute(acc.reshape(BN // 8, 2, 8, BM), (0, 2, 3, 1))  # (slab, i, token, gate/up)
         acc_g, acc_u = tl.split(a4)
         acc_g = acc_g.reshape(BN, BM)
@@ -556,13 +597,15 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
         xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
         acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
                         WT)
-    if FOLD and W_KIND != 2:
+    if FOLD:
         if _fold_bad(wse, sn, H, I, W_KIND, BN):  # a scale above the limit: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
             for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
                 xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
                 acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
                                 FRAG, False, SWORD, WT)
+            if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see _NV_REDO_SCALE)
+                acc = acc * _NV_REDO_SCALE
     if FOLD and W_KIND == 2:
         acc = acc * 256.0
     if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)

@@ -201,3 +201,31 @@ def test_fold_texts_are_the_plain_ones_without_the_bias():
                         (decode_asm.E4M3_FRAG, decode_asm.E4M3_FRAG_FOLD)):
         assert "bias" in plain and "bias" not in fold
         assert fold.count("mul.rn.bf16x2") * 2 == plain.count("mul.rn.bf16x2")
+
+
+def _nv_fold_operand(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint64) * np.uint64(decode_asm.NV_FOLD_SCALE_MUL)
+            + np.uint64(decode_asm.NV_FOLD_SCALE_ADD)) & M32
+
+
+def _bf16_bits(v: torch.Tensor) -> np.ndarray:
+    return v.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16).astype(np.uint64)
+
+
+def test_nv_fold_scale_operand_is_the_scale_times_2_118_in_both_halves():
+    """The NVFP4 fold decode's scale operand (one integer multiply-add of the E4M3 byte) equals
+    bf16(E4M3(b) * 2^118) in both halves for every byte it is used for; the bytes outside
+    that range are exactly the ones it gets wrong (so the kernels' range check is needed), and
+    a changed constant is caught."""
+    b = np.arange(256, dtype=np.uint64)
+    want = _bf16_bits(codecs.e4m3_decode(torch.arange(256, dtype=torch.uint8)) * 2.0 ** 118)
+    op = _nv_fold_operand(b)
+    lo, hi = op & np.uint64(0xFFFF), op >> np.uint64(16)
+    ok = (lo == want) & (hi == want)
+    used = np.isin(b, list(decode_asm.NV_FOLD_SCALE_BYTES))
+    assert ok[used].all(), [hex(int(x)) for x in b[used & ~ok]]
+    # zero, subnormal, NaN and negative bytes are outside the range and come out wrong
+    assert not ok[~used].any(), [hex(int(x)) for x in b[~used & ok]]
+    # negative control: the exponent offset one off changes every used byte
+    bad = (b * np.uint64(decode_asm.NV_FOLD_SCALE_MUL) + np.uint64(decode_asm.NV_FOLD_SCALE_ADD - 0x800080)) & M32
+    assert not ((bad & np.uint64(0xFFFF)) == want)[used].any()
