@@ -19,6 +19,7 @@ For each hidden size H and token count T:
 Usage (on the GPU)::
 
     python bench/staging.py --out $OUT            # T = 1,8,64,512,4096; H = 7168,5120
+    python bench/staging.py --prove-div --tokens 512,4096 --hidden 7168 --no-launches
 
 Exit status 1 if any variant is not bit-exact.
 """
@@ -39,9 +40,13 @@ from megamoe_runtime.testing import staging_adversarial_rows, staging_random_row
 
 MXFP8_CONFIGS = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 NVFP4_VARIANTS = [  # (label, kwargs)
-    ("row fast 8w", dict(impl="row", fast_div=True, num_warps=8)),
-    ("row fast 4w", dict(impl="row", fast_div=True, num_warps=4)),
-    ("row div_rn 8w", dict(impl="row", fast_div=False, num_warps=8)),
+    ("row fast 4w (default)", dict(impl="row", fast_div=True, num_warps=4)),
+    ("row fast 4w 1 step", dict(impl="row", fast_div=True, num_warps=4, div_steps=1)),
+    ("row fast 4w 1 step cap 80", dict(impl="row", fast_div=True, num_warps=4, div_steps=1, maxnreg=80)),
+    ("row fast 4w 1 step cap 64", dict(impl="row", fast_div=True, num_warps=4, div_steps=1, maxnreg=64)),
+    ("row fast 8w 1 step", dict(impl="row", fast_div=True, num_warps=8, div_steps=1)),
+    ("row fast 2w 1 step", dict(impl="row", fast_div=True, num_warps=2, div_steps=1)),
+    ("row div_rn 4w", dict(impl="row", fast_div=False, num_warps=4)),
     ("chunk (old)", dict(impl="chunk")),
 ]
 
@@ -186,6 +191,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-launches", action="store_true")
+    ap.add_argument("--prove-div", action="store_true",
+                    help="first count where the row kernel's fast division (1 and 2 residual steps; 0 as the "
+                         "negative control) differs from div_rn over every significand pair it can meet")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -196,6 +204,18 @@ def main() -> int:
     info["triton"] = triton.__version__
     print(json.dumps(info), flush=True)
     fails = []
+    if args.prove_div:
+        from megamoe_runtime.backends.triton import staging
+
+        proof = {}
+        for steps in (0, 1, 2):
+            for six in (False, True):
+                proof[f"steps={steps} {'/6' if six else '|x|/ts'}"] = n = staging.division_mismatches(steps, six)
+                print(f"division proof: {steps} residual steps, {'x / 6' if six else 'bf16 / fp32'}: "
+                      f"{n} quotients differ from div_rn", flush=True)
+        info["division_proof"] = proof
+        if proof["steps=0 |x|/ts"] == 0:
+            fails.append("division proof: the negative control (no residual step) found no difference")
     if not args.no_check:
         for H in hidden + [128]:
             f = check_exact(H, args.seed + H, full=H in hidden)

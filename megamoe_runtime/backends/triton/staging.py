@@ -193,13 +193,15 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
 # at most four power-of-two pieces, e.g. 448 = 256 + 128 + 64), so the token amax
 # needs no second pass over memory, and each element costs a few flops instead of
 # two IEEE divisions:
+# * the token is held as int32 words of two bf16 (even, odd element): 16-byte loads, half
+#   the registers of fp32, and each word unpacks into the pair that shares one output byte.
+#   The token amax is a packed bf16x2 max over the words (one op per two elements).
 # * y = |x| / ts: the multiply by the correctly rounded reciprocal of the token scale
-#   and two residual steps r = |x| - ts*q (exact in an FMA), q += r * (1/ts); by
-#   Markstein's theorem the last step returns the correctly rounded quotient once q
-#   is within one ulp (the first step brings it there). The sign comes from x (so
-#   -0.0 keeps its sign as in the reference's x / ts). FAST_DIV=0 uses div_rn.
-# * the block scale divides the block's max |x| (one div_rn per 16 elements; the
-#   rounding is monotone, so RN(max|x| / ts) = max RN(|x| / ts)).
+#   and residual steps r = |x| - ts*q (exact in an FMA), q += r * (1/ts) (``_div_markstein``;
+#   FAST_DIV 1: two steps, Markstein's theorem; 2: one step, which bench/staging.py
+#   --prove-div checked against div_rn for every bf16 numerator significand and every fp32
+#   divisor significand). FAST_DIV=0 uses div_rn.
+# * the block scale: RN is monotone, so RN(max|x| / ts) is the block's largest quotient.
 # * e2m1(y / d) compares the quotient with the E2M1 midpoints m: because m (<= 3
 #   significant bits) times the E4M3 scale d (<= 4 bits) is exact in fp32,
 #   RN(y / d) >= m  <=>  y >= m*d  and  RN(y / d) > m  <=>  y > m*d (a quotient on
@@ -207,37 +209,86 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
 #   than half an ulp of m). Three compares (binary search over the 7 midpoints)
 #   give the magnitude code. Proven on the GPU by bench/staging.py and the tests.
 
+BF16X2_ABSMAX_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x7FFF7FFF; max.bf16x2 $0, $1, t; }")
+
 
 @triton.jit
 def _nv_load(x_row, OFF: tl.constexpr, NBP: tl.constexpr):
-    col = OFF * 16 + tl.arange(0, NBP)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    return tl.load(x_row + col).to(tl.float32)
+    """Words ``[NBP, 8]`` of blocks OFF.. of a bf16 row: word i of a block = elements 2i, 2i+1."""
+    w_row = x_row.to(tl.pointer_type(tl.int32))
+    return tl.load(w_row + OFF * 8 + tl.arange(0, NBP)[:, None] * 8 + tl.arange(0, 8)[None, :])
 
 
 @triton.jit
-def _nv_piece(x, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.constexpr,
-              HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
-    a = tl.abs(x)
-    if FAST_DIV:
-        q = a * rcp
-        r = tl.fma(-ts, q, a)
-        q = tl.fma(r, rcp, q)
-        r = tl.fma(-ts, q, a)
-        y = tl.fma(r, rcp, q)
+def _bf16x2_absmax_step(m, w):
+    return tl.inline_asm_elementwise(BF16X2_ABSMAX_ASM, "=r,r,r", [m, w], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _words_amax(w, ASM: tl.constexpr):
+    """max |x| over the bf16 pairs of words ``w`` as fp32 (NaN ignored, like fmax)."""
+    if ASM:
+        m = tl.reduce(_bf16x2_absmax_step(tl.zeros_like(w), w), 1, _max_combine)
+        m = tl.reduce(m, 0, _max_combine)
+        return tl.maximum((m << 16).to(tl.float32, bitcast=True), (m & -65536).to(tl.float32, bitcast=True))
     else:
-        y = tl.math.div_rn(a, tl.full((NBP, 16), 0.0, tl.float32) + ts)
-    bmax = tl.max(a, axis=1)
-    yb = tl.math.div_rn(bmax, tl.full((NBP,), 0.0, tl.float32) + ts)
-    sfv = tl.maximum(tl.math.div_rn(yb, tl.full((NBP,), 6.0, tl.float32)), _jit.E4M3_MIN_SUB)
-    sfv = _jit.e4m3_round(sfv, HW_CVT)
-    d = sfv[:, None]
+        lo = tl.abs((w << 16).to(tl.float32, bitcast=True))
+        hi = tl.abs((w & -65536).to(tl.float32, bitcast=True))
+        return tl.max(tl.max(tl.maximum(lo, hi), axis=1), axis=0)
+
+
+@triton.jit
+def _div_markstein(a, b, rcp, STEPS: tl.constexpr):
+    """RN(a / b) from ``rcp = RN(1 / b)``: the product, then STEPS residual corrections
+    ``r = a - b*q`` (exact in an FMA), ``q += r * rcp``."""
+    q = a * rcp
+    if STEPS >= 1:  # (0 only as the proof's negative control)
+        r = tl.fma(-b, q, a)
+        q = tl.fma(r, rcp, q)
+    if STEPS == 2:
+        r = tl.fma(-b, q, a)
+        q = tl.fma(r, rcp, q)
+    return q
+
+
+@triton.jit
+def _quotient(a, ts, rcp, FAST_DIV: tl.constexpr):
+    """RN(a / ts) (see the comment above ``_nv_load``)."""
+    if FAST_DIV:
+        return _div_markstein(a, ts, rcp, 3 - FAST_DIV)
+    else:
+        return tl.math.div_rn(a, tl.zeros_like(a) + ts)
+
+
+@triton.jit
+def _e2m1_magnitude(y, d):
+    """E2M1 magnitude code (0..7, ties even) of RN(y / d) for y >= 0 and block scales d ``[NBP, 1]``."""
     p2 = y >= d * 1.75
     p1 = y >= tl.where(p2, d * 3.5, d * 0.75)
-    t0 = tl.where(p2, tl.where(p1, d * 5.0, d * 2.5), tl.where(p1, d * 1.25, d * 0.25))
-    p0 = y > t0
-    mag = p2.to(tl.int32) * 4 + p1.to(tl.int32) * 2 + p0.to(tl.int32)
-    c = mag | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
-    ce, co = tl.split(c.reshape(NBP, 8, 2))
+    t0 = tl.where(p1, tl.where(p2, d * 5.0, d * 1.25), tl.where(p2, d * 2.5, d * 0.25))
+    return tl.where(p2, 4, 0) | tl.where(p1, 2, 0) | tl.where(y > t0, 1, 0)
+
+
+@triton.jit
+def _nv_piece(w, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.constexpr,
+              HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
+    y_e = _quotient(tl.abs((w << 16).to(tl.float32, bitcast=True)), ts, rcp, FAST_DIV)
+    y_o = _quotient(tl.abs((w & -65536).to(tl.float32, bitcast=True)), ts, rcp, FAST_DIV)
+    yb = tl.max(tl.maximum(y_e, y_o), axis=1)  # = RN(max|x| / ts): RN is monotone
+    if FAST_DIV:
+        sfv = _div_markstein(yb, 6.0, 0.16666667163372039795, 2)  # RN(yb / 6); RN(1/6) as fp32
+    else:
+        sfv = tl.math.div_rn(yb, tl.full((NBP,), 6.0, tl.float32))
+    sfv = _jit.e4m3_round(tl.maximum(sfv, _jit.E4M3_MIN_SUB), HW_CVT)
+    d = sfv[:, None]
+    ce = _e2m1_magnitude(y_e, d) | ((w >> 12) & 8)  # the sign bits of the even and odd element
+    co = _e2m1_magnitude(y_o, d) | ((w >> 28) & 8)
     pc = OFF * 8 + tl.arange(0, NBP)[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(p_row + pc, (ce | (co << 4)).to(tl.uint8))
     if HW_CVT:
@@ -263,16 +314,16 @@ def _nvfp4_row_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_
     sf_row = sf_ptr + t * stride_sf
     xd_row = xd_ptr + t * H
     x0 = _nv_load(x_row, 0, P0)
-    amax = tl.max(tl.max(tl.abs(x0), axis=1), axis=0)
+    amax = _words_amax(x0, HW_CVT)
     if P1 > 0:
         x1 = _nv_load(x_row, P0, P1)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x1), axis=1), axis=0))
+        amax = tl.maximum(amax, _words_amax(x1, HW_CVT))
     if P2 > 0:
         x2 = _nv_load(x_row, P0 + P1, P2)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x2), axis=1), axis=0))
+        amax = tl.maximum(amax, _words_amax(x2, HW_CVT))
     if P3 > 0:
         x3 = _nv_load(x_row, P0 + P1 + P2, P3)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x3), axis=1), axis=0))
+        amax = tl.maximum(amax, _words_amax(x3, HW_CVT))
     # token_scale = max(amax, 1e-12) / 2688, a true division
     ts = tl.math.div_rn(tl.maximum(amax, 1e-12), 2688.0)
     tl.store(ts_ptr + t, ts)
@@ -301,8 +352,52 @@ def _nv_pieces(H: int) -> list[int] | None:
     return pieces if len(pieces) <= _NV_ROW_MAX_PIECES else None
 
 
+@triton.jit
+def _div_proof_kernel(out_ptr, STEPS: tl.constexpr, SIX: tl.constexpr, BLOCK: tl.constexpr):
+    # divisors: BLOCK consecutive fp32 significands in [1, 2); numerators: the 128 bf16
+    # significands in [1, 2) (SIX: every fp32 significand in [1, 2), divided by 6)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    if SIX:
+        a = (0x3F800000 + i).to(tl.float32, bitcast=True)
+        b = tl.zeros((BLOCK,), tl.float32) + 6.0
+        q = _div_markstein(a, b, 0.16666667163372039795, STEPS)
+        bad += (q != tl.math.div_rn(a, b)).to(tl.int32)
+    else:
+        b = (0x3F800000 + i).to(tl.float32, bitcast=True)
+        rcp = tl.math.div_rn(tl.zeros((BLOCK,), tl.float32) + 1.0, b)
+        for m in range(128):
+            a = tl.zeros((BLOCK,), tl.int32).to(tl.float32, bitcast=True) + (0x3F800000 + m * 65536).to(
+                tl.float32, bitcast=True)
+            q = _div_markstein(a, b, rcp, STEPS)
+            bad += (q != tl.math.div_rn(a, b)).to(tl.int32)
+    tl.atomic_add(out_ptr, tl.sum(bad, axis=0))
+
+
+def division_mismatches(steps: int, six: bool = False, device: str = "cuda") -> int:
+    """Quotients where ``_div_markstein`` with ``steps`` residual steps differs from div_rn.
+
+    ``six=False``: every bf16 numerator significand (128) against every fp32 divisor significand
+    (2^23), the row kernel's |x| / token_scale; ``six=True``: every fp32 numerator significand
+    divided by 6 (the block scale). Power-of-two scaling of both operands scales every step
+    exactly, so this covers all operands whose quotient and residuals stay normal; smaller
+    quotients (< 2^-49 here) are far below every E2M1 decision threshold (>= 2^-11)."""
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    block = 1024
+    _div_proof_kernel[((1 << 23) // block,)](out, STEPS=steps, SIX=six, BLOCK=block, **_launch_opts())
+    return int(out.item())
+
+
+#: Residual steps of the row kernel's fast division (``_div_markstein``): 2 is Markstein's proof;
+#: 1 is what the kernel runs, because ``division_mismatches(1)`` is 0 on the H200 (every bf16
+#: numerator significand against every fp32 divisor significand; ``bench/staging.py
+#: --prove-div`` and the GPU test ``test_staging_fast_division_proof`` check it again).
+NV_DIV_STEPS = 1
+
+
 def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str | None = None,
-                             impl: str | None = None, fast_div: bool | None = None, num_warps: int | None = None):
+                             impl: str | None = None, fast_div: bool | None = None, num_warps: int | None = None,
+                             div_steps: int | None = None, maxnreg: int | None = None):
     """NVFP4 dispatch of ``x`` ``[T, H]`` (H % 64 == 0) with one FP32 scale per token.
 
     Returns ``(packed uint8 [T, H/2], sf float8_e4m3fn [T, H/16],
@@ -313,7 +408,8 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     ``impl``: "row" (default where it fits: a whole token per program, see
     ``_nvfp4_row_kernel``) or "chunk" (the two-pass kernel, any H); ``fast_div``
     (default: on with the hardware conversions) picks the FMA-corrected division in
-    the row kernel; ``num_warps`` overrides its launch width (benchmarks).
+    the row kernel, ``div_steps`` its residual steps (default ``NV_DIV_STEPS``);
+    ``num_warps`` and ``maxnreg`` override its launch width and register cap (benchmarks).
     """
     _check_x(x, 64, "quantize_nvfp4_per_token")
     T, H = x.shape
@@ -334,12 +430,16 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     if T and pieces is not None:
         pp = pieces + [0] * (_NV_ROW_MAX_PIECES - len(pieces))
         fd = hw if fast_div is None else fast_div
+        steps = NV_DIV_STEPS if div_steps is None else div_steps
+        if steps not in (1, 2):
+            raise _err(f"quantize_nvfp4_per_token: div_steps={steps!r}; valid: 1, 2")
+        opts = _launch_opts() | ({"maxnreg": maxnreg} if maxnreg else {})
         # 4 warps measured fastest for the plain quantization (bench/staging.py: 63 vs 77 us at
         # 4096 x 7168); the dequantizing variant keeps the 8 it was measured with at H >= 4096
         nw = num_warps or (8 if dq and H >= 4096 else 4)
         _nvfp4_row_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
-                                P0=pp[0], P1=pp[1], P2=pp[2], P3=pp[3], HW_CVT=hw, DQ=dq, FAST_DIV=fd,
-                                num_warps=nw, **_launch_opts())
+                                P0=pp[0], P1=pp[1], P2=pp[2], P3=pp[3], HW_CVT=hw, DQ=dq,
+                                FAST_DIV=(3 - steps) if fd else 0, num_warps=nw, **opts)
     elif T:
         nb = min(64, triton.next_power_of_2(H // 16))
         _nvfp4_token_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),

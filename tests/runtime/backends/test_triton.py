@@ -101,6 +101,7 @@ def _to_frag(x: torch.Tensor, e4m3: bool = False) -> torch.Tensor:
 
 
 _NV_IMPLS = {"row-fast": dict(impl="row", fast_div=True), "row-div": dict(impl="row", fast_div=False),
+             "row-1step": dict(impl="row", fast_div=True, div_steps=1), "row-2step": dict(impl="row", div_steps=2),
              "chunk": dict(impl="chunk"), "default": {}}
 
 
@@ -123,6 +124,18 @@ def test_staging_nvfp4_bit_exact(H, hw_cvt, impl):
         assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), "nvfp4 dequant differs"
         *_, xf = staging.quantize_nvfp4_per_token(x, hw_cvt=hw_cvt, dequant="frag", **kw)
         assert torch.equal(xf.view(torch.int16), _to_frag(deq).view(torch.int16)), "nvfp4 frag dequant differs"
+
+
+def test_staging_fast_division_proof():
+    """The row kernel's fast division equals div_rn on every significand pair it can meet (two
+    residual steps always; one step where it is the default), and for the block scale's / 6;
+    negative control: the bare product with the reciprocal (no residual step) differs."""
+    staging, _, _ = _triton()
+    assert staging.division_mismatches(2) == 0
+    assert staging.division_mismatches(2, six=True) == 0
+    if staging.NV_DIV_STEPS == 1:
+        assert staging.division_mismatches(1) == 0
+    assert staging.division_mismatches(0) > 0
 
 
 def test_staging_nvfp4_impl_selection():
@@ -213,14 +226,15 @@ def test_frag_k_order_bitwise(row, T, bm):
 
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("T,bm", [(1, None), (37, None), (300, 16), (300, None)])
-@pytest.mark.parametrize("big", [False, True], ids=["scales_in_range", "scales_above_fold_limit"])
+@pytest.mark.parametrize("big", [False, True], ids=["scales_in_range", "scales_outside_fold_range"])
 def test_fold_decode_bitwise(row, T, bm, big):
     """The frag decode with the bias multiply folded into the scale operand (and the scales read
     as int32 words), and the one-dot gate/up L1, give the plain decode's two-dot output bit for
     bit and match the reference. With
-    UE8M0 bytes above the fold limit (big: 131 for E2M1, 137 for E4M3, where scale * 2^126 or
-    * 2^120 is no finite bf16) the kernels must detect it and redo those tiles; the negative
-    control is that those bytes change the output."""
+    scale bytes outside the fold's exact range (big: UE8M0 131 for E2M1, 137 for E4M3, where
+    scale * 2^126 or * 2^120 is no finite bf16; E4M3 zero and subnormal bytes for NVFP4, which
+    the integer scale operand cannot take) the kernels must detect it and redo those tiles; the
+    negative control is that those bytes change the output."""
     _, moe, _ = _triton()
     from megamoe_runtime.backends.reference import ReferenceBackend
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -229,11 +243,13 @@ def test_fold_decode_bitwise(row, T, bm, big):
                                                 zero_tokens=min(2, T - 1))
     sc = _NvScalars(lay) if row == "nvfp4" else None
     if big:
-        if row == "nvfp4":
-            pytest.skip("NVFP4 block scales are E4M3 (< 2^9): its fold has no range limit")
         before = ref
         for t in (lay.l1_scale, lay.l2_scale):  # expert 0, the first 4 K groups of 16 physical rows
-            moe._scale_bytes(t, t.device)[:64] = 131 if row == "mxfp4" else 137
+            sb = moe._scale_bytes(t, t.device)[0, 0, :64]
+            if row == "nvfp4":  # E4M3 bytes the integer scale operand cannot take: zero and subnormal
+                sb.copy_(torch.arange(64, device=t.device, dtype=torch.uint8) % 8)
+            else:
+                sb.fill_(131 if row == "mxfp4" else 137)
         ids = ids.clone()
         ids[~(ids == 0).any(1), 0] = 0  # every token through expert 0 (top-k ids stay distinct)
         ref = ReferenceBackend().forward(lay, x, tw, ids)
