@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel import _bench, copy_bandwidth  # noqa: E402  (same timing method as bench/kernel.py)
 
 from megamoe_runtime import codecs  # noqa: E402
-from megamoe_runtime.testing import staging_adversarial_rows, staging_random_rows  # noqa: E402
+from megamoe_runtime.testing import frag_positions, staging_adversarial_rows, staging_random_rows  # noqa: E402
 
 MXFP8_CONFIGS = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 NVFP4_VARIANTS = [  # (label, kwargs)
@@ -99,6 +99,12 @@ def check_exact(H: int, seed: int, full: bool = True) -> list[str]:
                 *_, xd = staging.quantize_nvfp4_per_token(x, dequant="split", **kw)
                 if not torch.equal(xd.view(torch.int16), w4.view(torch.int16)):
                     bad.append("split dequant")
+                if H % 128 == 0:  # the frag K order is defined on 128-wide blocks
+                    *_, xf = staging.quantize_nvfp4_per_token(x, dequant="frag", **kw)
+                    want_f = torch.empty_like(d4)
+                    want_f[:, frag_positions(H).to(x.device)] = d4
+                    if not torch.equal(xf.view(torch.int16), want_f.view(torch.int16)):
+                        bad.append("frag dequant")
             if bad:
                 fails.append(f"nvfp4 {label} H={H} {name}: " + ", ".join(bad) + " differ")
     # negative control: the check must see a wrong tie rule
@@ -129,6 +135,8 @@ def time_row(T: int, H: int, peak: float) -> list[dict]:
     cases += [(f"nvfp4 {lab}", lambda kw=kw: staging.quantize_nvfp4_per_token(x, **kw), _nv_bytes(T, H))
               for lab, kw in NVFP4_VARIANTS]
     cases += [("nvfp4 serving (split dequant)", lambda: staging.quantize_nvfp4_per_token(x, dequant="split"),
+               _nv_bytes(T, H) + 2 * T * H)]
+    cases += [("nvfp4 serving (frag dequant)", lambda: staging.quantize_nvfp4_per_token(x, dequant="frag"),
                _nv_bytes(T, H) + 2 * T * H)]
     for name, fn, nbytes in cases:
         try:

@@ -99,3 +99,18 @@ def staging_random_rows(T: int, H: int, dev, seed: int) -> torch.Tensor:
     heavy = torch.rand(T, H, generator=g) < 0.01
     x = torch.where(heavy, x * 100, x)
     return x.to(torch.bfloat16).to(dev)
+
+
+def frag_positions(H: int, e4m3: bool = False) -> torch.Tensor:
+    """Stored column of each natural column in the triton backend's frag K orders
+    (docs/KERNELS.md, "The frag K order"), written independently of the kernels'
+    ``_jit.frag_pos`` / ``_jit.frag8_pos`` so tests and benchmarks can check them. E2M1:
+    natural ``32q + 8w + 4h + j`` of a 128 block is stored at ``16(2w + j//2) + 8(j%2) + 2q + h``;
+    E4M3: ``32q + 4w + 2h + p`` at ``16w + 8p + 2q + h``."""
+    c = torch.arange(H)
+    m = c % 128
+    if e4m3:
+        q, w, h, p = m // 32, (m // 4) % 8, (m // 2) % 2, m % 2
+        return c - m + 16 * w + 8 * p + 2 * q + h
+    q, w, h, j = m // 32, (m // 8) % 4, (m // 4) % 2, m % 4
+    return c - m + 16 * (2 * w + j // 2) + 8 * (j % 2) + 2 * q + h

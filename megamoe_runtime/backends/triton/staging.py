@@ -299,9 +299,29 @@ def _nv_piece(w, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.c
     if DQ == 2:  # exact dequant (token scale NOT applied) as [even k | odd k]
         tl.store(xd_row + pc, (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
         tl.store(xd_row + H // 2 + pc, (_jit.e2m1_value(co) * d).to(tl.bfloat16))
-    elif DQ == 3:  # exact dequant in the frag K order (_jit.frag_pos of natural 2*pc, 2*pc + 1)
-        tl.store(xd_row + _jit.frag_pos(2 * pc), (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
-        tl.store(xd_row + _jit.frag_pos(2 * pc + 1), (_jit.e2m1_value(co) * d).to(tl.bfloat16))
+    elif DQ == 3:  # exact dequant in the frag K order
+        if NBP % 8 == 0:
+            _store_frag_order(xd_row, OFF, NBP, (_jit.e2m1_value(ce) * d).to(tl.bfloat16),
+                              (_jit.e2m1_value(co) * d).to(tl.bfloat16))
+        else:  # a piece shorter than a 128 block: per element (_jit.frag_pos of natural 2*pc, 2*pc + 1)
+            tl.store(xd_row + _jit.frag_pos(2 * pc), (_jit.e2m1_value(ce) * d).to(tl.bfloat16))
+            tl.store(xd_row + _jit.frag_pos(2 * pc + 1), (_jit.e2m1_value(co) * d).to(tl.bfloat16))
+
+
+@triton.jit
+def _store_frag_order(xd_row, OFF: tl.constexpr, NBP: tl.constexpr, v_e, v_o):
+    """Store the bf16 pairs ``[NBP, 8]`` (even, odd element of word i of block b) in the frag K
+    order as whole contiguous rows instead of 2-byte stores scattered by ``_jit.frag_pos``.
+
+    Natural column m of a 128 block is ``32q + 8w + 4h + 2j1 + j0`` and is stored at
+    ``32w + 16j1 + 8j0 + 2q + h`` (``_jit.frag_pos``). Here m = 16b + 2i + e, so q = b//2 within
+    the block, w = 2(b%2) + i//4, h = (i//2)%2, j1 = i%2, j0 = e: the stored order is a permute
+    of the dims (q, b%2, i//4, h, j1, e), which Triton lowers to one exchange through shared
+    memory and 16-byte stores."""
+    v = tl.join(v_e, v_o)  # [NBP, 8, 2]: (b, i, e)
+    v = v.reshape(NBP // 8, 4, 2, 2, 2, 2, 2)  # (block128, q, b%2, i//4, h, j1, e)
+    v = tl.permute(v, (0, 2, 3, 5, 6, 1, 4))  # (block128, b%2, i//4, j1, e, q, h) = stored order
+    tl.store(xd_row + OFF * 16 + tl.arange(0, NBP * 16), v.reshape(NBP * 16))
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 
 from megamoe_runtime import codecs, layout
 from megamoe_runtime.formats import ActivationSpec, LayerSpec, SharedSpec
-from megamoe_runtime.testing import calc_diff, staging_adversarial_rows, staging_random_rows
+from megamoe_runtime.testing import calc_diff, frag_positions, staging_adversarial_rows, staging_random_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -82,21 +82,9 @@ def test_staging_mxfp8_bit_exact(H, hw_cvt):
             assert torch.equal(xd.view(torch.int16), want.view(torch.int16)), f"dequant {mode} differs"
 
 
-def _frag_positions(H: int, e4m3: bool = False) -> torch.Tensor:
-    """Stored column of each natural column in the frag K orders (docs/KERNELS.md), written
-    independently of the kernels' ``_jit.frag_pos`` / ``_jit.frag8_pos``."""
-    c = torch.arange(H)
-    m = c % 128
-    if e4m3:  # m = 32q + 4w + 2h + p -> 16w + 8p + 2q + h
-        q, w, h, p = m // 32, (m // 4) % 8, (m // 2) % 2, m % 2
-        return c - m + 16 * w + 8 * p + 2 * q + h
-    q, w, h, j = m // 32, (m // 8) % 4, (m // 4) % 2, m % 4
-    return c - m + 16 * (2 * w + j // 2) + 8 * (j % 2) + 2 * q + h
-
-
 def _to_frag(x: torch.Tensor, e4m3: bool = False) -> torch.Tensor:
     out = torch.empty_like(x)
-    out[:, _frag_positions(x.shape[1], e4m3).to(x.device)] = x
+    out[:, frag_positions(x.shape[1], e4m3).to(x.device)] = x
     return out
 
 
