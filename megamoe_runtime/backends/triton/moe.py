@@ -192,7 +192,7 @@ def _nv_fold_scale_bits(b):
     Exact only for normal, positive, finite bytes 0x08..0x7E: subnormal and zero bytes (whose
     value is not linear in the bits), NaN and sign bits give garbage, which ``_fold_bad``
     detects after the loop so the tile is computed again with the plain decode (docs/KERNELS.md,
-    "The NVFP4 scale operand")."""
+    "The NVFP4 scale operand from the byte")."""
     return b.to(tl.int32) * _NV_FOLD_MUL + _NV_FOLD_ADD
 
 
