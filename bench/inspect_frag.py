@@ -34,23 +34,24 @@ from megamoe_runtime.backends.triton import moe  # noqa: E402
 
 DIV = {"H", "I", "stride_we", "stride_wn", "stride_wse"}
 L1_TYPES = {"x_ptr": "*bf16", "xts_ptr": "*fp32", "w_ptr": "*u8", "wsb_ptr": "*u8", "alpha_ptr": "*fp32",
+            "fflag_ptr": "*i32",
             "pair_ptr": "*i32", "blk_ptr": "*i32", "nblk_ptr": "*i32", "tw_ptr": "*fp32", "act_ptr": "*bf16",
             "T": "i32", "H": "i32", "I": "i32", "TOPK": "i32", "stride_we": "i64", "stride_wn": "i32",
             "stride_wse": "i64", "rsf": "fp32", "clamp_c": "fp32", "act_alpha": "fp32", "act_beta": "fp32",
             "situ_b": "fp32", "situ_bl": "fp32", "a2_ptr": "*fp32"}
-L2_TYPES = {"act_ptr": "*bf16", "w_ptr": "*u8", "wsb_ptr": "*u8", "pair_ptr": "*i32", "blk_ptr": "*i32",
+L2_TYPES = {"act_ptr": "*bf16", "w_ptr": "*u8", "wsb_ptr": "*u8", "fflag_ptr": "*i32", "pair_ptr": "*i32", "blk_ptr": "*i32",
             "nblk_ptr": "*i32", "tw_ptr": "*fp32", "l2s_ptr": "*fp32", "slot_ptr": "*bf16", "T": "i32", "H": "i32",
             "I": "i32", "TOPK": "i32", "NSLOT": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
             "a2_ptr": "*fp32"}
 KINDS = {"mxfp4": moe.W_E2M1_MX, "nvfp4": moe.W_E2M1_NV, "mxfp8": moe.W_E4M3_MX}
 
 
-def compile_kernel(which, w_kind, bm, bn, warps, fold, sword, gu, stages=3, wt=0):
+def compile_kernel(which, w_kind, bm, bn, warps, fold, sword, gu, stages=3, wt=0, fflags=True):
     fn = moe._l1_kernel if which == "l1" else moe._l2_kernel
     types = L1_TYPES if which == "l1" else L2_TYPES
     nv = w_kind == moe.W_E2M1_NV
     cx = dict(W_KIND=w_kind, BM=bm, BN=bn, BK=128, HW_CVT=True, ASM=True, FRAG=True, FOLD=fold, SWORD=sword,
-              SHARED=False, WT=wt)
+              SHARED=False, WT=wt, FFLAGS=fflags)
     if which == "l1":
         cx.update(NV_IN=nv, ACT=0, HAS_CLAMP=True, REQ=moe.REQ_NV4 if nv else moe.REQ_MX8, APPLY_W=not nv,
                   SPLIT_OUT=3 if w_kind == moe.W_E4M3_MX else 2, GU=gu)

@@ -337,7 +337,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
                             variants.append((row, f"bf16-{ko}" + (f"/{dv}" if dv else ""), mma, ko, dv))
             else:
                 variants.append((row, mma, mma, "split" if mma == "bf16" else None, None))
-    for row, label, mma, korder, dv in variants:
+    variants = [(row, label + ("" if ff == "layer" else f"/{ff}"), mma, korder, dv, ff)
+                for row, label, mma, korder, dv in variants for ff in args.fold_flags.split(",")]
+    for row, label, mma, korder, dv, ff_mode in variants:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -353,6 +355,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
         else:
             wt = 0
         label = label + (f"/t{wt}" if wt and args.w_tile is not None else "")
+        # the per-expert fold flags a layer computes after its load ("layer"); "scan": none, each tile
+        # scans its scale words after its main loop (what moe_forward does without flags)
+        ff = moe.fold_flags(spec, kt) if ff_mode == "layer" else None
         ebytes = expert_bytes(row, H, I)
         for T in tokens:
             tw, ids = routing(T, E, K, seed=T)
@@ -375,8 +380,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             best = None
             for cfg in configs:
                 try:
-                    ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt),
-                                graph=True)
+                    ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt,
+                                                        fold_flags=ff), graph=True)
                 except Exception as e:
                     print(f"# {shape_name} {row} T={T} cfg={cfg}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -389,7 +394,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             ms, cfg = best
             if profiles is not None:
                 print_breakdown(f"{shape_name} {row} {label} T={T}", kernel_breakdown(
-                    lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt)), profiles)
+                    lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt,
+                                            fold_flags=ff)), profiles)
             act_bytes = 2 * T * H * 2 + pairs * I * 2 * 2 + pairs * H * 2 * 2
             wbytes = touched * ebytes
             gbps = (wbytes + act_bytes) / ms / 1e6
@@ -434,6 +440,9 @@ def main() -> None:
                     help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.weight_tiles); "
                          "default: what a layer derives (moe.resolve_w_tile), 0: the converted layout")
     ap.add_argument("--no-staging", action="store_true")
+    ap.add_argument("--fold-flags", default="layer",
+                    help="comma list: layer (the per-expert fold flags a loaded layer passes, default), scan "
+                         "(none: each fold tile scans its scales)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each point's per-kernel device time (torch.profiler, eager, L2 flushed)")
     ap.add_argument("--out", default=os.environ.get("OUT"))

@@ -50,8 +50,9 @@ def main() -> None:
     sc = _NvScalars(lay) if get_row(args.row).has_alphas else None
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
+    ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them
     for _ in range(args.calls):
-        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc)
+        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff)
     torch.cuda.synchronize()
     print(f"{args.row} T={args.tokens}: {moe.default_config(args.tokens * K, E, 'frag', w_kind=moe._W_KIND[args.row])}")
 

@@ -85,6 +85,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     mean = pairs / E
     tw, ids = routing(T, E, K, seed=T)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
+    ff = moe.fold_flags(spec, kt)  # the per-expert fold flags a loaded layer passes
     w_kind = moe._W_KIND[spec.row]
     dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
     # a variant without a decode runs the default's for this regime and row; each kernel keeps its
@@ -101,7 +102,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
                                       l2_decode=db or row_decode)
             try:
                 ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
-                                                              w_tile=w_tile), iters=10)
+                                                              w_tile=w_tile, fold_flags=ff), iters=10)
             except Exception as e:  # a tile that does not compile / fit: skip it
                 log(f"#   skip bm={bm} {l1s[i % len(l1s)]} / {l2s[i % len(l2s)]}: {type(e).__name__}: {str(e)[:160]}")
                 continue
@@ -136,7 +137,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     for label, cfg in (("default", dflt), ("best", combo)):
         try:
             res[f"{label}_us"] = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
-                                                             w_tile=w_tile)) * 1e3
+                                                             w_tile=w_tile, fold_flags=ff)) * 1e3
         except Exception as e:
             log(f"# {label} failed: {type(e).__name__}: {str(e)[:200]}")
             res[f"{label}_us"] = float("nan")

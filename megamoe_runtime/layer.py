@@ -450,6 +450,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         write of any load (a partial reload then leaves no expert in the other arrangement). If no scratch can
         be allocated nothing moved and the layer stays as it was; a failure after bytes moved makes the layer
         unusable until a load succeeds."""
+        self._backend_hook("weights_changing")
         wt = self.weight_tiles
         if not wt:
             return
@@ -514,6 +515,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         self._restore_converted_layout()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._arrange_for_backend()
+        self._backend_hook("weights_loaded")
 
     def load_state(self, mode: Optional[str] = None) -> Optional[loaders.LoadState]:
         """The pending state of the load pass in progress (the loaders' only
@@ -595,6 +597,15 @@ class DeepGemmMegaMoEExperts(nn.Module):
         self.unusable_reason = None
         self.load_generation += 1
         self._arrange_for_backend()
+        self._backend_hook("weights_loaded")
+
+    def _backend_hook(self, name: str) -> None:
+        """Let the backend keep facts it derives from the weights in step with them: ``weights_changing``
+        before a load writes a byte, ``weights_loaded`` after a load succeeded (the triton backend's
+        per-expert fold flags, `megamoe_runtime.backends.triton.moe.fold_flags`). Optional hooks."""
+        fn = getattr(self.backend, name, None)
+        if callable(fn) and self.device.type != "meta":
+            fn(self)
 
     def mark_unusable(self, reason: str) -> None:
         """A load failed after it started writing: until a load succeeds, `forward` raises LayerUnusableError

@@ -78,6 +78,34 @@ class TritonBackend:
 
         return resolve_w_tile(spec, device, self.config)
 
+    def weights_changing(self, layer: Any) -> None:
+        """A load is about to write the weights: the fold flags no longer describe them, so the kernels
+        go back to scanning each tile's scales (``FOLD_SCAN``) until `weights_loaded`. In place: a
+        captured CUDA graph reads the flags' storage."""
+        from .moe import FOLD_SCAN
+
+        flags = getattr(layer, "triton_fold_flags", None)
+        if flags is not None and getattr(layer, "_triton_fold_flags_set", False):
+            flags.fill_(FOLD_SCAN)
+            layer._triton_fold_flags_set = False
+
+    def weights_loaded(self, layer: Any) -> None:
+        """After a successful load: per expert, whether the fold decode takes all its scale bytes
+        (`moe.fold_flags`), so the kernels read one flag per tile instead of scanning the tile's scale
+        words after the main loop. Computed on the device (no host sync) into the same storage on
+        every reload."""
+        from .moe import fold_flags
+
+        if layer.device.type != "cuda":
+            return
+        flags = getattr(layer, "triton_fold_flags", None)
+        shape = (2, layer.spec.experts_per_rank)
+        if flags is None or tuple(flags.shape) != shape or flags.device != layer.device:
+            flags = torch.empty(shape, dtype=torch.int32, device=layer.device)
+            layer.triton_fold_flags = flags
+        fold_flags(layer.spec, _Roles(layer, ""), out=flags)
+        layer._triton_fold_flags_set = True
+
     def supports_fused_shared(self, spec: Any) -> bool:
         if spec.shared is None:
             return False
@@ -96,7 +124,7 @@ class TritonBackend:
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), ids.reshape(-1, 1),
                                scalars=scalars, config=self.config, return_slots=True,
-                               w_tile=getattr(layer, "weight_tiles", 0))
+                               w_tile=getattr(layer, "weight_tiles", 0), fold_flags=_fold_flags(layer))
         return slots[:, 0]
 
     def shared_slot(self, layer: Any, shared_input: torch.Tensor) -> torch.Tensor:
@@ -112,7 +140,8 @@ class TritonBackend:
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
         _, slots = moe_forward(spec, _Roles(layer, ""), shared_input, w, ids, scalars=scalars,
                                shared=_Roles(layer, SHARED_PREFIX), config=self.config, return_slots=True,
-                               shared_input=shared_input, w_tile=getattr(layer, "weight_tiles", 0))
+                               shared_input=shared_input, w_tile=getattr(layer, "weight_tiles", 0),
+                               fold_flags=_fold_flags(layer))
         return slots[:, k]
 
     def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
@@ -134,4 +163,13 @@ class TritonBackend:
 
         return moe_forward(spec, _Roles(layer, ""), hidden_states, topk_weights, topk_ids,
                            scalars=scalars, shared=shared, config=self.config, shared_input=shared_input,
-                           w_tile=getattr(layer, "weight_tiles", 0))
+                           w_tile=getattr(layer, "weight_tiles", 0), fold_flags=_fold_flags(layer))
+
+
+def _fold_flags(layer: Any) -> Optional[torch.Tensor]:
+    """The layer's fold flags where `TritonBackend.weights_loaded` made them for its device; None: the
+    kernels scan the scales themselves."""
+    flags = getattr(layer, "triton_fold_flags", None)
+    if flags is None or flags.device != layer.device:
+        return None
+    return flags

@@ -365,6 +365,37 @@ def _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.constexpr):
     return tl.max(tl.max((bad != 0).to(tl.int32), axis=1), axis=0) != 0
 
 
+#: values of the per-expert fold flags (``fold_flags``): the expert's scale bytes were checked after
+#: the last load and the fold decode takes them all / some need the plain decode / not known (a load
+#: is in progress, or no flags: the tile scans its own scale words, ``_fold_bad``)
+FOLD_OK = 0
+FOLD_REDO = 1
+FOLD_SCAN = 2
+
+
+@triton.jit
+def _fold_flag(fflag_ptr, e64, FOLD: tl.constexpr, FFLAGS: tl.constexpr):
+    """The expert's fold flag, loaded at the start of the tile so its latency hides behind the main
+    loop (FOLD_SCAN where the kernel has no flags)."""
+    if FOLD and FFLAGS:
+        return tl.load(fflag_ptr + e64)
+    else:
+        return 2
+
+
+@triton.jit
+def _fold_redo(fflag, wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.constexpr):
+    """Whether the tile must be computed again with the plain decode: by the expert's flag, which
+    the layer computes once per load from the same bytes (``fold_flags``), or by scanning the tile's
+    scale words where the flag says FOLD_SCAN. Why: the scan reads 1/16 (MX: 1/32) of the bytes the
+    loop read, unpipelined, after the loop; at decode sizes it was 8% of the nvfp4 L1's stall
+    samples (BENCHMARKS.md, issue 11 seventh pass)."""
+    if fflag == 2:
+        return _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND, BN)
+    else:
+        return fflag != 0
+
+
 @triton.jit
 def _activation(g, u, clamp_c, act_alpha, act_beta, situ_b, situ_bl,
                 ACT: tl.constexpr, HAS_CLAMP: tl.constexpr, GPU: tl.constexpr):
@@ -412,8 +443,9 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
 def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                  FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
-                 WT: tl.constexpr = 0):
-    """The L1 main loop as a gate dot and an up dot of BN rows each (every K order)."""
+                 WT: tl.constexpr = 0, fflag=2):
+    """The L1 main loop as a gate dot and an up dot of BN rows each (every K order; ``fflag`` the
+    expert's fold flag, ``_fold_redo``)."""
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     for k0 in range(0, H, BK):
@@ -423,7 +455,7 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
         acc_u = _mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
                           FRAG, FOLD, SWORD, WT)
     if FOLD:
-        if _fold_bad(wse, sg, NROWS, H, W_KIND, BN) or _fold_bad(wse, su, NROWS, H, W_KIND, BN):
+        if _fold_redo(fflag, wse, sg, NROWS, H, W_KIND, BN) or _fold_redo(fflag, wse, su, NROWS, H, W_KIND, BN):
             acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
             acc_u = tl.zeros((BN, BM), tl.float32)
             for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
@@ -442,7 +474,7 @@ def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn,
 
 
 @triton.jit
-def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
+def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
                pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr,
                T, H, I, TOPK, stride_we, stride_wn, stride_wse,
                rsf, clamp_c, act_alpha, act_beta, situ_b, situ_bl, a2_ptr,
@@ -450,7 +482,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
                REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               GU: tl.constexpr = False, WT: tl.constexpr = 0):
+               GU: tl.constexpr = False, WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -468,7 +500,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
     weights: exact while every UE8M0 byte of the tile is <= 128 (E4M3: 134); ``_fold_bad`` checks that
     after the loop and, if one was larger, the tile is computed again with the plain decode
     (never taken by real weights, so it costs only the check). NVFP4: the
-    accumulators are value * 2^-8 exactly and get the 2^8 back here."""
+    accumulators are value * 2^-8 exactly and get the 2^8 back here. FFLAGS: ``fflag_ptr`` holds the
+    per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = tl.arange(0, BM)
@@ -487,6 +520,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         pair = tl.where(mvalid, pair, 0)
         tok = pair // TOPK
     e64 = e.to(tl.int64)
+    fflag = _fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
     xrow = tok.to(tl.int64) * H
     j = pid_n * BN + tl.arange(0, BN)
     rg = 16 * (j // 8) + j % 8
@@ -506,7 +540,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
             acc = _mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
                             FRAG, FOLD, SWORD, WT)
         if FOLD:
-            if _fold_bad(wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale above the limit: plain decode again
+            if _fold_redo(fflag, wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale the fold cannot take: plain again
                 acc = tl.zeros((2 * BN, BM), tl.float32)
                 for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
                     xa, xb = _x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
@@ -520,7 +554,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
         acc_u = acc_u.reshape(BN, BM)
     else:
         acc_g, acc_u = _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND, BN,
-                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT)
+                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT, fflag)
     if FOLD and W_KIND == 2:
         acc_g = acc_g * 256.0
         acc_u = acc_u * 256.0
@@ -557,14 +591,14 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr,
 
 
 @triton.jit
-def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s_ptr, slot_ptr,
+def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s_ptr, slot_ptr,
                T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               WT: tl.constexpr = 0):
+               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
-    (FOLD and SWORD as in ``_l1_kernel``)."""
+    (FOLD, SWORD and FFLAGS as in ``_l1_kernel``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = tl.arange(0, BM)
@@ -586,6 +620,7 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
         arow = (pid_m * BM + m).to(tl.int64)
         slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
     e64 = e.to(tl.int64)
+    fflag = _fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
     n = pid_n * BN + tl.arange(0, BN)
     sn = _utccp(n)
     we = w_ptr + e64 * stride_we
@@ -598,7 +633,7 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s
         acc = _mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
                         WT)
     if FOLD:
-        if _fold_bad(wse, sn, H, I, W_KIND, BN):  # a scale above the limit: redo with the plain decode
+        if _fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
             for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
                 xa, xb = _x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
@@ -978,14 +1013,14 @@ def _sword(sword: bool, frag: bool, w_kind: int) -> bool:
 
 def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
                w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False,
-               wt=0):
+               wt=0, fflags=None):
     act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
     swe, swn = _weight_strides(w)
     bn = min(cfg.l1_bn, I)
     grid = (I // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
     dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
     _l1_kernel[grid](
-        x, xts, _bytes_if_fp8(w), _scale_bytes(ws, w.device), alpha,
+        x, xts, _bytes_if_fp8(w), _scale_bytes(ws, w.device), alpha, x if fflags is None else fflags,
         dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
         dummy_i32 if shared else plan.num_blocks, tw, act,
         T, H, I, K, swe, swn, _scale_stride(ws),
@@ -994,26 +1029,26 @@ def _launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, r
         SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
         BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
         HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=wt,
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=wt, FFLAGS=fflags is not None,
         num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
         **_opts(cfg.l1_maxnreg))
 
 
 def _launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False, fold=False, sword=False, wt=0):
+               frag=False, fold=False, sword=False, wt=0, fflags=None):
     swe, swn = _weight_strides(w)
     bn = min(cfg.l2_bn, H)
     grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
     dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
     _l2_kernel[grid](
-        act, _bytes_if_fp8(w), _scale_bytes(ws, w.device),
+        act, _bytes_if_fp8(w), _scale_bytes(ws, w.device), act if fflags is None else fflags,
         dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
         dummy_i32 if shared else plan.num_blocks, tw, l2s, slots,
         T, H, I, K, nslot, swe, swn, _scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
         FOLD=bool(fold and frag and asm), SWORD=_sword(sword, frag, w_kind),
-        WT=wt, num_warps=cfg.l2_warps,
+        WT=wt, FFLAGS=fflags is not None, num_warps=cfg.l2_warps,
         num_stages=cfg.l2_stages, **_opts(cfg.l2_maxnreg))
 
 
@@ -1182,7 +1217,8 @@ def asm_decode_ok(device: torch.device) -> bool:
 def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, scalars: Any = None, shared: Any = None,
                 config: Optional[KernelConfig] = None, return_slots: bool = False,
-                shared_input: Optional[torch.Tensor] = None, asm: Optional[bool] = None, w_tile: int = 0):
+                shared_input: Optional[torch.Tensor] = None, asm: Optional[bool] = None, w_tile: int = 0,
+                fold_flags: Optional[torch.Tensor] = None):
     """bf16 ``[T, H]`` MoE output of one layer on this EP rank (the reference's numerics).
 
     ``kt``: routed kernel tensors (``l1_weight``, ``l1_scale``, ``l2_weight``,
@@ -1193,7 +1229,8 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     masked); only this rank's experts contribute. ``asm``: force the E2M1
     decode path (default: the PRMT path if its self-check passed). ``w_tile``: the arrangement of the
     routed weights (`megamoe_runtime.weight_tiles`; 0 = the converted layout), which only the frag
-    K order's bf16 GEMMs read.
+    K order's bf16 GEMMs read. ``fold_flags``: int32 ``[2, E_l]`` from `fold_flags` on these
+    weights (the layer keeps them per load); None: each fold tile scans its own scale words.
     """
     hw = hw_cvt_default()
     row = spec.row
@@ -1268,9 +1305,10 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
     _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
                rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
-               fold=fold, sword=sword, wt=w_tile)
+               fold=fold, sword=sword, wt=w_tile, fflags=None if fold_flags is None else fold_flags[0])
     _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold2, sword=sword, wt=w_tile)
+               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold2, sword=sword, wt=w_tile,
+               fflags=None if fold_flags is None else fold_flags[1])
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate
@@ -1294,6 +1332,46 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
                    s_kind, False, True, sbm, hw, False)
     _combine(spec, cfg, slots, ids, out, has_shared, rsf, hw)
     return (out, slots) if return_slots else out
+
+
+#: largest UE8M0 byte the fold decode takes exactly, by weight kind (``_fold_scale_bits``)
+_FOLD_UE8M0_LIMIT = {W_E2M1_MX: 128, W_E4M3_MX: 134}
+#: the E4M3 scale bytes the NVFP4 fold operand takes exactly (``_nv_fold_scale_bits``): normal, positive, finite
+_FOLD_NV_BYTES = (0x08, 0x7E)
+
+
+def fold_flags(spec: Any, kt: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per expert, whether the fold decode takes every scale byte of its L1 / L2 weights: int32
+    ``[2, E_l]`` of ``FOLD_OK`` / ``FOLD_REDO``, computed on the device without a host sync (written
+    into ``out`` in place when given, so a captured CUDA graph reads the new flags after a reload).
+
+    The same test ``_fold_bad`` makes per tile after every main loop (UE8M0 bytes above the
+    kind's limit; NVFP4 bytes outside 0x08..0x7E), made once per load over the scale words the
+    kernels read: the scales are weights, so they change only when a load writes them. Rows
+    without a fold decode (bf16) get ``FOLD_OK``: their kernels never read the flags."""
+    E_l = spec.experts_per_rank
+    w_kind = _W_KIND[spec.row]
+    dev = kt.l1_weight.device
+    flags = torch.full((2, E_l), FOLD_OK, dtype=torch.int32, device=dev) if out is None else out
+    if out is not None and (tuple(out.shape) != (2, E_l) or out.dtype != torch.int32):
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"fold flags must be int32 [2, {E_l}], got {out.dtype} {tuple(out.shape)}")
+    H, I = spec.hidden, spec.intermediate
+    with torch.no_grad():
+        for i, (sf, nrows, k) in enumerate(((kt.l1_scale, 2 * I, H), (kt.l2_scale, H, I))):
+            if sf is None or w_kind not in (W_E2M1_MX, W_E4M3_MX, W_E2M1_NV):
+                flags[i].fill_(FOLD_OK)
+                continue
+            words = k // 64 if w_kind == W_E2M1_NV else k // 128  # the packed words per row the kernels read
+            b = _scale_bytes(sf, dev).reshape(E_l, -1, sf.shape[-2] * 4)[:, :words, :nrows * 4]
+            if w_kind == W_E2M1_NV:
+                lo, hi = _FOLD_NV_BYTES
+                bad = (torch.amin(b, dim=(1, 2)) < lo) | (torch.amax(b, dim=(1, 2)) > hi)
+            else:
+                bad = torch.amax(b, dim=(1, 2)) > _FOLD_UE8M0_LIMIT[w_kind]
+            flags[i].copy_(bad.to(torch.int32))  # FOLD_REDO where bad
+    return flags
 
 
 def _combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:

@@ -251,9 +251,23 @@ def test_fold_decode_bitwise(row, T, bm, big):
         outs[(l1d, l2d, "per-kernel")] = moe.moe_forward(
             spec, _Roles(lay, ""), x, tw, ids, scalars=sc,
             config=moe.KernelConfig(block_m=bm, k_order="frag", decode=l1d, l2_decode=l2d))
+    # the per-expert flags a loaded layer passes instead of the per-tile scan (moe.fold_flags)
+    ff = moe.fold_flags(spec, _Roles(lay, ""))
+    assert ff.tolist() == ([[1] + [0] * (ff.shape[1] - 1)] * 2 if big else [[0] * ff.shape[1]] * 2), ff.tolist()
+    for gu in (False, True):
+        outs[("fold", "flags", gu)] = moe.moe_forward(
+            spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=ff,
+            config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=gu))
+    outs[("fold", "flags say scan", True)] = moe.moe_forward(
+        spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=torch.full_like(ff, moe.FOLD_SCAN),
+        config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
     plain = outs[("plain", "bytes", False)]
     for k, o in outs.items():
         assert torch.equal(o.view(torch.int16), plain.view(torch.int16)), f"{k} differs from the plain decode"
+    if big:  # negative control: flags claiming every expert is fine make the kernels keep the fold's garbage
+        lie = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=torch.zeros_like(ff),
+                              config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
+        assert not torch.equal(lie.view(torch.int16), plain.view(torch.int16)), "the flags are not what the kernels read"
     d = _assert_matches(outs[("fold", "words", True)], ref, f"fold {row}/T={T}/big={big}")
     _report(test="fold_decode", row=row, T=T, block_m=bm, big=big, calc_diff=d,
             bitwise_frac=float((plain.view(torch.int16) == ref.view(torch.int16)).float().mean()))
@@ -604,6 +618,64 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     lt.backend.config = moe.KernelConfig(k_order="split")
     with pytest.raises(MegaMoEError, match="tiled by"):
         lt(x, tw, ids)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt-mxfp4", "modelopt-nvfp4", "modelopt-mxfp8"])
+def test_layer_fold_flags_follow_reloads(fmt, ckpts):
+    """A triton layer computes its per-expert fold flags after every load, into the same storage:
+    all FOLD_OK for a real export (output bitwise the per-tile scan's), FOLD_SCAN while a load
+    writes, and after a reload that brings scale bytes the fold cannot take the flags mark that
+    expert, so a CUDA graph captured before the reload replays the plain decode's output."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+    from megamoe_runtime.checkpoint import open_checkpoint
+
+    _, out = ckpts.converted(fmt)
+    lt = open_checkpoint(out).build_layer(0, device="cuda", backend="triton")
+    spec = lt.spec
+    flags = lt.triton_fold_flags
+    keep = flags.data_ptr()
+    assert flags.tolist() == [[moe.FOLD_OK] * spec.experts_per_rank] * 2
+    T = 19
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x = torch.randn(T, spec.hidden, generator=g).to(torch.bfloat16).cuda()
+    rest = torch.argsort(torch.rand(T, spec.num_experts - 1, generator=g), 1)[:, :spec.top_k - 1] + 1
+    ids = torch.cat([torch.zeros(T, 1, dtype=rest.dtype), rest], 1).cuda()  # every token through expert 0
+    tw = torch.softmax(torch.randn(T, spec.top_k, generator=g), 1).float().cuda()
+    sc = _NvScalars(lt) if spec.row == "nvfp4" else None
+
+    def direct(decode, ff=None):
+        cfg = moe.KernelConfig(k_order="frag", decode=decode, l1_gu=True)
+        return moe.moe_forward(spec, _Roles(lt, ""), x, tw, ids, scalars=sc, config=cfg, fold_flags=ff,
+                               w_tile=lt.weight_tiles)
+
+    y = lt(x, tw, ids)
+    assert torch.equal(direct("fold", flags).view(torch.int16), direct("fold").view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    lt.backend.config = moe.KernelConfig(k_order="frag", decode="fold", l1_gu=True)  # the fold where flags act
+    lt(x, tw, ids)
+    with torch.cuda.graph(graph):
+        yg = lt(x, tw, ids)
+    # a load writes: flags go to FOLD_SCAN before the first byte, in place
+    lt.begin_load()
+    assert flags.tolist() == [[moe.FOLD_SCAN] * spec.experts_per_rank] * 2
+    lt.abort_load()
+    # reload with scale bytes of expert 0 the fold cannot take
+    sd = {k: v.clone() for k, v in lt.state_dict().items()}
+    for name in ("l1_scale", "l2_scale"):
+        sb = moe._scale_bytes(sd[name], sd[name].device)[0, 0, :64]
+        sb.copy_(torch.arange(64, device="cuda", dtype=torch.uint8) % 8 if spec.row == "nvfp4" else
+                 torch.full_like(sb, 131 if spec.row == "mxfp4" else 137))
+    lt.load_state_dict(sd)
+    assert lt.triton_fold_flags.data_ptr() == keep
+    assert flags[:, 0].tolist() == [moe.FOLD_REDO] * 2 and int(flags[:, 1:].sum()) == 0, flags.tolist()
+    plain = direct("plain")
+    assert calc_diff(plain, y) > 1e-3, "the reloaded scales must change the output"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg.view(torch.int16), plain.view(torch.int16)), "the captured graph did not read the new flags"
+    # negative control: stale flags (all FOLD_OK) on the new bytes keep the fold's garbage
+    assert not torch.equal(direct("fold", torch.zeros_like(flags)).view(torch.int16), plain.view(torch.int16))
 
 
 # --------------------------------------------------------------------------- negative controls
