@@ -10,6 +10,7 @@ uniform top-k); no timing of its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--peer-path", default=None, help="run the peer's MoE (bench/kernel.py Peer) instead")
+    ap.add_argument("--cfg", default=None,
+                    help="KernelConfig fields over the default, e.g. block_m=128,l1_warps=4,decode=plain")
     args = ap.parse_args()
     if args.peer_path:
         sh = SHAPES[args.shape]
@@ -51,10 +54,14 @@ def main() -> None:
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them
+    cfg = moe.default_config(args.tokens * K, E, "frag", w_kind=moe._W_KIND[args.row])
+    for kv in filter(None, (args.cfg or "").split(",")):
+        k, v = kv.split("=")
+        cfg = dataclasses.replace(cfg, **{k: v if k.endswith("decode") else int(v)})
     for _ in range(args.calls):
-        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff)
+        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff, config=cfg)
     torch.cuda.synchronize()
-    print(f"{args.row} T={args.tokens}: {moe.default_config(args.tokens * K, E, 'frag', w_kind=moe._W_KIND[args.row])}")
+    print(f"{args.row} T={args.tokens}: {cfg}")
 
 
 if __name__ == "__main__":

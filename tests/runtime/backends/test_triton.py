@@ -212,6 +212,14 @@ def test_frag_k_order_bitwise(row, T, bm):
     assert calc_diff(bad, ref) > 1e-3, "a wrong K order must be caught"
 
 
+def _nv_scale_plant(device) -> torch.Tensor:
+    """64 E4M3 scale bytes the NVFP4 fold operand cannot take: zero and subnormals (the fold makes them
+    about 2^-15 of a weight: too small to show after the NVFP4 requant) and negative 0x88 (the fold
+    makes it inf: the negative control that shows a skipped redo)."""
+    i = torch.arange(64, device=device, dtype=torch.uint8)
+    return torch.where(i < 48, i % 8, torch.full_like(i, 0x88))
+
+
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("T,bm", [(1, None), (37, None), (300, 16), (300, None)])
 @pytest.mark.parametrize("big", [False, True], ids=["scales_in_range", "scales_outside_fold_range"])
@@ -220,9 +228,10 @@ def test_fold_decode_bitwise(row, T, bm, big):
     as int32 words), and the one-dot gate/up L1, give the plain decode's two-dot output bit for
     bit and match the reference. With
     scale bytes outside the fold's exact range (big: UE8M0 131 for E2M1, 137 for E4M3, where
-    scale * 2^126 or * 2^120 is no finite bf16; E4M3 zero and subnormal bytes for NVFP4, which
-    the integer scale operand cannot take) the kernels must detect it and redo those tiles; the
-    negative control is that those bytes change the output."""
+    scale * 2^126 or * 2^120 is no finite bf16; E4M3 zero, subnormal and negative bytes for NVFP4,
+    which the integer scale operand cannot take) the kernels must detect it and redo those tiles; the
+    negative controls: those bytes change the output, and flags that hide them keep the fold's wrong
+    output."""
     _, moe, _ = _triton()
     from megamoe_runtime.backends.reference import ReferenceBackend
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -234,8 +243,8 @@ def test_fold_decode_bitwise(row, T, bm, big):
         before = ref
         for t in (lay.l1_scale, lay.l2_scale):  # expert 0, the first 4 K groups of 16 physical rows
             sb = moe._scale_bytes(t, t.device)[0, 0, :64]
-            if row == "nvfp4":  # E4M3 bytes the integer scale operand cannot take: zero and subnormal
-                sb.copy_(torch.arange(64, device=t.device, dtype=torch.uint8) % 8)
+            if row == "nvfp4":  # E4M3 bytes the integer scale operand cannot take (_nv_scale_plant)
+                sb.copy_(_nv_scale_plant(t.device))
             else:
                 sb.fill_(131 if row == "mxfp4" else 137)
         ids = ids.clone()
@@ -664,13 +673,13 @@ def test_layer_fold_flags_follow_reloads(fmt, ckpts):
     sd = {k: v.clone() for k, v in lt.state_dict().items()}
     for name in ("l1_scale", "l2_scale"):
         sb = moe._scale_bytes(sd[name], sd[name].device)[0, 0, :64]
-        sb.copy_(torch.arange(64, device="cuda", dtype=torch.uint8) % 8 if spec.row == "nvfp4" else
+        sb.copy_(_nv_scale_plant("cuda") if spec.row == "nvfp4" else
                  torch.full_like(sb, 131 if spec.row == "mxfp4" else 137))
     lt.load_state_dict(sd)
     assert lt.triton_fold_flags.data_ptr() == keep
     assert flags[:, 0].tolist() == [moe.FOLD_REDO] * 2 and int(flags[:, 1:].sum()) == 0, flags.tolist()
     plain = direct("plain")
-    assert calc_diff(plain, y) > 1e-3, "the reloaded scales must change the output"
+    assert not torch.equal(plain.view(torch.int16), y.view(torch.int16)), "the reloaded scales must change the output"
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg.view(torch.int16), plain.view(torch.int16)), "the captured graph did not read the new flags"
