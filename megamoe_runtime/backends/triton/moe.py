@@ -512,9 +512,13 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
         tok = tl.where(mvalid, tok, 0)
         pair = tok
     else:
-        if pid_m >= tl.load(nblk_ptr):
-            return
+        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
+        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
+        # from sinking the expert's load below the exit
+        nb = tl.load(nblk_ptr)
         e = tl.load(blk_ptr + pid_m)
+        if (pid_m >= nb) | (e < 0):
+            return
         pair = tl.load(pair_ptr + pid_m * BM + m)
         mvalid = pair >= 0
         pair = tl.where(mvalid, pair, 0)
@@ -611,9 +615,13 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
         slot = tok.to(tl.int64) * NSLOT + TOPK
         pair = tok
     else:
-        if pid_m >= tl.load(nblk_ptr):
-            return
+        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
+        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
+        # from sinking the expert's load below the exit
+        nb = tl.load(nblk_ptr)
         e = tl.load(blk_ptr + pid_m)
+        if (pid_m >= nb) | (e < 0):
+            return
         pair = tl.load(pair_ptr + pid_m * BM + m)
         mvalid = pair >= 0
         pair = tl.where(mvalid, pair, 0)
