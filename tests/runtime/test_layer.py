@@ -283,3 +283,47 @@ def test_a2_outside_float32_is_a_scale_error(ckpts, a2):
     assert float(layer.l2_activation_scale) == before
     layer.set_l2_activation_scale(1e-30)  # negative control: small but a float32 normal
     assert float(layer.l2_activation_scale) == torch.tensor(1e-30, dtype=torch.float32).item()
+
+
+# --------------------------------------------------------------------------- backend hooks around loads
+
+
+class _HookRecorder(ReferenceBackend):
+    """A backend with the optional load hooks (the triton backend keeps its fold flags with them): records
+    each call with the layer's load generation, so a test sees which loads announce writes and results."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def weights_changing(self, layer) -> None:
+        self.events.append(("changing", layer.load_generation))
+
+    def weights_loaded(self, layer) -> None:
+        self.events.append(("loaded", layer.load_generation))
+
+
+def test_backend_hooks_bracket_every_load(ckpts):
+    """Every path that writes weights calls ``weights_changing`` before its first byte and every load that
+    succeeds calls ``weights_loaded`` after it (with the new generation), so facts a backend derives from
+    the weights never outlive them; a dry run moves no byte and leaves the layer loaded."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    ck = mr.open_checkpoint(out)
+    rec = _HookRecorder()
+    layer = ck.build_layer(0, backend=rec)
+    assert rec.events and rec.events[0][0] == "changing" and rec.events[-1] == ("loaded", layer.load_generation)
+    rec.events.clear()
+    ck.load_layer(layer)  # a stored reload
+    assert rec.events[0][0] == "changing" and rec.events[-1] == ("loaded", layer.load_generation)
+    assert [e for e, _ in rec.events].count("loaded") == 1
+    rec.events.clear()
+    layer.load_state_dict(layer.state_dict())
+    assert rec.events[0][0] == "changing" and rec.events[-1] == ("loaded", layer.load_generation)
+    rec.events.clear()
+    layer.begin_load()  # a load that fails: changing, and no loaded until one succeeds
+    layer.abort_load()
+    assert [e for e, _ in rec.events] == ["changing"]
+    rec.events.clear()
+    rep = mr.verify_reload(layer, out)
+    assert rep.ok, rep.problems()
+    assert not rec.events or rec.events[-1][0] == "loaded", rec.events  # never left announcing a write
