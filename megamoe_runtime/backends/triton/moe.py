@@ -371,6 +371,7 @@ def _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.constexpr):
 FOLD_OK = 0
 FOLD_REDO = 1
 FOLD_SCAN = 2
+_FOLD_SCAN = tl.constexpr(FOLD_SCAN)
 
 
 @triton.jit
@@ -380,7 +381,7 @@ def _fold_flag(fflag_ptr, e64, FOLD: tl.constexpr, FFLAGS: tl.constexpr):
     if FOLD and FFLAGS:
         return tl.load(fflag_ptr + e64)
     else:
-        return 2
+        return _FOLD_SCAN
 
 
 @triton.jit
@@ -390,7 +391,7 @@ def _fold_redo(fflag, wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.con
     scale words where the flag says FOLD_SCAN. Why: the scan reads 1/16 (MX: 1/32) of the bytes the
     loop read, unpipelined, after the loop; at decode sizes it was 8% of the nvfp4 L1's stall
     samples (BENCHMARKS.md, issue 11 seventh pass)."""
-    if fflag == 2:
+    if fflag == _FOLD_SCAN:
         return _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND, BN)
     else:
         return fflag != 0
@@ -443,7 +444,7 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
 def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                  FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
-                 WT: tl.constexpr = 0, fflag=2):
+                 WT: tl.constexpr = 0, fflag=_FOLD_SCAN):
     """The L1 main loop as a gate dot and an up dot of BN rows each (every K order; ``fflag`` the
     expert's fold flag, ``_fold_redo``)."""
     acc_g = tl.zeros((BN, BM), tl.float32)
@@ -1247,6 +1248,13 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     dev = hidden_states.device
     T = hidden_states.shape[0]
     _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared)
+    if fold_flags is not None and (fold_flags.dtype != torch.int32 or tuple(fold_flags.shape) != (2, E_l)
+                                   or fold_flags.device != dev or fold_flags.stride(1) != 1):
+        from megamoe_runtime.errors import MegaMoEError
+
+        raise MegaMoEError(f"fold_flags must be int32 [2, {E_l}] with contiguous rows on {dev} "
+                           f"(moe.fold_flags), got {fold_flags.dtype} {tuple(fold_flags.shape)} on "
+                           f"{fold_flags.device}, strides {fold_flags.stride()}")
     if asm is None:  # the inline-asm decodes (E2M1 always, E4M3 in the frag order) after their self-check
         asm = asm_decode_ok(dev) if spec.row_spec.packed_e2m1 or spec.row == "mxfp8" else False
     has_shared = shared is not None

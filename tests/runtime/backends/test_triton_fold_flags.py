@@ -81,3 +81,21 @@ def test_bf16_rows_have_no_fold():
 
     spec, _, kt = _layer("bf16")
     assert int(moe.fold_flags(spec, kt).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("bad", ["int64", "short", "transposed"])
+def test_forward_refuses_fold_flags_it_cannot_index(bad):
+    """Flags a kernel would read out of bounds or misread are refused before any launch (the check needs no
+    GPU: it runs before the first kernel)."""
+    from megamoe_runtime.backends.triton import moe
+    from megamoe_runtime.errors import MegaMoEError
+
+    spec, _, kt = _layer("mxfp4")
+    ok = moe.fold_flags(spec, kt)
+    flags = {"int64": ok.to(torch.int64), "short": ok[:, :5], "transposed": ok.t().contiguous().t()}[bad]
+    x = torch.zeros(3, spec.hidden, dtype=torch.bfloat16)
+    tw = torch.ones(3, spec.top_k)
+    ids = torch.zeros(3, spec.top_k, dtype=torch.int64)
+    ids[:, 1] = 1
+    with pytest.raises(MegaMoEError, match="fold_flags must be int32"):
+        moe.moe_forward(spec, kt, x, tw, ids, fold_flags=flags)
