@@ -56,8 +56,8 @@ def main() -> None:
     ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them
     cfg = moe.default_config(args.tokens * K, E, "frag", w_kind=moe._W_KIND[args.row])
     for kv in filter(None, (args.cfg or "").split(",")):
-        k, v = kv.split("=")
-        cfg = dataclasses.replace(cfg, **{k: v if k.endswith("decode") else int(v)})
+        k, v = kv.split("=")  # numbers as ints, anything else (decode, scale_load, ...) as text
+        cfg = dataclasses.replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v})
     for _ in range(args.calls):
         moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff, config=cfg)
     torch.cuda.synchronize()

@@ -1368,11 +1368,11 @@ def fold_flags(spec: Any, kt: Any, out: Optional[torch.Tensor] = None) -> torch.
     E_l = spec.experts_per_rank
     w_kind = _W_KIND[spec.row]
     dev = kt.l1_weight.device
-    flags = torch.full((2, E_l), FOLD_OK, dtype=torch.int32, device=dev) if out is None else out
     if out is not None and (tuple(out.shape) != (2, E_l) or out.dtype != torch.int32):
         from megamoe_runtime.errors import MegaMoEError
 
         raise MegaMoEError(f"fold flags must be int32 [2, {E_l}], got {out.dtype} {tuple(out.shape)}")
+    flags = torch.empty((2, E_l), dtype=torch.int32, device=dev) if out is None else out  # each row written below
     H, I = spec.hidden, spec.intermediate
     with torch.no_grad():
         for i, (sf, nrows, k) in enumerate(((kt.l1_scale, 2 * I, H), (kt.l2_scale, H, I))):
