@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
@@ -773,27 +773,46 @@ def frag_regime(mean_pairs: float) -> str:
     return "decode" if mean_pairs <= 8 else ("mid" if mean_pairs <= 32 else "prefill")
 
 
+class FragTiles(NamedTuple):
+    """One ``FRAG_TILES`` entry: the L1 and L2 tiles of the frag path for a regime and weight kind."""
+
+    #: pairs per row block (None: 64 up to 64 pairs per expert, else 128)
+    block_m: Optional[int]
+    #: the L1 as one gate/up dot (``KernelConfig.l1_gu``)
+    l1_gu: bool
+    l1_bn: int
+    l1_warps: int
+    l1_stages: int
+    l2_bn: int
+    l2_warps: int
+    l2_stages: int
+    #: weight decode of the L1 and of the L2 ("plain" / "fold"; each kernel takes its faster one)
+    decode: str
+    l2_decode: str
+    #: L1 register cap (None: the compiler's; 128 lets four 4-warp L1 CTAs share an SM)
+    l1_maxnreg: Optional[int]
+
+
 #: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
 #: ``bench/sweep.py`` on the H200, which times the two kernels apart (BENCHMARKS.md, "issue 11,
-#: third pass"), and the faster weight decode of the two (plain / fold, "fourth pass": fold
-#: issues fewer instructions but is slower where the tile is latency bound). Fields: block_m
-#: (None: 64 up to 64 pairs per expert, else 128), one-dot L1, L1 pairs per tile, L1 warps, L1
-#: stages, L2 columns per tile, L2 warps, L2 stages, decode, L1 register cap (None: the
-#: compiler's; 128 lets four 4-warp L1 CTAs share an SM). "Fifth pass", on tiled weights: the
-#: cap made the decode-size L1 3-8% faster, and fold overtook plain for mxfp4 there (the L1 4-6%,
-#: the L2 3-5%): less waiting on memory left the instruction count to matter. nvfp4 prefill: 64-pair
-#: row blocks with a 4-warp plain L1 (two CTAs per SM; 128-pair blocks fit one), 5.6% faster
-#: whole layer at 4096 tokens.
+#: third pass"), each with its faster weight decode (plain / fold, "fourth pass": fold issues
+#: fewer instructions but is slower where the tile is latency bound). "Fifth pass", on tiled
+#: weights: the 128-register cap made the decode-size L1 3-8% faster, and fold overtook plain
+#: for mxfp4 there: less waiting on memory left the instruction count to matter. nvfp4 prefill:
+#: 64-pair row blocks (two CTAs per SM; 128-pair blocks fit one). "Eighth pass", with fold flags
+#: (no scan after the loop): fold for the mxfp4 mid-size L1/L2 (6% whole layer at 512 tokens)
+#: and the nvfp4 prefill L1 (5% L1); mxfp8 prefill in 4-warp, 2-stage tiles (two CTAs per SM:
+#: L1 8.67 -> 7.66 ms, L2 3.97 -> 3.77 ms at 4096 tokens) and a one-dot plain L1 at mid sizes.
 FRAG_TILES = {
-    ("decode", W_E2M1_MX): (16, True, 64, 4, 3, 128, 4, 3, "fold", 128),
-    ("decode", W_E2M1_NV): (16, True, 64, 4, 3, 128, 4, 3, "fold", 128),
-    ("decode", W_E4M3_MX): (16, True, 64, 4, 3, 64, 4, 3, "plain", 128),
-    ("mid", W_E2M1_MX): (32, True, 64, 4, 3, 128, 4, 3, "plain", None),
-    ("mid", W_E2M1_NV): (32, False, 128, 4, 3, 128, 4, 3, "fold", None),
-    ("mid", W_E4M3_MX): (32, False, 128, 4, 3, 128, 4, 3, "fold", None),
-    ("prefill", W_E2M1_MX): (None, True, 64, 4, 3, 128, 4, 3, "plain", None),
-    ("prefill", W_E2M1_NV): (64, True, 64, 4, 3, 256, 8, 3, "plain", None),
-    ("prefill", W_E4M3_MX): (None, True, 128, 8, 3, 256, 8, 3, "plain", None),
+    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("decode", W_E4M3_MX): FragTiles(16, True, 64, 4, 3, 64, 4, 3, "plain", "plain", 128),
+    ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None),
+    ("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None),
+    ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None),
+    ("prefill", W_E2M1_MX): FragTiles(None, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None),
+    ("prefill", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None),
+    ("prefill", W_E4M3_MX): FragTiles(None, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None),
 }
 
 
@@ -811,16 +830,19 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
-        bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l1_reg = FRAG_TILES[(frag_regime(mean), kind)]
+        t = FRAG_TILES[(frag_regime(mean), kind)]
         env = os.environ.get("MEGAMOE_TRITON_L1GU")
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
-        if bm is None:
-            bm = 64 if mean <= 64 else 128
-        return KernelConfig(block_m=bm, l1_bn=l1_bn, l1_bk=128, l1_warps=l1_w, l1_stages=l1_st, l2_bn=l2_bn,
-                            l2_bk=128, l2_warps=l2_w, l2_stages=l2_st, k_order="frag",
-                            l1_gu=gu if l1_gu is None else bool(l1_gu),
-                            decode=os.environ.get("MEGAMOE_TRITON_DECODE") or decode, l1_maxnreg=l1_reg)
+        bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
+        # the environment's decode, when set, is forced on both kernels
+        env_decode = os.environ.get("MEGAMOE_TRITON_DECODE")
+        decode = env_decode or t.decode
+        l2_decode = None if env_decode or t.l2_decode == decode else t.l2_decode
+        return KernelConfig(block_m=bm, l1_bn=t.l1_bn, l1_bk=128, l1_warps=t.l1_warps, l1_stages=t.l1_stages,
+                            l2_bn=t.l2_bn, l2_bk=128, l2_warps=t.l2_warps, l2_stages=t.l2_stages, k_order="frag",
+                            l1_gu=t.l1_gu if l1_gu is None else bool(l1_gu),
+                            decode=decode, l2_decode=l2_decode, l1_maxnreg=t.l1_maxnreg)
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)

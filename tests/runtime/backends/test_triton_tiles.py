@@ -37,26 +37,28 @@ def test_default_frag_config_follows_the_table(row, tokens):
     pairs = tokens * 8
     mean = pairs / E
     cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
-    tiles = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
-    bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l1_reg = tiles
-    assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (gu, l1_bn, l1_w, l1_st)
-    assert cfg.decode == decode and moe.resolve_decode(cfg, KINDS[row])[0] == (decode == "fold")
-    assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (l2_bn, l2_w, l2_st)
+    t = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (t.l1_gu, t.l1_bn, t.l1_warps, t.l1_stages)
+    assert cfg.decode == t.decode and moe.resolve_decode(cfg, KINDS[row])[0] == (t.decode == "fold")
+    # each kernel runs the table's decode for it; the config names the L2's only where it differs
+    assert moe.resolve_l2_fold(cfg, KINDS[row]) == (t.l2_decode == "fold")
+    assert cfg.l2_decode == (None if t.l2_decode == t.decode else t.l2_decode)
+    assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (t.l2_bn, t.l2_warps, t.l2_stages)
     assert cfg.k_order == "frag" and cfg.l1_bk == cfg.l2_bk == 128
-    assert cfg.block_m == (bm if bm is not None else (64 if mean <= 64 else 128))
+    assert cfg.block_m == (t.block_m if t.block_m is not None else (64 if mean <= 64 else 128))
     # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks;
     # nvfp4 prefill: 64-row blocks measured faster, two CTAs per SM, BENCHMARKS.md issue 11 fifth pass)
     assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode" or \
         (row == "nvfp4" and moe.frag_regime(mean) == "prefill" and cfg.block_m == 64)
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
-    assert cfg.l1_maxnreg == l1_reg and cfg.l2_maxnreg is None
+    assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
 
 
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("decode", "mid", "prefill"):
         for kind in KINDS.values():
-            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l1_reg = moe.FRAG_TILES[(regime, kind)]
-            assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg = moe.FRAG_TILES[(regime, kind)]
+            assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES and l2_decode in moe.DECODES
             assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128))  # 4 CTAs of 4 warps at 128 registers
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
@@ -98,17 +100,22 @@ def test_default_decode_by_row(row, fold, monkeypatch):
 
 
 def test_decode_env_overrides_the_table(monkeypatch):
-    """The measured per-regime decode (mxfp8: plain at decode and prefill sizes, fold in the mid
-    regime) gives way to ``MEGAMOE_TRITON_DECODE``; a config's own decode wins over both."""
-    mid = moe.default_config(512 * 8, E, "frag", w_kind=moe.W_E4M3_MX)
-    dec = moe.default_config(8 * 8, E, "frag", w_kind=moe.W_E4M3_MX)
-    assert (mid.decode, dec.decode) == ("fold", "plain")
-    monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "plain")
-    assert moe.default_config(512 * 8, E, "frag", w_kind=moe.W_E4M3_MX).decode == "plain"
-    assert moe.resolve_decode(mid, moe.W_E4M3_MX) == (True, False)  # a config built earlier keeps its decode
+    """The measured per-kernel decode (mxfp8 mid sizes: plain L1, fold L2) gives way to
+    ``MEGAMOE_TRITON_DECODE`` on both kernels; a config's own decode wins over all of it."""
+    w = moe.W_E4M3_MX
+    mid = moe.default_config(512 * 8, E, "frag", w_kind=w)
+    dec = moe.default_config(8 * 8, E, "frag", w_kind=w)
+    assert (mid.decode, mid.l2_decode, dec.decode, dec.l2_decode) == ("plain", "fold", "plain", None)
+    assert (moe.resolve_decode(mid, w)[0], moe.resolve_l2_fold(mid, w)) == (False, True)
+    for d in ("plain", "fold"):
+        monkeypatch.setenv("MEGAMOE_TRITON_DECODE", d)
+        forced = moe.default_config(512 * 8, E, "frag", w_kind=w)
+        assert (forced.decode, forced.l2_decode) == (d, None)
+        assert moe.resolve_decode(forced, w)[0] is moe.resolve_l2_fold(forced, w) is (d == "fold")
+    assert (moe.resolve_decode(mid, w)[0], moe.resolve_l2_fold(mid, w)) == (False, True)  # built earlier: kept
     monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
     with pytest.raises(MegaMoEError, match="decode 'fast'"):
-        moe.resolve_decode(moe.default_config(8 * 8, E, "frag", w_kind=moe.W_E4M3_MX), moe.W_E4M3_MX)
+        moe.resolve_decode(moe.default_config(8 * 8, E, "frag", w_kind=w), w)
 
 
 def test_register_cap_reaches_the_compile_options(monkeypatch):
