@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -35,6 +36,7 @@ __all__ = [
     "bf16_passthrough",
     "RoutingPlan",
     "route",
+    "route_slice",
     "max_blocks_for",
 ]
 
@@ -520,6 +522,76 @@ def max_blocks_for(n_pairs: int, num_local: int, block_m: int) -> int:
 
 
 @triton.jit
+def _route_block_table(incl, e, E_l, nblk, blk_ptr, max_blocks, BM: tl.constexpr, NB_CHUNK: tl.constexpr):
+    # block b belongs to the expert whose padded run holds row b * BM: the number of runs that
+    # end at or before it (incl = inclusive sum of the padded counts); -1 past the last block
+    for s in range(0, max_blocks, NB_CHUNK):
+        b = s + tl.arange(0, NB_CHUNK)
+        below = (incl[None, :] <= (b * BM)[:, None]) & (e[None, :] < E_l)
+        ex = tl.sum(below.to(tl.int32), axis=1)
+        tl.store(blk_ptr + b, tl.where(b < nblk, ex, -1), mask=b < max_blocks)
+
+
+@triton.jit
+def _route_local_ids(ids_ptr, o, n_pairs, e_lo, E_l):
+    m = o < n_pairs
+    le = tl.load(ids_ptr + o, mask=m, other=-1).to(tl.int32) - e_lo
+    valid = m & (le >= 0) & (le < E_l)
+    return tl.where(valid, le, 0), valid
+
+
+@triton.jit
+def _route_hist_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, SLICE: tl.constexpr, E_LP: tl.constexpr):
+    # one histogram row per slice of pairs, no atomics
+    p = tl.program_id(0)
+    le, valid = _route_local_ids(ids_ptr, p * SLICE + tl.arange(0, SLICE), n_pairs, e_lo, E_l)
+    tl.store(hist_ptr + p * E_LP + tl.arange(0, E_LP), tl.histogram(le, E_LP, mask=valid))
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, cur_ptr, n_slices, sorted_ptr, blk_ptr, nblk_ptr,
+                        max_blocks, max_pad, BM: tl.constexpr, E_LP: tl.constexpr, SLICE: tl.constexpr,
+                        H_CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr, PAD_J: tl.constexpr,
+                        TAIL: tl.constexpr):
+    # Every program reads all the histogram rows: the expert totals give the padded runs (the
+    # same layout as _route_kernel), the rows before its own give where its slice's pairs of
+    # each expert start. Then it places its pairs with atomics on its own counter row only
+    # (contention inside one CTA, not across the grid), fills the padding of the experts it
+    # owns (e % n_slices) and its share of the tail; program 0 writes the block table.
+    p = tl.program_id(0)
+    e = tl.arange(0, E_LP)
+    c = tl.zeros((E_LP,), tl.int32)
+    before = tl.zeros((E_LP,), tl.int32)
+    for s in range(0, n_slices, H_CHUNK):
+        r = s + tl.arange(0, H_CHUNK)
+        h = tl.load(hist_ptr + r[:, None] * E_LP + e[None, :], mask=(r < n_slices)[:, None], other=0)
+        c += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((r < p)[:, None], h, 0), axis=0)
+    pc = (c + BM - 1) // BM * BM
+    incl = tl.cumsum(pc, 0)
+    excl = incl - pc
+    nblk = tl.sum(pc, 0) // BM
+    if p == 0:
+        tl.store(nblk_ptr, nblk)
+        _route_block_table(incl, e, E_l, nblk, blk_ptr, max_blocks, BM, NB_CHUNK)
+    mine = (e % n_slices) == p
+    for j0 in range(0, BM, PAD_J):
+        j = j0 + tl.arange(0, PAD_J)
+        pad = (excl + c)[:, None] + j[None, :]
+        tl.store(sorted_ptr + pad, tl.full((E_LP, PAD_J), -1, tl.int32),
+                 mask=mine[:, None] & (j[None, :] < (pc - c)[:, None]))
+    for s in range(nblk * BM + p * TAIL, max_pad, n_slices * TAIL):
+        o = s + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + o, tl.full((TAIL,), -1, tl.int32), mask=o < max_pad)
+    tl.store(cur_ptr + p * E_LP + e, excl + before)
+    tl.debug_barrier()
+    o = p * SLICE + tl.arange(0, SLICE)
+    le, valid = _route_local_ids(ids_ptr, o, n_pairs, e_lo, E_l)
+    pos = tl.atomic_add(cur_ptr + p * E_LP + le, tl.full((SLICE,), 1, tl.int32), mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + pos, o, mask=valid)
+
+
+@triton.jit
 def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nblk_ptr, max_blocks, max_pad,
                   BM: tl.constexpr, E_LP: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr):
     # Single program. Phases are separated by CTA barriers; scratch written in
@@ -544,11 +616,7 @@ def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nbl
     excl = incl - pc
     nblk = tl.sum(pc, 0) // BM
     tl.store(nblk_ptr, nblk)
-    for s in range(0, max_blocks, NB_CHUNK):
-        b = s + tl.arange(0, NB_CHUNK)
-        below = (incl[None, :] <= (b * BM)[:, None]) & (e[None, :] < E_l)
-        ex = tl.sum(below.to(tl.int32), axis=1)
-        tl.store(blk_ptr + b, tl.where(b < nblk, ex, -1), mask=b < max_blocks)
+    _route_block_table(incl, e, E_l, nblk, blk_ptr, max_blocks, BM, NB_CHUNK)
     tl.debug_barrier()
     tl.store(cnt_ptr + e, excl)
     tl.debug_barrier()
@@ -561,9 +629,29 @@ def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nbl
         tl.store(sorted_ptr + pos, p, mask=valid)
 
 
-def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int) -> RoutingPlan:
+#: up to this many pairs the routing is one single-program launch; above, its atomics on a few
+#: hundred shared counters cost more than a second launch (``bench/route.py``; BENCHMARKS.md,
+#: issue 11 eighth pass: 124 -> 31 us at 32768 pairs, 29 -> 22 us at 4096, 6.8 vs 9.1 us at 8)
+ROUTE_ONE_PROGRAM_MAX = 1024
+
+
+def route_slice(n_pairs: int) -> int:
+    """Pairs per program of the routing for ``n_pairs`` (0: the single-program kernel): more
+    programs pay off while each still has a few pairs per expert; past that, every program
+    rereads all the histogram rows, so slices grow with the pair count."""
+    if n_pairs <= ROUTE_ONE_PROGRAM_MAX:
+        return 0
+    return 256 if n_pairs <= 8192 else 1024
+
+
+def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int,
+          slice_pairs: Optional[int] = None) -> RoutingPlan:
     """Group the (token, slot) pairs of ``topk_ids`` ``[T, K]`` (GLOBAL ids, -1 masked)
-    by local expert ``id - expert_offset`` in ``[0, num_local)``; other ids are dropped."""
+    by local expert ``id - expert_offset`` in ``[0, num_local)``; other ids are dropped.
+
+    ``slice_pairs``: 0 runs the single-program kernel, a power of two the two-launch form with
+    that many pairs per program (histograms, then placement); None: ``route_slice``.
+    Both give the same plan up to the order inside each expert's run."""
     if topk_ids.dim() != 2:
         raise _err(f"route: topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
     T, K = topk_ids.shape
@@ -577,13 +665,27 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     num_blocks = (torch.empty if n else torch.zeros)(1, dtype=torch.int32, device=dev)
     if n:
         e_lp = max(triton.next_power_of_2(num_local), 16)
-        cnt = torch.empty(e_lp, dtype=torch.int32, device=dev)
+        nb_chunk = max(16, min(64, 8192 // e_lp))
         ids = topk_ids.reshape(-1)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        _route_kernel[(1,)](ids, n, expert_offset, num_local, cnt, sorted_pairs, block_expert, num_blocks, mb, mb * block_m,
-                            BM=block_m, E_LP=e_lp, CHUNK=1024, NB_CHUNK=max(16, min(64, 8192 // e_lp)),
-                            num_warps=8)
+        if slice_pairs is None:
+            slice_pairs = route_slice(n)
+        if slice_pairs and (slice_pairs < 16 or slice_pairs & (slice_pairs - 1)):
+            raise _err(f"route: slice_pairs must be 0 or a power of two >= 16, got {slice_pairs}")
+        if slice_pairs:
+            n_slices = triton.cdiv(n, slice_pairs)
+            scratch = torch.empty(2, n_slices, e_lp, dtype=torch.int32, device=dev)
+            _route_hist_kernel[(n_slices,)](ids, n, expert_offset, num_local, scratch[0], SLICE=slice_pairs,
+                                            E_LP=e_lp, num_warps=4)
+            _route_place_kernel[(n_slices,)](ids, n, expert_offset, num_local, scratch[0], scratch[1], n_slices,
+                                             sorted_pairs, block_expert, num_blocks, mb, mb * block_m, BM=block_m,
+                                             E_LP=e_lp, SLICE=slice_pairs, H_CHUNK=max(1, min(16, 4096 // e_lp)),
+                                             NB_CHUNK=nb_chunk, PAD_J=16, TAIL=1024, num_warps=8)
+        else:
+            cnt = torch.empty(e_lp, dtype=torch.int32, device=dev)
+            _route_kernel[(1,)](ids, n, expert_offset, num_local, cnt, sorted_pairs, block_expert, num_blocks, mb,
+                                mb * block_m, BM=block_m, E_LP=e_lp, CHUNK=1024, NB_CHUNK=nb_chunk, num_warps=8)
     return RoutingPlan(sorted_pairs, block_expert, num_blocks, block_m, mb, K)
 
 

@@ -404,35 +404,6 @@ def test_bf16_passthrough():
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
 
 
-@pytest.mark.parametrize("T,E_l,offset,bm", [(1, 8, 0, 16), (37, 8, 8, 16), (300, 16, 0, 64), (0, 4, 0, 16),
-                                              (64, 256, 0, 16)])
-def test_route(T, E_l, offset, bm):
-    staging, _, synth = _triton()
-    K = 4
-    E = E_l * 2
-    tw, ids = synth.random_routing(T, E, K, "cuda", seed=T, mask_frac=0.2, zero_tokens=min(T, 2))
-    plan = staging.route(ids, E_l, offset, bm)
-    flat = ids.reshape(-1).cpu()
-    le = flat - offset
-    valid = (le >= 0) & (le < E_l)
-    counts = torch.bincount(le[valid], minlength=E_l)
-    nblk = int(((counts + bm - 1) // bm).sum())
-    assert int(plan.num_blocks) == nblk <= plan.max_blocks
-    sp = plan.sorted_pairs.cpu()[: plan.max_blocks * bm]
-    be = plan.block_expert.cpu()[: plan.max_blocks]
-    assert (be[nblk:] == -1).all() and (sp[nblk * bm:] == -1).all()
-    seen = []
-    for b in range(nblk):
-        chunk = sp[b * bm:(b + 1) * bm]
-        real = chunk[chunk >= 0]
-        assert (le[real.long()] == be[b]).all(), f"block {b}: pairs of other experts"
-        seen.append(real)
-    seen = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int32)
-    assert sorted(seen.tolist()) == valid.nonzero().squeeze(1).tolist()
-    if nblk:
-        assert (torch.diff(be[:nblk]) >= 0).all()
-
-
 # --------------------------------------------------------------------------- forward vs reference
 
 _ACTS = {

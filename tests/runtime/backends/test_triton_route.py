@@ -1,0 +1,131 @@
+"""Routing plans of the triton backend (``staging.route``), both kernels, against a bincount.
+
+The single-program kernel and the two-launch form (histograms per slice of pairs, then
+placement) must give the same plan up to the order inside each expert's run. The CPU test runs
+the kernels under Triton's interpreter in a subprocess (the interpreter is chosen when triton is
+imported); the GPU test adds the sizes a prefill routes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def check_plan(plan, ids: torch.Tensor, num_local: int, offset: int, bm: int) -> None:
+    """Raise AssertionError unless ``plan`` groups exactly the pairs of local experts of
+    ``ids`` into padded runs of ``bm`` rows: pairs first, -1 after, experts ascending."""
+    flat = ids.reshape(-1).cpu().long()
+    le = flat - offset
+    valid = (le >= 0) & (le < num_local)
+    counts = torch.bincount(le[valid], minlength=num_local)
+    nblk = int(((counts + bm - 1) // bm).sum())
+    assert int(plan.num_blocks) == nblk <= plan.max_blocks, (int(plan.num_blocks), nblk, plan.max_blocks)
+    sp = plan.sorted_pairs.cpu()[: plan.max_blocks * bm]
+    be = plan.block_expert.cpu()[: plan.max_blocks]
+    assert (be[nblk:] == -1).all() and (sp[nblk * bm:] == -1).all(), "blocks or rows past the end"
+    seen = []
+    for b in range(nblk):
+        rows = sp[b * bm:(b + 1) * bm]
+        real = rows[rows >= 0]
+        assert (rows[: real.numel()] >= 0).all(), f"block {b}: padding before a pair"
+        assert (le[real.long()] == be[b]).all(), f"block {b}: pairs of other experts"
+        seen.append(real)
+    got = sorted(torch.cat(seen).tolist()) if seen else []
+    assert got == valid.nonzero().squeeze(1).tolist(), "pairs lost or placed twice"
+    if nblk:
+        assert (torch.diff(be[:nblk]) >= 0).all(), "experts out of order"
+
+
+#: (tokens, local experts, offset of the first, row block, top-k, slice_pairs)
+CASES = [(37, 8, 8, 16, 4, 16), (300, 16, 0, 64, 4, 64), (300, 16, 0, 64, 4, 0), (129, 256, 0, 16, 8, 256),
+         (50, 5, 3, 32, 4, 32), (64, 16, 0, 16, 4, None), (300, 16, 0, 64, 4, None), (3, 4, 0, 128, 2, 16)]
+
+
+def run_cases(device: str) -> int:
+    from megamoe_runtime.backends.triton import staging
+
+    g = torch.Generator().manual_seed(0)
+    for T, E_l, off, bm, K, sl in CASES:
+        ids = torch.randint(-1, 2 * E_l + off, (T, K), generator=g).to(device)
+        check_plan(staging.route(ids, E_l, off, bm, slice_pairs=sl), ids, E_l, off, bm)
+    return len(CASES)
+
+
+def test_route_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('r', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(m.run_cases('cpu'))")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code, __file__], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == str(len(CASES))
+
+
+def test_check_plan_catches_a_wrong_plan():
+    """The checker is the test: a pair moved to another expert's run, a lost pair and a wrong
+    block count must each fail it."""
+    from types import SimpleNamespace
+
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    good = dict(sorted_pairs=torch.tensor([0, 5, 1, 2, 3, 4, -1, -1], dtype=torch.int32),
+                block_expert=torch.tensor([0, 1, 2, -1], dtype=torch.int32),
+                num_blocks=torch.tensor([3], dtype=torch.int32), max_blocks=4)
+    check_plan(SimpleNamespace(**good), ids, 3, 0, 2)
+    moved = dict(good, sorted_pairs=torch.tensor([0, 1, 5, 2, 3, 4, -1, -1], dtype=torch.int32))
+    lost = dict(good, sorted_pairs=torch.tensor([0, 5, 1, -1, 3, 4, -1, -1], dtype=torch.int32))
+    count = dict(good, num_blocks=torch.tensor([2], dtype=torch.int32))
+    for bad in (moved, lost, count):
+        with pytest.raises(AssertionError):
+            check_plan(SimpleNamespace(**bad), ids, 3, 0, 2)
+
+
+def test_bad_slice_is_refused():
+    pytest.importorskip("triton")
+    from megamoe_runtime.backends.triton import staging
+    from megamoe_runtime.errors import MegaMoEError
+
+    with pytest.raises(MegaMoEError, match="slice_pairs must be 0 or a power of two"):
+        staging.route(torch.zeros(4, 2, dtype=torch.int64), 4, 0, 16, slice_pairs=48)
+
+
+def _cuda():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megamoe_runtime.backends.triton import staging, synth
+
+    return staging, synth
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slice_pairs", [None, 0, 64, 1024])
+@pytest.mark.parametrize("T,E_l,offset,bm,K", [(1, 8, 0, 16, 4), (37, 8, 8, 16, 4), (300, 16, 0, 64, 4),
+                                                (0, 4, 0, 16, 4), (64, 256, 0, 16, 8), (4096, 256, 0, 128, 8),
+                                                (5000, 256, 512, 64, 8)])
+def test_route(T, E_l, offset, bm, K, slice_pairs):
+    staging, synth = _cuda()
+    E = max(E_l * 2, offset + E_l)
+    tw, ids = synth.random_routing(T, E, K, "cuda", seed=T, mask_frac=0.2, zero_tokens=min(T, 2))
+    check_plan(staging.route(ids, E_l, offset, bm, slice_pairs=slice_pairs), ids, E_l, offset, bm)
+
+
+@pytest.mark.gpu
+def test_route_interpreter_cases_on_the_gpu():
+    _cuda()
+    assert run_cases("cuda") == len(CASES)
+
+
+def test_route_slice_grows_with_the_pairs():
+    pytest.importorskip("triton")
+    from megamoe_runtime.backends.triton import staging
+
+    one = staging.ROUTE_ONE_PROGRAM_MAX
+    assert staging.route_slice(1) == staging.route_slice(one) == 0
+    sizes = [staging.route_slice(n) for n in (one + 1, 8192, 8193, 1 << 20)]
+    assert sizes == sorted(sizes) and all(s >= 16 and s & (s - 1) == 0 for s in sizes)
