@@ -71,12 +71,16 @@ def check_exact(H: int, seed: int, full: bool = True) -> list[str]:
         rq, rsf = codecs.quantize_mxfp8(x)
         deq = codecs.dequantize_mx(rq, rsf, "e4m3").to(torch.bfloat16)
         want = {"natural": deq, "split": torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)}
+        if H % 128 == 0:  # the mxfp4 row's frag K order, which the forward's staging writes
+            want["frag"] = torch.empty_like(deq)
+            want["frag"][:, frag_positions(H).to(x.device)] = deq
         for cfg in (MXFP8_CONFIGS if full else [None]):
             q, sf, x_sf = staging.quantize_mxfp8(x, config=cfg)
             nbad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
             if nbad or not torch.equal(sf, rsf) or not torch.equal(x_sf, codecs.pack_bytes_int32(rsf)):
                 fails.append(f"mxfp8 {cfg} H={H} {name}: {nbad} E4M3 bytes / scales differ")
-            for mode, w in want.items() if cfg in (None, staging._MXFP8_DQ_CONFIG) else ():
+            # every launch shape is timed with the frag dequant, so every one is checked with it
+            for mode, w in [(m, w) for m, w in want.items() if cfg in (None, staging._MXFP8_DQ_CONFIG) or m == "frag"]:
                 *_, xd = staging.quantize_mxfp8(x, config=cfg, dequant=mode)
                 if not torch.equal(xd.view(torch.int16), w.view(torch.int16)):
                     fails.append(f"mxfp8 {cfg} H={H} {name}: dequant {mode} differs")
@@ -132,6 +136,10 @@ def time_row(T: int, H: int, peak: float) -> list[dict]:
     cases = [(f"mxfp8 {c}", lambda c=c: staging.quantize_mxfp8(x, config=c), _mx_bytes(T, H)) for c in MXFP8_CONFIGS]
     cases += [("mxfp8 serving (natural dequant)", lambda: staging.quantize_mxfp8(x, dequant="natural"),
                _mx_bytes(T, H) + 2 * T * H)]
+    # what the frag GEMMs' forward runs (default launch shape first), then the other launch shapes
+    cases += [(f"mxfp8 serving (frag dequant) {c or 'default'}",
+               lambda c=c: staging.quantize_mxfp8(x, dequant="frag", config=c), _mx_bytes(T, H) + 2 * T * H)
+              for c in [None] + MXFP8_CONFIGS]
     cases += [(f"nvfp4 {lab}", lambda kw=kw: staging.quantize_nvfp4_per_token(x, **kw), _nv_bytes(T, H))
               for lab, kw in NVFP4_VARIANTS]
     cases += [("nvfp4 serving (split dequant)", lambda: staging.quantize_nvfp4_per_token(x, dequant="split"),
