@@ -30,8 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     from megamoe_runtime.backends.triton import moe, staging
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime" / "backends"))
-    from test_triton_route import check_plan
+    from megamoe_runtime.testing import check_routing_plan as check_plan
 
     E, K = args.experts, args.top_k
     slices = [int(s) for s in args.slices.split(",")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["calc_diff", "rel_l2", "staging_adversarial_rows", "staging_random_rows"]
+__all__ = ["calc_diff", "check_routing_plan", "rel_l2", "staging_adversarial_rows", "staging_random_rows"]
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -114,3 +114,29 @@ def frag_positions(H: int, e4m3: bool = False) -> torch.Tensor:
         return c - m + 16 * w + 8 * p + 2 * q + h
     q, w, h, j = m // 32, (m // 8) % 4, (m // 4) % 2, m % 4
     return c - m + 16 * (2 * w + j // 2) + 8 * (j % 2) + 2 * q + h
+
+
+def check_routing_plan(plan, ids: torch.Tensor, num_local: int, offset: int, bm: int) -> None:
+    """Raise AssertionError unless ``plan`` (a triton ``RoutingPlan``) groups exactly the pairs of
+    local experts of ``ids`` into padded runs of ``bm`` rows: pairs first, -1 after, experts
+    ascending. A plain bincount is the reference, so tests and ``bench/route.py`` check the same."""
+    flat = ids.reshape(-1).cpu().long()
+    le = flat - offset
+    valid = (le >= 0) & (le < num_local)
+    counts = torch.bincount(le[valid], minlength=num_local)
+    nblk = int(((counts + bm - 1) // bm).sum())
+    assert int(plan.num_blocks) == nblk <= plan.max_blocks, (int(plan.num_blocks), nblk, plan.max_blocks)
+    sp = plan.sorted_pairs.cpu()[: plan.max_blocks * bm]
+    be = plan.block_expert.cpu()[: plan.max_blocks]
+    assert (be[nblk:] == -1).all() and (sp[nblk * bm:] == -1).all(), "blocks or rows past the end"
+    seen = []
+    for b in range(nblk):
+        rows = sp[b * bm:(b + 1) * bm]
+        real = rows[rows >= 0]
+        assert (rows[: real.numel()] >= 0).all(), f"block {b}: padding before a pair"
+        assert (le[real.long()] == be[b]).all(), f"block {b}: pairs of other experts"
+        seen.append(real)
+    got = sorted(torch.cat(seen).tolist()) if seen else []
+    assert got == valid.nonzero().squeeze(1).tolist(), "pairs lost or placed twice"
+    if nblk:
+        assert (torch.diff(be[:nblk]) >= 0).all(), "experts out of order"

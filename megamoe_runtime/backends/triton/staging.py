@@ -604,10 +604,7 @@ def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nbl
         tl.store(sorted_ptr + o, neg, mask=o < max_pad)
     tl.debug_barrier()
     for s in range(0, n_pairs, CHUNK):
-        p = s + tl.arange(0, CHUNK)
-        m = p < n_pairs
-        le = tl.load(ids_ptr + p, mask=m, other=-1).to(tl.int32) - e_lo
-        valid = m & (le >= 0) & (le < E_l)
+        le, valid = _route_local_ids(ids_ptr, s + tl.arange(0, CHUNK), n_pairs, e_lo, E_l)
         tl.atomic_add(cnt_ptr + le, tl.full((CHUNK,), 1, tl.int32), mask=valid, sem="relaxed")
     tl.debug_barrier()
     c = tl.load(cnt_ptr + e, volatile=True)
@@ -622,16 +619,14 @@ def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nbl
     tl.debug_barrier()
     for s in range(0, n_pairs, CHUNK):
         p = s + tl.arange(0, CHUNK)
-        m = p < n_pairs
-        le = tl.load(ids_ptr + p, mask=m, other=-1).to(tl.int32) - e_lo
-        valid = m & (le >= 0) & (le < E_l)
+        le, valid = _route_local_ids(ids_ptr, p, n_pairs, e_lo, E_l)
         pos = tl.atomic_add(cnt_ptr + le, tl.full((CHUNK,), 1, tl.int32), mask=valid, sem="relaxed")
         tl.store(sorted_ptr + pos, p, mask=valid)
 
 
 #: up to this many pairs the routing is one single-program launch; above, its atomics on a few
 #: hundred shared counters cost more than a second launch (``bench/route.py``; BENCHMARKS.md,
-#: issue 11 eighth pass: 124 -> 31 us at 32768 pairs, 29 -> 22 us at 4096, 6.8 vs 9.1 us at 8)
+#: issue 11 eighth pass: 121 -> 32 us at 32768 pairs, 29.5 -> 22 us at 4096, 6.9 vs 9.4 us at 8)
 ROUTE_ONE_PROGRAM_MAX = 1024
 
 
@@ -654,6 +649,8 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     Both give the same plan up to the order inside each expert's run."""
     if topk_ids.dim() != 2:
         raise _err(f"route: topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    if slice_pairs and (slice_pairs < 16 or slice_pairs & (slice_pairs - 1)):
+        raise _err(f"route: slice_pairs must be 0 or a power of two >= 16, got {slice_pairs}")
     T, K = topk_ids.shape
     n = T * K
     dev = topk_ids.device
@@ -671,8 +668,6 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
             ids = ids.contiguous()
         if slice_pairs is None:
             slice_pairs = route_slice(n)
-        if slice_pairs and (slice_pairs < 16 or slice_pairs & (slice_pairs - 1)):
-            raise _err(f"route: slice_pairs must be 0 or a power of two >= 16, got {slice_pairs}")
         if slice_pairs:
             n_slices = triton.cdiv(n, slice_pairs)
             scratch = torch.empty(2, n_slices, e_lp, dtype=torch.int32, device=dev)

@@ -15,30 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-
-def check_plan(plan, ids: torch.Tensor, num_local: int, offset: int, bm: int) -> None:
-    """Raise AssertionError unless ``plan`` groups exactly the pairs of local experts of
-    ``ids`` into padded runs of ``bm`` rows: pairs first, -1 after, experts ascending."""
-    flat = ids.reshape(-1).cpu().long()
-    le = flat - offset
-    valid = (le >= 0) & (le < num_local)
-    counts = torch.bincount(le[valid], minlength=num_local)
-    nblk = int(((counts + bm - 1) // bm).sum())
-    assert int(plan.num_blocks) == nblk <= plan.max_blocks, (int(plan.num_blocks), nblk, plan.max_blocks)
-    sp = plan.sorted_pairs.cpu()[: plan.max_blocks * bm]
-    be = plan.block_expert.cpu()[: plan.max_blocks]
-    assert (be[nblk:] == -1).all() and (sp[nblk * bm:] == -1).all(), "blocks or rows past the end"
-    seen = []
-    for b in range(nblk):
-        rows = sp[b * bm:(b + 1) * bm]
-        real = rows[rows >= 0]
-        assert (rows[: real.numel()] >= 0).all(), f"block {b}: padding before a pair"
-        assert (le[real.long()] == be[b]).all(), f"block {b}: pairs of other experts"
-        seen.append(real)
-    got = sorted(torch.cat(seen).tolist()) if seen else []
-    assert got == valid.nonzero().squeeze(1).tolist(), "pairs lost or placed twice"
-    if nblk:
-        assert (torch.diff(be[:nblk]) >= 0).all(), "experts out of order"
+from megamoe_runtime.testing import check_routing_plan as check_plan
 
 
 #: (tokens, local experts, offset of the first, row block, top-k, slice_pairs)
