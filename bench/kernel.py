@@ -339,7 +339,13 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
                 variants.append((row, mma, mma, "split" if mma == "bf16" else None, None))
     variants = [(row, label + ("" if ff == "layer" else f"/{ff}"), mma, korder, dv, ff)
                 for row, label, mma, korder, dv in variants for ff in args.fold_flags.split(",")]
-    for row, label, mma, korder, dv, ff_mode in variants:
+    # tail launches (KernelConfig.tail_max) of the frag path: each value a variant, "d" = the default's
+    tails = args.tail.split(",") if args.tail else ["d"]
+    variants = [(row, label + ("" if tl_ == "d" or korder != "frag" else f"/tail{tl_}"), mma, korder, dv, ff,
+                 None if tl_ == "d" or korder != "frag" else int(tl_))
+                for row, label, mma, korder, dv, ff in variants for tl_ in tails]
+    variants = list(dict.fromkeys(variants))
+    for row, label, mma, korder, dv, ff_mode, tail_max in variants:
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -369,6 +375,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             configs = [dataclasses.replace(moe.default_config(pairs, E, korder, l1_gu=dvk.get("l1_gu"),
                                                               w_kind=moe._W_KIND[row]), mma=mma,
                                            k_order=korder, **dvk)]
+            if tail_max is not None:
+                configs = [dataclasses.replace(configs[0], tail_max=tail_max)]
             if args.tune and mma == "fp8":
                 from megamoe_runtime.backends.triton import mma8
 
@@ -439,6 +447,9 @@ def main() -> None:
     ap.add_argument("--w-tile", type=int, default=None,
                     help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.weight_tiles); "
                          "default: what a layer derives (moe.resolve_w_tile), 0: the converted layout")
+    ap.add_argument("--tail", default=None,
+                    help="comma list of KernelConfig.tail_max values to time on the frag path (0 = no tail "
+                         "launches, d = the default's; labelled /tailN)")
     ap.add_argument("--no-staging", action="store_true")
     ap.add_argument("--fold-flags", default="layer",
                     help="comma list: layer (the per-expert fold flags a loaded layer passes, default), scan "

@@ -140,3 +140,40 @@ def check_routing_plan(plan, ids: torch.Tensor, num_local: int, offset: int, bm:
     assert got == valid.nonzero().squeeze(1).tolist(), "pairs lost or placed twice"
     if nblk:
         assert (torch.diff(be[:nblk]) >= 0).all(), "experts out of order"
+
+
+def check_tail_split(plan, tails, ids: torch.Tensor, num_local: int, offset: int, tail_max: int) -> None:
+    """Raise AssertionError unless ``plan`` and ``tails`` (after ``staging.split_tails``) compute
+    every local pair of ``ids`` exactly once: each expert whose last ``plan.block_m`` block held
+    1..``tail_max`` pairs has that block skipped (expert -1) and its pairs in ``tails`` blocks of
+    ``tails.block_m`` rows (pairs first, -1 after); every other block unchanged. Reference: a
+    bincount, as ``check_routing_plan``."""
+    bm, tbm = plan.block_m, tails.block_m
+    flat = ids.reshape(-1).cpu().long()
+    le = flat - offset
+    valid = (le >= 0) & (le < num_local)
+    counts = torch.bincount(le[valid], minlength=num_local)
+    last_fill = counts - (torch.clamp((counts + bm - 1) // bm, min=1) - 1) * bm
+    is_tail = (counts > 0) & (last_fill <= tail_max)
+    n_tail = int(((last_fill + tbm - 1) // tbm)[is_tail].sum())
+    assert int(tails.num_blocks) == n_tail <= tails.max_blocks, (int(tails.num_blocks), n_tail, tails.max_blocks)
+    nblk = int(plan.num_blocks)
+    be = plan.block_expert.cpu()[: plan.max_blocks]
+    sp = plan.sorted_pairs.cpu()
+    tbe = tails.block_expert.cpu()[: tails.max_blocks]
+    tsp = tails.sorted_pairs.cpu()
+    assert (tbe[n_tail:] == -1).all(), "tail blocks past the end"
+    assert int((be[:nblk] == -1).sum()) == int(is_tail.sum()), "skipped blocks != experts with a tail"
+    seen = []
+    for blocks, exp, rows_per, what in ((range(nblk), be, bm, sp), (range(n_tail), tbe, tbm, tsp)):
+        for b in blocks:
+            if exp[b] < 0:
+                continue
+            rows = what[b * rows_per:(b + 1) * rows_per]
+            real = rows[rows >= 0]
+            assert (rows[: real.numel()] >= 0).all(), f"block {b}: padding before a pair"
+            assert (le[real.long()] == exp[b]).all(), f"block {b}: pairs of other experts"
+            assert rows_per == bm or bool(is_tail[exp[b]]), f"tail block {b} of expert {int(exp[b])} without a tail"
+            seen.append(real)
+    got = sorted(torch.cat(seen).tolist()) if seen else []
+    assert got == valid.nonzero().squeeze(1).tolist(), "pairs lost or computed twice"

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from . import _jit, decode_asm
-from .staging import hw_cvt_default, quantize_mxfp8, quantize_nvfp4_per_token, route
+from .staging import hw_cvt_default, quantize_mxfp8, quantize_nvfp4_per_token, route, split_tails
 
 # weight kinds
 W_E2M1_MX = 0
@@ -745,6 +745,13 @@ class KernelConfig:
     #: SM, at 128 two.
     l1_maxnreg: Optional[int] = None
     l2_maxnreg: Optional[int] = None
+    #: frag path: an expert whose last row block holds 1..``tail_max`` pairs has that block
+    #: computed by a second L1/L2 launch of small row blocks (``staging.split_tails``;
+    #: docs/KERNELS.md "Tail blocks"); 0: off. ``default_config`` sets it at prefill.
+    tail_max: int = 0
+    #: the tiles of those launches (their ``block_m`` is the tail row block); None: the frag
+    #: tiles of the regime below (``tail_config``)
+    tail: Optional["KernelConfig"] = None
 
     def pick_block_m(self, n_pairs: int, num_local: int) -> int:
         if self.block_m is not None:
@@ -791,6 +798,8 @@ class FragTiles(NamedTuple):
     l2_decode: str
     #: L1 register cap (None: the compiler's; 128 lets four 4-warp L1 CTAs share an SM)
     l1_maxnreg: Optional[int]
+    #: ``KernelConfig.tail_max`` (0: no tail launches)
+    tail_max: int = 0
 
 
 #: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
@@ -803,16 +812,19 @@ class FragTiles(NamedTuple):
 #: (no scan after the loop): fold for the mxfp4 mid-size L1/L2 (6% whole layer at 512 tokens)
 #: and the nvfp4 prefill L1 (5% L1); mxfp8 prefill in 4-warp, 2-stage tiles (two CTAs per SM:
 #: L1 8.67 -> 7.66 ms, L2 3.97 -> 3.77 ms at 4096 tokens) and a one-dot plain L1 at mid sizes.
+#: "Ninth pass": tail launches (the last field, ``KernelConfig.tail_max``): whole layer at 4096
+#: tokens mxfp4 8533 -> 7530 us, nvfp4 9701 -> 9331, mxfp8 11617 -> 10235; 512 tokens (16 per
+#: expert) mxfp4 2695 -> 2571, nvfp4 2892 -> 2765.
 FRAG_TILES = {
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E4M3_MX): FragTiles(16, True, 64, 4, 3, 64, 4, 3, "plain", "plain", 128),
-    ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None),
-    ("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None),
-    ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None),
-    ("prefill", W_E2M1_MX): FragTiles(None, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None),
-    ("prefill", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None),
-    ("prefill", W_E4M3_MX): FragTiles(None, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None),
+    ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
+    ("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
+    ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
+    ("prefill", W_E2M1_MX): FragTiles(None, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
+    ("prefill", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None, 32),
+    ("prefill", W_E4M3_MX): FragTiles(None, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
 
 
@@ -835,14 +847,15 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
         bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
-        # the environment's decode, when set, is forced on both kernels
-        env_decode = os.environ.get("MEGAMOE_TRITON_DECODE")
-        decode = env_decode or t.decode
-        l2_decode = None if env_decode or t.l2_decode == decode else t.l2_decode
-        return KernelConfig(block_m=bm, l1_bn=t.l1_bn, l1_bk=128, l1_warps=t.l1_warps, l1_stages=t.l1_stages,
-                            l2_bn=t.l2_bn, l2_bk=128, l2_warps=t.l2_warps, l2_stages=t.l2_stages, k_order="frag",
-                            l1_gu=t.l1_gu if l1_gu is None else bool(l1_gu),
-                            decode=decode, l2_decode=l2_decode, l1_maxnreg=t.l1_maxnreg)
+        cfg = _frag_config(t, bm, l1_gu)
+        # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
+        # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
+        # kernels are bound by the weight bytes, and a remainder in a second launch reads its
+        # expert's weights again (BENCHMARKS.md, issue 11 ninth pass: 512 tokens 1.06 -> 1.11x,
+        # 1024 tokens 0.98x either way, nvfp4 0.92 -> 0.87x)
+        if t.tail_max and frag_regime(mean) != "prefill" and mean > t.tail_max:
+            cfg = dataclasses.replace(cfg, tail_max=0)
+        return cfg
     if mean <= 8:
         return KernelConfig(block_m=16, l1_bn=64, l1_bk=128, l1_warps=4, l1_stages=4,
                             l2_bn=64, l2_bk=128, l2_warps=4, l2_stages=4)
@@ -851,6 +864,29 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
                             l2_bn=128, l2_bk=128, l2_warps=4, l2_stages=3)
     return KernelConfig(block_m=64 if mean <= 64 else 128, l1_bn=64, l1_bk=128, l1_warps=8, l1_stages=3,
                         l2_bn=128, l2_bk=128, l2_warps=8, l2_stages=3)
+
+
+def _frag_config(t: FragTiles, bm: int, l1_gu: Optional[bool] = None) -> KernelConfig:
+    import os
+
+    # the environment's decode, when set, is forced on both kernels
+    env_decode = os.environ.get("MEGAMOE_TRITON_DECODE")
+    decode = env_decode or t.decode
+    l2_decode = None if env_decode or t.l2_decode == decode else t.l2_decode
+    return KernelConfig(block_m=bm, l1_bn=t.l1_bn, l1_bk=128, l1_warps=t.l1_warps, l1_stages=t.l1_stages,
+                        l2_bn=t.l2_bn, l2_bk=128, l2_warps=t.l2_warps, l2_stages=t.l2_stages, k_order="frag",
+                        l1_gu=t.l1_gu if l1_gu is None else bool(l1_gu),
+                        decode=decode, l2_decode=l2_decode, l1_maxnreg=t.l1_maxnreg, tail_max=t.tail_max)
+
+
+def tail_config(w_kind: Optional[int], block_m: int) -> KernelConfig:
+    """Tiles of the tail launches (``KernelConfig.tail``) when a config names none: the frag
+    tiles of the regime below the one whose row blocks are ``block_m`` pairs (mid-size tiles,
+    32-pair blocks, under 64- and 128-pair blocks; decode tiles, 16-pair blocks, under 32), sized
+    for the few pairs a tail holds. Their ``tail_max`` is 0: a tail launch never splits again."""
+    kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
+    t = FRAG_TILES[("mid" if block_m > 32 else "decode", kind)]
+    return dataclasses.replace(_frag_config(t, t.block_m), tail_max=0)
 
 
 def candidate_configs(n_pairs: int, num_local: int, k_order: Optional[str] = None) -> list[KernelConfig]:
@@ -1340,13 +1376,20 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     # ---- routed experts
     bm = cfg.pick_block_m(T * K, E_l)
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
-    act = torch.empty(plan.max_blocks * bm, I, dtype=torch.bfloat16, device=dev)
-    _launch_l1(cfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, plan, tw, act, T, H, I, K, act_spec,
-               rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, bm, hw, asm, frag,
-               fold=fold, sword=sword, wt=w_tile, fflags=None if fold_flags is None else fold_flags[0])
-    _launch_l2(cfg, act, kt.l2_weight, kt.l2_scale, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
-               spec.row_spec.has_alphas, False, bm, hw, asm, frag, fold=fold2, sword=sword, wt=w_tile,
-               fflags=None if fold_flags is None else fold_flags[1])
+    launches = [(cfg, plan, bm, fold, fold2)]
+    tcfg = (cfg.tail or tail_config(w_kind, bm)) if frag and cfg.tail_max else None
+    if tcfg is not None and tcfg.block_m and tcfg.block_m < bm and cfg.tail_max < bm:
+        # an expert's short last block goes to a launch of small blocks (docs/KERNELS.md "Tail blocks")
+        launches.append((tcfg, split_tails(plan, E_l, tcfg.block_m, cfg.tail_max), tcfg.block_m,
+                         resolve_decode(tcfg, w_kind)[0], resolve_l2_fold(tcfg, w_kind)))
+    for lcfg, lplan, lbm, lfold, lfold2 in launches:
+        act = torch.empty(lplan.max_blocks * lbm, I, dtype=torch.bfloat16, device=dev)
+        _launch_l1(lcfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, lplan, tw, act, T, H, I, K, act_spec,
+                   rsf, a2, w_kind, spec.row_spec.has_alphas, req, apply_w, False, e2m1, lbm, hw, asm, frag,
+                   fold=lfold, sword=sword, wt=w_tile, fflags=None if fold_flags is None else fold_flags[0])
+        _launch_l2(lcfg, act, kt.l2_weight, kt.l2_scale, lplan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
+                   spec.row_spec.has_alphas, False, lbm, hw, asm, frag, fold=lfold2, sword=sword, wt=w_tile,
+                   fflags=None if fold_flags is None else fold_flags[1])
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

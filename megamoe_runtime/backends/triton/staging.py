@@ -684,6 +684,68 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     return RoutingPlan(sorted_pairs, block_expert, num_blocks, block_m, mb, K)
 
 
+@triton.jit
+def _split_tails_kernel(sorted_ptr, blk_ptr, nblk_ptr, max_blocks, tsorted_ptr, tblk_ptr, tnblk_ptr, max_tail,
+                        BM: tl.constexpr, TBM: tl.constexpr, TMAX: tl.constexpr, CB: tl.constexpr,
+                        TCHUNK: tl.constexpr):
+    # Single program, CB row blocks at a time. A block is its expert's last when the next block's
+    # expert differs; its pairs sit first (the padding follows them), so counting ids >= 0 gives its
+    # fill. Blocks are only ever read before this program marks them, so no barrier is needed.
+    nblk = tl.load(nblk_ptr)
+    carry = nblk * 0
+    for s in range(0, max_blocks, CB):
+        b = s + tl.arange(0, CB)
+        inb = b < nblk
+        e = tl.load(blk_ptr + b, mask=inb, other=-1)
+        e_next = tl.load(blk_ptr + b + 1, mask=(b + 1) < nblk, other=-1)
+        last = inb & (e >= 0) & (e_next != e)
+        i = tl.arange(0, BM)
+        rows = tl.load(sorted_ptr + b[:, None] * BM + i[None, :], mask=last[:, None], other=-1)
+        fill = tl.sum((rows >= 0).to(tl.int32), axis=1)
+        tail = last & (fill > 0) & (fill <= TMAX)
+        ns = tl.where(tail, (fill + TBM - 1) // TBM, 0)
+        start = carry + tl.cumsum(ns, 0) - ns
+        tl.store(blk_ptr + b, tl.full((CB,), -1, tl.int32), mask=tail)
+        it = tl.arange(0, TBM)
+        for j in tl.static_range(TMAX // TBM + (TMAX % TBM > 0)):
+            ok = tail & (j < ns)
+            t = start + j
+            tl.store(tblk_ptr + t, e, mask=ok)
+            v = tl.load(sorted_ptr + b[:, None] * BM + j * TBM + it[None, :], mask=ok[:, None], other=-1)
+            tl.store(tsorted_ptr + t[:, None] * TBM + it[None, :], v, mask=ok[:, None])
+        carry += tl.sum(ns, 0)
+    tl.store(tnblk_ptr, carry)
+    for s in range(0, max_tail, TCHUNK):
+        t = s + tl.arange(0, TCHUNK)
+        tl.store(tblk_ptr + t, tl.full((TCHUNK,), -1, tl.int32), mask=(t >= carry) & (t < max_tail))
+
+
+def split_tails(plan: RoutingPlan, num_local: int, tail_block_m: int, tail_max: int) -> RoutingPlan:
+    """Move each expert's last row block of ``plan`` into a plan of ``tail_block_m``-pair blocks
+    when it holds at most ``tail_max`` pairs; those blocks of ``plan`` get expert -1 (the GEMM
+    tiles skip them). Why: at prefill a 128-pair tile costs the same with 9 pairs as with 128 (the
+    whole expert tile is decoded and every MMA row is issued), and about half the experts end in
+    such a short block; a small-block launch for them costs a fraction of that (docs/KERNELS.md,
+    "Tail blocks"). The rows of both plans are the same pairs, so each pair is computed once and
+    the output does not change. One single-program launch, no host sync."""
+    bm = plan.block_m
+    if tail_block_m < 16 or tail_block_m & (tail_block_m - 1) or bm % tail_block_m:
+        raise _err(f"split_tails: tail_block_m must be a power of two >= 16 dividing {bm}, got {tail_block_m}")
+    if not 0 < tail_max < bm:
+        raise _err(f"split_tails: tail_max must be in 1..{bm - 1} pairs, got {tail_max}")
+    dev = plan.block_expert.device
+    per_expert = triton.cdiv(tail_max, tail_block_m)
+    # host bound without a sync: at most one tail per local expert (and per row block)
+    max_tail = max(1, min(plan.max_blocks, num_local) * per_expert)
+    tsorted = torch.empty(max_tail * tail_block_m, dtype=torch.int32, device=dev)
+    tblk = torch.empty(max_tail, dtype=torch.int32, device=dev)
+    tnblk = torch.empty(1, dtype=torch.int32, device=dev)
+    _split_tails_kernel[(1,)](plan.sorted_pairs, plan.block_expert, plan.num_blocks, plan.max_blocks,
+                              tsorted, tblk, tnblk, max_tail, BM=bm, TBM=tail_block_m, TMAX=tail_max,
+                              CB=max(1, min(64, 4096 // bm)), TCHUNK=1024, num_warps=8)
+    return RoutingPlan(tsorted, tblk, tnblk, tail_block_m, max_tail, plan.top_k)
+
+
 # --------------------------------------------------------------------------- checks
 
 

@@ -11,6 +11,7 @@ lack triton) collects this file and skips it. Run on a Hopper GPU with
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -286,8 +287,6 @@ def test_fold_decode_bitwise(row, T, bm, big):
 def test_register_cap_same_bits(row):
     """A register cap (``KernelConfig.l1_maxnreg`` / ``l2_maxnreg``, ptxas ``.maxnreg``) changes
     occupancy, never the output: bitwise the uncapped default's, which matches the reference."""
-    import dataclasses
-
     _, moe, _ = _triton()
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
@@ -306,7 +305,6 @@ def test_tiled_weights_same_bits(row, wt, T):
     """Weights in the tiled arrangement (``weight_tiles.tiled_copy``) read with ``w_tile`` give the
     converted layout's output bit for bit (plain and fold decodes, both L1 forms); the converted
     bytes read as if tiled must not."""
-    import dataclasses
     import types
 
     _, moe, _ = _triton()
@@ -464,6 +462,47 @@ def test_forward_sizes_and_ep(row, T, bm):
     _report(test="sizes_ep", row=row, act="swiglu_clamp_ab", shared="none", T=T, block_m=bm, calc_diff=d,
             bitwise_frac=bitwise)
     _assert_matches(out, ref, f"{row}/T={T}")
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T,bm,tail_max,ep", [(300, 128, 100, (0, 1)), (600, None, 32, (0, 1)),
+                                              (600, None, 32, (1, 2))])
+def test_tail_blocks_same_bits(row, T, bm, tail_max, ep, monkeypatch):
+    """Prefill with tail launches (``KernelConfig.tail_max``): every pair is computed once, by
+    the same per-row math, so the output is the no-tail output bit for bit and matches the
+    reference. Negative control: tail launches that compute nothing must be caught."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import staging
+
+    E, K = 8, 2
+    base = moe.default_config(T * K, E, "frag", w_kind=moe._W_KIND[row])
+    base = dataclasses.replace(base, block_m=bm or base.block_m, tail_max=0)
+    calls = []
+
+    def counting(plan, *a):
+        t = staging.split_tails(plan, *a)
+        calls.append(int(t.num_blocks))
+        return t
+
+    monkeypatch.setattr(moe, "split_tails", counting)
+    runs = {}
+    for tm in (0, tail_max):
+        spec, lay, (x, tw, ids), runs[tm], ref = _run_pair(
+            row, "swiglu_clamp_ab", None, T=T, E=E, K=K, ep=ep, mask_frac=0.1, zero_tokens=1,
+            config=dataclasses.replace(base, tail_max=tm))
+    assert len(calls) == 1 and calls[0] > 0, f"no tail blocks to test: {calls}"
+    assert torch.equal(runs[tail_max].view(torch.int16), runs[0].view(torch.int16)), "tails changed the output"
+    _assert_matches(runs[tail_max], ref, f"tails {row}/T={T}")
+
+    def wrong_expert(plan, num_local, *a):  # (a tail that computed nothing could show stale slots)
+        t = staging.split_tails(plan, num_local, *a)
+        t.block_expert.copy_(torch.where(t.block_expert >= 0, (t.block_expert + 1) % num_local, t.block_expert))
+        return t
+
+    monkeypatch.setattr(moe, "split_tails", wrong_expert)
+    _, _, _, bad, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T, E=E, K=K, ep=ep, mask_frac=0.1,
+                                  zero_tokens=1, config=dataclasses.replace(base, tail_max=tail_max))
+    assert not calc_diff(bad, ref) < 1e-3, "tail blocks run with another expert's weights must be caught"
 
 
 def test_zero_tokens_and_fully_masked():

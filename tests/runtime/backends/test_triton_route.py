@@ -16,11 +16,18 @@ import pytest
 import torch
 
 from megamoe_runtime.testing import check_routing_plan as check_plan
+from megamoe_runtime.testing import check_tail_split
 
 
 #: (tokens, local experts, offset of the first, row block, top-k, slice_pairs)
 CASES = [(37, 8, 8, 16, 4, 16), (300, 16, 0, 64, 4, 64), (300, 16, 0, 64, 4, 0), (129, 256, 0, 16, 8, 256),
          (50, 5, 3, 32, 4, 32), (64, 16, 0, 16, 4, None), (300, 16, 0, 64, 4, None), (3, 4, 0, 128, 2, 16)]
+
+
+#: (tokens, local experts, offset, row block, top-k, tail block, tail max): tails of one and of
+#: several small blocks, experts whose only block is a tail, full last blocks (no tail)
+TAIL_CASES = [(300, 16, 0, 64, 4, 16, 16), (300, 16, 0, 64, 4, 16, 40), (40, 4, 2, 32, 4, 16, 31),
+              (129, 8, 0, 128, 8, 32, 64), (64, 4, 0, 16, 4, 16, 8), (5, 8, 0, 128, 2, 32, 32)]
 
 
 def run_cases(device: str) -> int:
@@ -30,7 +37,13 @@ def run_cases(device: str) -> int:
     for T, E_l, off, bm, K, sl in CASES:
         ids = torch.randint(-1, 2 * E_l + off, (T, K), generator=g).to(device)
         check_plan(staging.route(ids, E_l, off, bm, slice_pairs=sl), ids, E_l, off, bm)
-    return len(CASES)
+    for T, E_l, off, bm, K, tbm, tmax in TAIL_CASES:
+        ids = torch.randint(-1, E_l + off + 1, (T, K), generator=g).to(device)
+        if T == 64:  # every expert's count a multiple of the row block: no tails at all
+            ids = (torch.arange(T * K, device=device) % E_l + off).reshape(T, K)
+        plan = staging.route(ids, E_l, off, bm)
+        check_tail_split(plan, staging.split_tails(plan, E_l, tbm, tmax), ids, E_l, off, tmax)
+    return len(CASES) + len(TAIL_CASES)
 
 
 def test_route_kernels_under_the_interpreter():
@@ -41,7 +54,7 @@ def test_route_kernels_under_the_interpreter():
     r = subprocess.run([sys.executable, "-c", code, __file__], env=env, capture_output=True, text=True,
                        timeout=300, cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == str(len(CASES))
+    assert r.stdout.strip().splitlines()[-1] == str(len(CASES) + len(TAIL_CASES))
 
 
 def test_check_plan_catches_a_wrong_plan():
@@ -95,7 +108,7 @@ def test_route(T, E_l, offset, bm, K, slice_pairs):
 @pytest.mark.gpu
 def test_route_interpreter_cases_on_the_gpu():
     _cuda()
-    assert run_cases("cuda") == len(CASES)
+    assert run_cases("cuda") == len(CASES) + len(TAIL_CASES)
 
 
 def test_route_slice_grows_with_the_pairs():
@@ -106,3 +119,51 @@ def test_route_slice_grows_with_the_pairs():
     assert staging.route_slice(1) == staging.route_slice(one) == 0
     sizes = [staging.route_slice(n) for n in (one + 1, 8192, 8193, 1 << 20)]
     assert sizes == sorted(sizes) and all(s >= 16 and s & (s - 1) == 0 for s in sizes)
+
+
+def test_check_tail_split_catches_a_wrong_split():
+    """The tail checker is the test: a tail block left in the main plan as well (its pairs twice),
+    a tail that lost a pair, and a tail taken from an expert whose last block is over the limit
+    must each fail it."""
+    from types import SimpleNamespace
+
+    ids = torch.tensor([[0, 1], [0, 1], [0, 2]])  # expert 0: 3 pairs, 1: 2, 2: 1; row block 2, tail <= 1
+    plan = SimpleNamespace(sorted_pairs=torch.tensor([0, 2, 4, -1, 1, 3, 5, -1], dtype=torch.int32),
+                           block_expert=torch.tensor([0, -1, 1, -1], dtype=torch.int32),
+                           num_blocks=torch.tensor([4], dtype=torch.int32), max_blocks=4, block_m=2)
+    tails = SimpleNamespace(sorted_pairs=torch.tensor([4, 5], dtype=torch.int32),
+                            block_expert=torch.tensor([0, 2], dtype=torch.int32),
+                            num_blocks=torch.tensor([2], dtype=torch.int32), max_blocks=2, block_m=1)
+    check_tail_split(plan, tails, ids, 3, 0, 1)
+    twice = SimpleNamespace(**dict(vars(plan), block_expert=torch.tensor([0, 0, 1, -1], dtype=torch.int32)))
+    lost = SimpleNamespace(**dict(vars(tails), sorted_pairs=torch.tensor([4, -1], dtype=torch.int32)))
+    over = SimpleNamespace(**dict(vars(plan), block_expert=torch.tensor([0, -1, -1, -1], dtype=torch.int32)))
+    over_t = SimpleNamespace(sorted_pairs=torch.tensor([4, 1, 3, 5], dtype=torch.int32),
+                             block_expert=torch.tensor([0, 1, 1, 2], dtype=torch.int32),
+                             num_blocks=torch.tensor([4], dtype=torch.int32), max_blocks=4, block_m=1)
+    for p, t in ((twice, tails), (plan, lost), (over, over_t)):
+        with pytest.raises(AssertionError):
+            check_tail_split(p, t, ids, 3, 0, 1)
+
+
+def test_bad_tail_split_is_refused():
+    pytest.importorskip("triton")
+    from megamoe_runtime.backends.triton import staging
+    from megamoe_runtime.errors import MegaMoEError
+
+    plan = staging.RoutingPlan(torch.full((64,), -1, dtype=torch.int32), torch.full((2,), -1, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), 32, 2, 2)
+    with pytest.raises(MegaMoEError, match="tail_block_m"):
+        staging.split_tails(plan, 2, 24, 8)
+    with pytest.raises(MegaMoEError, match="tail_max"):
+        staging.split_tails(plan, 2, 16, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,bm,tbm,tmax", [(4096, 128, 32, 32), (4096, 128, 32, 64), (4096, 64, 32, 32),
+                                           (40000, 128, 16, 48), (2, 128, 32, 32)])
+def test_split_tails_at_prefill_sizes(T, bm, tbm, tmax):
+    staging, synth = _cuda()
+    tw, ids = synth.random_routing(T, 256, 8, "cuda", seed=T, mask_frac=0.1, zero_tokens=min(T, 2))
+    plan = staging.route(ids, 256, 0, bm)
+    check_tail_split(plan, staging.split_tails(plan, 256, tbm, tmax), ids, 256, 0, tmax)

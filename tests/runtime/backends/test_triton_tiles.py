@@ -52,18 +52,40 @@ def test_default_frag_config_follows_the_table(row, tokens):
         (row == "nvfp4" and moe.frag_regime(mean) == "prefill" and cfg.block_m == 64)
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
     assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
+    # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
+    assert cfg.tail_max == (t.tail_max if moe.frag_regime(mean) == "prefill" or mean <= t.tail_max else 0)
+    assert cfg.tail is None
 
 
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("decode", "mid", "prefill"):
         for kind in KINDS.values():
-            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg = moe.FRAG_TILES[(regime, kind)]
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail = \
+                moe.FRAG_TILES[(regime, kind)]
             assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES and l2_decode in moe.DECODES
             assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128))  # 4 CTAs of 4 warps at 128 registers
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
             l1_rows = 2 * l1_bn if gu else l1_bn
             assert l1_rows >= 64 * (l1_w // 4) and l2_bn >= 64 * (l2_w // 4), (regime, kind)
+            # tails only where a row block is larger than the tail launches' (prefill)
+            # tails only where a row block is larger than the tail launches' (not at decode sizes)
+            for b in ((bm,) if bm else (64, 128)):
+                assert tail == 0 or (regime != "decode" and 0 < tail < b
+                                     and moe.tail_config(kind, b).block_m < b), (regime, kind, tail)
+
+
+@pytest.mark.parametrize("row", sorted(KINDS))
+@pytest.mark.parametrize("bm,below", [(128, "mid"), (64, "mid"), (32, "decode")])
+def test_tail_config_is_the_regime_below(row, bm, below):
+    t = moe.tail_config(KINDS[row], bm)
+    b = moe.FRAG_TILES[(below, KINDS[row])]
+    assert (t.block_m, t.l1_bn, t.l1_warps, t.l1_stages, t.l2_bn, t.l2_warps, t.decode, t.l1_maxnreg) == \
+        (b.block_m, b.l1_bn, b.l1_warps, b.l1_stages, b.l2_bn, b.l2_warps, b.decode, b.l1_maxnreg)
+    assert t.tail_max == 0 and t.block_m < bm  # a tail launch never splits again
+    for pairs in (8, 512, 4096, 32768):
+        cfg = moe.default_config(pairs * 8, E, "frag", w_kind=KINDS[row])
+        assert cfg.tail_max == moe.FRAG_TILES[(moe.frag_regime(pairs * 8 / E), KINDS[row])].tail_max
 
 
 def test_l1_gu_override_flips_only_that_field(monkeypatch):
