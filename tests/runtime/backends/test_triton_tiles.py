@@ -46,10 +46,8 @@ def test_default_frag_config_follows_the_table(row, tokens):
     assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (t.l2_bn, t.l2_warps, t.l2_stages)
     assert cfg.k_order == "frag" and cfg.l1_bk == cfg.l2_bk == 128
     assert cfg.block_m == (t.block_m if t.block_m is not None else (64 if mean <= 64 else 128))
-    # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks;
-    # nvfp4 prefill: 64-row blocks measured faster, two CTAs per SM, BENCHMARKS.md issue 11 fifth pass)
-    assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode" or \
-        (row == "nvfp4" and moe.frag_regime(mean) == "prefill" and cfg.block_m == 64)
+    # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks)
+    assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode"
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
     assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
     # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
