@@ -776,8 +776,11 @@ def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:
 
 def frag_regime(mean_pairs: float) -> str:
     """Regime of the frag tiles by mean (token, expert) pairs per local expert: "decode"
-    (<= 8: weight streaming, row blocks mostly padding), "mid" (<= 32), "prefill"."""
-    return "decode" if mean_pairs <= 8 else ("mid" if mean_pairs <= 32 else "prefill")
+    (<= 8: weight streaming, row blocks mostly padding), "mid" (<= 32), "prefill64" (<= 64: an
+    expert's mean fits one 64-pair row block), "prefill" (128-pair blocks)."""
+    if mean_pairs <= 32:
+        return "decode" if mean_pairs <= 8 else "mid"
+    return "prefill64" if mean_pairs <= 64 else "prefill"
 
 
 class FragTiles(NamedTuple):
@@ -815,7 +818,8 @@ class FragTiles(NamedTuple):
 #: "Ninth pass": tail launches (the last field, ``KernelConfig.tail_max``): whole layer at 4096
 #: tokens mxfp4 8533 -> 7530 us, nvfp4 9701 -> 9331, mxfp8 11617 -> 10235; 512 tokens (16 per
 #: expert) mxfp4 2695 -> 2571, nvfp4 2892 -> 2765. With tails the 128-pair nvfp4 prefill tiles
-#: (8 warps, one CTA per SM) overtake the 64-pair ones: 9196 -> 8380 us at 4096 tokens.
+#: (8 warps, one CTA per SM) overtake the 64-pair ones: 9196 -> 8380 us at 4096 tokens; with 33-64
+#: pairs per expert ("prefill64") the 64-pair tiles stay (2048 tokens: 5428 us against 6208).
 FRAG_TILES = {
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
@@ -823,9 +827,12 @@ FRAG_TILES = {
     ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
-    ("prefill", W_E2M1_MX): FragTiles(None, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
-    ("prefill", W_E2M1_NV): FragTiles(None, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
-    ("prefill", W_E4M3_MX): FragTiles(None, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
+    ("prefill64", W_E2M1_MX): FragTiles(64, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
+    ("prefill64", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None, 32),
+    ("prefill64", W_E4M3_MX): FragTiles(64, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
+    ("prefill", W_E2M1_MX): FragTiles(128, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
+    ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
+    ("prefill", W_E4M3_MX): FragTiles(128, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
 
 
@@ -854,7 +861,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its
         # expert's weights again (BENCHMARKS.md, issue 11 ninth pass: 512 tokens 1.06 -> 1.11x,
         # 1024 tokens 0.98x either way, nvfp4 0.92 -> 0.87x)
-        if t.tail_max and frag_regime(mean) != "prefill" and mean > t.tail_max:
+        if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:
             cfg = dataclasses.replace(cfg, tail_max=0)
         return cfg
     if mean <= 8:

@@ -25,7 +25,8 @@ def _no_env(monkeypatch):
 
 
 @pytest.mark.parametrize("mean,regime", [(0.03, "decode"), (8, "decode"), (8.5, "mid"), (16, "mid"), (32, "mid"),
-                                         (33, "prefill"), (128, "prefill")])
+                                         (33, "prefill64"), (64, "prefill64"), (64.5, "prefill"),
+                                         (128, "prefill")])
 def test_frag_regime_boundaries(mean, regime):
     assert moe.frag_regime(mean) == regime
 
@@ -51,12 +52,13 @@ def test_default_frag_config_follows_the_table(row, tokens):
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
     assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
     # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
-    assert cfg.tail_max == (t.tail_max if moe.frag_regime(mean) == "prefill" or mean <= t.tail_max else 0)
+    assert cfg.tail_max == (t.tail_max if moe.frag_regime(mean).startswith("prefill") or mean <= t.tail_max
+                            else 0)
     assert cfg.tail is None
 
 
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
-    for regime in ("decode", "mid", "prefill"):
+    for regime in ("decode", "mid", "prefill64", "prefill"):
         for kind in KINDS.values():
             bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail = \
                 moe.FRAG_TILES[(regime, kind)]
