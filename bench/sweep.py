@@ -41,6 +41,7 @@ L1_VARIANTS = {
     "prefill": ["0:64:4:3", "1:64:8:3", "1:128:8:3", "0:128:8:3", "1:64:4:3", "1:128:8:2", "0:64:4:4"],
 }
 L1_VARIANTS["prefill64"] = L1_VARIANTS["prefill"]
+L1_VARIANTS["few"] = L1_VARIANTS["decode"]
 #: (L2 output columns per tile, warps, stages, decode or None) by regime
 L2_VARIANTS = {
     "decode": ["64:4:3", "64:4:4", "128:4:3", "128:8:3", "256:8:3", "128:4:4", "32:4:4"],
@@ -48,6 +49,7 @@ L2_VARIANTS = {
     "prefill": ["64:4:3", "128:8:3", "256:8:3", "128:4:3", "256:8:2", "128:8:4", "64:8:3"],
 }
 L2_VARIANTS["prefill64"] = L2_VARIANTS["prefill"]
+L2_VARIANTS["few"] = L2_VARIANTS["decode"]
 
 
 def block_ms(mean: float) -> list[int]:
@@ -189,7 +191,7 @@ def main() -> None:
             kt.l2_weight = weight_tiles.tiled_copy(kt.l2_weight, args.w_tile)
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
         for T in (int(t) for t in args.tokens.split(",")):
-            reg = moe.frag_regime(T * K / E)
+            reg = moe.frag_regime(T * K / E, T * K)
             l1s = args.l1.split(",") if args.l1 else L1_VARIANTS[reg]
             l2s = args.l2.split(",") if args.l2 else L2_VARIANTS[reg]
             log(f"# {row} T={T} ({reg})")

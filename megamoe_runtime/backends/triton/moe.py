@@ -774,12 +774,20 @@ def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:
     return False if v is None else v not in ("0", "false", "no", "")
 
 
-def frag_regime(mean_pairs: float) -> str:
+#: at most this many (token, expert) pairs is the "few" regime: a token or two, so at most this
+#: many experts and too few L1 tiles to give every SM its CTAs with the decode tiles
+FEW_PAIRS = 16
+
+
+def frag_regime(mean_pairs: float, n_pairs: Optional[int] = None) -> str:
     """Regime of the frag tiles by mean (token, expert) pairs per local expert: "decode"
-    (<= 8: weight streaming, row blocks mostly padding), "mid" (<= 32), "prefill64" (<= 64: an
-    expert's mean fits one 64-pair row block), "prefill" (128-pair blocks)."""
+    (<= 8: weight streaming, row blocks mostly padding; "few" when there are at most
+    ``FEW_PAIRS`` pairs in all), "mid" (<= 32), "prefill64" (<= 64: an expert's mean fits one
+    64-pair row block), "prefill" (128-pair blocks)."""
     if mean_pairs <= 32:
-        return "decode" if mean_pairs <= 8 else "mid"
+        if mean_pairs > 8:
+            return "mid"
+        return "few" if n_pairs is not None and n_pairs <= FEW_PAIRS else "decode"
     return "prefill64" if mean_pairs <= 64 else "prefill"
 
 
@@ -820,7 +828,12 @@ class FragTiles(NamedTuple):
 #: expert) mxfp4 2695 -> 2571, nvfp4 2892 -> 2765. With tails the 128-pair nvfp4 prefill tiles
 #: (8 warps, one CTA per SM) overtake the 64-pair ones: 9196 -> 8380 us at 4096 tokens; with 33-64
 #: pairs per expert ("prefill64") the 64-pair tiles stay (2048 tokens: 5428 us against 6208).
+#: "few" (one or two tokens): 32 kernel rows per L1 tile for nvfp4 and mxfp8, twice the CTAs for
+#: the few experts touched (1 token: nvfp4 112.9 -> 103.6 us, mxfp8 169.6 -> 158.8; mxfp4 keeps 64).
 FRAG_TILES = {
+    ("few", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("few", W_E2M1_NV): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "fold", "fold", 128),
+    ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E4M3_MX): FragTiles(16, True, 64, 4, 3, 64, 4, 3, "plain", "plain", 128),
@@ -850,7 +863,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
-        t = FRAG_TILES[(frag_regime(mean), kind)]
+        t = FRAG_TILES[(frag_regime(mean, n_pairs), kind)]
         env = os.environ.get("MEGAMOE_TRITON_L1GU")
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
@@ -861,7 +874,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its
         # expert's weights again (BENCHMARKS.md, issue 11 ninth pass: 512 tokens 1.06 -> 1.11x,
         # 1024 tokens 0.98x either way, nvfp4 0.92 -> 0.87x)
-        if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:
+        if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:  # ("few" has none)
             cfg = dataclasses.replace(cfg, tail_max=0)
         return cfg
     if mean <= 8:

@@ -29,6 +29,10 @@ def _no_env(monkeypatch):
                                          (128, "prefill")])
 def test_frag_regime_boundaries(mean, regime):
     assert moe.frag_regime(mean) == regime
+    # "few" is decode with at most FEW_PAIRS pairs in all; the other regimes ignore the count
+    few = moe.frag_regime(mean, moe.FEW_PAIRS)
+    assert few == ("few" if regime == "decode" else regime)
+    assert moe.frag_regime(mean, moe.FEW_PAIRS + 1) == regime
 
 
 @pytest.mark.parametrize("row", sorted(KINDS))
@@ -38,7 +42,7 @@ def test_default_frag_config_follows_the_table(row, tokens):
     pairs = tokens * 8
     mean = pairs / E
     cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
-    t = moe.FRAG_TILES[(moe.frag_regime(mean), KINDS[row])]
+    t = moe.FRAG_TILES[(moe.frag_regime(mean, pairs), KINDS[row])]
     assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (t.l1_gu, t.l1_bn, t.l1_warps, t.l1_stages)
     assert cfg.decode == t.decode and moe.resolve_decode(cfg, KINDS[row])[0] == (t.decode == "fold")
     # each kernel runs the table's decode for it; the config names the L2's only where it differs
@@ -49,6 +53,7 @@ def test_default_frag_config_follows_the_table(row, tokens):
     assert cfg.block_m == (t.block_m if t.block_m is not None else (64 if mean <= 64 else 128))
     # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks)
     assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode"
+    assert (moe.frag_regime(mean, pairs) == "few") == (tokens == 1)
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
     assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
     # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
@@ -58,7 +63,7 @@ def test_default_frag_config_follows_the_table(row, tokens):
 
 
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
-    for regime in ("decode", "mid", "prefill64", "prefill"):
+    for regime in ("few", "decode", "mid", "prefill64", "prefill"):
         for kind in KINDS.values():
             bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail = \
                 moe.FRAG_TILES[(regime, kind)]
@@ -85,7 +90,7 @@ def test_tail_config_is_the_regime_below(row, bm, below):
     assert t.tail_max == 0 and t.block_m < bm  # a tail launch never splits again
     for pairs in (8, 512, 4096, 32768):
         cfg = moe.default_config(pairs * 8, E, "frag", w_kind=KINDS[row])
-        assert cfg.tail_max == moe.FRAG_TILES[(moe.frag_regime(pairs * 8 / E), KINDS[row])].tail_max
+        assert cfg.tail_max == moe.FRAG_TILES[(moe.frag_regime(pairs * 8 / E, pairs * 8), KINDS[row])].tail_max
 
 
 def test_l1_gu_override_flips_only_that_field(monkeypatch):
