@@ -833,7 +833,6 @@ class FragTiles(NamedTuple):
 #: mxfp8 decode: 32-row, 3-stage L1 tiles (8 tokens 818.8 -> 762.0 us, 64 tokens 3134.5 -> 3024.5;
 #: the fp4 rows' 64-row tiles stay fastest there).
 FRAG_TILES = {
-    ("few", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("few", W_E2M1_NV): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "fold", "fold", 128),
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
@@ -849,6 +848,8 @@ FRAG_TILES = {
     ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
     ("prefill", W_E4M3_MX): FragTiles(128, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
+#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there)
+FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]
 
 
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
@@ -876,7 +877,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its
         # expert's weights again (BENCHMARKS.md, issue 11 ninth pass: 512 tokens 1.06 -> 1.11x,
         # 1024 tokens 0.98x either way, nvfp4 0.92 -> 0.87x)
-        if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:  # ("few" has none)
+        if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:
             cfg = dataclasses.replace(cfg, tail_max=0)
         return cfg
     if mean <= 8:
