@@ -28,7 +28,7 @@ from megamoe_runtime.manifest import (
 )
 
 from .output_dir import Log, OutputError, StepHook
-from .plan import LayerPlan, Progress, Slot, SourceChangedError, converter_version, identity_changes, model_record, source_identity
+from .plan import LayerPlan, Progress, Slot, SourceChangedError, converter_version, report_stage, identity_changes, model_record, source_identity
 from .shard_writer import INDEX_NAME, json_bytes, write_bytes_atomic
 from .shared import shared_decisions
 from .stream import Run, convert_layer, copy_passthrough
@@ -91,6 +91,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
                 index=lp.info.index, prefix=lp.info.prefix, spec=lp.spec.to_dict(), scalars=lp.scalar_report.scalars,
                 shared={**lp.shared_record, **rec["shared"]}, repairs=tuple(rec["repairs"])))
         run.close_side_pool()
+        report_stage(progress, "finishing: flushing the shards, copying the pass-through tensors")
         run.settle()
         copy_passthrough(source, run)
         run.close()
@@ -99,6 +100,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         raise
 
     # extra files (config annotated), index, manifest
+    report_stage(progress, "finishing: writing the index and megamoe.json, moving the output into place")
     file_entries: dict[str, FileEntry] = {n: FileEntry(r["size"], r["sha256"], r.get("digest", DIGEST_SHA256))
                                                   for n, r in done_files.items()}
     tensors: dict[str, TensorEntry] = {}
@@ -151,13 +153,17 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
 
 
 def _annotated_config(config: dict, row: Row) -> dict:
+    """The source's config with ``quantization_config`` naming the megamoe method (docs/ENGINES.md#config).
+
+    Engines pick a checkpoint's loader from ``quant_method``; after conversion the experts are no longer in the
+    producer's layout, so a source method left in place would make a stock loader misread the renamed expert
+    tensors. The source's own quantization config is kept whole under ``source_quantization_config``: the
+    non-expert tensors are still in its format, and the engine integrations read it to decode them."""
     cfg = json.loads(json.dumps(config))
-    note = {"format_version": FORMAT_VERSION, "row": row.name, "manifest": "megamoe.json"}
     qc = cfg.get("quantization_config")
-    if isinstance(qc, dict):
-        qc["megamoe"] = note
-    else:
-        cfg["quantization_config"] = {"quant_method": "megamoe", "megamoe": note}
+    cfg["quantization_config"] = {"quant_method": "megamoe", "format_version": FORMAT_VERSION, "row": row.name,
+                                  "manifest": "megamoe.json",
+                                  "source_quantization_config": qc if isinstance(qc, dict) else None}
     return cfg
 
 

@@ -125,7 +125,10 @@ def test_converted_bytes_equal_source(tmp_path, fmt, extra, ep):
     assert set(source.tensor_names()) - reader.consumed_tensor_names() == \
         {t.name for t in m.tensors.values() if t.role == "passthrough"}
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["megamoe"] == {"format_version": 1, "row": row, "manifest": MANIFEST_NAME}
+    qc = cfg["quantization_config"]
+    assert {k: qc[k] for k in ("quant_method", "format_version", "row", "manifest")} == \
+        {"quant_method": "megamoe", "format_version": 1, "row": row, "manifest": MANIFEST_NAME}
+    assert qc["source_quantization_config"] == source.config.get("quantization_config")
     for name, fe in m.files.items():
         assert (out / name).stat().st_size == fe.size
         if name.endswith(".safetensors"):
@@ -467,8 +470,10 @@ def test_quantization_configs_say_megamoe(tmp_path):
     convert(src, tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
-    for d in (cfg["quantization_config"], hq):
-        assert d["megamoe"] == {"format_version": 1, "row": "nvfp4", "manifest": "megamoe.json"}
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "megamoe" and qc["row"] == "nvfp4" and qc["manifest"] == "megamoe.json"
+    assert qc["source_quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
+    assert hq["megamoe"] == {"format_version": 1, "row": "nvfp4", "manifest": "megamoe.json"}
     assert hq["quantization"] == json.loads((src / "hf_quant_config.json").read_text())["quantization"]
 
 
