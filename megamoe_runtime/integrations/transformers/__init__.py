@@ -1,0 +1,42 @@
+"""transformers integration: ``from_pretrained`` on a folder ``megamoe-convert convert`` wrote.
+
+    import megamoe_runtime.integrations.transformers  # registers the "megamoe" quantization method
+    model = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.bfloat16, device_map="cuda")
+    model.generate(...)
+
+The converter writes ``quantization_config.quant_method = "megamoe"`` into OUT's config.json; importing this
+package registers that method's config (`MegaMoEConfig`) and quantizer (`MegaMoEHfQuantizer`) with
+transformers' own registries (``register_quantization_config`` / ``register_quantizer``), the plugin
+mechanism its maintainers provide. transformers has no entry-point discovery for quantizers, so the import
+is needed once per process (docs/ENGINES.md#transformers).
+
+The backend follows the device (DeepGEMM where it runs, the project's triton kernels on Hopper, the fp32
+reference on the CPU); ``MegaMoEConfig(backend=...)`` or ``MEGAMOE_BACKEND`` names one.
+"""
+from __future__ import annotations
+
+from .config import BACKENDS, MegaMoEConfig
+from .quantizer import MegaMoEHfQuantizer
+
+__all__ = ["MegaMoEConfig", "MegaMoEHfQuantizer", "BACKENDS", "register"]
+
+
+def register() -> None:
+    """Register the ``megamoe`` method with transformers (idempotent: a second call changes nothing).
+
+    ``quantization_config=MegaMoEConfig(backend=...)`` passed to ``from_pretrained`` is merged like the
+    loading attributes of transformers' own methods, so the backend can be chosen per load."""
+    from transformers.quantizers import auto
+
+    from ..folder import QUANT_METHOD
+
+    if auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not MegaMoEConfig:
+        auto.register_quantization_config(QUANT_METHOD)(MegaMoEConfig)
+    if auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not MegaMoEHfQuantizer:
+        auto.register_quantizer(QUANT_METHOD)(MegaMoEHfQuantizer)
+    types = getattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if isinstance(types, tuple) and MegaMoEConfig not in types:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = types + (MegaMoEConfig,)
+
+
+register()
