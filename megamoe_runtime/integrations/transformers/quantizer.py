@@ -88,11 +88,11 @@ class MegaMoEHfQuantizer(HfQuantizer):
         self.checkpoint = ckpt
         ignore: set[str] = set()
         for li in ckpt.layers:
-            try:
-                block = model.get_submodule(li.prefix)
-            except AttributeError:
+            path = _module_path(model, li.prefix)
+            if path is None:
                 raise CheckpointError(f"{folder}: megamoe.json has MoE layer {li.index} at {li.prefix!r}, which "
-                                      f"{type(model).__name__} does not have") from None
+                                      f"{type(model).__name__} does not have")
+            block = model.get_submodule(path)
             name = type(block).__name__
             if not is_moe_block(block):
                 raise CheckpointError(
@@ -105,9 +105,9 @@ class MegaMoEHfQuantizer(HfQuantizer):
                     f"expert but megamoe.json's layer {'has none' if has_shared else 'has one'}")
             adapt_router(block.gate, f"{folder}: layer {li.index} ({li.prefix})", li.spec.routed_scaling_factor)
             new = MegaMoEBlock(block.gate, li.index, name)
-            model.set_submodule(li.prefix, new)
-            self.blocks[li.prefix] = new
-            ignore.add("^" + re.escape(li.prefix + ".megamoe."))
+            model.set_submodule(path, new)
+            self.blocks[path] = new
+            ignore |= {"^" + re.escape(p + ".megamoe.") for p in (li.prefix, path)}
         missed = [n for n, m in model.named_modules() if is_moe_block(m)]
         if missed:
             raise CheckpointError(f"{folder}: MoE blocks {missed[:4]} have no converted experts in megamoe.json "
@@ -173,6 +173,24 @@ class MegaMoEHfQuantizer(HfQuantizer):
         if pending.bias is not None:
             linear.bias = pending.bias
         model.set_submodule(name, linear)
+
+
+def _module_path(model: nn.Module, prefix: str) -> Optional[str]:
+    """The model's module path of a checkpoint prefix: the prefix itself, or -- where transformers renames a
+    family's legacy checkpoint names on load (Mixtral's ``block_sparse_moe`` is its ``mlp``) -- the one MoE
+    block among the children of the prefix's parent."""
+    try:
+        model.get_submodule(prefix)
+        return prefix
+    except AttributeError:
+        pass
+    parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+    try:
+        holder = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return None
+    found = [n for n, m in holder.named_children() if is_moe_block(m)]
+    return f"{parent}.{found[0]}" if len(found) == 1 and parent else None
 
 
 def _device_near(model: nn.Module, name: str) -> torch.device:

@@ -237,6 +237,8 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         self.quant_config = quant_config
         self.prefix = prefix
         self.layer_index = quant_config.layer_index_for(prefix)
+        #: the routed_scaling_factor vLLM's MoE runner applies to this layer's output (set by the loader)
+        self.runner_output_scale = 1.0
 
     def ep_rank_size(self, layer: torch.nn.Module) -> tuple[int, int]:
         pc = layer.moe_config.moe_parallel_config
@@ -295,10 +297,35 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         if rsf != 1.0:
             w = w / rsf
         y = mm(x.to(torch.bfloat16), w, topk_ids)
+        if self.runner_output_scale != 1.0:  # the runner scales our output again: hand it the unscaled sum
+            y = (y.to(torch.float32) / self.runner_output_scale).to(torch.bfloat16)
         return y.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- model loader
+
+
+def adopt_runners(model: torch.nn.Module) -> list[str]:
+    """Fit vLLM's MoE runners to the megamoe layers they drive; returns the runners whose shared MLP was
+    detached.
+
+    A layer whose manifest holds kernel-layout shared experts runs them itself (fused into the launch where
+    the backend fuses them); vLLM built its own shared MLP from config.json, and the checkpoint has no
+    tensors for it, so that MLP is taken out of the runner (vllm/model_executor/layers/fused_moe/runner/
+    moe_runner.py ``_shared_experts``, ``_select_forward``). A runner that scales the routed output by
+    routed_scaling_factor is recorded, so the layer hands it the unscaled sum."""
+    detached = []
+    for name, runner in model.named_modules():
+        routed = getattr(runner, "routed_experts", None)
+        method = getattr(routed, "quant_method", None)
+        if not isinstance(method, MegaMoEFusedMoEMethod):
+            continue
+        method.runner_output_scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+        if routed.megamoe_experts.spec.shared is not None and getattr(runner, "_shared_experts", None) is not None:
+            runner._shared_experts = None
+            runner._forward_entry = runner._select_forward()
+            detached.append(name)
+    return detached
 
 
 def _is_megamoe_config(qc: Any) -> bool:
@@ -308,6 +335,13 @@ def _is_megamoe_config(qc: Any) -> bool:
 class MegaMoEModelLoader(DefaultModelLoader):
     """``--load-format megamoe``: vLLM's default loader for the non-expert tensors (the expert shards are left
     out of its file list, so it never opens them), then each MoE layer from its pre-laid shards."""
+
+    def __init__(self, load_config: Any):
+        # the default loader's file discovery knows its own formats only: it reads the folder as safetensors
+        import dataclasses
+
+        super().__init__(dataclasses.replace(load_config, load_format="safetensors"))
+        self.requested_load_config = load_config
 
     def _megamoe_layers(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         return [(name, m) for name, m in model.named_modules()
@@ -322,6 +356,14 @@ class MegaMoEModelLoader(DefaultModelLoader):
         return hf_folder, files, use_safetensors, index_file
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        ckpt, layers = self.check_experts(model, model_config)
+        self._expert_files = {te.file for te in ckpt.manifest.tensors.values() if te.layer is not None}
+        super().load_weights(model, model_config)  # the non-expert tensors, vLLM's way
+        self.fill_experts(model, ckpt, layers)
+
+    def check_experts(self, model: torch.nn.Module, model_config: Any):
+        """(checkpoint, [(name, RoutedExperts)]) once every MoE layer passed megamoe's load checks (spec,
+        folder identity, every file's header and length): all or nothing, before the first byte is copied."""
         layers = self._megamoe_layers(model)
         if not layers:
             raise CheckpointError(f"--load-format {LOAD_FORMAT}: {model_config.model} built no megamoe MoE layer "
@@ -329,21 +371,23 @@ class MegaMoEModelLoader(DefaultModelLoader):
                                   f"quant_method {QUANT_METHOD!r})")
         qc = layers[0][1].quant_method.quant_config
         ckpt = qc.checkpoint
-        # a hub snapshot's shards arrived after the config-time check: check them now, before any byte
-        if not qc.shards_checked:
-            from ..folder import check_folder_for_model as _check
-
-            _check(ckpt.root, _config_dict(ckpt.root, model_config.hf_config), dry_run=True)
+        if not qc.shards_checked:  # a hub snapshot's shards arrived after the config-time check
+            check_folder_for_model(ckpt.root, _config_dict(ckpt.root, model_config.hf_config), dry_run=True)
             qc.shards_checked = True
-        for name, m in layers:  # all or nothing: every layer passes before the first byte is copied
+        for name, m in layers:
             ckpt.check_load(m.megamoe_experts).raise_if_failed(f"{ckpt.root}: {name}")
-        self._expert_files = {te.file for te in ckpt.manifest.tensors.values() if te.layer is not None}
-        super().load_weights(model, model_config)  # the non-expert tensors, vLLM's way
+        return ckpt, layers
+
+    def fill_experts(self, model: torch.nn.Module, ckpt: Any, layers: list) -> int:
+        """Every MoE layer from its pre-laid shards (megamoe's ``load_layer``: one copy per stored tensor into
+        the parameter, no transform; this rank's files only), then the runners fitted (`adopt_runners`)."""
         self.expert_files_opened: list[str] = []
         copied = 0
         for name, m in layers:
             copied += ckpt.load_layer(m.megamoe_experts)
             self.expert_files_opened += [f for f in ckpt.last_opened_files if f not in self.expert_files_opened]
         self.expert_bytes_copied = copied
-        logger.info("megamoe: %d MoE layers filled from %s (%d bytes, files %s)", len(layers), ckpt.root, copied,
-                    self.expert_files_opened)
+        self.detached_shared = adopt_runners(model)
+        logger.info("megamoe: %d MoE layers filled from %s (%d bytes from %s)", len(layers), ckpt.root, copied,
+                    ", ".join(self.expert_files_opened))
+        return copied

@@ -1,0 +1,397 @@
+"""transformers' ``from_pretrained`` on converted folders, proved against transformers' own forward.
+
+* BF16 sources: the reference is transformers loading the SOURCE folder itself. Tolerance: logits
+  calc_diff < 1e-4. Both sides compute in bf16; the kernels round at other points (bf16 per slot, fp32
+  combine; docs/NUMERICS.md), which moves logits by ~1e-5 (measured 8e-6 .. 3e-5 here), not by a wrong weight.
+* Quantized real exports: the reference is transformers' own model class with every weight decoded from the
+  SOURCE export by this file's own decoder (not the project's codecs), and an experts implementation
+  registered in transformers' ExpertsInterface that quantizes the expert inputs the way the kernels do
+  (MXFP8 per 32 for the mx rows; NVFP4 per 16 with a per-token scale, then against a2, for nvfp4).
+  Tolerance: calc_diff < 2e-3: the shared expert of these exports is re-encoded and run with quantized
+  activations by the layer but in bf16 by the reference, and the kernels' bf16 rounding points differ.
+  Negative controls (experts of two layers swapped, routed scaling applied twice, the shared expert
+  dropped) move calc_diff above 10x that.
+* Greedy decoding: identical tokens over 8 steps for the BF16 sources (where logits agree to ~1e-5);
+  for the quantized exports, identical until the reference's own top-2 margin is below the measured
+  logit error (a tie the tolerance cannot order).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+import megamoe_runtime.integrations.transformers as mtf  # noqa: E402
+from megamoe_runtime import calc_diff  # noqa: E402
+from megamoe_runtime.errors import CheckpointError, MegaMoEError  # noqa: E402
+from megamoe_runtime.integrations.transformers.blocks import MegaMoEBlock  # noqa: E402
+
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
+
+AutoModel = transformers.AutoModelForCausalLM
+BF16_TOL = 1e-4
+QUANT_TOL = 2e-3
+
+
+def _load(folder: Path, **kw):
+    return AutoModel.from_pretrained(folder, dtype=torch.bfloat16, **kw)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _prompt(vocab: int, n: int = 2, t: int = 10, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, t), generator=g)
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+# --------------------------------------------------------------------------- BF16: transformers on the source
+
+
+def test_bf16_source_matches_transformers_on_the_source(arch, converted_tiny):
+    src, out = converted_tiny(arch)
+    before = _snapshot(out)
+    ours, ref = _load(out), _load(src)
+    blocks = [m for m in ours.modules() if isinstance(m, MegaMoEBlock)]
+    n_moe = len(json.loads((out / "megamoe.json").read_text())["layers"])
+    assert len(blocks) == n_moe and all(b.megamoe.backend.name == "reference" for b in blocks)
+    ids = _prompt(ours.config.vocab_size)
+    a, b = _logits(ours, ids), _logits(ref, ids)
+    d = calc_diff(a, b)
+    assert d < BF16_TOL, f"{arch}: calc_diff {d}"
+    forced = _greedy_agree(ours, ref, ids, 8, float((a - b).abs().max()))
+    assert forced <= 2, f"{arch}: {forced} of 8 greedy steps were ties"
+    if forced == 0:  # no near-tie on the way: generate() itself (KV cache, decode steps of one token) agrees
+        gen = dict(max_new_tokens=8, do_sample=False)
+        assert torch.equal(ours.generate(ids[:1], **gen), ref.generate(ids[:1], **gen))
+    assert _snapshot(out) == before  # loading writes nothing into OUT
+
+
+def test_shared_expert_runs_fused_and_once(converted_tiny):
+    src, out = converted_tiny("deepseek_v3")
+    ours, ref = _load(out), _load(src)
+    layer = ours.model.layers[1].mlp.megamoe
+    assert layer.shared_fused and layer.spec.shared is not None
+    ids = _prompt(ours.config.vocab_size)
+    base = calc_diff(_logits(ours, ids), _logits(ref, ids))
+    # negative control: the shared expert dropped from the reference must be seen
+    for i in (1, 2):
+        ref.model.layers[i].mlp.shared_experts.down_proj.weight.data.zero_()
+    assert calc_diff(_logits(ours, ids), _logits(ref, ids)) > 10 * max(base, BF16_TOL)
+
+
+def test_routed_scaling_applied_once(converted_tiny):
+    """The router's own factor is moved into the kernel (set to 1.0 there); a router left scaling as well
+    (twice in all) is caught."""
+    src, out = converted_tiny("deepseek_v3")
+    ours, ref = _load(out), _load(src)
+    gate = ours.model.layers[1].mlp.gate
+    assert gate.routed_scaling_factor == 1.0 and ours.model.layers[1].mlp.megamoe.spec.routed_scaling_factor == 2.5
+    ids = _prompt(ours.config.vocab_size)
+    base = calc_diff(_logits(ours, ids), _logits(ref, ids))
+    for i in (1, 2):
+        ours.model.layers[i].mlp.gate.routed_scaling_factor = 2.5
+    assert calc_diff(_logits(ours, ids), _logits(ref, ids)) > 10 * max(base, BF16_TOL)
+
+
+def test_experts_of_two_layers_swapped_are_caught(converted_tiny):
+    src, out = converted_tiny("qwen3_moe")
+    ours, ref = _load(out), _load(src)
+    ids = _prompt(ours.config.vocab_size)
+    base = calc_diff(_logits(ours, ids), _logits(ref, ids))
+    a, b = ours.model.layers[0].mlp, ours.model.layers[1].mlp
+    a.megamoe, b.megamoe = b.megamoe, a.megamoe
+    assert calc_diff(_logits(ours, ids), _logits(ref, ids)) > 10 * max(base, BF16_TOL)
+
+
+# --------------------------------------------------------------------------- quantized real exports
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_E2M1_GRID = _E2M1[:8]
+
+
+def _fp4(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8).to(torch.int64)
+    return torch.stack([_E2M1[b & 15], _E2M1[b >> 4]], dim=-1).flatten(-2)  # low nibble = even element
+
+
+def _decode(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This file's own decoder of one stored projection (REFERENCE of the formats, docs/FORMATS.md)."""
+    w = t.get("weight_packed", t.get("weight"))
+    if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return w.float()
+    ws = t["weight_scale"]
+    if ws.dtype == torch.uint8:  # MX: 2^(s-127) per 32
+        vals = _fp4(w) if w.dtype == torch.uint8 else w.float()
+        return (vals.unflatten(-1, (-1, 32)) * torch.exp2(ws.float() - 127).unsqueeze(-1)).flatten(-2)
+    vals = _fp4(w)
+    block = ws.float()
+    if "weight_scale_2" in t:
+        block = block * t["weight_scale_2"].float()
+    else:
+        block = block / t["weight_global_scale"].float()
+    group = vals.shape[-1] // block.shape[-1]
+    return (vals.unflatten(-1, (-1, group)) * block.unsqueeze(-1)).flatten(-2)
+
+
+def _source_modules(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    mods: dict[str, dict[str, torch.Tensor]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                mod, suffix = k.rsplit(".", 1)
+                mods.setdefault(mod, {})[suffix] = h.get_tensor(k)
+    return mods
+
+
+def _mxfp8_qdq(x: torch.Tensor) -> torch.Tensor:
+    g = x.float().unflatten(-1, (-1, 32))
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    mag = y.abs().clamp_max(6.0)
+    idx = (mag.unsqueeze(-1) - _E2M1_GRID).abs().argmin(-1)
+    return _E2M1_GRID[idx] * torch.sign(y)
+
+
+def _nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 per 16 against ``global_scale`` (per row or scalar): E4M3 block scale of amax/6."""
+    g = x.float().unflatten(-1, (-1, 16)) / global_scale.reshape(-1, 1, 1)
+    sf = (g.abs().amax(-1, keepdim=True) / 6.0).clamp_min(2.0 ** -9).to(torch.float8_e4m3fn).float()
+    return (_e2m1_round(g / sf) * sf * global_scale.reshape(-1, 1, 1)).flatten(-2)
+
+
+def _kernel_like_experts(self, hidden_states, top_k_index, top_k_weights):
+    """An ExpertsInterface function: transformers' experts with the kernels' activation quantization."""
+    row, a2 = self._mm_row, self._mm_a2
+    x = hidden_states.float()
+    if row == "nvfp4":
+        tok = (x.abs().amax(-1).clamp_min(1e-12) / 2688.0)
+        x = _nvfp4_qdq(x, tok)
+    elif row != "bf16":
+        x = _mxfp8_qdq(x)
+    out = torch.zeros_like(x)
+    for e in range(self.num_experts):
+        tok_idx, slot = torch.where(top_k_index == e)
+        if tok_idx.numel() == 0:
+            continue
+        h = x[tok_idx] @ self.gate_up_proj[e].float().t()
+        g, u = h.chunk(2, dim=-1)
+        g, u = g.to(torch.bfloat16).float(), u.to(torch.bfloat16).float()
+        a = torch.nn.functional.silu(g) * u
+        w = top_k_weights[tok_idx, slot].float().unsqueeze(-1)
+        if row == "nvfp4":
+            a = _nvfp4_qdq(a, a2)
+            y = ((a @ self.down_proj[e].float().t()).to(torch.bfloat16).float() * w).to(torch.bfloat16).float()
+        else:
+            a = _mxfp8_qdq(a * w)
+            y = (a @ self.down_proj[e].float().t()).to(torch.bfloat16).float()
+        out.index_add_(0, tok_idx, y)
+    return out.to(hidden_states.dtype)
+
+
+transformers.integrations.moe.ExpertsInterface.register("megamoe_test_kernel_like", _kernel_like_experts)
+
+
+def _reference_model(fixture: str, row: str, a2: float):
+    """transformers' model class of the export, every weight decoded from the export by `_decode`."""
+    folder = REAL / fixture
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    cfg.quantization_config = None
+    cfg._experts_implementation = "megamoe_test_kernel_like"
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg).to(torch.bfloat16)
+    mods = _source_modules(folder)
+    with torch.no_grad():
+        for name, p in model.state_dict(keep_vars=True).items():
+            mod, suffix = name.rsplit(".", 1)
+            if suffix in ("gate_up_proj", "down_proj") and ".experts" in mod:
+                n_exp = p.shape[0]
+                ws = []
+                for e in range(n_exp):
+                    if suffix == "gate_up_proj":
+                        ws.append(torch.cat([_decode(mods[f"{mod}.{e}.gate_proj"]), _decode(mods[f"{mod}.{e}.up_proj"])]))
+                    else:
+                        ws.append(_decode(mods[f"{mod}.{e}.down_proj"]))
+                setattr(model.get_submodule(mod), suffix, torch.nn.Parameter(torch.stack(ws), requires_grad=False))
+                continue
+            if suffix == "weight" and mod in mods and "weight_scale" in mods[mod]:
+                p.copy_(_decode(mods[mod]).to(p.dtype))
+            elif name in {f"{m}.{s}" for m in mods for s in mods[m]}:
+                p.copy_(mods[mod][suffix].to(p.dtype))
+            else:
+                raise AssertionError(f"{fixture}: no source tensor for {name}")
+    for m in model.modules():
+        if hasattr(m, "gate_up_proj"):
+            m._mm_row, m._mm_a2 = row, torch.tensor(a2)
+    return model.eval()
+
+
+#: real exports covering the rows and producers (DeepSeek-V3 with shared experts; Qwen3 with two MoE layers)
+QUANTIZED = ("modelopt-nvfp4-deepseekv3", "quark-mxfp4-deepseekv3", "llmcompressor-nvfp4-deepseekv3",
+             "modelopt-mxfp8-qwen3moe", "modelopt-mxfp4-qwen3moe")
+
+
+def _greedy_agree(ours, ref, ids, steps: int, err: float) -> int:
+    """Teacher-forced greedy over ``steps`` tokens: every step's argmax equal, unless the reference's top-2
+    margin is within twice the measured logit error (a tie neither side can be said to break right).
+    Returns how many steps were such ties."""
+    seq, ties = ids[:1], 0
+    for _ in range(steps):
+        a, b = _logits(ours, seq)[0, -1], _logits(ref, seq)[0, -1]
+        top2 = b.topk(2).values
+        if int(a.argmax()) != int(b.argmax()):
+            margin = float(top2[0] - top2[1])
+            assert margin <= 2 * err, f"greedy tokens differ ({int(a.argmax())} vs {int(b.argmax())}) at a margin {margin}"
+            ties += 1
+        seq = torch.cat([seq, b.argmax().reshape(1, 1)], dim=1)
+    return ties
+
+
+@pytest.mark.parametrize("fixture", QUANTIZED)
+def test_quantized_export_matches_transformers_with_kernel_activations(fixture, converted_real):
+    out = converted_real(fixture)
+    ours = _load(out)
+    m = json.loads((out / "megamoe.json").read_text())
+    a2 = m["layers"][0]["scalars"].get("l2_activation_scale", 1.0)
+    ref = _reference_model(fixture, m["row"], a2)
+    ids = _prompt(ours.config.vocab_size)
+    a, b = _logits(ours, ids), _logits(ref, ids)
+    d = calc_diff(a, b)
+    assert d < QUANT_TOL, f"{fixture}: calc_diff {d}"
+    assert _greedy_agree(ours, ref, ids, 6, float((a - b).abs().max())) <= 2
+    # negative control: the kernels' activation quantization left out of the reference is visible
+    for mod in ref.modules():
+        if hasattr(mod, "_mm_row"):
+            mod._mm_row = "bf16"
+    d_plain = calc_diff(a, _logits(ref, ids))
+    assert d_plain > d, f"{fixture}: {d_plain} vs {d}"
+
+
+def test_quantized_swapped_layers_and_double_scaling_fail(converted_real):
+    out = converted_real("quark-mxfp4-deepseekv3")
+    ours = _load(out)
+    ref = _reference_model("quark-mxfp4-deepseekv3", "mxfp4", 1.0)
+    ids = _prompt(ours.config.vocab_size)
+    base = calc_diff(_logits(ours, ids), _logits(ref, ids))
+    ours.model.layers[1].mlp.gate.routed_scaling_factor = 2.5
+    assert calc_diff(_logits(ours, ids), _logits(ref, ids)) > 10 * base
+    out = converted_real("modelopt-mxfp4-qwen3moe")
+    ours = _load(out)
+    ref = _reference_model("modelopt-mxfp4-qwen3moe", "mxfp4", 1.0)
+    base = calc_diff(_logits(ours, ids), _logits(ref, ids))
+    a, b = ours.model.layers[0].mlp, ours.model.layers[1].mlp
+    a.megamoe, b.megamoe = b.megamoe, a.megamoe
+    assert calc_diff(_logits(ours, ids), _logits(ref, ids)) > 10 * base
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _copy(out: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_not_a_megamoe_folder(converted_tiny, tmp_path):
+    _, out = converted_tiny("qwen3_moe")
+    bad = _copy(out, tmp_path)
+    (bad / "megamoe.json").unlink()
+    with pytest.raises(CheckpointError, match="not a megamoe output folder"):
+        _load(bad)
+
+
+def test_manifest_of_another_model(converted_tiny, tmp_path):
+    _, out = converted_tiny("qwen3_moe")
+    bad = _copy(out, tmp_path)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 64
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"expert intermediate 128 in megamoe.json, 64 in config.json"):
+        _load(bad)
+
+
+def test_missing_shard_refused_before_any_allocation(converted_tiny, tmp_path, monkeypatch):
+    _, out = converted_tiny("deepseek_v3")
+    bad = _copy(out, tmp_path)
+    shard = next(bad.glob("megamoe-experts-*.safetensors"))
+    shard.unlink()
+    from megamoe_runtime import checkpoint
+    real_alloc, built = checkpoint.Checkpoint.allocate_layer, []
+
+    def alloc(self, index, device="cpu", *a, **k):  # the dry run's meta layers are fine; a real one is not
+        if torch.device(device).type != "meta":
+            built.append(index)
+        return real_alloc(self, index, device, *a, **k)
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "allocate_layer", alloc)
+    with pytest.raises(CheckpointError, match=shard.name):
+        _load(bad)
+    assert not built
+
+
+def test_unknown_architecture(converted_tiny, tmp_path, monkeypatch):
+    _, out = converted_tiny("qwen3_moe")
+    from megamoe_runtime.integrations.transformers import blocks
+    monkeypatch.delitem(blocks.MOE_BLOCKS, "Qwen3MoeSparseMoeBlock")
+    with pytest.raises(CheckpointError, match="not a MoE block the megamoe integration knows"):
+        _load(out)
+
+
+def test_routed_scaling_disagreeing_with_the_manifest(converted_tiny, tmp_path):
+    _, out = converted_tiny("glm4_moe")
+    bad = _copy(out, tmp_path)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["routed_scaling_factor"] = 3.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="routed_scaling_factor is 3.0 in config.json but 1.5 in megamoe.json"):
+        _load(bad)
+
+
+def test_backend_named_and_validated(converted_tiny, monkeypatch):
+    _, out = converted_tiny("qwen3_moe")
+    model = _load(out, quantization_config=mtf.MegaMoEConfig(backend="reference"))
+    assert model.model.layers[0].mlp.megamoe.backend.name == "reference"
+    with pytest.raises(ValueError, match="backend 'cuda-magic' is unknown"):
+        mtf.MegaMoEConfig(backend="cuda-magic")
+    monkeypatch.setenv("MEGAMOE_BACKEND", "reference")
+    assert mtf.MegaMoEConfig().backend == "reference"
+
+
+def test_block_unloaded_says_so():
+    block = MegaMoEBlock(torch.nn.Identity(), 3, "X")
+    with pytest.raises(MegaMoEError, match="never loaded"):
+        block(torch.zeros(1, 2, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fixture", ["quark-mxfp4-deepseekv3", "modelopt-nvfp4-deepseekv3"])
+def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
+    """On the GPU the backend follows the device (triton on Hopper) and the model equals the CPU one."""
+    out = converted_real(fixture)
+    cpu, gpu = _load(out), _load(out, device_map="cuda")
+    layer = gpu.model.layers[1].mlp.megamoe
+    assert layer.device.type == "cuda" and layer.backend.name in ("triton", "deepgemm")
+    ids = _prompt(cpu.config.vocab_size)
+    d = calc_diff(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids))
+    assert d < 1e-4, d
+    gen = dict(max_new_tokens=6, do_sample=False)
+    assert gpu.generate(ids[:1].cuda(), **gen).shape == (1, 16)
