@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -99,7 +98,7 @@ from .shared import (
 )
 from .source import open_source, source_roots
 from .summary import ConvertSummary, summary_of_output
-from .temp_folder import check_output_target, prepare_temp_dir
+from .temp_folder import check_output_target, prepare_temp_dir, remove_temp
 
 DEFAULT_CHECKSUM = digests.DEFAULT_CHECKSUM
 #: the interpreter's thread switch interval during the streaming pass, seconds (`_convert_locked`)
@@ -168,7 +167,7 @@ def convert(
     check_placement(out, source_roots(src))
     created = ensure_parent(out)
     try:
-        with OutputLock(out) as lock, _heap_frozen():
+        with OutputLock(out, log) as lock, _heap_frozen():
             if lock.stale is not None:
                 log(f"note: {lock.path} was left by an earlier run ({lock.stale.describe()}) that is no longer "
                     "running; taking it over")
@@ -178,7 +177,7 @@ def convert(
                 allow_missing_input_scales=allow_missing_input_scales, l2_activation_scale=l2_activation_scale,
                 overwrite=overwrite, resume=resume, progress=progress, log=log, shared_precision=shared_precision,
                 on_step=on_step, accept_activation_change=accept_activation_change,
-                checksum=checksum)
+                checksum=checksum, guard=lock)
     except BaseException:
         remove_created(created)  # only the parents this run made, and only while empty
         raise
@@ -211,9 +210,9 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                     on_scale_mismatch: str, allow_missing_input_scales: bool, l2_activation_scale,
                     overwrite: bool, resume: bool, progress, log: Log, shared_precision: str,
                     on_step: StepHook | None, accept_activation_change: bool = False,
-                    checksum: str = SHA256) -> ConvertSummary:
-    """`convert` once it holds OUT's lock."""
-    recovered = recover(out, log)
+                    checksum: str = SHA256, guard: OutputLock | None = None) -> ConvertSummary:
+    """`convert` once it holds OUT's lock (`guard`: confirmed before every rename or delete under OUT)."""
+    recovered = recover(out, log, guard)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
 
     source = open_source(src, revision)
@@ -262,7 +261,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                     f"output folder {out} already exists (an interrupted conversion of other inputs or options "
                     "was just completed into it); pass --overwrite to replace it")
 
-        tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume, fingerprint=fingerprint)
+        tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume, fingerprint=fingerprint,
+                                         guard=guard)
         threads = torch.get_num_threads()
         # Every op touches one expert (a few MB) and is memory-bound: torch's
         # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
@@ -283,11 +283,12 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         try:
             return run_conversion(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
                         fingerprint, ep_size, progress, log, on_step,
-                        recipe=manifest_record(reader, l2_activation_scale is not None), checksum=checksum)
+                        recipe=manifest_record(reader, l2_activation_scale is not None), checksum=checksum,
+                        guard=guard)
         except OutputError:
             raise  # e.g. --resume of a different run: keep that run's temp folder
         except MegaMoEError:
-            shutil.rmtree(tmp, ignore_errors=True)  # bad input: a resume cannot fix it (the folder is ours)
+            remove_temp(tmp, guard)  # bad input: a resume cannot fix it (only while the folder is still ours)
             raise
         finally:
             torch.set_num_threads(threads)

@@ -9,7 +9,27 @@ siblings, which all live beside OUT (same filesystem, so renames are atomic):
 * ``.OUT.megamoe-old``  the previous OUT during an ``--overwrite`` swap;
 * ``.OUT.megamoe-lock`` the lock file: ``fcntl.flock`` held for the whole run,
   so the kernel releases it when the process dies, even by ``kill -9``; it
-  holds the holder's pid, host and start time for the refusal message.
+  holds the holder's pid, host, start time and run id for the refusal message.
+
+The one-writer guarantee does not rest on that path alone (a user or a tmp
+reaper may delete or replace it under a live run; issue 30). Three locks,
+all ``flock`` (dropped by the kernel on any death):
+
+* the lock file: the early, named refusal of a second run;
+* the temp folder's own directory descriptor (`TempClaim`), held from the
+  moment the run creates or adopts ``.OUT.megamoe-tmp`` to its end, so no
+  other run can resume, discard or swap in a live run's folder, whatever
+  happened to the lock file; the folder's marker holds the run id;
+* OUT's parent directory (`parent_locked`), for the few short steps that
+  decide on and change the names beside OUT (claiming, discarding or
+  creating the temp folder, `recover`, the swap), so two runs never
+  interleave those steps.
+
+Before every rename or delete under OUT a run confirms (`OutputLock.confirm`)
+that the lock path still names the file it locked (re-created if only
+removed) and that the temp folder is still its own (same inode, its run id
+in the marker); otherwise it stops with an OutputError naming the folder and
+the other run, and touches nothing.
 
 Placement rules (`check_placement`): OUT (and its siblings) may not overlap
 the source in either direction after resolving symlinks (a hub source's cache
@@ -27,12 +47,15 @@ next run (under the lock) finishes or undoes the swap before anything else.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -237,10 +260,48 @@ def is_our_old(old: Path) -> bool:
     return True
 
 
-def write_temp_marker(tmp: Path, out: Path) -> None:
-    (tmp / TMP_MARKER).write_text(json.dumps({
-        "format": "megamoe-temp", "out": str(out), "pid": os.getpid(), "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, sort_keys=True) + "\n")
+def new_run_id() -> str:
+    """A run's id: in its lock file and in its temp folder's marker, so a run can tell its folder from another's."""
+    return secrets.token_hex(8)
+
+
+def this_command() -> dict:
+    """The command line of this process and where it ran: kept in the temp folder's marker, so a later
+    run can show what an interrupted run was started with (``--resume`` with other options names them)."""
+    return {"argv": [os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]], "cwd": os.getcwd()}
+
+
+def write_temp_marker(tmp: Path, out: Path, run_id: str | None = None, command: dict | None = None,
+                      previous: dict | None = None) -> None:
+    """The marker that makes `tmp` provably ours: the owning run (id, pid, host, start) and the command
+    the folder was created by. `previous` (a resume taking the folder over): the old marker, whose
+    ``command`` and ``created`` are kept, and whose run is appended to ``resumes``."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rec = {"format": "megamoe-temp", "out": str(out), "pid": os.getpid(), "host": socket.gethostname(),
+           "started": now, "run_id": run_id or new_run_id(), "command": command or this_command(), "created": now}
+    if previous:
+        rec["command"] = previous.get("command", rec["command"])
+        rec["created"] = previous.get("created", previous.get("started", now))
+        rec["resumes"] = [*previous.get("resumes", []), {k: previous.get(k) for k in ("run_id", "pid", "started")}]
+    data = (json.dumps(rec, sort_keys=True) + "\n").encode()
+    fd = os.open(tmp / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_temp_marker(tmp: Path) -> dict:
+    """The marker of `tmp` ({} when absent or unreadable)."""
+    return _read_json_object(Path(tmp) / TMP_MARKER) or {}
+
+
+def describe_marker(m: dict) -> str:
+    """Who a temp folder's marker says owns it, for messages."""
+    if not m.get("pid"):
+        return "a run whose marker is unreadable"
+    return (f"run {m.get('run_id', '?')} (pid {m['pid']}" + (f" on {m['host']}" if m.get("host") else "")
+            + (f", started {m['started']}" if m.get("started") else "") + ")")
 
 
 def journal_state(tmp: Path) -> tuple[str | None, bool]:
@@ -271,13 +332,22 @@ def _journal_run(tmp: Path) -> tuple[dict | None, bool]:
     return fingerprint, complete and (tmp / MANIFEST_NAME).is_file()
 
 
-def discard_temp(tmp: Path) -> None:
-    """Remove an interrupted run's temp folder, only if provably ours."""
+def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" = None) -> None:
+    """Remove an interrupted run's temp folder, only if provably ours and no live run holds it
+    (`TempClaim.adopt` first: refused naming that run). `guard`: the caller's lock, confirmed first."""
     if not is_our_temp(tmp):
         raise OutputError(
             f"{tmp} exists but was not made by megamoe-convert (no {TMP_MARKER} or journal inside); "
             "it is left alone: remove or rename it yourself")
-    shutil.rmtree(tmp)
+    if out is None:  # ".NAME.megamoe-tmp" -> NAME
+        out = tmp.parent / tmp.name[1:-len(TMP_SUFFIX)]
+    with parent_locked(out):
+        claim = TempClaim.adopt(tmp, out)
+        try:
+            _confirm(guard, f"removing the interrupted run's temp folder {tmp}")
+            shutil.rmtree(tmp)
+        finally:
+            claim.release()
 
 
 # --------------------------------------------------------------------------- lock
@@ -315,21 +385,47 @@ def _read_holder(path: Path) -> LockHolder:
 
 
 class OutputLock:
-    """Exclusive ``flock`` on ``.OUT.megamoe-lock``, held for a whole run.
+    """Exclusive ``flock`` on ``.OUT.megamoe-lock``, held for a whole run, and
+    the run's claim on its temp folder (`claim`, a `TempClaim`).
 
     The kernel drops it when the holder dies (``kill -9`` included), so a
     lock file left behind by a dead run is recognised (`stale` holds who it
     was) and taken over. A second run is refused at once, naming the holder.
-    The file is removed on release; `acquire` re-checks that the file it
-    locked is still the one at the path, so removal cannot let two runs in."""
+    The file is removed on release (only while it is still ours); `acquire`
+    re-checks that the file it locked is still the one at the path.
 
-    def __init__(self, out: Path):
+    The path can still be removed or replaced while the run holds it (issue
+    30): `confirm`, called before every rename or delete under OUT, re-checks
+    it, re-creates a removed lock, and stops the run (OutputError) when
+    another live process holds whatever now lies at that name, or when the
+    temp folder is no longer this run's. What actually keeps a second run out
+    of a live run's files is the claim on the temp folder itself and the
+    parent-directory lock around the swap (module docstring)."""
+
+    def __init__(self, out: Path, log: Log | None = None):
         self.out = Path(out)
         self.path = lock_path_for(self.out)
         self.fd: int | None = None
+        self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this run locked
         self.stale: LockHolder | None = None
+        self.run_id = new_run_id()
+        self.claim: TempClaim | None = None
+        self.log = log or (lambda m: None)
 
     def acquire(self) -> "OutputLock":
+        """Lock the file (under OUT's parent lock: never in the middle of another run's swap or
+        `confirm`, so a run that re-creates its removed lock there never meets a half-made one)."""
+        with parent_locked(self.out):
+            got = self._try_lock()
+        if isinstance(got, LockHolder):
+            raise OutputError(
+                f"another megamoe-convert run is writing {self.out} right now ({got.describe()}; "
+                f"lock {self.path}); wait for it to finish, or stop it first. Two runs on one OUT are "
+                "refused: they would mix their files")
+        return self
+
+    def _try_lock(self) -> "OutputLock | LockHolder":
+        """Lock the file at `path` (created if missing): self, or the live holder that has it."""
         import fcntl
 
         while True:
@@ -338,13 +434,11 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                holder = _read_holder(self.path)
-                raise OutputError(
-                    f"another megamoe-convert run is writing {self.out} right now ({holder.describe()}; "
-                    f"lock {self.path}); wait for it to finish, or stop it first. Two runs on one OUT are "
-                    "refused: they would mix their files") from None
+                return _read_holder(self.path)
+            st = os.fstat(fd)
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                now = os.stat(self.path, follow_symlinks=False)
+                same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
             except FileNotFoundError:
                 same = False
             if same:
@@ -358,13 +452,16 @@ class OutputLock:
         if raw.strip() and prev.pid is None:  # not empty (a kill between create and write) and not our JSON
             os.close(fd)
             raise self._not_ours("a file whose content is not a megamoe-convert lock")
-        if prev.pid is not None:
+        if prev.pid is not None and self.fd is None:
             self.stale = prev
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "out": str(self.out),
+                           "run_id": self.run_id,
                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, sort_keys=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (info + "\n").encode(), 0)
-        self.fd = fd
+        if self.fd is not None:
+            os.close(self.fd)  # the file we held before is no longer at the path: its lock guards nothing
+        self.fd, self.ident = fd, (st.st_dev, st.st_ino)
         return self
 
     def _not_ours(self, what: str) -> OutputError:
@@ -386,21 +483,251 @@ class OutputLock:
             raise self._not_ours("not a regular file")
         return fd
 
-    def release(self) -> None:
+    def _still_ours(self) -> bool | None:
+        """True: the lock path names the file we locked; False: another file; None: nothing."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino) == self.ident
+
+    def confirm(self, doing: str = "") -> None:
+        """Before a rename or delete under OUT (`doing` names it): the lock and
+        the temp folder must still be this run's.
+
+        A lock file that was removed is re-created and locked again (nobody
+        else holds the name, so nobody else is in). One that was replaced by a
+        file no live process holds is locked again too. One that another live
+        process holds means a second run got past the lock while this one was
+        running: wait `TAKEOVER_GRACE_S` (a run that is only being refused by
+        this run's temp-folder claim lets go within milliseconds), then stop
+        with an OutputError naming the folder and the other run; nothing is
+        touched (the temp folder stays, resumable). Outside a run (no lock
+        held) a no-op."""
         if self.fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)  # closing drops the flock
-        self.fd = None
+        with parent_locked(self.out):
+            self._confirm(doing)
+
+    def _confirm(self, doing: str) -> None:
+        deadline = time.monotonic() + TAKEOVER_GRACE_S
+        while self._still_ours() is not True:
+            got = self._try_lock()
+            if got is self:
+                self.log(f"note: {self.path} was removed or replaced while this run held it; locked again "
+                         f"(run {self.run_id})")
+                break
+            if time.monotonic() >= deadline:
+                where = (f"its temp folder {self.claim.path} is left as it is (resumable with --resume once the "
+                         "other run is done)" if self.claim is not None else "nothing was written")
+                raise OutputError(
+                    f"the lock {self.path} of {self.out} was removed or replaced while this run (run {self.run_id}, "
+                    f"pid {os.getpid()}) held it, and another process now holds it ({got.describe()}); this run "
+                    f"stops before {doing or 'going on'} and touches nothing: {where}. Never delete a "
+                    "*.megamoe-lock while a conversion is running")
+            time.sleep(0.05)
+        if self.claim is not None:
+            self.claim.confirm(doing)
+
+    def release(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+        if self.fd is None:
+            return
+        with parent_locked(self.out):
+            if self._still_ours():  # never remove a lock file another run put at that name
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: how long `OutputLock.confirm` waits for another holder of a replaced lock file to let go, seconds
+TAKEOVER_GRACE_S = 2.0
+#: errors of a file system that cannot flock a directory (NFS emulates flock with fcntl locks, which need
+#: a descriptor open for writing): the temp-folder claim then rests on its inode and run id checks alone
+_NO_DIR_LOCK = {errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def _open_dir(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
+
+
+def temp_holder(tmp: Path) -> dict | None:
+    """The marker of the live run that holds `tmp`'s claim, or None when no
+    live process holds it (or it cannot be told): a probe, changing nothing."""
+    import fcntl
+
+    try:
+        fd = _open_dir(tmp)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return read_temp_marker(tmp)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops a lock we got
+    return None
+
+
+def _busy_temp(tmp: Path, out: Path, holder: dict) -> OutputError:
+    return OutputError(
+        f"another megamoe-convert run is writing {tmp} right now ({describe_marker(holder)}), although the lock "
+        f"{lock_path_for(out)} does not say so (it was removed or replaced while that run held it); this run "
+        f"touches nothing: wait for that run to finish, or stop it first")
+
+
+class TempClaim:
+    """This run's hold on its temp folder: an exclusive ``flock`` on the
+    folder's own directory descriptor, from creation (`create`) or adoption
+    (`adopt`: resume, discard, swap-in of a complete one) to the end of the
+    run. The lock lives on the folder's inode, so it follows the folder
+    through the rename to OUT and no deleted or replaced path can hand it to
+    another run; `confirm` checks that the path still names that folder and
+    that the marker still carries this run's id."""
+
+    def __init__(self, path: Path, fd: int, run_id: str | None, locked: bool):
+        self.path = Path(path)
+        self.fd = fd
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.run_id = run_id
+        self.locked = locked
+
+    @classmethod
+    def _lock(cls, tmp: Path, out: Path, run_id: str | None) -> "TempClaim":
+        import fcntl
+
+        try:
+            fd = _open_dir(tmp)
+        except OSError as e:
+            raise OutputError(f"cannot open the temp folder {tmp}: {e.strerror or e}") from None
+        locked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _busy_temp(tmp, out, read_temp_marker(tmp)) from None
+        except OSError as e:
+            if e.errno not in _NO_DIR_LOCK:
+                os.close(fd)
+                raise OutputError(f"cannot lock the temp folder {tmp}: {e.strerror or e}") from None
+            locked = False
+        claim = cls(tmp, fd, run_id, locked)
+        if not claim._names_it(tmp):  # removed or replaced between our open and our lock
+            claim.release()
+            raise OutputError(f"{tmp} was replaced while this run was taking it; this run touches nothing: "
+                              "another run is probably writing there")
+        return claim
+
+    @classmethod
+    def create(cls, tmp: Path, out: Path, run_id: str, command: dict | None = None) -> "TempClaim":
+        """Make `tmp` (it must not exist), lock it and write its marker."""
+        tmp.mkdir()
+        claim = cls._lock(tmp, out, run_id)
+        write_temp_marker(tmp, out, run_id, command)
+        return claim
+
+    @classmethod
+    def adopt(cls, tmp: Path, out: Path) -> "TempClaim":
+        """Lock an existing temp folder (an earlier, dead run's); OutputError naming the live run that holds it.
+        Its marker is left as it is until `take_over`."""
+        return cls._lock(tmp, out, None)
+
+    def take_over(self, out: Path, run_id: str) -> None:
+        """This run continues the adopted folder: the marker names it now, the original command kept."""
+        write_temp_marker(self.path, out, run_id, previous=read_temp_marker(self.path))
+        self.run_id = run_id
+
+    def _names_it(self, path: Path) -> bool:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
+
+    def moved(self, path: Path) -> None:
+        """The folder was renamed to `path` (the swap): `confirm` looks there now."""
+        self.path = Path(path)
+
+    def confirm(self, doing: str = "") -> None:
+        """The folder at `path` is still this run's (same inode, and its marker, while it has one, names
+        this run); otherwise OutputError naming the folder and what is there now."""
+        if not self._names_it(self.path):
+            other = read_temp_marker(self.path) if self.path.is_dir() else {}
+            now = f"it now holds {describe_marker(other)}'s folder" if other else \
+                "it was removed or replaced by something else"
+            raise OutputError(
+                f"{self.path} is no longer this run's temp folder (run {self.run_id}, pid {os.getpid()}): {now}; "
+                f"this run stops before {doing or 'going on'} and touches nothing")
+        m = read_temp_marker(self.path)
+        if self.run_id is not None and (self.path / TMP_MARKER).exists() and m.get("run_id") != self.run_id:
+            raise OutputError(
+                f"{self.path} was taken over by another run ({describe_marker(m)}; this run is run {self.run_id}, "
+                f"pid {os.getpid()}); this run stops before {doing or 'going on'} and touches nothing")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_PARENT_HELD = threading.local()
+
+
+@contextlib.contextmanager
+def parent_locked(out: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on OUT's parent directory for the few steps that
+    decide on and change the names beside OUT (temp folder claimed, discarded
+    or created; `recover`; the swap): two runs never interleave them, even
+    when the lock file was removed. Runs to other OUTs in the same parent wait
+    for these steps only (milliseconds; the swap's removal of an old output
+    at most). Re-entrant in a thread; a no-op where the parent cannot be
+    opened or locked (the other locks still hold)."""
+    import fcntl
+
+    parent = Path(out).parent
+    held = getattr(_PARENT_HELD, "paths", None)
+    if held is None:
+        held = _PARENT_HELD.paths = set()
+    key = str(parent)
+    if key in held:
+        yield
+        return
+    try:
+        fd = _open_dir(parent)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without directory locks
+        held.add(key)
+        try:
+            yield
+        finally:
+            held.discard(key)
+    finally:
+        os.close(fd)
+
+
+def _confirm(guard: "OutputLock | None", doing: str) -> None:
+    if guard is not None:
+        guard.confirm(doing)
 
 
 # --------------------------------------------------------------------------- swap
@@ -462,34 +789,60 @@ def check_old_name_free(out: Path, tmp: Path | None = None) -> None:
                           + (f" (the new output is complete in {tmp})" if tmp is not None else ""))
 
 
-def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None) -> None:
+def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None,
+                    guard: "OutputLock | None" = None) -> None:
     """Make the complete temp folder OUT: old OUT -> ``.OUT.megamoe-old``,
     temp -> OUT, journal and marker removed from OUT, old folder removed.
-    Each step is fsynced; a kill between any two is finished by `recover`."""
+    Each step is fsynced; a kill between any two is finished by `recover`.
+
+    Under OUT's parent lock (`parent_locked`), and with `guard` (the run's
+    `OutputLock`) each rename and delete is preceded by `guard.confirm`: a run
+    whose lock or temp folder was taken over stops there, touching nothing."""
     old = old_dir_for(out)
     moved_old = False
-    with signals_deferred():
+    with parent_locked(out), signals_deferred():
         if out.exists() or out.is_symlink():
             check_replaceable(out)  # again: something may have been added while we converted
             check_old_name_free(out, tmp)
+            _confirm(guard, f"moving {out} to {old}")
             if old.exists():
                 shutil.rmtree(old)
             os.rename(out, old)
             moved_old = True
             _fsync_dir(out.parent)
             _step(on_step, STEP_OLD_MOVED)
-        os.rename(tmp, out)
+        _confirm(guard, f"renaming {tmp} to {out}")
+        _rename_no_replace(tmp, out)
+        if guard is not None and guard.claim is not None:
+            guard.claim.moved(out)
         _fsync_dir(out.parent)
         _step(on_step, STEP_NEW_MOVED)
+        _confirm(guard, f"removing the journal and marker from {out}")
         _strip_temp_files(out)
         _step(on_step, STEP_CLEANED)
         if moved_old:  # only what this swap put there: a folder that was already at that name is not ours
+            _confirm(guard, f"removing the previous output {old}")
             shutil.rmtree(old)
             _fsync_dir(out.parent)
             _step(on_step, STEP_OLD_REMOVED)
 
 
-def recover(out: Path, log: Log | None = None) -> dict | None:
+def _rename_no_replace(src: Path, dst: Path) -> None:
+    """rename(2) of a folder, refusing (OutputError, both names) where `dst` appeared meanwhile: rename
+    would replace an empty folder there silently, and fails with a bare ENOTEMPTY on a full one."""
+    if dst.exists() or dst.is_symlink():
+        raise OutputError(f"{dst} appeared while this run was finishing (another process made it); {src} is "
+                          "complete and left as it is: move one of them away")
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise OutputError(f"{dst} appeared while this run was finishing (another process made it); {src} "
+                              "is complete and left as it is: move one of them away") from None
+        raise
+
+
+def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None) -> dict | None:
     """Finish (or undo) a swap an earlier run was killed in; call under the lock.
 
     * no OUT, complete temp folder: the temp folder becomes OUT;
@@ -497,33 +850,44 @@ def recover(out: Path, log: Log | None = None) -> dict | None:
     * OUT still holding our journal: stripped;
     * OUT and ``.megamoe-old`` both present: the old one is removed (if ours).
 
+    Under OUT's parent lock, so a live run's swap is never seen half done; a
+    temp folder a live run holds (`TempClaim`) is refused, not swapped in.
+
     Returns the finished run's journal ``run`` record (its ``fingerprint`` and
     the ``sources`` identities it read) when this completed its swap into OUT
     (the caller may then be done already, if its source is still that one), else None."""
     log = log or (lambda m: None)
     tmp, old = temp_dir_for(out), old_dir_for(out)
     finished = None
-    with signals_deferred():
+    with parent_locked(out), signals_deferred():
         if not out.exists() and not out.is_symlink():
             fp, complete = _journal_run(tmp) if is_our_temp(tmp) else (None, False)
             if complete:
-                os.rename(tmp, out)
+                claim = TempClaim.adopt(tmp, out)  # refused if a live run holds it
+                try:
+                    _confirm(guard, f"renaming {tmp} to {out}")
+                    _rename_no_replace(tmp, out)
+                finally:
+                    claim.release()
                 _fsync_dir(out.parent)
                 finished = fp
                 log(f"recovered: an earlier run to {out} was stopped just before its final rename; "
                     f"its complete output in {tmp} is now {out}")
             elif old.exists() and is_our_old(old):
-                os.rename(old, out)
+                _confirm(guard, f"renaming {old} to {out}")
+                _rename_no_replace(old, out)
                 _fsync_dir(out.parent)
                 log(f"recovered: an earlier --overwrite run was stopped mid-swap; the previous output "
                     f"{old} is back at {out}")
         if out.is_dir() and not out.is_symlink() and (out / JOURNAL_NAME).is_file() and is_megamoe_output(out):
             fp, complete = _journal_run(out)
             if complete:
+                _confirm(guard, f"removing the journal and marker from {out}")
                 _strip_temp_files(out)
                 finished = finished or fp
         if old.exists() and out.exists():
             if is_our_old(old):
+                _confirm(guard, f"removing {old}")
                 shutil.rmtree(old)
                 _fsync_dir(out.parent)
                 log(f"removed {old}, the previous output left by an earlier --overwrite run")
@@ -534,7 +898,8 @@ def recover(out: Path, log: Log | None = None) -> dict | None:
 
 __all__ = [
     "OutputError", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
-    "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
+    "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "describe_marker", "new_run_id", "this_command",
+    "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
     "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",
     "swap_into_place", "recover", "signals_deferred", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",
     "STEP_TENSOR", "STEP_SYNCED", "STEP_COMPLETE", "STEP_OLD_MOVED", "STEP_NEW_MOVED", "STEP_CLEANED",

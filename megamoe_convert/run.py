@@ -39,8 +39,8 @@ from .temp_folder import Journal, finalize_output
 def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
          slots_by_file: dict[str, list[Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
          ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None,
-         recipe: dict | None = None, checksum: str = SHA256) -> ConvertSummary:
-    journal = Journal(tmp)
+         recipe: dict | None = None, checksum: str = SHA256, guard=None) -> ConvertSummary:
+    journal = Journal(tmp, guard)
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
     resumed = 0
@@ -112,6 +112,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
     if missing:  # pragma: no cover - every planned file is written above
         raise MegaMoEError(f"internal error: files {missing} were planned but not written")
 
+    journal.confirm("writing the config files, the index and the manifest")
     extra = source.extra_files()
     for w in source.warnings:
         log(f"warning: {w}")
@@ -143,7 +144,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         model=model_record(facts), checksum=checksum,
     )
     write_manifest(tmp, manifest)
-    finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step)
+    finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step, guard=guard)
     return ConvertSummary(
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,

@@ -121,6 +121,7 @@ class Run:
         no ``tensor`` steps itself (`PassthroughCopy` replays them in order)."""
         w = self.writers.get(fname)
         if w is None:
+            self.journal.confirm(f"creating {fname}")  # the temp folder is still this run's
             slots = self.slots_by_file[fname]
             meta = dict(ST_METADATA)
             if slots[0].ep_rank is not None:  # an expert file names itself (the loader checks it)

@@ -364,3 +364,166 @@ def test_rerun_after_a_kill_at_the_rename_notices_an_edited_source(tmp_path, syn
     r = run_cli("convert", src, out, "--overwrite")
     assert r.exit_code == 0, r.output
     assert tree_digest(out) == tree_digest(tmp_path / "ref")
+
+
+# --------------------------------------------------------------------------- a lock removed or replaced (issue 30)
+
+
+def _wait_for(cond, timeout=120.0):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _no_raw_os_error(text: str) -> None:
+    assert "Traceback" not in text and "Errno" not in text and "FileNotFoundError" not in text, text
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.4, 1.5])
+def test_removed_lock_file_lets_no_second_run_in(tmp_path, synth_ckpt, ckpts, crashing_run, delay):
+    """The issue's hostile user: run A converts to OUT; as soon as ``.OUT.megamoe-tmp`` exists the lock file
+    is deleted; `delay` s later run B starts with --overwrite. Before, B discarded A's live temp folder (a
+    bare ``Directory not empty`` / ``FileNotFoundError``) and OUT held files of both runs. Now B is refused
+    naming A's folder and pid (A's temp folder is claimed by a lock on its own directory), A finishes,
+    re-creating its lock, and OUT is one complete output, equal to the reference."""
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    _, ref = ckpts.converted("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    a = crashing_run("tensor", "3:2.5", "convert", src, out, "--no-progress", wait=False)
+    try:
+        _wait_for(lambda: temp_dir_for(out).is_dir())
+        lock_path_for(out).unlink()
+        time.sleep(delay)
+        r = run_cli("convert", src, out, "--overwrite")
+        _no_raw_os_error(r.output)
+        assert r.exit_code == 2, r.output
+        assert f"another megamoe-convert run is writing {temp_dir_for(out)} right now" in r.stderr, r.stderr
+        assert f"pid {a.pid}" in r.stderr and "removed or replaced" in r.stderr, r.stderr
+        _, err = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    assert a.returncode == 0, err
+    _no_raw_os_error(err)
+    assert tree_digest(out) == tree_digest(ref) and verify_output(out).ok
+    assert siblings(out) == []
+
+
+def test_removed_lock_during_the_swap_of_an_overwrite(tmp_path, synth_ckpt, ckpts, crashing_run):
+    """The same, with the lock file deleted while A is mid-swap (the previous OUT already moved to
+    ``.megamoe-old``): B waits for A's swap (OUT's parent directory lock), A re-creates its lock and
+    finishes; B is then refused naming A, or (A already gone) does what it was asked: a conversion
+    replacing A's complete output. OUT is never half there and ends one complete output."""
+    src_old = synth_ckpt("quark-mxfp4", **SMALL, seed=1)
+    src = synth_ckpt("quark-mxfp4", **SMALL, seed=2)
+    _, ref = ckpts.converted("quark-mxfp4", **SMALL, seed=2)
+    out = tmp_path / "out"
+    convert(src_old, out)
+    a = crashing_run("old-moved", "1:1.5", "convert", src, out, "--overwrite", "--no-progress", wait=False)
+    try:
+        _wait_for(lambda: b"pausing" in _peek_stderr(a))
+        lock_path_for(out).unlink()
+        r = run_cli("convert", src, out, "--overwrite")
+        _no_raw_os_error(r.output)
+        assert r.exit_code == 0 or f"right now (pid {a.pid} on" in r.stderr, r.output
+        _, err = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    assert a.returncode == 0, err
+    assert tree_digest(out) == tree_digest(ref) and verify_output(out).ok and siblings(out) == []
+
+
+def test_lock_replaced_by_another_process_stops_the_run_touching_nothing(tmp_path, synth_ckpt, ckpts,
+                                                                          crashing_run, monkeypatch):
+    """While A runs, its lock file is replaced by another live process's lock (here: this test's, flocked):
+    A stops with a clear error naming the lock, OUT and that process, before its first rename; its temp
+    folder stays as it was, and once the other process lets go ``--resume`` finishes it to the reference."""
+    import fcntl
+
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    _, ref = ckpts.converted("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    a = crashing_run("tensor", "3:2", "convert", src, out, "--no-progress", wait=False)
+    other = tmp_path / "other-lock"
+    try:
+        _wait_for(lambda: b"pausing" in _peek_stderr(a))
+        other.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+        fd = os.open(other, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(other, lock_path_for(out))
+        _, err = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    try:
+        assert a.returncode == 2, err
+        _no_raw_os_error(err)
+        assert f"the lock {lock_path_for(out)} of {out} was removed or replaced while this run" in err, err
+        assert f"pid {os.getpid()} on {socket.gethostname()}" in err and "touches nothing" in err, err
+        assert not out.exists() and temp_dir_for(out).is_dir()
+        assert json.loads(lock_path_for(out).read_text())["pid"] == os.getpid()  # not removed by A
+    finally:
+        os.close(fd)
+    lock_path_for(out).unlink()
+    r = run_cli("convert", src, out, "--resume")
+    assert r.exit_code == 0, r.output
+    assert tree_digest(out) == tree_digest(ref) and siblings(out) == []
+
+
+def test_temp_folder_replaced_under_a_live_run(tmp_path, synth_ckpt, crashing_run):
+    """A's temp folder is moved away and a user's folder put at its name while A runs: A stops (it is no
+    longer its folder) and touches neither: the user's folder and A's moved folder are byte for byte kept."""
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    a = crashing_run("tensor", "3:2", "convert", src, out, "--no-progress", wait=False)
+    try:
+        _wait_for(lambda: b"pausing" in _peek_stderr(a))
+        tmp = temp_dir_for(out)
+        os.rename(tmp, tmp_path / "moved")
+        _user_tree(tmp)
+        before = tree_digest(tmp)
+        _, err = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    assert a.returncode == 2, err
+    _no_raw_os_error(err)
+    assert f"{tmp} is no longer this run's temp folder" in err and "touches nothing" in err, err
+    assert tree_digest(tmp) == before and not out.exists()
+    assert (tmp_path / "moved" / "megamoe-journal.jsonl").is_file()
+
+
+def test_temp_claim_in_process(tmp_path):
+    """The claim on a temp folder: a second claim, a discard, a resume and the early target check are
+    refused naming the holder's run; the marker keeps the creating command when a resume takes over."""
+    from megamoe_convert.output_dir import TempClaim, discard_temp, read_temp_marker
+    from megamoe_convert.temp_folder import Journal, check_output_target, prepare_temp_dir
+
+    out = tmp_path / "out"
+    lock = OutputLock(out).acquire()
+    try:
+        tmp, resuming = prepare_temp_dir(out, overwrite=False, resume=False, guard=lock)
+        assert not resuming and lock.claim is not None
+        Journal(tmp).start("fp")
+        m = read_temp_marker(tmp)
+        assert m["run_id"] == lock.run_id and m["command"]["argv"]
+        lock.fd, fd = None, lock.fd  # another "run" whose lock file was removed: only the claim is left
+        for attempt in (lambda: TempClaim.adopt(tmp, out), lambda: discard_temp(tmp),
+                        lambda: check_output_target(out, overwrite=True, resume=False),
+                        lambda: prepare_temp_dir(out, overwrite=False, resume=True)):
+            with pytest.raises(OutputError, match=rf"writing {tmp} right now \(run {lock.run_id} \(pid "):
+                attempt()
+        lock.fd = fd
+    finally:
+        lock.release()
+    assert not lock_path_for(out).exists()
+    second = OutputLock(out).acquire()
+    try:
+        assert prepare_temp_dir(out, overwrite=False, resume=True, guard=second) == (tmp, True)
+        m2 = read_temp_marker(tmp)
+        assert m2["run_id"] == second.run_id and m2["command"] == m["command"]
+        assert m2["resumes"][0]["run_id"] == m["run_id"]
+    finally:
+        second.release()
