@@ -51,10 +51,7 @@ def parse_size(text):
     return parse(text)
 
 
-def format_bytes(n: float) -> str:
-    from .shard_writer import format_bytes as fmt
-
-    return fmt(n)
+from .progress import ProgressDisplay, format_bytes  # noqa: E402  (torch-free)
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
@@ -83,31 +80,11 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-class _Bar:
-    """click.progressbar over bytes, created at the first update (the total is
-    known only after planning), on stderr; silent when disabled."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label, self.enabled = label, enabled
-        self.bar = None
-        self.done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=max(total, 1), label=self.label, file=sys.stderr,
-                                         show_pos=False, show_percent=True, show_eta=True,
-                                         item_show_func=lambda _: None)
-            self.bar.__enter__()
-        if done > self.done:
-            self.bar.update(done - self.done)
-            self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
+def _progress(label: str, no_progress: bool) -> ProgressDisplay:
+    """The stderr progress display of `convert` / `verify`: a bar redrawn in place on a terminal, one
+    plain line every few seconds otherwise (CI and k8s logs; ``MEGAMOE_PROGRESS_INTERVAL``), none with
+    --no-progress."""
+    return ProgressDisplay(label, "off" if no_progress else "auto", stream=sys.stderr)
 
 
 def _run_guarded(fn, interrupted=None):
@@ -259,7 +236,9 @@ def main() -> None:
                                              "re-checked by checksum, and their tensors re-derived from the source "
                                              "and compared (a changed source is refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr; "
+                   "MEGAMOE_PROGRESS_INTERVAL sets the seconds).")
 def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
             allow_missing_input_scales, l2_activation_scale, shared_precision, accept_activation_change, checksum,
             overwrite, resume, as_json, no_progress):
@@ -292,25 +271,29 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT),
     130 / 143 interrupted by Ctrl-C / SIGTERM (OUT untouched).
     """
-    from .convert import convert as do_convert
-
     try:
         max_bytes = parse_size(max_shard_size)
     except MegaMoEError as e:
         raise click.BadParameter(str(e), param_hint="--max-shard-size")
-    bar = _Bar("converting", not no_progress and sys.stderr.isatty())
+    bar = _progress("converting", no_progress)
+    bar.stage("loading torch and the converter")  # a first line at once: the import takes seconds
 
     def run():
+        from .convert import convert as do_convert
+
+        ok = False
         try:
-            return do_convert(src, out, revision=revision, format=fmt, quantize=quantize, ep_size=ep_size,
+            s = do_convert(src, out, revision=revision, format=fmt, quantize=quantize, ep_size=ep_size,
                               max_shard_size=max_bytes, on_scale_mismatch=on_scale_mismatch,
                               allow_missing_input_scales=allow_missing_input_scales, overwrite=overwrite,
                               resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
                               shared_precision=shared_precision, l2_activation_scale=l2_activation_scale,
                               accept_activation_change=accept_activation_change,
                               checksum=checksum)
+            ok = True
+            return s
         finally:
-            bar.close()
+            bar.close(ok)
 
     s = _run_guarded(run, _convert_interrupted(click.get_current_context(), out))
     if as_json:
@@ -448,7 +431,8 @@ def _shared_line(sh: dict) -> str:
               help="Also dry-run a reload of every layer of every EP rank (megamoe_runtime.verify_reload: "
                    "meta stand-ins from the headers, every write intercepted) and prove each parameter byte is "
                    "written exactly once.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr).")
 def verify(out, as_json, reload_dry_run, no_progress):
     """Check converted folder OUT against its manifest.
 
@@ -467,15 +451,19 @@ def verify(out, as_json, reload_dry_run, no_progress):
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder (or its blake3
     checksums cannot be computed here).
     """
-    from megamoe_runtime.verify import verify_output
-
-    bar = _Bar("verifying", not no_progress and not as_json and sys.stderr.isatty())
+    bar = _progress("verifying", no_progress)
+    bar.stage(f"reading {out}")
 
     def run():
+        from megamoe_runtime.verify import verify_output
+
+        ok = False
         try:
-            return verify_output(out, progress=bar)
+            r = verify_output(out, progress=bar)
+            ok = True
+            return r
         finally:
-            bar.close()
+            bar.close(ok)
 
     rep = _run_guarded(run)
     result = rep.to_dict()

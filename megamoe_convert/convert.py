@@ -80,6 +80,7 @@ from .plan import (
     identity_changes,
     model_file_name,
     plan_files,
+    report_stage,
     run_fingerprint,
     source_identity,
 )
@@ -215,9 +216,11 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
     recovered = recover(out, log, guard)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
 
+    report_stage(progress, f"opening {src}")
     source = open_source(src, revision)
     try:
         check_placement(out, source.roots())
+        report_stage(progress, "reading the safetensors headers")
         reader = detect_reader(source, format=format, quantize=quantize,
                                accept_activation_change=accept_activation_change)
         row = get_row(reader.row)
@@ -228,6 +231,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                                   "nothing to convert")
         check_shared_precision(row, shared_precision)
 
+        report_stage(progress, f"checking {len(infos)} MoE layer(s) of {reader.format_name} (shapes, scales)")
         plans = preflight(reader, source, row, facts, infos, ep_size, on_scale_mismatch,
                            allow_missing_input_scales, log, shared_precision, l2_activation_scale)
         consumed = set(reader.consumed_tensor_names())

@@ -40,6 +40,22 @@ from .source import CheckpointSource
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
+def report_stage(progress: Progress | None, text: str) -> None:
+    """Tell a progress display that supports it (`progress.ProgressDisplay.stage`) which phase without
+    bytes the run is in (checking, planning, finishing), so the screen or log is never silent; a plain
+    ``(done, total)`` callable is left alone."""
+    fn = getattr(progress, "stage", None)
+    if fn is not None:
+        fn(text)
+
+
+def report_where(progress: Progress | None, text: str) -> None:
+    """Where the byte pass is (``layer 3/8 model.layers.3.mlp``), for displays that show it."""
+    fn = getattr(progress, "where", None)
+    if fn is not None:
+        fn(text)
+
+
 def converter_version() -> str:
     try:
         from importlib.metadata import version
@@ -206,6 +222,6 @@ def model_record(facts) -> dict:
     }
 
 
-__all__ = ["Progress", "converter_version", "expert_file_name", "model_file_name", "Slot", "LayerPlan",
+__all__ = ["Progress", "report_stage", "report_where", "converter_version", "expert_file_name", "model_file_name", "Slot", "LayerPlan",
            "rank_roles", "plan_files", "SourceChangedError", "source_identity", "identity_changes",
            "run_fingerprint", "layer_ranges", "model_record"]

@@ -84,12 +84,7 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
+from .progress import format_bytes  # noqa: E402  (one byte format for every summary, torch-free)
 
 
 # --------------------------------------------------------------------------- planning

@@ -34,7 +34,7 @@ from megamoe_runtime.roles import KERNEL_ROLES, is_shared_role, shared_role
 from . import checks
 from .direct import DirectWeights
 from .output_dir import STEP_TENSOR, Log, StepHook
-from .plan import LayerPlan, Progress, Slot, SourceChangedError
+from .plan import LayerPlan, Progress, Slot, SourceChangedError, report_where
 from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
 from .source import CheckpointSource
@@ -353,6 +353,7 @@ def convert_layer(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, journ
     and return its record (repairs, shared conversion), journaled once."""
     info = lp.info
     E_l = lp.spec.experts_per_rank
+    report_where(run.progress, f"layer {info.index} ({info.prefix})")
     needed = [r for r in range(ep_size) if any(run.needed(s) or run.check_done for s in lp.slots.get(r, []))]
     if not needed and journaled is not None:
         run.advance(lp.source_bytes)
