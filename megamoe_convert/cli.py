@@ -584,6 +584,13 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
         click.echo(f"demo:   layer {r['index']} ({r['prefix']}, row {r['row']}): calc_diff {r['calc_diff']:.2e} "
                    f"{'<' if r['ok'] else '>='} threshold {r['threshold']:.0e}  {'OK' if r['ok'] else 'FAIL'}")
     n_ok = sum(r["ok"] for r in c["layers"])
+    g = result["generate"]
+    if "skipped" in g:
+        click.echo(f"demo: generate skipped: {g['skipped']}")
+    else:
+        click.echo(f"demo: AutoModelForCausalLM.from_pretrained(converted {g['model']}) generated "
+                   f"{g['tokens']}; transformers on the source: {g['reference_tokens']} "
+                   f"{'(identical)' if g['ok'] else '(DIFFERENT)'}")
     if result["ok"]:
         click.echo(f"demo: ok: {n_ok}/{len(c['layers'])} layers match the source")
     else:
@@ -601,7 +608,7 @@ def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
     from megamoe_runtime.verify import verify_output
 
     src, out = root / "source", root / "converted"
-    for p in (src, out):
+    for p in (src, out, root / "hf-source", root / "hf-converted"):  # the last two: demo_generate's
         if p.exists():
             raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
     synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
@@ -611,10 +618,13 @@ def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
     layers = compare_with_source(src, out, tokens=tokens, seed=0)
     compare = {"backend": "reference", "tokens": tokens, "seed": 0, "ok": all(r.ok for r in layers),
                "layers": [r.to_dict() for r in layers], "seconds": round(time.perf_counter() - t, 3)}
-    return {"ok": v.ok and compare["ok"], "format": fmt, "src": str(src), "out": str(out),
+    from .demo_generate import demo_generate
+
+    generate = demo_generate(root, log=lambda m: None)
+    return {"ok": v.ok and compare["ok"] and generate["ok"], "format": fmt, "src": str(src), "out": str(out),
             "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
             "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
-            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare}
+            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -106,6 +106,9 @@ def test_demo_json(tmp_path):
     for le in cmp["layers"]:
         assert le["ok"] and 0 <= le["calc_diff"] < le["threshold"] == 2e-2
     assert (tmp_path / "d" / "converted" / "megamoe.json").is_file()
+    gen = res["generate"]  # the last step: from_pretrained on a converted real transformers model + generate
+    assert gen["ok"] and len(gen["tokens"]) == 8 and gen["tokens"] == gen["reference_tokens"]
+    assert (tmp_path / "d" / "hf-converted" / "megamoe.json").is_file()
     r = run_cli("demo", "--keep", tmp_path / "d")
     assert r.exit_code == 2 and "exists" in r.stderr
     r = run_cli("demo", "--format", "gguf")
