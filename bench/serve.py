@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Serve-time numbers of the transformers integration (issue 27 (3)): what a user waits for and holds.
+
+For a few-layer DeepSeek-V3-shaped model (real H, I, top-k, MLA and vocabulary; fewer layers and experts so
+that the bf16 source fits the machine's disk), each measured in its own fresh process:
+
+* ``source``: what a user does today -- ``from_pretrained(SRC bf16, device_map="cuda")`` with transformers'
+  own experts implementation;
+* ``megamoe``: ``from_pretrained(OUT, device_map="cuda")`` on the folder ``megamoe-convert convert SRC OUT
+  --quantize mxfp4`` wrote, experts on the project's triton kernels (run twice: the first with an empty
+  Triton cache, so its first token includes compiling the kernels; the second as a restarted server sees it).
+
+Per run: seconds from ``from_pretrained`` to the first generated token (a 32-token prompt), peak host RSS,
+peak device memory, and greedy decode tokens/s at batch 1 over 32 new tokens after one warm-up generation.
+The page cache is warm for both (the files were just written); DeepGEMM is not installed on the H200.
+
+    python bench/serve.py --work /tmp/serve --json serve.json            # H200
+    python bench/serve.py --tiny --work /tmp/serve-tiny                  # CPU smoke run, tiny shapes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT, NEW_TOKENS = 32, 32
+
+
+def build_source(path: Path, tiny: bool, layers: int, experts: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    if tiny:
+        cfg = DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                               n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
+                               first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=64, q_lora_rank=96,
+                               qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=256)
+        device = "cpu"
+    else:  # DeepSeek-V3's own sizes but for the layer and routed-expert counts
+        cfg = DeepseekV3Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                               moe_intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=128,
+                               num_key_value_heads=128, n_routed_experts=experts, num_experts_per_tok=8,
+                               n_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4,
+                               kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                               v_head_dim=128, routed_scaling_factor=2.5, max_position_embeddings=4096)
+        device = "cuda"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(path)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return {"config": {k: getattr(cfg, k) for k in ("hidden_size", "moe_intermediate_size", "n_routed_experts",
+                                                    "num_experts_per_tok", "num_hidden_layers", "vocab_size")},
+            "source_bytes": size}
+
+
+def measure(folder: str, use_megamoe: bool) -> dict:
+    """One fresh process's run (see the module doc)."""
+    import torch
+
+    if use_megamoe:
+        import megamoe_runtime.integrations.transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=dev if cuda else None)
+    t_loaded = time.perf_counter() - t0
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+    if cuda:
+        torch.cuda.synchronize()
+    ttft = time.perf_counter() - t0
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        model.generate(ids, **gen)  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, **gen)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t1
+    backend = None
+    for m in model.modules():
+        if type(m).__name__ == "DeepGemmMegaMoEExperts":
+            backend = m.backend.name
+            break
+    return {"load_s": round(t_loaded, 2), "first_token_s": round(ttft, 2),
+            "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "peak_device_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "decode_tokens_per_s": round(NEW_TOKENS / dt, 2), "experts": backend or
+            f"transformers ({getattr(model.config, '_experts_implementation', None)})"}
+
+
+def _child(folder: Path, use_megamoe: bool, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--measure", str(folder)] + (["--megamoe"] if use_megamoe else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/megamoe-serve-bench"))
+    ap.add_argument("--layers", type=int, default=3, help="decoder layers (the first dense, the rest MoE)")
+    ap.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (DeepSeek-V3: 256)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run, not a benchmark)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
+    ap.add_argument("--megamoe", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.measure:
+        print(json.dumps(measure(a.measure, a.megamoe)))
+        return
+    from megamoe_convert.convert import convert
+
+    shutil.rmtree(a.work, ignore_errors=True)
+    a.work.mkdir(parents=True)
+    src, out = a.work / "source-bf16", a.work / "out-mxfp4"
+    t = time.perf_counter()
+    res = {"model": build_source(src, a.tiny, a.layers, a.experts)}
+    res["build_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    convert(src, out, quantize="mxfp4")
+    res["convert_s"] = round(time.perf_counter() - t, 1)
+    res["out_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    env = dict(os.environ, TRITON_CACHE_DIR=str(a.work / "triton-cache"))
+    res["source"] = _child(src, False, env)
+    res["megamoe_cold_jit"] = _child(out, True, env)
+    res["megamoe"] = _child(out, True, env)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
