@@ -242,6 +242,10 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
 
     def ep_rank_size(self, layer: torch.nn.Module) -> tuple[int, int]:
         pc = layer.moe_config.moe_parallel_config
+        if getattr(pc, "use_all2all_kernels", False):
+            raise CheckpointError(
+                f"{self.prefix}: vLLM's all-to-all MoE backends (--all2all-backend) are not supported by the megamoe "
+                "method; expert parallelism without one (every rank sees every token, the runner sums) is")
         if pc.use_ep:
             return int(pc.ep_rank), int(pc.ep_size)
         if int(pc.tp_size) > 1:
@@ -285,21 +289,38 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts: Any = None, shared_experts_input: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mm = layer.megamoe_experts
-        if mm.spec.ep_size > 1:
-            raise NotImplementedError(
-                f"{self.prefix}: expert-parallel forward under vLLM is not wired (megamoe's EP path dispatches "
-                "through its own torch.distributed exchange, not vLLM's all2all); serve EP size 1")
+        mm, dtype = layer.megamoe_experts, x.dtype
         w = topk_weights.to(torch.float32)
         # vLLM's router has multiplied the weights by the layer's routed_scaling_factor; megamoe's kernels fold
         # the manifest's factor themselves, so the router's is taken back out (once, here)
         rsf = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
         if rsf != 1.0:
             w = w / rsf
-        y = mm(x.to(torch.bfloat16), w, topk_ids)
+        x = x.to(torch.bfloat16)
+        if mm.spec.ep_size > 1:
+            y = _ep_rank_partial(mm, x, w, topk_ids)
+        else:
+            y = mm(x, w, topk_ids)
         if self.runner_output_scale != 1.0:  # the runner scales our output again: hand it the unscaled sum
             y = (y.to(torch.float32) / self.runner_output_scale).to(torch.bfloat16)
-        return y.to(x.dtype)
+        return y.to(dtype)
+
+
+def _ep_rank_partial(mm: Any, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """This EP rank's share of the layer's output under vLLM's expert parallelism without an all-to-all
+    backend: every rank sees every token, computes its own experts' pairs, and vLLM's runner sums the ranks'
+    outputs. megamoe's backends compute local experts only (other ids contribute nothing); the shared expert
+    is added by rank 0 alone, so the sum holds it once. (megamoe's own EP path, `ep.ep_forward`, dispatches
+    through its own exchange and is not used under vLLM.)"""
+    from ...errors import LayerUnusableError
+
+    if mm.unusable_reason is not None:
+        raise LayerUnusableError(f"{mm.prefix or 'layer'} is unusable: {mm.unusable_reason}")
+    first = mm.spec.ep_rank == 0
+    y = mm.backend.forward(mm, x, w, ids, shared_input=x if (mm.shared_fused and first) else None)
+    if first and mm.shared_mlp is not None:
+        y = (y.to(torch.float32) + mm.shared_mlp(x).to(torch.float32)).to(torch.bfloat16)
+    return y
 
 
 # --------------------------------------------------------------------------- model loader

@@ -332,6 +332,31 @@ def test_ep_rank_reads_only_its_own_files(dist, folders):
         _method_layer(vc.quant_config, li, ep_rank=1, ep_size=2, num_experts=8)
 
 
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "bf16"])
+def test_ep_ranks_apply_sums_to_the_single_rank_layer(dist, folders, fmt):
+    """vLLM's EP without an all-to-all backend sums the ranks' outputs: rank 0's plus rank 1's ``apply``
+    (each its own experts; the fused shared expert on rank 0 only) equals the EP-size-1 layer's forward."""
+    out = _dsv3(lambda f, **kw: folders(f, ep_size=2, **kw), fmt)
+    _, _, vc = _configs(out)
+    ckpt = vc.quant_config.checkpoint
+    li = ckpt.layers[0]
+    ranks = [_method_layer(vc.quant_config, li, ep_rank=r, ep_size=2) for r in (0, 1)]
+    for layer in ranks:
+        ckpt.load_layer(layer.megamoe_experts)
+    whole = ckpt.build_layer(li.index, device="cpu", backend="reference")
+    assert whole.spec.shared is not None
+    torch.manual_seed(2)
+    T, K, E = 6, li.spec.top_k, li.spec.num_experts
+    x = torch.randn(T, li.spec.hidden, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K).softmax(-1)
+    parts = [layer.quant_method.apply(layer, x, w, ids) for layer in ranks]
+    y = (parts[0].float() + parts[1].float())
+    ref = whole(x, w, ids).float()
+    assert calc_diff(y, ref) < 1e-5, calc_diff(y, ref)
+    assert calc_diff(parts[0].float() + parts[1].float() + parts[0].float(), ref) > 1e-3  # a rank counted twice: far off
+
+
 # --------------------------------------------------------------------------- vLLM's MoE block running
 
 
@@ -393,3 +418,24 @@ def test_deepseek_v3_block_forward_through_vllm_runner(dist, folders, fmt):
     assert calc_diff(y.float(), 2.5 * ref.float()) > 1e-2
     no_shared = mm.backend.forward(mm, x, w.float(), ids, shared_input=None)
     assert calc_diff(y.float(), no_shared.float()) > 1e-3
+
+
+def test_qwen3_moe_block_forward_on_the_loaded_model(dist, folders):
+    """The whole vLLM Qwen3-MoE model loaded by the megamoe loader (gate included, through vLLM's own
+    loader): its MoE block's forward (softmax top-k, renormalised, by vLLM's router) equals megamoe's layer
+    called with that routing computed here."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    model, _, vc = _build(folders("modelopt-nvfp4"))
+    block = model.model.layers[0].mlp
+    mm = block.experts.routed_experts.megamoe_experts
+    torch.manual_seed(1)
+    x = torch.randn(9, mm.spec.hidden, dtype=torch.bfloat16)
+    with set_current_vllm_config(vc), set_forward_context(None, vc):
+        y = block(x)
+    probs = torch.nn.functional.linear(x.float(), block.gate.weight.float()).softmax(-1)
+    w, ids = torch.topk(probs, mm.spec.top_k, dim=-1)
+    ref = mm(x, (w / w.sum(-1, keepdim=True)).float(), ids)
+    assert calc_diff(y.float(), ref.float()) < 2e-5, calc_diff(y.float(), ref.float())
+    assert calc_diff(y.float(), mm(x, w.float(), ids).float()) > 1e-4  # not renormalised: visibly off
