@@ -315,6 +315,8 @@ def _print_summary(s) -> None:
                    + (f" (accepted with {act['accepted_with']})" if act.get("accepted_with") else ""))
     if s.repaired_experts:
         click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
+    if (s.recipe or {}).get("weights"):
+        click.echo(f"  weights: {s.recipe['weights']}")
     for d in s.shared:
         if d["precision"] is None:
             click.echo(f"  shared experts (layers {d['layers']}): not fused: {d['reason']}")

@@ -169,6 +169,9 @@ class CheckpointReader(abc.ABC):
     #: the names ``synth.build_synthetic_checkpoint`` builds this format under (its own name, or variants
     #: such as the unquantized reader's ``bf16`` / ``fp16`` / ``fp32``); () when it has no synthetic encoder
     synthetic_formats: ClassVar[tuple[str, ...]] = ()
+    #: a sentence for the summary and megamoe.json (``source.recipe.weights``) when the reader changes the
+    #: stored weights' encoding on the way (Quark fake-quantized MXFP8 re-encoded as E4M3); None: read as stored
+    weights_note: str | None = None
 
     def __init__(self, source: "CheckpointSource") -> None:
         self.source = source

@@ -257,6 +257,13 @@ class SchemeReader(CheckpointReader):
                 "(gpt-oss style), so this checkpoint cannot be converted (no producer recipe or --quantize removes "
                 "the bias term)"
             )
+        if unknown and scheme is BF16_SCHEME and "weight_scale" in unknown:
+            raise FormatError(
+                f"{where}: {tensors['weight_scale']} stands beside the float weight {tensors.get('weight', module)}: "
+                "this is a quantized (or fake-quantized) export, not an unquantized one, so the unquantized reader "
+                "(--format unquantized / --quantize) cannot read it; run without --format and --quantize to "
+                "convert it in its own format (megamoe-convert inspect SRC says which)"
+            )
         if unknown:
             raise CheckpointError(
                 f"{where}: unexpected tensor(s) {[tensors[s] for s in unknown]} in {module}; "
@@ -409,7 +416,7 @@ class SchemeReader(CheckpointReader):
                         continue
                 resolved[(e, role)] = self._resolve(self.scheme, mod, tensors, role, out, k, where)
         if excluded:
-            self._refuse_excluded(ln, excluded)
+            self._refuse_excluded(ln, excluded, E * len(naming.ROLES))
         info, extra = self._layer_info(ln, sizes, E, H, I)
         resolved_all = dict(resolved)
         resolved_all["_extra"] = extra
@@ -451,17 +458,46 @@ class SchemeReader(CheckpointReader):
         i = shape[1] * (2 if row.weight.elements_per_byte == 2 and dtype in ("U8", "I8") else 1)
         return (H if H is not None else h), (I if I is not None else i)
 
-    def _refuse_excluded(self, ln: naming.LayerNames, excluded: list[tuple[int, str]]) -> None:
+    def _refuse_excluded(self, ln: naming.LayerNames, excluded: list[tuple[int, str]], total: int) -> None:
+        """Refuse routed experts stored in float while the reader expects a quantized scheme, saying
+        which of three cases it is, since each has its own remedy: some experts excluded from
+        quantization (the ignore list), every expert float with block scales beside it (a
+        fake-quantized export: the producer must export real quantized), or every expert plainly
+        float (the quantization config does not describe the tensors)."""
         e, role = excluded[0]
         mod = ln.experts[e][role]
+        tensors = ln.modules[mod]
+        dtype = self._hdr(tensors["weight"])[0]
+        where = f"{self.source.id}: layer {ln.layer}"
         by_cfg = self.excluded_by_config(mod)
+        if len(excluded) == total:
+            scale = tensors.get("weight_scale")
+            if scale is not None and self._hdr(scale)[0] in FLOAT_DTYPES:
+                raise FormatError(
+                    f"{where}: all {total} routed expert projections are stored as {dtype} with float block scales "
+                    f"beside them (e.g. {self._where(tensors['weight'])} and {scale}, "
+                    f"{self._hdr(scale)[0]}): a fake-quantized export (quantize-dequantize values), not the "
+                    f"{self.scheme.name} tensors its quantization config declares. megamoe re-encodes that form "
+                    "only for Quark MXFP8; export the model again with real quantized weights (Quark: "
+                    "export_safetensors(weight_format=\"real_quantized\")), or convert the unquantized model with "
+                    "--quantize mxfp4|mxfp8|nvfp4"
+                )
+        if len(excluded) == total and not by_cfg:
+            raise FormatError(
+                f"{where}: all {total} routed expert projections are stored unquantized (e.g. "
+                f"{self._where(tensors['weight'])}, {dtype}), although the quantization config declares "
+                f"{self.scheme.name}; the config does not describe these tensors. If the model is meant to be "
+                "unquantized, convert it with --format unquantized (add --quantize mxfp4|mxfp8|nvfp4 for a "
+                "quantized row)"
+            )
         raise FormatError(
-            f"{self.source.id}: layer {ln.layer} has {len(excluded)} routed expert projection(s) stored unquantized "
-            f"(e.g. {mod}.weight, {self._hdr(ln.modules[mod]['weight'])[0]})"
-            f"{' - the quantization config excludes them' if by_cfg else ''}, while the other experts are "
+            f"{where} has {len(excluded)} of {total} routed expert projection(s) stored unquantized "
+            f"(e.g. {mod}.weight, {dtype})"
+            f"{' - the quantization config excludes them' if by_cfg else ''}, while the rest of the model's experts are "
             f"{self.scheme.name}. A MegaMoE layer has one weight format for all its experts, and silently "
             "re-quantizing experts the producer chose to keep in high precision would change the model; "
-            "quantize them with the producer (remove them from its ignore/exclude list) and export again"
+            "quantize them with the producer"
+            + (" (remove them from its ignore/exclude list)" if by_cfg else "") + " and export again"
         )
 
     def _scan_fused(self, ln: naming.LayerNames, sizes: naming.ConfigSizes):

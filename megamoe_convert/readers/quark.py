@@ -17,6 +17,18 @@ two-stage quantizer, a list of dicts.
 * MXFP8: ``dtype: fp8_e4m3`` per_group 32 with e8m0 scales: ``weight`` F8_E4M3
   + ``weight_scale`` U8, per row or per block of R rows (vLLM reports
   ``per_block [R, 32]``), expanded exactly to per-row scales.
+* MXFP8 **fake-quantized** (``export.weight_format: fake_quantized``, the only
+  way amd-quark 0.13 can write MXFP8: its real_quantized export fails for
+  per_group fp8): ``weight`` BF16 holding the quantize-dequantize values and
+  ``weight_scale`` F32 holding the power-of-two block scales. Converted
+  exactly (`fake_quantized_to_mxfp8`): each scale must be a power of two in
+  E8M0's range and each weight divided by its scale an E4M3 value, so the
+  E4M3 bytes and UE8M0 scales written are the ones Quark's real quantizer
+  computes (round-to-nearest-even of weight / recorded scale); anything else
+  is refused naming the tensor, the element and its value. The recorded
+  scales are kept, not recomputed: megamoe's own quantizer rounds some block
+  scales differently (tests/fixtures/real/README.md, cross-checks). Other
+  fake-quantized rows are refused with the export that works.
 
 The experts' ``input_tensors`` spec is the activation recipe (`recipe`):
 ``None`` (weight-only, e.g. ``mxfp4_weight_only``) means BF16 activations,
@@ -31,8 +43,13 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
+import torch
+
+from megamoe_runtime.canonical import ProjectionTensors
+from megamoe_runtime.errors import FormatError, ScaleError
+
 from .base import register_reader
-from .common import Param, Scheme, SchemeReader, quant_config_of
+from .common import FLOAT_DTYPES, Param, Resolved, Scheme, SchemeReader, quant_config_of
 from .naming import EXPERT_RE
 from .recipe import ActivationRecipe, unknown
 
@@ -134,6 +151,49 @@ def classify_input_spec(spec: Any) -> ActivationRecipe:
     return unknown(f"Quark input dtype {d or '?'} qscheme {qs or '?'} group_size {gs}")
 
 
+def weight_format(source) -> str:
+    """``export.weight_format`` of a Quark config ("real_quantized" when absent, Quark's default)."""
+    exp = quant_config_of(source).get("export") or {}
+    return str(exp.get("weight_format") or "real_quantized").lower() if isinstance(exp, dict) else "real_quantized"
+
+
+#: how to make a Quark export megamoe reads, for the refusal of a fake-quantized one it cannot
+REAL_EXPORT_HINT = ("re-export it with quark.torch.export_safetensors(model, out, weight_format=\"real_quantized\"), "
+                    "or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
+
+
+def fake_quantized_to_mxfp8(w: torch.Tensor, scale: torch.Tensor, where: str, wname: str, sname: str
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 weight, UE8M0 scale bytes) of one fake-quantized MXFP8 projection: ``w`` [out, in] float
+    (the quantize-dequantize values), ``scale`` [out, in/32] float (power-of-two block scales).
+
+    Exact or refused: a scale must be 2^e with -127 <= e <= 127 (the E8M0 byte e + 127; 0xFF is NaN),
+    and w / scale (exact in fp32, the scale being a power of two) must be an E4M3 value, |q| <= 448.
+    Then the E4M3 byte of q is what Quark's real quantizer stores for that element with that scale:
+    its fake quantization wrote fl(q * scale), which a BF16 holds exactly, and this recovers q."""
+    s = scale.float()
+    e = torch.log2(s)
+    bad = ~(torch.isfinite(e) & (e == e.round()) & (e >= -127) & (e <= 127))
+    if bool(bad.any()):
+        r, c = (int(i) for i in bad.nonzero()[0])
+        raise ScaleError(
+            f"{where}: {sname} [{r}, {c}] = {float(s[r, c])!r} ({int(bad.sum())} such block scale(s)); a Quark "
+            "MXFP8 block scale must be a power of two 2^-127..2^127 (an E8M0 value), so this fake-quantized export "
+            "cannot be re-encoded exactly")
+    q = w.float() / s.repeat_interleave(32, dim=-1)
+    f8 = q.to(torch.float8_e4m3fn)
+    off = ~((f8.float() == q) & (q.abs() <= 448))
+    if bool(off.any()):
+        r, c = (int(i) for i in off.nonzero()[0])
+        raise FormatError(
+            f"{where}: {wname} [{r}, {c}] = {float(w[r, c])!r} with block scale {float(s[r, c // 32])!r} is "
+            f"{float(q[r, c])!r} x scale, not an E4M3 value x scale ({int(off.sum())} of {q.numel()} elements); "
+            "these BF16 weights are not a Quark MXFP8 quantize-dequantize with the recorded scales, so they cannot "
+            "be converted to the bytes Quark's quantizer would write. Convert the model's unquantized BF16 source "
+            "with --quantize mxfp8 instead")
+    return f8, (e.to(torch.int32) + 127).to(torch.uint8)
+
+
 def quark_row(source) -> tuple[str | None, str] | None:
     qc = quant_config_of(source)
     if str(qc.get("quant_method", "")).lower() != "quark":
@@ -164,6 +224,12 @@ class _QuarkReader(SchemeReader):
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
         r = quark_row(source)
+        if r is not None and r[0] not in (None, "mxfp8") and weight_format(source) == "fake_quantized":
+            return (
+                f"Quark export with {r[1]} was exported fake-quantized (export.weight_format fake_quantized: BF16 "
+                f"quantize-dequantize weights plus weight_scale tensors); megamoe re-encodes that form only for "
+                f"MXFP8. To convert this model: {REAL_EXPORT_HINT}"
+            )
         if r is None or r[0] is not None:
             return None
         return (
@@ -261,3 +327,33 @@ class QuarkMXFP8Reader(_QuarkReader):
         blocked_scales=True,
         ignored=("input_scale",),  # a per-tensor FP8 activation scale: the kernel quantizes per 32 itself
     )
+    #: the fake-quantized export's tensors: BF16 weights and float (power-of-two) per-32 block scales
+    _fake_scheme = Scheme(
+        name="Quark MXFP8 (fake-quantized)",
+        encoding="mxfp8",
+        params=(
+            Param("weight", ("weight",), FLOAT_DTYPES),
+            Param("scale", ("weight_scale",), FLOAT_DTYPES),
+        ),
+        ignored=("input_scale",),
+    )
+
+    def __init__(self, source) -> None:
+        super().__init__(source)
+        self.fake_quantized = weight_format(source) == "fake_quantized"
+        if self.fake_quantized:
+            self.scheme = self._fake_scheme  # per instance: the class's scheme stays the real export's
+            self.direct_weight_bytes = False  # the weights are re-encoded, never copied
+            #: what the summary and megamoe.json (``source.recipe.weights``) say about the weights
+            self.weights_note = ("Quark fake-quantized MXFP8 (BF16 quantize-dequantize weights + float block "
+                                 "scales): re-encoded exactly as E4M3 with the recorded power-of-two scales "
+                                 "(every weight checked to be an E4M3 value x its scale: the bytes Quark's real "
+                                 "quantizer writes)")
+
+    def _read_projection(self, scheme: Scheme, r: Resolved, where: str, weights: bool = True) -> ProjectionTensors:
+        if scheme is not self._fake_scheme:
+            return super()._read_projection(scheme, r, where, weights)
+        wname, sname = r.names["weight"], r.names["scale"]
+        w, sc = fake_quantized_to_mxfp8(self.source.get_tensor(wname), self.source.get_tensor(sname), where,
+                                        self._where(wname), self._where(sname))
+        return ProjectionTensors(weight=w, scale=sc)

@@ -169,6 +169,8 @@ def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:
     """``megamoe.json`` ``source.recipe``: the activation change and, for the
     nvfp4 row, how the global L2 activation scale a2 was obtained."""
     rec: dict = {"activations": reader.activation_change.to_dict() if reader.activation_change else None}
+    if reader.weights_note:  # weights re-encoded on the way (Quark fake-quantized MXFP8)
+        rec["weights"] = reader.weights_note
     if get_row(reader.row).has_alphas:
         if l2_activation_scale_given:
             rule = "given with --l2-activation-scale (the checkpoint has no w2 input scales)"
