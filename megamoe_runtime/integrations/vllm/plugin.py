@@ -45,7 +45,7 @@ VLLM_PARAM_ROLES = (("w13_weight", "l1_weight"), ("w13_weight_scale", "l1_scale"
 
 #: which megamoe backend runs the experts: "auto" follows the device (deepgemm on SM100, triton on Hopper,
 #: reference on the CPU); a name forces one
-BACKEND_ENV = "MEGAMOE_VLLM_BACKEND"
+BACKEND_ENV = "MEGAMOE_BACKEND"  # the same variable the transformers integration reads
 
 
 def register_all() -> None:
@@ -244,8 +244,9 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         pc = layer.moe_config.moe_parallel_config
         if getattr(pc, "use_all2all_kernels", False):
             raise CheckpointError(
-                f"{self.prefix}: vLLM's all-to-all MoE backends (--all2all-backend) are not supported by the megamoe "
-                "method; expert parallelism without one (every rank sees every token, the runner sums) is")
+                f"{self.prefix}: expert parallelism across data-parallel ranks dispatches through vLLM's all-to-all "
+                "backends, which the megamoe method does not implement; use EP within one data-parallel group "
+                "(--tensor-parallel-size N --enable-expert-parallel: every rank sees every token, vLLM sums the ranks)")
         if pc.use_ep:
             return int(pc.ep_rank), int(pc.ep_size)
         if int(pc.tp_size) > 1:
@@ -268,7 +269,7 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{ckpt.root}: layer {self.layer_index} ({self.prefix}, EP rank {ep_rank} of "
                                   f"{ep_size}): " + "; ".join(bad))
         device = torch.get_default_device()
-        backend = os.environ.get(BACKEND_ENV, "auto")
+        backend = os.environ.get(BACKEND_ENV) or "auto"
         mm = ckpt.allocate_layer(self.layer_index, device=device, backend=backend, ep_rank=ep_rank, ep_size=ep_size)
         layer.register_module("megamoe_experts", mm)
         for name, role in VLLM_PARAM_ROLES:
@@ -342,6 +343,12 @@ def adopt_runners(model: torch.nn.Module) -> list[str]:
         if not isinstance(method, MegaMoEFusedMoEMethod):
             continue
         method.runner_output_scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+        spec = routed.megamoe_experts.spec
+        vllm_rsf = method.runner_output_scale * float(getattr(routed, "routed_scaling_factor", 1.0) or 1.0)
+        if abs(vllm_rsf - spec.routed_scaling_factor) > 1e-6 * max(1.0, abs(spec.routed_scaling_factor)):
+            raise CheckpointError(
+                f"{name}: vLLM applies routed_scaling_factor {vllm_rsf} (from config.json) but {MANIFEST_NAME} "
+                f"says {spec.routed_scaling_factor}; the kernels apply the manifest's: the two files disagree")
         if routed.megamoe_experts.spec.shared is not None and getattr(runner, "_shared_experts", None) is not None:
             runner._shared_experts = None
             runner._forward_entry = runner._select_forward()
