@@ -142,6 +142,15 @@ class MegaMoEConfig(QuantizationConfig):
         config = _config_dict(folder, hf_config)
         check_architecture(config, str(folder / "config.json"))
         self.checkpoint = check_folder_for_model(folder, config, dry_run=local)
+        rsf = config.get("routed_scaling_factor")
+        if rsf is not None:
+            bad = [li for li in self.checkpoint.layers if abs(float(rsf) - li.spec.routed_scaling_factor)
+                   > 1e-6 * max(1.0, abs(li.spec.routed_scaling_factor))]
+            if bad:
+                raise CheckpointError(
+                    f"{folder / 'config.json'}: routed_scaling_factor {rsf} but {MANIFEST_NAME} says "
+                    f"{bad[0].spec.routed_scaling_factor} (layer {bad[0].index}); the kernels apply the manifest's "
+                    "and vLLM's router the config's: the two files disagree")
         self.folder, self.shards_checked = folder, local
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any):
@@ -327,7 +336,7 @@ def _ep_rank_partial(mm: Any, x: torch.Tensor, w: torch.Tensor, ids: torch.Tenso
 # --------------------------------------------------------------------------- model loader
 
 
-def adopt_runners(model: torch.nn.Module) -> list[str]:
+def adopt_runners(model: torch.nn.Module, check_only: bool = False) -> list[str]:
     """Fit vLLM's MoE runners to the megamoe layers they drive; returns the runners whose shared MLP was
     detached.
 
@@ -342,13 +351,16 @@ def adopt_runners(model: torch.nn.Module) -> list[str]:
         method = getattr(routed, "quant_method", None)
         if not isinstance(method, MegaMoEFusedMoEMethod):
             continue
-        method.runner_output_scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+        runner_scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
         spec = routed.megamoe_experts.spec
-        vllm_rsf = method.runner_output_scale * float(getattr(routed, "routed_scaling_factor", 1.0) or 1.0)
+        vllm_rsf = runner_scale * float(getattr(routed, "routed_scaling_factor", 1.0) or 1.0)
         if abs(vllm_rsf - spec.routed_scaling_factor) > 1e-6 * max(1.0, abs(spec.routed_scaling_factor)):
             raise CheckpointError(
                 f"{name}: vLLM applies routed_scaling_factor {vllm_rsf} (from config.json) but {MANIFEST_NAME} "
                 f"says {spec.routed_scaling_factor}; the kernels apply the manifest's: the two files disagree")
+        if check_only:
+            continue
+        method.runner_output_scale = runner_scale
         if routed.megamoe_experts.spec.shared is not None and getattr(runner, "_shared_experts", None) is not None:
             runner._shared_experts = None
             runner._forward_entry = runner._select_forward()
@@ -404,6 +416,7 @@ class MegaMoEModelLoader(DefaultModelLoader):
             qc.shards_checked = True
         for name, m in layers:
             ckpt.check_load(m.megamoe_experts).raise_if_failed(f"{ckpt.root}: {name}")
+        adopt_runners(model, check_only=True)
         return ckpt, layers
 
     def fill_experts(self, model: torch.nn.Module, ckpt: Any, layers: list) -> int:

@@ -180,6 +180,10 @@ def _damage(out: Path, how: str) -> str:
         cfg["architectures"] = ["OlmoeForCausalLM"]
         cfg_path.write_text(json.dumps(cfg))
         return r"config\.json: architectures \['OlmoeForCausalLM'\] -- the megamoe vLLM plugin serves"
+    if how == "routed scaling":
+        cfg["routed_scaling_factor"] = 2.0
+        cfg_path.write_text(json.dumps(cfg))
+        return r"config\.json: routed_scaling_factor 2\.0 but megamoe\.json says 2\.5"
     if how == "missing shard":
         shard = sorted(out.glob("megamoe-experts-*.safetensors"))[0]
         shard.unlink()
@@ -187,10 +191,11 @@ def _damage(out: Path, how: str) -> str:
     raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["not megamoe", "manifest mismatch", "unknown architecture", "missing shard"])
+@pytest.mark.parametrize("how", ["not megamoe", "manifest mismatch", "unknown architecture", "missing shard",
+                                 "routed scaling"])
 def test_bad_input_is_refused_at_config_time(dist, folders, tmp_path, how):
     out = tmp_path / "out"
-    shutil.copytree(folders("modelopt-nvfp4"), out)
+    shutil.copytree(_dsv3(folders, "modelopt-nvfp4") if how == "routed scaling" else folders("modelopt-nvfp4"), out)
     pattern = _damage(out, how)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     with pytest.raises(Exception, match=pattern) as ei:
