@@ -54,7 +54,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     which would make routing degenerate), saved as a user's checkpoint is."""
     cfg = tiny_config(arch)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
