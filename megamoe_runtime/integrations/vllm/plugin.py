@@ -86,19 +86,30 @@ class MegaMoEConfig(QuantizationConfig):
     source's own format (``source_quantization_config``, handed to the vLLM method that reads it)."""
 
     def __init__(self, config: dict):
+        self.source_config: Optional[QuantizationConfig] = None
         super().__init__()
         self.config = dict(config)
         self.row = config.get("row")
-        self.source_config: Optional[QuantizationConfig] = None
         src = config.get("source_quantization_config")
         if isinstance(src, dict) and src:
             self.source_config = _source_quantization_config(src)
-            # models fill packed_modules_mapping as they initialise: the source method must see the same dict
             self.source_config.packed_modules_mapping = self.packed_modules_mapping
         #: the opened checkpoint, set by `maybe_update_config` once the folder passed its checks
         self.checkpoint = None
         self.folder: Optional[Path] = None
         self.shards_checked = False
+
+    # vLLM hands the model class's packed_modules_mapping to the quantization config by reference
+    # (model_loader/utils.py) or updates it in place: the source's method must see the same dict
+    @property
+    def packed_modules_mapping(self) -> dict:
+        return self._packed_modules_mapping
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, value: dict) -> None:
+        self._packed_modules_mapping = value
+        if getattr(self, "source_config", None) is not None:
+            self.source_config.packed_modules_mapping = value
 
     def __repr__(self) -> str:
         return f"MegaMoEConfig(row={self.row!r}, source={type(self.source_config).__name__ if self.source_config else None})"

@@ -164,6 +164,9 @@ def test_vllm_config_claims_and_checks_the_folder(dist, folders, fmt, source_cls
     assert isinstance(qc, MegaMoEConfig) and qc.row == mr.open_checkpoint(out).row
     assert qc.checkpoint is not None and Path(qc.checkpoint.root) == out and qc.shards_checked
     assert (type(qc.source_config).__name__ if qc.source_config is not None else None) == source_cls
+    if qc.source_config is not None:  # vLLM reassigns the mapping (model_loader/utils.py): the source follows
+        qc.packed_modules_mapping = mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        assert qc.source_config.packed_modules_mapping is mapping
 
 
 def _damage(out: Path, how: str) -> str:
