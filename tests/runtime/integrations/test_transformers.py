@@ -412,8 +412,7 @@ def test_block_unloaded_says_so():
 def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
     """On the GPU the backend follows the device (triton on Hopper): each MoE block equals the CPU model's on
     the same hidden states (the triton backend is exact against the reference), and the whole model stays
-    within the row's tolerance of the CPU one (its other layers run on cuBLAS, so near-tie routing may
-    differ)."""
+    close to the CPU one (its other layers run on cuBLAS, so near-tie routing may differ)."""
     out = converted_real(fixture)
     cpu, gpu = _load(out), _load(out, device_map="cuda")
     layer = gpu.model.layers[1].mlp.megamoe
@@ -425,8 +424,7 @@ def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
         y_gpu = gpu.model.layers[1].mlp(x.cuda()).float().cpu()
     assert calc_diff(y_gpu, y_cpu) < 1e-6
     ids = _prompt(cpu.config.vocab_size)
-    row = json.loads((out / "megamoe.json").read_text())["row"]
     d = calc_diff(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids))
-    assert d < 2 * QUANT_TOL[row], d
+    assert d < 1e-3, d  # measured 2.1e-4 (nvfp4): cuBLAS vs CPU bf16 attention, amplified by routing
     gen = dict(max_new_tokens=6, do_sample=False)
     assert gpu.generate(ids[:1].cuda(), **gen).shape == (1, 16)
