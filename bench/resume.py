@@ -1,21 +1,28 @@
-"""What `--resume`'s source check costs: resume times as ratios to a fresh conversion, one process.
+"""What a `--resume` costs: resume times as ratios to a fresh conversion, one process.
 
-    python bench/resume.py                   # 4 MoE layers, Qwen3-30B-A3B-like shape (~1.2 GB experts)
+    python bench/resume.py                   # 4 MoE layers, Qwen3-30B-A3B-like shape (~1.4 GB in)
     python bench/resume.py --layers 8 --workdir /mnt/fast
 
-A resume keeps the finished files only after re-deriving their tensors from
-the source and comparing them with what the interrupted run wrote (exact: a
-changed byte anywhere in what was converted is refused), so a resume reads
-and packs the whole source again and writes only what is missing. Measured,
-each best of ``--repeat``, against a fresh conversion of the same source
-(page cache warm for all, so this is the CPU side of the cost):
+A resume keeps a finished file without reading it when the journal saw it
+closed with the status (inode, size, mtime, ctime) it has now, on the same
+boot, and re-derives nothing from a source whose files' status is the one
+journaled (`temp_folder.check_kept_files`, `source_unverified`). Where that
+cannot be proved it falls back to the exact checks: kept files re-hashed
+(after a restart), their tensors re-derived from the source and compared (a
+source file touched, or written just before the interrupted run read it).
+Measured, each best of ``--repeat``, against a fresh conversion of the same
+source (page cache warm for the source; the shards are written with
+O_DIRECT, so a re-hash reads them from disk):
 
 * ``fresh``: a conversion from nothing;
 * ``resume at 50%``: stopped (planted ``on_step``) after half the tensors, then ``resume=True``;
-* ``resume complete``: stopped after the journal's ``complete`` record (only the swap left);
-* the same two with the source check switched off (``_Run.check_done = False``), to show its share.
+* ``resume at 50%, after a restart``: the same with another boot id (every kept file re-hashed);
+* ``resume at 50%, source re-derived``: the same with a source too recent to trust (the tensors of the
+  kept files re-derived and compared, as every resume did before);
+* ``resume complete``: stopped after the journal's ``complete`` record (only the swap left).
 
-Prints a Markdown section for BENCHMARKS.md.
+The source is built, then left alone for `temp_folder.RACY_NS` (2 s), as any
+real source is. Prints a Markdown section for BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import megamoe_convert.convert as conv
-    import megamoe_convert.stream as stream
+    import megamoe_convert.temp_folder as tf
     from megamoe_convert import synth
     from megamoe_convert.output_dir import temp_dir_for
 
@@ -63,6 +70,7 @@ def main() -> None:
     try:
         src = synth.build_synthetic_checkpoint(work / "src", a.format, num_layers=a.layers, hidden=a.hidden,
                                                intermediate=a.intermediate, num_experts=a.experts, top_k=8)
+        time.sleep(tf.RACY_NS / 1e9)  # a source older than the racy window, as a real one is
         out = work / "out"
         ref = conv.convert(src, out)
         n_tensors = sum(1 for _ in __import__("megamoe_runtime").manifest.read_manifest(out).tensors)
@@ -75,33 +83,37 @@ def main() -> None:
             shutil.rmtree(out)
             return dt
 
-        def resumed(step: str, n: int, check: bool) -> float:
+        def resumed(step: str, n: int, mode: str = "") -> float:
             try:
                 conv.convert(src, out, on_step=_stop_at(step, n))
             except _Stop:
                 pass
-            if not check:  # check_done reads False whatever run_conversion sets
-                stream.Run.check_done = property(lambda s: False, lambda s, v: None)
+            saved = tf.boot_id, tf.RACY_NS
+            if mode == "restart":
+                tf.boot_id = lambda: "another-boot"
+            elif mode == "rederive":
+                tf.RACY_NS = 1 << 62
             try:
                 t = time.perf_counter()
                 conv.convert(src, out, resume=True)
                 dt = time.perf_counter() - t
             finally:
-                if "check_done" in stream.Run.__dict__:
-                    del stream.Run.check_done
+                tf.boot_id, tf.RACY_NS = saved
             shutil.rmtree(out)
             assert not temp_dir_for(out).exists()
             return dt
 
         rows = {
             "fresh": min(fresh() for _ in range(a.repeat)),
-            "resume at 50%": min(resumed("tensor", n_tensors // 2, True) for _ in range(a.repeat)),
-            "resume at 50%, check off": min(resumed("tensor", n_tensors // 2, False) for _ in range(a.repeat)),
-            "resume complete": min(resumed("complete", 1, True) for _ in range(a.repeat)),
-            "resume complete, check off": min(resumed("complete", 1, False) for _ in range(a.repeat)),
+            "resume at 50%": min(resumed("tensor", n_tensors // 2) for _ in range(a.repeat)),
+            "resume at 50%, after a restart": min(resumed("tensor", n_tensors // 2, "restart")
+                                                  for _ in range(a.repeat)),
+            "resume at 50%, source re-derived": min(resumed("tensor", n_tensors // 2, "rederive")
+                                                    for _ in range(a.repeat)),
+            "resume complete": min(resumed("complete", 1) for _ in range(a.repeat)),
         }
         gb = ref.bytes_in / 1e9
-        print(f"\n### --resume source check ({a.format}, {a.layers} layers, hidden {a.hidden}, intermediate "
+        print(f"\n### --resume ({a.format}, {a.layers} layers, hidden {a.hidden}, intermediate "
               f"{a.intermediate}, {a.experts} experts: {gb:.2f} GB in)\n")
         print(f"`python bench/resume.py --layers {a.layers}` on {platform.node()} ({os.cpu_count()} CPUs), "
               "page cache warm, best of {a.repeat}:\n".replace("{a.repeat}", str(a.repeat)))

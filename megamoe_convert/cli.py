@@ -232,9 +232,11 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a megamoe output (or empty), only once the new output is complete; any "
                    "other folder is refused. Also discards an interrupted run's .OUT.megamoe-tmp.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp: finished shards are "
-                                             "re-checked by checksum, and their tensors re-derived from the source "
-                                             "and compared (a changed source is refused).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from .OUT.megamoe-tmp with the same options "
+                                             "(other ones are named and refused): finished shards are kept (re-hashed "
+                                             "if touched or after a restart; their tensors re-derived from the source "
+                                             "and compared if its files' status changed); a changed source is "
+                                             "refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--no-progress", is_flag=True,
               help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr; "
@@ -304,7 +306,9 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
 
 def _print_summary(s) -> None:
     click.echo(f"converted {s.source} ({s.format} -> row {s.row}) into {s.out}")
-    click.echo(f"  layers: {s.layers}   experts: {s.experts}   ep_size: {s.ep_size}   files: {s.files}"
+    per = s.experts // s.layers if s.layers and s.experts % s.layers == 0 else None
+    experts = f"{per} per layer ({s.experts} in all)" if per is not None else f"{s.experts} in all"
+    click.echo(f"  MoE layers: {s.layers}   routed experts: {experts}   ep_size: {s.ep_size}   files: {s.files}"
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
     click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s")
@@ -343,9 +347,15 @@ def _print_summary(s) -> None:
               help="As for convert: a coarser activation recipe is accepted, not a problem.")
 @click.option("--l2-activation-scale", type=float, default=None,
               help="As for convert: the a2 an uncalibrated NVFP4 checkpoint would be given.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--on-scale-mismatch", type=click.Choice(["error", "requantize"]), default="error", show_default=True,
+              help="As for convert: with requantize, NVFP4 w1/w3 weight_scale_2 disagreements are listed as the "
+                   "repairs convert would make, not as problems.")
+@click.option("--allow-missing-input-scales", is_flag=True,
+              help="As for convert: experts without a w2 input scale are a repair (a2 = max of the others), "
+                   "not a problem.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (with ok and exit_code).")
 def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_activation_change, l2_activation_scale,
-            as_json):
+            on_scale_mismatch, allow_missing_input_scales, as_json):
     """Describe checkpoint SRC without converting it.
 
     Format and row, MoE layers, experts, shapes, shared experts (fusable or
@@ -361,6 +371,7 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
       megamoe-convert inspect ./model-bf16 --quantize nvfp4
       megamoe-convert inspect ./r1-nvfp4 --shared-precision bf16
       megamoe-convert inspect ./w4a16-nvfp4 --accept-activation-change --l2-activation-scale 0.002
+      megamoe-convert inspect ./glm-nvfp4 --on-scale-mismatch requantize   # preview the repaired run
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
@@ -369,7 +380,9 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
     rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
                                                   ep_size=ep_size, shared_precision=shared_precision,
                                                   accept_activation_change=accept_activation_change,
-                                                  l2_activation_scale=l2_activation_scale))
+                                                  l2_activation_scale=l2_activation_scale,
+                                                  on_scale_mismatch=on_scale_mismatch,
+                                                  allow_missing_input_scales=allow_missing_input_scales))
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -379,7 +392,8 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
 
 
 def _print_inspect(rep: "InspectReport") -> None:
-    click.echo(f"source: {rep.source}  ({rep.files} safetensors file(s), {format_bytes(rep.bytes)})")
+    click.echo(f"source: {rep.source}  ({rep.files} safetensors file(s), {format_bytes(rep.bytes)} on disk; "
+               f"bytes in: {format_bytes(rep.tensor_bytes)} of tensors, as convert counts them)")
     click.echo(f"format: {rep.format}  ->  row {rep.row}")
     click.echo(rep.activations)
     m = rep.model
@@ -396,19 +410,40 @@ def _print_inspect(rep: "InspectReport") -> None:
     click.echo(f"shared experts: {_shared_line(rep.shared)}")
     if rep.scales:
         sc = rep.scales
-        click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
-                   f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})")
+        bad = sc.get("unchecked_layers") or []
+        if sc["pairs"]:
+            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
+                       f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})"
+                       + (f"; layers {layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
+                          if bad else ""))
+        else:
+            click.echo(f"scale agreement: not checked: layers {layer_ranges_text(bad)} have a scale that is not "
+                       "finite and > 0 (see problems)" if bad else "scale agreement: no w1/w3 pairs")
         if sc["missing_input_scales"]:
             click.echo(f"  experts without a w2 input scale: {sc['missing_input_scales']}")
-    click.echo(f"estimated output: about {format_bytes(rep.estimated_output_bytes)} "
-               f"(experts {format_bytes(rep.estimated_expert_bytes)}, pass-through "
-               f"{format_bytes(rep.passthrough_bytes)}) with ep_size {rep.ep_size}")
+    if rep.estimated_expert_bytes is None:
+        click.echo(f"estimated output: not estimated: no expert layout at ep_size {rep.ep_size} (see problems); "
+                   f"pass-through {format_bytes(rep.passthrough_bytes)}")
+    else:
+        click.echo(f"estimated output: about {format_bytes(rep.estimated_output_bytes)} "
+                   f"(experts {format_bytes(rep.estimated_expert_bytes)}, pass-through "
+                   f"{format_bytes(rep.passthrough_bytes)}) with ep_size {rep.ep_size}")
+    if rep.recipe and rep.recipe.get("weights"):
+        click.echo(f"weights: {rep.recipe['weights']}")
+    for r in rep.repairs:
+        click.echo(f"repair: {r}")
     if rep.problems:
         click.echo("problems (convert would refuse):")
         for p in rep.problems:
             click.echo(f"  - {p}")
     else:
-        click.echo("ok: convertible")
+        click.echo("ok: convertible" + (f" with {len(rep.repairs)} repair(s) listed above" if rep.repairs else ""))
+
+
+def layer_ranges_text(indices) -> str:
+    from .plan import layer_ranges
+
+    return layer_ranges(list(indices))
 
 
 def _shared_line(sh: dict) -> str:
@@ -450,9 +485,16 @@ def verify(out, as_json, reload_dry_run, no_progress):
       megamoe-convert verify ./qwen3-megamoe --json
       megamoe-convert verify ./qwen3-megamoe --reload-dry-run
 
-    Exit codes: 0 verified, 1 verification failed, 2 OUT is not a folder (or its blake3
-    checksums cannot be computed here).
+    Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
+    folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
     """
+    from megamoe_runtime.manifest import MANIFEST_NAME
+
+    if out.is_dir() and not (out / MANIFEST_NAME).exists():
+        # bad input, not a failed verification: there is no manifest to verify against
+        _fail(f"{out} is not a megamoe output: it has no {MANIFEST_NAME} (convert a checkpoint into a new folder "
+              f"with `megamoe-convert convert SRC OUT`; `megamoe-convert inspect {out}` describes a source "
+              "checkpoint)", EXIT_BAD_INPUT, path=str(out.resolve()))
     bar = _progress("verifying", no_progress)
     bar.stage(f"reading {out}")
 
@@ -468,12 +510,14 @@ def verify(out, as_json, reload_dry_run, no_progress):
             bar.close(ok)
 
     rep = _run_guarded(run)
-    result = rep.to_dict()
+    # the JSON names the folder absolutely, as convert's does; the text keeps the path as typed
+    result = {**rep.to_dict(), "path": str(Path(rep.path).resolve())}
     if reload_dry_run and rep.ok:
         result["reload"] = _reload_dry_run(out)
         if not result["reload"]["ok"]:
             rep.problems.extend(result["reload"]["problems"])
             result["problems"], result["ok"] = rep.problems, False
+    result["exit_code"] = EXIT_OK if rep.ok else EXIT_VERIFY_FAILED
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -490,10 +534,12 @@ def _reload_dry_run(out: Path) -> dict:
     try:
         reports = dry_run_checkpoint(out)
     except MegaMoEError as e:
-        return {"ok": False, "ranks": 0, "layers": 0, "problems": [f"reload dry run: {e}"]}
+        return {"ok": False, "ranks": 0, "layers": 0, "layer_loads": 0, "problems": [f"reload dry run: {e}"]}
     problems = [f"reload dry run, rank {r}: {p}" for r, rep in enumerate(reports) for p in rep.problems()]
+    # "layers": the model's MoE layers (each rank loads all of them); "layer_loads": ranks x layers
     return {"ok": not problems and all(rep.ok for rep in reports), "ranks": len(reports),
-            "layers": sum(len(rep.layers) for rep in reports), "problems": problems}
+            "layers": max((len(rep.layers) for rep in reports), default=0),
+            "layer_loads": sum(len(rep.layers) for rep in reports), "problems": problems}
 
 
 def _print_verify(rep, reload: dict | None) -> None:
@@ -504,8 +550,8 @@ def _print_verify(rep, reload: dict | None) -> None:
                    f"{rep.layers} MoE layers; {rep.files_checked} files, {rep.tensors_checked} tensors, "
                    f"{format_bytes(rep.bytes_checked)} checked")
         if reload is not None:
-            click.echo(f"ok: reload dry run over {reload['layers']} layer(s) of {reload['ranks']} EP rank(s): "
-                       "every parameter byte written exactly once")
+            click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
+                       f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")
         return
     click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
     for p in rep.problems:

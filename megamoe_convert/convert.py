@@ -214,6 +214,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                     checksum: str = SHA256, guard: OutputLock | None = None) -> ConvertSummary:
     """`convert` once it holds OUT's lock (`guard`: confirmed before every rename or delete under OUT)."""
     recovered = recover(out, log, guard)
+    read_from_ns = time.time_ns()  # before the first source byte is read (temp_folder.source_unverified)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
 
     report_stage(progress, f"opening {src}")
@@ -240,7 +241,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                 consumed -= set(lp.info.shared.tensor_names)
         slots_by_file = plan_files(plans, source, consumed, row, ep_size, max_bytes)
 
-        fingerprint = run_fingerprint({
+        options = {
             "converter": converter_version(), "format_version": FORMAT_VERSION, "source": source.content_hash(),
             "reader": reader.format_name, "row": row.name, "quantize": quantize, "ep_size": ep_size,
             "max_shard_size": max_bytes, "on_scale_mismatch": on_scale_mismatch,
@@ -248,7 +249,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             "l2_activation_scale": l2_activation_scale, "accept_activation_change": bool(accept_activation_change),
             "files": {f: [s.key for s in slots] for f, slots in slots_by_file.items()},
             **({"checksum": checksum} if checksum != SHA256 else {}),
-        })
+        }
+        fingerprint = run_fingerprint(options)
         if recovered is not None:
             changed = identity_changes(recovered.get("sources"), source_identity(source))
             if recovered.get("fingerprint") == fingerprint and changed and not overwrite:
@@ -288,7 +290,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
             return run_conversion(source, reader, row, facts, plans, slots_by_file, tmp, out, resuming,
                         fingerprint, ep_size, progress, log, on_step,
                         recipe=manifest_record(reader, l2_activation_scale is not None), checksum=checksum,
-                        guard=guard)
+                        guard=guard, options=options, read_from_ns=read_from_ns)
         except OutputError:
             raise  # e.g. --resume of a different run: keep that run's temp folder
         except MegaMoEError:

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from megamoe_runtime import digests
-from megamoe_runtime.digests import SHA256, file_digest
+from megamoe_runtime.digests import SHA256
 from megamoe_runtime.errors import MegaMoEError
 from megamoe_runtime.formats import Row
 from megamoe_runtime.manifest import (
@@ -27,25 +27,40 @@ from megamoe_runtime.manifest import (
     write_manifest,
 )
 
-from .output_dir import Log, OutputError, StepHook
+from .output_dir import Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError, converter_version, report_stage, identity_changes, model_record, source_identity
 from .shard_writer import INDEX_NAME, json_bytes, write_bytes_atomic
 from .shared import shared_decisions
 from .stream import Run, convert_layer, copy_passthrough
 from .summary import ConvertSummary
-from .temp_folder import Journal, finalize_output
+from .temp_folder import (
+    Journal,
+    check_kept_files,
+    finalize_output,
+    journal_options,
+    other_options_error,
+    source_stats,
+    source_unverified,
+)
 
 
 def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
          slots_by_file: dict[str, list[Slot]], tmp: Path, out: Path, resuming: bool, fingerprint: str,
          ep_size: int, progress: Progress | None, log: Log, on_step: StepHook | None = None,
-         recipe: dict | None = None, checksum: str = SHA256, guard=None) -> ConvertSummary:
+         recipe: dict | None = None, checksum: str = SHA256, guard=None, options: dict | None = None,
+         read_from_ns: int | None = None) -> ConvertSummary:
+    """Steps 5-8 of `convert.convert` in the temp folder `tmp`. `options`: the run fingerprint's parts
+    (journaled, so a resume with other options names them); `read_from_ns`: when the run began reading
+    the source (`temp_folder.source_unverified`); `guard`: the run's `OutputLock`."""
     journal = Journal(tmp, guard)
     done_files: dict[str, dict] = {}
     layer_records: dict[int, dict] = {}
     resumed = 0
     identity = source_identity(source)
+    stats = source_stats(source)
+    check_source = resuming
     if resuming:
+        report_stage(progress, f"resume: checking what {tmp.name} keeps")
         fp, jfiles, layer_records = journal.load()
         changed = identity_changes((journal.run_record or {}).get("sources"), identity)
         if changed:
@@ -54,32 +69,27 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
                 f"{f'; {len(changed) - 3} more' if len(changed) > 3 else ''}); the output would mix old and new "
                 f"source bytes. Pass --overwrite to discard {tmp} and convert again")
         if fp != fingerprint:
-            raise OutputError(
-                f"{tmp} holds an interrupted conversion of different inputs or options (run fingerprint "
-                f"{str(fp)[:12]}..., this run {fingerprint[:12]}...); pass --overwrite to discard it")
-        for name, rec in jfiles.items():
-            p = tmp / name
-            kind = rec.setdefault("digest", DIGEST_SHA256)  # journals without a kind hashed whole files
-            try:
-                ok = name in slots_by_file and p.is_file() and p.stat().st_size == rec["size"] \
-                    and file_digest(p, kind) == rec["sha256"]
-            except MegaMoEError:  # e.g. a damaged header: not finished after all
-                ok = False
-            if ok:
-                done_files[name] = rec
-            else:
-                log(f"resume: {name} failed its checksum re-check; rewriting it")
+            raise other_options_error(tmp, fp, fingerprint, (journal.run_record or {}).get("options"),
+                                      journal_options(options) if options is not None else None)
+        done_files.update(check_kept_files(tmp, jfiles, set(slots_by_file), journal.run_record, log, progress))
         resumed = len(done_files)
-        log(f"resume: keeping {resumed} finished file(s) once their tensors are re-derived from the source "
-            "and match, redoing the rest")
+        why = source_unverified(journal.run_record, stats)
+        check_source = why is not None and resumed > 0
+        if check_source:
+            log(f"resume: keeping {resumed} finished file(s) once their tensors are re-derived from the source "
+                f"and match ({why}), redoing the rest")
+        else:
+            log(f"resume: keeping {resumed} finished file(s) (they and the source are as the interrupted run "
+                "left them), redoing the rest")
     else:
-        journal.start(fingerprint, sources=identity)
+        journal.start(fingerprint, sources=identity, source_stats=stats, read_from_ns=read_from_ns,
+                      **({"options": journal_options(options)} if options is not None else {}))
 
     passthrough_bytes = sum(s.planned.nbytes for slots in slots_by_file.values() for s in slots
                             if s.role == PASSTHROUGH_ROLE)
     total = sum(lp.source_bytes for lp in plans) + passthrough_bytes
     run = Run(tmp, journal, slots_by_file, done_files, total, progress, on_step, checksum)
-    run.check_done = resuming
+    run.check_done = check_source
     repaired = 0
     layer_entries = []
     try:

@@ -1,5 +1,6 @@
 """temp_folder.py: the temp-folder protocol and the progress journal."""
 import json
+import os
 
 import pytest
 
@@ -56,3 +57,165 @@ def test_journal_ignores_torn_line(tmp_path):
         f.write('{"kind": "file", "name": "f2", "si')  # killed mid-write
     fp, files, layers = j.load()
     assert fp == "abc" and list(files) == ["f1"] and files["f1"]["size"] == 10 and layers[3]["repairs"] == []
+
+
+# --------------------------------------------------------------------------- resume: what it keeps (issue 31 item 2)
+
+
+class _Stop(BaseException):
+    """A planted stop (not an Exception: nothing catches it on the way out)."""
+
+
+def _stop_after(n: int):
+    seen = [0]
+
+    def on_step(name):
+        if name == "tensor":
+            seen[0] += 1
+            if seen[0] >= n:
+                raise _Stop(name)
+    return on_step
+
+
+SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+ARGS = dict(max_shard_size="60KB")
+
+
+@pytest.fixture
+def interrupted(tmp_path):
+    """make(name) -> (src, out, ref): a source, its reference conversion, and a run to `out` stopped after
+    9 tensors (some files finished and journaled)."""
+    from megamoe_convert import synth
+    from megamoe_convert.convert import convert
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
+    ref = tmp_path / "ref"
+    convert(src, ref, **ARGS)
+
+    def make(name: str):
+        out = tmp_path / name
+        with pytest.raises(_Stop):
+            convert(src, out, on_step=_stop_after(9), **ARGS)
+        return src, out, ref
+    return make
+
+
+def _tree(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+class _Display:
+    """A progress display with the phase protocol (`plan.report_stage`)."""
+
+    def __init__(self):
+        self.stages = []
+
+    def __call__(self, done, total):
+        pass
+
+    def stage(self, text):
+        self.stages.append(text)
+
+
+def _counting(monkeypatch, owner, name):
+    calls = []
+    real = getattr(owner, name)
+
+    def wrapped(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+def test_resume_keeps_untouched_files_without_reading_them_again(interrupted, monkeypatch):
+    """The 12.5 s blank screen: a resume re-hashed every kept file (read back from disk: the shards are
+    written with O_DIRECT) and then re-derived and hashed all their tensors from the source, more work
+    than a fresh run. Kept files the journal saw closed, unchanged on this boot, of a source whose status
+    is unchanged, are now kept without reading a byte of them or of their source; the output is the same."""
+    import megamoe_convert.temp_folder as tf
+    from megamoe_convert.convert import convert
+    from megamoe_convert.stream import Run
+    from megamoe_runtime import digests
+
+    monkeypatch.setattr(tf, "RACY_NS", 0)  # the fixture's source was written a moment ago
+    src, out, ref = interrupted("out")
+    rehashed = _counting(monkeypatch, digests, "file_digest")
+    checked = _counting(monkeypatch, Run, "check_bytes")
+    logs, display = [], _Display()
+    s = convert(src, out, resume=True, log=logs.append, progress=display, **ARGS)
+    assert s.resumed_files > 0 and _tree(out) == _tree(ref)
+    assert rehashed == [] and checked == []
+    assert any("keeping" in m and "as the interrupted run left them" in m for m in logs), logs
+    assert any(t.startswith("resume: checking what") for t in display.stages), display.stages
+
+
+def test_resume_rechecks_what_it_cannot_trust(interrupted, monkeypatch):
+    """Negative controls of the fast path: after a restart (another boot id) the kept files are re-hashed,
+    each shown in the progress phase; a source file whose status changed (utime: same mtime, new ctime)
+    or that was written just before the interrupted run read it has its tensors re-derived and compared,
+    the log saying why."""
+    import megamoe_convert.temp_folder as tf
+    from megamoe_convert.convert import convert
+    from megamoe_convert.stream import Run
+    from megamoe_runtime import digests
+
+    # a restart between the runs
+    monkeypatch.setattr(tf, "RACY_NS", 0)
+    src, out, ref = interrupted("out1")
+    monkeypatch.setattr(tf, "boot_id", lambda: "another-boot")
+    rehashed = _counting(monkeypatch, digests, "file_digest")
+    logs, display = [], _Display()
+    s = convert(src, out, resume=True, log=logs.append, progress=display, **ARGS)
+    assert s.resumed_files > 0 and len(rehashed) == s.resumed_files and _tree(out) == _tree(ref)
+    assert any("re-hashing" in m and "the machine restarted since" in m for m in logs), logs
+    assert any(t.startswith(f"resume: re-hashing kept file 1/{s.resumed_files} ") for t in display.stages)
+    monkeypatch.undo()
+
+    # the source's status changed (an edit with the mtime put back changes ctime)
+    monkeypatch.setattr(tf, "RACY_NS", 0)
+    src, out, ref = interrupted("out2")
+    shard = sorted(src.glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    checked = _counting(monkeypatch, Run, "check_bytes")
+    logs = []
+    s = convert(src, out, resume=True, log=logs.append, **ARGS)
+    assert s.resumed_files > 0 and checked and _tree(out) == _tree(ref)
+    assert any(f"{shard.name} had its status changed (ctime)" in m for m in logs), logs
+    monkeypatch.undo()
+
+    # a source written just before the interrupted run read it (the default rule; the fixture's is)
+    src, out, ref = interrupted("out3")
+    checked = _counting(monkeypatch, Run, "check_bytes")
+    logs = []
+    s = convert(src, out, resume=True, log=logs.append, **ARGS)
+    assert s.resumed_files > 0 and checked and _tree(out) == _tree(ref)
+    assert any("before the interrupted run read it (less than 2 s" in m for m in logs), logs
+
+
+def test_resume_with_other_options_names_them_and_the_first_command(interrupted, monkeypatch):
+    """Before: "different inputs or options (run fingerprint 3f2a..., this run 9c1b...)". Now each differing
+    option is named with both values, and the command the interrupted run was started with (kept in the temp
+    folder's marker) is shown."""
+    import sys
+
+    from megamoe_convert.convert import convert
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/megamoe-convert", "convert", "SRC", "OUT", "--max-shard-size",
+                                      "60KB"])
+    src, out, _ = interrupted("out")
+    monkeypatch.undo()
+    tmp = temp_dir_for(out)
+    assert json.loads((tmp / TMP_MARKER).read_text())["command"]["argv"] == [
+        "megamoe-convert", "convert", "SRC", "OUT", "--max-shard-size", "60KB"]
+    with pytest.raises(OutputError) as e:
+        convert(src, out, resume=True, max_shard_size="1MB", ep_size=2, checksum="sha256")
+    msg = str(e.value)
+    for needle in ("--max-shard-size: 60.00 KB then, 1.00 MB now", "--ep-size: 1 then, 2 now",
+                   '--checksum: "blake3" then, "sha256" now', "the planned files",
+                   "It was started as: megamoe-convert convert SRC OUT --max-shard-size 60KB",
+                   f"(kept in {tmp / TMP_MARKER})", "pass --overwrite to discard it"):
+        assert needle in msg, (needle, msg)
+    assert "fingerprint" not in msg
+    assert tmp.is_dir() and not out.exists()  # refused: the interrupted run's folder is kept as it was
