@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark the triton backend's MoE forward and staging kernels on one GPU (issue 5).
 
-    python bench/kernel.py                      # full table (DeepSeek-V3-like and GLM-like shapes)
+    python bench/kernel.py                      # full table (the shape set, SHAPE_SET)
+    python bench/kernel.py --shapes qwen3-30b,4096,1536,128,8   # names and/or H,I,E,K
     python bench/kernel.py --shapes dsv3 --rows mxfp4 --tokens 1,8 --tune
     python bench/kernel.py --peer-path DIR   # DIR holds OpenAI triton_kernels (unmodified, from triton 3.6.0): + a peer column
 
@@ -50,12 +51,59 @@ DECODE_VARIANTS = {"plain": dict(decode="plain", scale_load="bytes", l1_gu=False
                    "new": dict(decode="fold", scale_load="bytes", l1_gu=True),
                    "new+words": dict(decode="fold", scale_load="words", l1_gu=True)}
 
-SHAPES = {"dsv3": dict(H=7168, I=2048, E=256, K=8), "glm": dict(H=6144, I=2048, E=256, K=8)}
+#: MoE layer shapes of the families people serve (issue 28), each with its real hidden size H, routed-expert
+#: intermediate size I, routed experts E and top-k K (from the models' published configs)
+SHAPES = {
+    "dsv3": dict(H=7168, I=2048, E=256, K=8),  # DeepSeek-V3 / R1
+    "kimi-k2": dict(H=7168, I=2048, E=384, K=8),  # Kimi-K2
+    "qwen3-235b": dict(H=4096, I=1536, E=128, K=8),  # Qwen3-235B-A22B
+    "qwen3-30b": dict(H=2048, I=768, E=128, K=8),  # Qwen3-30B-A3B
+    "glm45": dict(H=5120, I=1536, E=160, K=8),  # GLM-4.5 and GLM-4.6 (the same MoE dimensions)
+    "mixtral": dict(H=4096, I=14336, E=8, K=2),  # Mixtral-8x7B: top-2 of 8
+    "dbrx": dict(H=6144, I=10752, E=16, K=4),  # DBRX: few large experts, top-4 of 16
+    "glm": dict(H=6144, I=2048, E=256, K=8),  # the "GLM-like" shape of the earlier passes
+}
+#: the whole set (``--shapes set``)
+SHAPE_SET = ("dsv3", "kimi-k2", "qwen3-235b", "qwen3-30b", "glm45", "mixtral", "dbrx")
+
+
+def parse_shapes(text: str) -> list[tuple[str, dict]]:
+    """``--shapes``: a comma list of names (``SHAPES``; ``set`` = ``SHAPE_SET``) and of custom shapes written as
+    four integers ``H,I,E,K`` in a row, e.g. ``dsv3,4096,1536,128,8,mixtral``. Returns [(label, dict)]."""
+    toks = [t.strip() for t in text.split(",") if t.strip()]
+    out, i = [], 0
+    while i < len(toks):
+        t = toks[i]
+        if t == "set":
+            out += [(n, SHAPES[n]) for n in SHAPE_SET]
+            i += 1
+        elif t in SHAPES:
+            out.append((t, SHAPES[t]))
+            i += 1
+        elif t.isdigit():
+            nums = toks[i:i + 4]
+            if len(nums) < 4 or not all(n.isdigit() for n in nums):
+                raise SystemExit(f"--shapes: a custom shape is four integers H,I,E,K; got {','.join(nums)}")
+            H, I, E, K = (int(n) for n in nums)
+            out.append((f"{H}x{I}x{E}x{K}", dict(H=H, I=I, E=E, K=K)))
+            i += 4
+        else:
+            raise SystemExit(f"--shapes: unknown shape {t!r}; names: {', '.join(SHAPES)}, set, or H,I,E,K")
+    return out
+
+
+#: set by ``--compile-only`` (the ``--jobs`` build pass): each timed call runs once, untimed
+_COMPILE_ONLY = []
 
 
 def _bench(fn, graph: bool = True, rep: int = 200, warmup: int = 30) -> float:
     """Median ms. With graph=True the call is captured once and its replay timed."""
     import triton.testing as tt
+
+    if _COMPILE_ONLY:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
 
     if graph:
         fn()
@@ -292,12 +340,12 @@ def bench_staging(tokens, H, bw):
     return rows
 
 
-def bench_moe(shape_name, rows, tokens, bw, args, results):
+def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
     from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
 
-    sh = SHAPES[shape_name]
+    sh = sh or SHAPES[shape_name]
     H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
     base = None
     base_ms = {}
@@ -373,7 +421,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
             # what a caller without a config gets (default_config), on the chosen path
             dvk = DECODE_VARIANTS.get(dv, {})
             configs = [dataclasses.replace(moe.default_config(pairs, E, korder, l1_gu=dvk.get("l1_gu"),
-                                                              w_kind=moe._W_KIND[row]), mma=mma,
+                                                              w_kind=moe._W_KIND[row], H=H, I=I), mma=mma,
                                            k_order=korder, **dvk)]
             if tail_max is not None:
                 configs = [dataclasses.replace(configs[0], tail_max=tail_max)]
@@ -429,7 +477,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="dsv3,glm")
+    ap.add_argument("--shapes", default="set",
+                    help="comma list of shape names (" + ", ".join(SHAPES) + "; set = " + ",".join(SHAPE_SET)
+                         + ") and custom shapes as H,I,E,K")
     ap.add_argument("--rows", default="mxfp4,mxfp8,nvfp4,bf16")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--tune", action="store_true", help="time candidate tile configs per point, keep the best")
@@ -456,10 +506,37 @@ def main() -> None:
                          "(none: each fold tile scans its scales)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each point's per-kernel device time (torch.profiler, eager, L2 flushed)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="first build the kernels of every (shape, row) in this many processes at once (untimed; "
+                         "triton's disk cache hands them to the timed pass)")
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job", default="0/1", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     args.profiles = []
     import triton
+
+    if args.jobs and not args.compile_only:
+        import subprocess
+
+        t0 = time.time()
+        procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--jobs", "0", "--compile-only",
+                                   "--job", f"{j}/{args.jobs}", "--out", ""],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for j in range(args.jobs)]
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode:
+                print(f"# build job rc={p.returncode}: {err[-600:]}", flush=True)
+        print(f"# build pass: {time.time() - t0:.0f} s in {args.jobs} processes", flush=True)
+    if args.compile_only:
+        _COMPILE_ONLY.append(True)
+        jobs = [(s, sh, r) for s, sh in parse_shapes(args.shapes) for r in args.rows.split(",")]
+        j, n = (int(v) for v in args.job.split("/"))
+        args.no_baseline, args.peer_path, args.profile = True, None, False
+        for s, sh, r in jobs[j::n]:
+            bench_moe(s, [r], [int(t) for t in args.tokens.split(",")], 1.0, args, [], sh)
+        return
 
     tokens = [int(t) for t in args.tokens.split(",")]
     dev = torch.cuda.get_device_name()
@@ -475,13 +552,16 @@ def main() -> None:
     print(f"# copy bandwidth {bw:.0f} GB/s (read+write), bf16 8192^3 matmul {tf:.0f} TFLOP/s", flush=True)
     results, staging_rows = [], []
     if not args.no_staging:
-        for H in sorted({SHAPES[s]["H"] for s in args.shapes.split(",")}):
+        for H in sorted({sh["H"] for _, sh in parse_shapes(args.shapes)}):
             staging_rows += bench_staging(tokens, H, bw)
         for r in staging_rows:
             print(f"staging {r['kind']:9s} T={r['T']:5d} H={r['H']} {r['ms'] * 1e3:8.1f} us "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac']:4.0f}% copy)", flush=True)
-    for s in args.shapes.split(","):
-        bench_moe(s, args.rows.split(","), tokens, bw, args, results)
+    for s, sh in parse_shapes(args.shapes):
+        bench_moe(s, args.rows.split(","), tokens, bw, args, results, sh)
+        if args.out:  # what is done so far, should the run be cut short
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench.json").write_text(json.dumps(dict(info=info, moe=results), indent=1))
     md = render(info, results, staging_rows)
     print(md)
     if args.out:

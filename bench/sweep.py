@@ -32,24 +32,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import SHAPES, _bench, copy_bandwidth, expert_bytes, kernel_breakdown, routing  # noqa: E402
+from kernel import (SHAPES, _bench, bench_peer, copy_bandwidth, expert_bytes, kernel_breakdown,  # noqa: E402
+                    parse_shapes, routing)
 
-#: (one-dot L1, L1 pairs per tile, warps, stages, decode or None) by regime
+#: (one-dot L1, L1 pairs per tile, warps, stages, decode or None) by regime; ``sweep_point`` puts the
+#: default config's own tiles first. 32-row L1 tiles and 64-row L2 tiles give a small grid more CTAs
+#: (small I or H, few experts touched); 128-row / 8-warp tiles decode each weight for more pairs.
 L1_VARIANTS = {
-    "decode": ["1:64:4:3", "1:64:4:4", "1:128:8:3", "1:128:8:4", "0:64:4:3", "1:64:8:3", "1:32:4:4"],
-    "mid": ["0:128:4:3", "1:64:4:3", "1:128:8:3", "1:128:8:4", "0:64:4:3", "1:64:8:3", "0:128:8:3"],
-    "prefill": ["0:64:4:3", "1:64:8:3", "1:128:8:3", "0:128:8:3", "1:64:4:3", "1:128:8:2", "0:64:4:4"],
+    "decode": ["1:64:4:3", "1:32:4:3", "1:32:4:4", "1:64:4:4", "1:128:8:3:-:-:0", "1:64:8:3:-:-:0"],
+    "mid": ["1:64:4:3", "0:128:4:3", "1:32:4:3", "1:128:8:3", "1:64:4:4", "1:64:8:3"],
+    "prefill": ["1:64:4:3", "1:64:8:4", "1:64:8:3", "1:128:8:3", "1:64:4:2", "1:32:4:3"],
 }
 L1_VARIANTS["prefill64"] = L1_VARIANTS["prefill"]
 L1_VARIANTS["few"] = L1_VARIANTS["decode"]
 #: (L2 output columns per tile, warps, stages, decode or None) by regime
 L2_VARIANTS = {
-    "decode": ["64:4:3", "64:4:4", "128:4:3", "128:8:3", "256:8:3", "128:4:4", "32:4:4"],
-    "mid": ["128:4:3", "64:4:3", "128:8:3", "256:8:3", "128:4:4", "256:4:3", "64:4:4"],
-    "prefill": ["64:4:3", "128:8:3", "256:8:3", "128:4:3", "256:8:2", "128:8:4", "64:8:3"],
+    "decode": ["128:4:3", "64:4:3", "64:4:4", "32:4:3", "128:4:4", "256:8:3"],
+    "mid": ["128:4:3", "64:4:3", "256:8:3", "128:8:3", "64:4:4", "128:4:2"],
+    "prefill": ["128:4:3", "128:4:2", "256:8:3", "64:4:3", "128:8:3", "256:8:2"],
 }
 L2_VARIANTS["prefill64"] = L2_VARIANTS["prefill"]
 L2_VARIANTS["few"] = L2_VARIANTS["decode"]
+
+
+def default_variants(cfg) -> tuple[str, str]:
+    """The L1 and L2 variant strings of a config's own tiles (its decodes; its L1 register cap)."""
+    l1 = f"{int(bool(cfg.l1_gu))}:{cfg.l1_bn}:{cfg.l1_warps}:{cfg.l1_stages}:{cfg.decode}:-:{cfg.l1_maxnreg or 0}"
+    l2 = f"{cfg.l2_bn}:{cfg.l2_warps}:{cfg.l2_stages}:{cfg.l2_decode or cfg.decode}"
+    return l1, l2
 
 
 def block_ms(mean: float) -> list[int]:
@@ -82,7 +92,8 @@ def _l2(v: str) -> tuple[dict, str | None]:
     return d, (p[3] if len(p) > 3 and p[3] != "-" else None)
 
 
-def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0) -> dict:
+def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0, compile_only: bool = False,
+                iters: int = 10, rep: int = 200) -> dict:
     from megamoe_runtime.backends.triton import moe
 
     pairs = T * K
@@ -91,22 +102,49 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # the per-expert fold flags a loaded layer passes
     w_kind = moe._W_KIND[spec.row]
-    dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind)
+    dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind, H=spec.hidden, I=spec.intermediate)
     # a variant without a decode runs the default's for this regime and row; each kernel keeps its
     # own (KernelConfig.decode for the L1, l2_decode for the L2), so the best L1 and the best L2
     # combine as measured
     row_decode = dflt.decode
+    d1, d2 = default_variants(dflt)
+    l1s = list(dict.fromkeys([d1, *l1s]))
+    l2s = list(dict.fromkeys([d2, *l2s]))
+    l2_row_decode = dflt.l2_decode or dflt.decode
     rows = []
     bms = bms or block_ms(mean)
+    if compile_only:
+        for cfg in (dflt,):
+            moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=w_tile, fold_flags=ff)
+    def uniq(vs, parse, dec, cap_key):  # one entry per distinct tile (the same tile written two ways once)
+        seen, keep = set(), []
+        for v in vs:
+            d, dv = parse(v)
+            d.setdefault(cap_key, getattr(dflt, cap_key))
+            k = (tuple(sorted(d.items())), dv or dec)
+            if k not in seen:
+                seen.add(k)
+                keep.append(v)
+        return keep
+
+    l1s = uniq(l1s, _l1, row_decode, "l1_maxnreg")
+    l2s = uniq(l2s, _l2, l2_row_decode, "l2_maxnreg")
     for bm in bms:
         n = max(len(l1s), len(l2s))
         for i in range(n):
             (a, da), (b, db) = _l1(l1s[i % len(l1s)]), _l2(l2s[i % len(l2s)])
             cfg = dataclasses.replace(dflt, block_m=bm, **a, **b, decode=da or row_decode,
-                                      l2_decode=db or row_decode)
+                                      l2_decode=db or l2_row_decode)
+            if compile_only:  # build the kernels of this candidate (the timing pass then finds them cached)
+                try:
+                    moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=w_tile, fold_flags=ff)
+                    torch.cuda.synchronize()
+                except Exception as e:
+                    log(f"#   skip bm={bm} {l1s[i % len(l1s)]} / {l2s[i % len(l2s)]}: {type(e).__name__}")
+                continue
             try:
                 ks = kernel_breakdown(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
-                                                              w_tile=w_tile, fold_flags=ff), iters=10)
+                                                              w_tile=w_tile, fold_flags=ff), iters=iters)
             except Exception as e:  # a tile that does not compile / fit: skip it
                 log(f"#   skip bm={bm} {l1s[i % len(l1s)]} / {l2s[i % len(l2s)]}: {type(e).__name__}: {str(e)[:160]}")
                 continue
@@ -117,6 +155,9 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
                              cfg=cfg))
             log(f"#   bm={bm:3d} L1 {l1s[i % len(l1s)]:12s} {t1:9.1f} us   L2 {l2s[i % len(l2s)]:10s} {t2:9.1f} us"
                 f"   rest {rest:6.1f} us")
+    if compile_only:
+        torch.cuda.synchronize()
+        return {}
     best = None
     for bm in bms:
         r = [x for x in rows if x["bm"] == bm]
@@ -141,7 +182,7 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
     for label, cfg in (("default", dflt), ("best", combo)):
         try:
             res[f"{label}_us"] = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg,
-                                                             w_tile=w_tile, fold_flags=ff)) * 1e3
+                                                             w_tile=w_tile, fold_flags=ff), rep=rep) * 1e3
         except Exception as e:
             log(f"# {label} failed: {type(e).__name__}: {str(e)[:200]}")
             res[f"{label}_us"] = float("nan")
@@ -153,9 +194,11 @@ def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="dsv3", choices=sorted(SHAPES))
+    ap.add_argument("--shape", "--shapes", dest="shapes", default="dsv3",
+                    help="comma list of shape names (" + ", ".join(SHAPES) + ", set) and custom H,I,E,K")
     ap.add_argument("--rows", default="mxfp4,nvfp4,mxfp8")
-    ap.add_argument("--tokens", default="8,64,512,4096")
+    ap.add_argument("--tokens", default="8,64,512,4096",
+                    help="token counts; the points run token count by token count over all shapes, in this order")
     ap.add_argument("--l1", default=None,
                     help="L1 variants gu:bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
     ap.add_argument("--l2", default=None,
@@ -163,51 +206,102 @@ def main() -> None:
     ap.add_argument("--block-m", default=None, help="row blocks to try, comma-separated (default: by regime)")
     ap.add_argument("--w-tile", type=int, default=0,
                     help="weights in the tiled arrangement of WT rows (megamoe_runtime.weight_tiles); 0: as converted")
+    ap.add_argument("--iters", type=int, default=10, help="profiled forwards per candidate")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms) of the whole-layer timings")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="first build every candidate's kernels in this many processes at once (each takes a "
+                         "share of the (shape, row) pairs; triton's disk cache hands them to the timing pass)")
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job", default="0/1", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting points after this many seconds")
+    ap.add_argument("--peer-path", default=None, help="also time the peer (MXFP4 weights) per shape and token count")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    t_start = time.time()
+    if args.jobs and not args.compile_only:
+        import subprocess
+
+        argv = [a for a in sys.argv[1:]]
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "0", "--compile-only",
+                                   "--job", f"{j}/{args.jobs}", "--out", ""],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for j in range(args.jobs)]
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode:
+                print(f"# compile job rc={p.returncode}: {err[-800:]}", flush=True)
+        print(f"# compile pass: {time.time() - t_start:.0f} s in {args.jobs} processes", flush=True)
     from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
 
-    sh = SHAPES[args.shape]
-    H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
+    shapes = parse_shapes(args.shapes)
+    rows_ = args.rows.split(",")
+    jobs = [(s, sh, row) for s, sh in shapes for row in rows_]
+    if args.compile_only:
+        j, n = (int(v) for v in args.job.split("/"))
+        jobs = jobs[j::n]
     lines = []
 
     def log(s: str) -> None:
-        print(s, flush=True)
+        if not args.compile_only:
+            print(s, flush=True)
         lines.append(s)
 
-    bw = copy_bandwidth()
-    log(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} copy {bw:.0f} GB/s; shape {args.shape}")
-    out = []
-    for row in args.rows.split(","):
+    bw = 0.0 if args.compile_only else copy_bandwidth()
+    log(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} copy {bw:.0f} GB/s; shapes {args.shapes}")
+    layers = {}
+    for s, sh, row in jobs:
+        H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
         spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
         lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
         kt = _Roles(lay, "")
         if args.w_tile:
-            kt.l1_weight = weight_tiles.tiled_copy(kt.l1_weight, args.w_tile)
-            kt.l2_weight = weight_tiles.tiled_copy(kt.l2_weight, args.w_tile)
+            weight_tiles.tile_in_place(kt.l1_weight, args.w_tile)
+            weight_tiles.tile_in_place(kt.l2_weight, args.w_tile)
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
-        for T in (int(t) for t in args.tokens.split(",")):
+        layers[(s, row)] = (spec, lay, kt, sc)
+    out, peers = [], {}
+    if args.peer_path and not args.compile_only:
+        for s, sh in shapes:
+            res = bench_peer(args.peer_path, sh["H"], sh["I"], sh["E"], sh["K"],
+                             [int(t) for t in args.tokens.split(",")])
+            peers[s] = {T: v[0] * 1e3 for T, v in res.items()}
+
+    def dump():
+        if args.out and not args.compile_only:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"sweep{args.tag}.json").write_text(json.dumps(dict(copy_GBps=bw, points=out, peer_us={
+                s: {str(T): v for T, v in p.items()} for s, p in peers.items()}), indent=1))
+            (Path(args.out) / f"sweep{args.tag}.log").write_text("\n".join(lines) + "\n")
+
+    for T in (int(t) for t in args.tokens.split(",")):
+        for s, sh, row in jobs:
+            if args.budget_s and time.time() - t_start > args.budget_s:
+                log(f"# budget: skipped {s} {row} T={T}")
+                continue
+            spec, lay, kt, sc = layers[(s, row)]
+            H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
             reg = moe.frag_regime(T * K / E, T * K)
             l1s = args.l1.split(",") if args.l1 else L1_VARIANTS[reg]
             l2s = args.l2.split(",") if args.l2 else L2_VARIANTS[reg]
-            log(f"# {row} T={T} ({reg})")
+            log(f"# {s} {row} T={T} ({reg})")
             r = sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log,
-                            [int(b) for b in args.block_m.split(",")] if args.block_m else None, args.w_tile)
+                            [int(b) for b in args.block_m.split(",")] if args.block_m else None, args.w_tile,
+                            compile_only=args.compile_only, iters=args.iters, rep=args.rep)
             if r:
                 touched = int(torch.unique(routing(T, E, K, seed=T)[1]).numel())
-                r.update(row=row, shape=args.shape, frac_copy_best=touched * expert_bytes(row, H, I) / (
-                    r["best_us"] * 1e-6) / 1e9 / bw)
+                r.update(row=row, shape=s, H=H, I=I, E=E, K=K, touched=touched,
+                         frac_copy_best=touched * expert_bytes(row, H, I) / (r["best_us"] * 1e-6) / 1e9 / bw)
+                p = peers.get(s, {}).get(T)
+                if p:
+                    r.update(peer_us=p, vs_peer_default=p / r["default_us"], vs_peer_best=p / r["best_us"])
+                    log(f"#   peer {p:.1f} us: default x{p / r['default_us']:.2f}, best x{p / r['best_us']:.2f}")
                 out.append(r)
-        del lay, kt
-        torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"sweep{args.tag}.json").write_text(json.dumps(dict(copy_GBps=bw, points=out), indent=1))
-        (Path(args.out) / f"sweep{args.tag}.log").write_text("\n".join(lines) + "\n")
+                dump()
+    dump()
 
 
 if __name__ == "__main__":

@@ -839,7 +839,7 @@ FRAG_TILES = {
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "plain", 128),
     ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
-    ("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
+    ("mid", W_E2M1_NV): FragTiles(32, True, 32, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
     ("prefill64", W_E2M1_MX): FragTiles(64, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
     ("prefill64", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None, 32),
@@ -848,17 +848,100 @@ FRAG_TILES = {
     ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
     ("prefill", W_E4M3_MX): FragTiles(128, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
-#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there)
+#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there); nvfp4 starts from
+#: its decode tiles there too, and the grid-fill rule (``shape_tiles``) picks 32-row L1 / 64-column L2
+#: tiles from the shape (issue 28: the "few" entry it replaces was the rule's choice at one token of
+#: DeepSeek-V3, and lost 5-13% on the few large experts of Mixtral / DBRX)
 FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]
+FRAG_TILES[("few", W_E2M1_NV)] = FRAG_TILES[("decode", W_E2M1_NV)]
+#: the tail launches' tiles (``tail_config``) where they differ from the regime-below entry: the
+#: nvfp4 mid-size L1 went to 32-row one-dot tiles (issue 28 sweep); its tails keep the tiles they
+#: were measured with (two 128-row dots)
+TAIL_TILES = {("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None, 16)}
+
+#: CTAs per SM that the grid-fill rule counts as resident (the decode-size tiles are 4 warps; the
+#: L1 under a 128-register cap fits four per SM)
+FILL_CTAS_PER_SM = 4
+#: SMs when no CUDA device can be asked (an H200 / H100 SXM has 132)
+DEFAULT_SMS = 132
+_SMS: dict = {}
+
+
+def sm_count() -> int:
+    """SMs of the current CUDA device (cached), else ``DEFAULT_SMS``."""
+    if "n" not in _SMS:
+        n = DEFAULT_SMS
+        try:
+            if torch.cuda.is_available():
+                n = int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+        except Exception:
+            pass
+        _SMS["n"] = n
+    return _SMS["n"]
+
+
+def expected_touched(n_pairs: int, num_local: int) -> float:
+    """Experts expected to get at least one of ``n_pairs`` pairs spread uniformly over ``num_local``
+    (Poisson: E (1 - exp(-pairs / E))). The host never sees the routing (no sync), so the tile rule
+    sizes the grid from this; skewed routing touches fewer experts, which only makes small tiles
+    more worth it."""
+    import math
+
+    E = max(1, num_local)
+    return E * (1.0 - math.exp(-n_pairs / E))
+
+
+def wave_efficiency(ctas: float, slots: int) -> float:
+    """Fraction of the resident-CTA slots that ``ctas`` CTAs keep busy over their waves."""
+    import math
+
+    if ctas <= 0:
+        return 0.0
+    return ctas / (math.ceil(ctas / slots) * slots)
+
+
+def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_local: int, H: int, I: int,
+                sms: Optional[int] = None) -> "KernelConfig":
+    """The grid-fill part of the tile rule (docs/KERNELS.md "Tile rule"): at decode and mid sizes the
+    kernels stream weights, and a grid of too few CTAs leaves SMs without loads in flight. From the
+    shape and the pairs per expert: row blocks ~ max(experts touched, pairs / block_m); with
+    ``slots = FILL_CTAS_PER_SM * SMs``:
+
+    * L1 (decode sizes): 64-row tiles give ``blocks * I / 64`` CTAs. Under two waves, and when halving
+      the tile raises the wave efficiency by more than 5%, take 32-row tiles (4 stages).
+    * L2: 128-column tiles give ``blocks * H / 128`` CTAs. While that is under two waves of 16-row
+      blocks' worth of rows (``ctas * block_m < 32 * slots``), take 64-column tiles, with 4 stages when
+      the K loop is long (I / 128 >= 64: a few large experts).
+
+    Measured for nvfp4 weights (issue 28 sweep); mxfp4's 32-row / 64-column tiles lost at every point
+    of the set (18-44% L1, 8-39% L2), and mxfp8's decode tiles are 32 rows already, so both keep the
+    table's."""
+    if kind != W_E2M1_NV or regime not in ("few", "decode", "mid") or not H or not I:
+        return cfg
+    import math
+
+    sms = sms or sm_count()
+    slots = FILL_CTAS_PER_SM * sms
+    bm = cfg.block_m or 16
+    blocks = max(expected_touched(n_pairs, num_local), math.ceil(n_pairs / bm))
+    if regime in ("few", "decode") and cfg.l1_bn == 64:
+        n64 = blocks * (I // 64)
+        if n64 < 2 * slots and wave_efficiency(2 * n64, slots) > 1.05 * wave_efficiency(n64, slots):
+            cfg = dataclasses.replace(cfg, l1_bn=32, l1_stages=4)
+    if cfg.l2_bn == 128 and blocks * (H // 128) * bm < 32 * slots:
+        cfg = dataclasses.replace(cfg, l2_bn=64, l2_stages=4 if I // 128 >= 64 else cfg.l2_stages)
+    return cfg
 
 
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
-                   l1_gu: Optional[bool] = None, w_kind: Optional[int] = None) -> KernelConfig:
+                   l1_gu: Optional[bool] = None, w_kind: Optional[int] = None,
+                   H: Optional[int] = None, I: Optional[int] = None) -> KernelConfig:
     """Tiles by regime: decode (few pairs per expert) streams weights with small
     row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
 
     ``k_order`` "frag" (the MX/NV rows' default): ``FRAG_TILES`` by regime and weight kind
-    ``w_kind`` (None: the mxfp4 tiles). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
+    ``w_kind`` (None: the mxfp4 tiles), then, given the shape (``H``, ``I``), the grid-fill rule
+    ``shape_tiles`` (docs/KERNELS.md "Tile rule"). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
     table's; True / False flips only that field (benchmarks compare the two L1 forms). The
     decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one."""
     import os
@@ -872,6 +955,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
             l1_gu = env not in ("0", "false", "no", "")
         bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
         cfg = _frag_config(t, bm, l1_gu)
+        cfg = shape_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
         # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
         # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its
@@ -909,7 +993,8 @@ def tail_config(w_kind: Optional[int], block_m: int) -> KernelConfig:
     32-pair blocks, under 64- and 128-pair blocks; decode tiles, 16-pair blocks, under 32), sized
     for the few pairs a tail holds. Their ``tail_max`` is 0: a tail launch never splits again."""
     kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
-    t = FRAG_TILES[("mid" if block_m > 32 else "decode", kind)]
+    reg = "mid" if block_m > 32 else "decode"
+    t = TAIL_TILES.get((reg, kind), FRAG_TILES[(reg, kind)])
     return dataclasses.replace(_frag_config(t, t.block_m), tail_max=0)
 
 
@@ -1362,7 +1447,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
 
     cfg = config or default_config(T * K, E_l, resolve_k_order(KernelConfig(), _W_KIND[row], H, I),
-                                   w_kind=_W_KIND[row])
+                                   w_kind=_W_KIND[row], H=H, I=I)
     from . import mma8
 
     if w_tile and (mma8.selected(row, hw, cfg.mma) or resolve_k_order(cfg, _W_KIND[row], H, I) != "frag"):

@@ -300,6 +300,30 @@ def test_register_cap_same_bits(row):
 
 
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_shape_rule_tiles_same_bits(row, T):
+    """The tiles the grid-fill rule picks from the shape (``moe.shape_tiles``: 32-row 4-stage L1,
+    64-column L2 with 4 stages, the 32-row one-dot mid-size nvfp4 L1) give the table's output bit for
+    bit, and the shape-aware default (``H``, ``I`` given) matches the reference (issue 28)."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T)
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    kt = _Roles(lay, "")
+    P, E_l = T * spec.top_k, spec.experts_per_rank
+    base = moe.default_config(P, E_l, "frag", w_kind=moe._W_KIND[row])
+    want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
+    cfgs = [moe.default_config(P, E_l, "frag", w_kind=moe._W_KIND[row], H=spec.hidden, I=spec.intermediate),
+            dataclasses.replace(base, l1_bn=32, l1_stages=4), dataclasses.replace(base, l2_bn=64, l2_stages=4),
+            dataclasses.replace(base, block_m=32, l1_gu=True, l1_bn=32, l1_stages=3, l1_maxnreg=None)]
+    for c in cfgs:
+        out = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=c)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"{row} T={T} {c} differs"
+    _assert_matches(want, ref, f"shape rule {row}/T={T}")
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("wt,T", [(16, 8), (64, 300)])
 def test_tiled_weights_same_bits(row, wt, T):
     """Weights in the tiled arrangement (``weight_tiles.tiled_copy``) read with ``w_tile`` give the

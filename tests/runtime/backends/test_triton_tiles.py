@@ -84,7 +84,7 @@ def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
 @pytest.mark.parametrize("bm,below", [(128, "mid"), (64, "mid"), (32, "decode")])
 def test_tail_config_is_the_regime_below(row, bm, below):
     t = moe.tail_config(KINDS[row], bm)
-    b = moe.FRAG_TILES[(below, KINDS[row])]
+    b = moe.TAIL_TILES.get((below, KINDS[row]), moe.FRAG_TILES[(below, KINDS[row])])
     assert (t.block_m, t.l1_bn, t.l1_warps, t.l1_stages, t.l2_bn, t.l2_warps, t.decode, t.l1_maxnreg) == \
         (b.block_m, b.l1_bn, b.l1_warps, b.l1_stages, b.l2_bn, b.l2_warps, b.decode, b.l1_maxnreg)
     assert t.tail_max == 0 and t.block_m < bm  # a tail launch never splits again
@@ -161,3 +161,74 @@ def test_l2_decode_overrides_only_the_l2(monkeypatch):
         assert moe.resolve_l2_fold(moe.KernelConfig(), moe.W_E2M1_MX) is (d == "fold")
     with pytest.raises(MegaMoEError, match="l2_decode 'fast'"):
         moe.resolve_l2_fold(moe.KernelConfig(l2_decode="fast"), moe.W_E2M1_MX)
+
+
+# --------------------------------------------------------------------------- the grid-fill rule (issue 28)
+
+#: (H, I, E, K) of bench/kernel.py's shape set
+SHAPES = {"dsv3": (7168, 2048, 256, 8), "kimi-k2": (7168, 2048, 384, 8), "qwen3-235b": (4096, 1536, 128, 8),
+          "qwen3-30b": (2048, 768, 128, 8), "glm45": (5120, 1536, 160, 8), "mixtral": (4096, 14336, 8, 2),
+          "dbrx": (6144, 10752, 16, 4)}
+
+
+@pytest.fixture
+def _h200(monkeypatch):
+    monkeypatch.setattr(moe, "_SMS", {"n": 132})
+
+
+@pytest.mark.parametrize("shape,tokens,l1,l2", [
+    # the rule's choice at the points of the issue-28 sweep (nvfp4): (L1 rows, stages), (L2 columns, stages)
+    ("dsv3", 1, (32, 4), (64, 3)), ("kimi-k2", 1, (32, 4), (64, 3)), ("qwen3-235b", 1, (32, 4), (64, 3)),
+    ("qwen3-30b", 1, (32, 4), (64, 3)), ("glm45", 1, (32, 4), (64, 3)),
+    ("mixtral", 1, (64, 3), (64, 4)),  # 2 experts x 224 CTAs: a 32-row grid fills the waves no better
+    ("dbrx", 1, (32, 4), (64, 4)),
+    ("kimi-k2", 8, (64, 3), (128, 3)), ("qwen3-235b", 8, (64, 3), (128, 3)), ("glm45", 8, (64, 3), (128, 3)),
+    ("qwen3-30b", 8, (32, 4), (64, 3)),  # ~50 experts x 12 CTAs: 1.15 waves at 64 rows
+    ("mixtral", 8, (64, 3), (64, 4)), ("dbrx", 8, (64, 3), (64, 4)),
+    ("qwen3-30b", 64, (64, 3), (128, 3)), ("kimi-k2", 64, (64, 3), (128, 3)),
+    ("mixtral", 64, (32, 3), (64, 4)), ("dbrx", 64, (32, 3), (128, 3)),  # mid: 32-row one-dot L1 (table)
+    ("qwen3-30b", 512, (32, 3), (128, 3)), ("mixtral", 512, (64, 4), (128, 2)),  # mixtral 512: prefill
+])
+def test_shape_rule_choices(_h200, shape, tokens, l1, l2):
+    H, I, E, K = SHAPES[shape]
+    cfg = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
+    assert (cfg.l1_bn, cfg.l1_stages) == l1 and (cfg.l2_bn, cfg.l2_stages) == l2
+    # everything else is the regime's table entry
+    table = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV)
+    assert dataclasses.replace(cfg, l1_bn=table.l1_bn, l1_stages=table.l1_stages, l2_bn=table.l2_bn,
+                               l2_stages=table.l2_stages) == table
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+def test_shape_rule_leaves_mx_rows_on_the_table(_h200, row, shape, tokens):
+    """mxfp4's 32-row / 64-column tiles lost at every point of the sweep; mxfp8's decode tiles are 32 rows."""
+    H, I, E, K = SHAPES[shape]
+    a = moe.default_config(tokens * K, E, "frag", w_kind=KINDS[row], H=H, I=I)
+    assert a == moe.default_config(tokens * K, E, "frag", w_kind=KINDS[row])
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_rule_only_at_streaming_sizes(_h200, shape):
+    H, I, E, K = SHAPES[shape]
+    for tokens in (4096, 8192):
+        if moe.frag_regime(tokens * K / E).startswith("prefill"):
+            a = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
+            assert a == moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV)
+
+
+def test_expected_touched_and_wave_efficiency():
+    assert moe.expected_touched(0, 256) == 0
+    assert abs(moe.expected_touched(8, 256) - 7.88) < 0.01  # one token, top-8 of 256
+    assert moe.expected_touched(10 ** 6, 16) == pytest.approx(16)
+    assert moe.wave_efficiency(528, 528) == 1.0 and moe.wave_efficiency(529, 528) == pytest.approx(529 / 1056)
+    assert moe.wave_efficiency(0, 528) == 0.0
+
+
+def test_shape_rule_follows_the_sm_count(monkeypatch):
+    """Fewer SMs, fewer slots: a grid that underfills 132 SMs can fill 16."""
+    H, I, E, K = SHAPES["kimi-k2"]
+    monkeypatch.setattr(moe, "_SMS", {"n": 16})
+    cfg = moe.default_config(1 * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
+    assert (cfg.l1_bn, cfg.l2_bn) == (64, 128)
