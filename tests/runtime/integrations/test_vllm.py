@@ -169,6 +169,25 @@ def test_vllm_config_claims_and_checks_the_folder(dist, folders, fmt, source_cls
         assert qc.source_config.packed_modules_mapping is mapping
 
 
+def test_vllm_serve_command_line_builds_the_engine_config(dist, folders):
+    """``vllm serve OUT --load-format megamoe`` through vLLM's own serve parser and EngineArgs, up to the
+    engine's VllmConfig (the step before vLLM starts its engine, which cannot start on a CPU)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from megamoe_runtime.integrations.vllm.plugin import MegaMoEConfig, MegaMoEModelLoader
+
+    out = folders("modelopt-nvfp4")
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers())
+    args = parser.parse_args(["serve", str(out), "--load-format", "megamoe", "--max-model-len", "128"])
+    args.model = args.model_tag  # what ServeSubcommand.cmd does first
+    vc = EngineArgs.from_cli_args(args).create_engine_config()
+    assert vc.model_config.quantization == "megamoe" and isinstance(vc.quant_config, MegaMoEConfig)
+    assert isinstance(get_model_loader(vc.load_config), MegaMoEModelLoader)
+
+
 def _damage(out: Path, how: str) -> str:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
