@@ -222,7 +222,9 @@ def _config_dict(folder: Path, hf_config: Any) -> dict:
 
 def _source_quantization_config(src: dict) -> QuantizationConfig:
     """vLLM's own config for the source's quantization (the non-expert layers stay in its format): the
-    method vLLM would pick for that checkpoint, overrides first as in ModelConfig._verify_quantization."""
+    first registered method whose ``override_quantization_method`` claims the dict, else its ``quant_method``
+    (ModelConfig._verify_quantization probes the same hooks, in a preference order of its own that is not
+    importable; for the producers the converter reads, one method claims each)."""
     method = src.get("quant_method")
     for name in QUANTIZATION_METHODS:
         if name == QUANT_METHOD:
