@@ -100,10 +100,19 @@ def measure(folder: str, use_megamoe: bool) -> dict:
             backend = m.backend.name
             break
     return {"load_s": round(t_loaded, 2), "first_token_s": round(ttft, 2),
-            "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "peak_host_rss_gb": round(_peak_rss_bytes() / 2**30, 2),
             "peak_device_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "decode_tokens_per_s": round(NEW_TOKENS / dt, 2), "experts": backend or
             f"transformers ({getattr(model.config, '_experts_implementation', None)})"}
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    fork+exec, so a child would report the benchmark parent's peak (the source model it built)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _child(folder: Path, use_megamoe: bool, env: dict) -> dict:
