@@ -236,11 +236,13 @@ def test_bad_input_is_refused_at_config_time(dist, folders, tmp_path, how):
 FULL_MODEL_ROWS = ["modelopt-nvfp4", "bf16"]
 
 
-@pytest.mark.parametrize("fmt", FULL_MODEL_ROWS)
-def test_loader_fills_vllm_model_with_megamoe_layers_bytes(dist, folders, fmt):
+@pytest.mark.parametrize("fmt, family", [(f, "qwen3_moe") for f in FULL_MODEL_ROWS] + [("bf16", "mixtral")])
+def test_loader_fills_vllm_model_with_megamoe_layers_bytes(dist, folders, fmt, family):
+    """vLLM builds the whole model (Qwen3MoeForCausalLM; MixtralForCausalLM with its block_sparse_moe
+    prefix) and the megamoe loader fills it."""
     from safetensors import safe_open
 
-    out = folders(fmt)
+    out = folders(fmt) if family == "qwen3_moe" else folders(fmt, model_type="mixtral", naming="w123")
     ckpt = mr.open_checkpoint(out)
     model, loader, _ = _build(out)
     layers = _moe_layers(model)
