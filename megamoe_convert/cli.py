@@ -317,10 +317,10 @@ def _print_summary(s) -> None:
         src, ker = act["source"]["description"], act["kernel"]["description"]
         click.echo(f"  activations: {act['relation']}: source {src} -> kernel {ker}"
                    + (f" (accepted with {act['accepted_with']})" if act.get("accepted_with") else ""))
-    if s.repaired_experts:
-        click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
     if (s.recipe or {}).get("weights"):
         click.echo(f"  weights: {s.recipe['weights']}")
+    if s.repaired_experts:
+        click.echo(f"  requantized w1/w3 pairs: {s.repaired_experts} (details in megamoe.json layers[].repairs)")
     for d in s.shared:
         if d["precision"] is None:
             click.echo(f"  shared experts (layers {d['layers']}): not fused: {d['reason']}")
@@ -492,9 +492,10 @@ def verify(out, as_json, reload_dry_run, no_progress):
 
     if out.is_dir() and not (out / MANIFEST_NAME).exists():
         # bad input, not a failed verification: there is no manifest to verify against
-        _fail(f"{out} is not a megamoe output: it has no {MANIFEST_NAME} (convert a checkpoint into a new folder "
-              f"with `megamoe-convert convert SRC OUT`; `megamoe-convert inspect {out}` describes a source "
-              "checkpoint)", EXIT_BAD_INPUT, path=str(out.resolve()))
+        _fail(f"{out} is not a megamoe output: it has no {MANIFEST_NAME} (the manifest is written last, so an "
+              f"interrupted conversion has none either; `megamoe-convert convert SRC OUT` makes one, "
+              f"`megamoe-convert inspect {out}` describes a source checkpoint)", EXIT_BAD_INPUT,
+              path=str(out.resolve()))
     bar = _progress("verifying", no_progress)
     bar.stage(f"reading {out}")
 

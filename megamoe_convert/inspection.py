@@ -47,32 +47,57 @@ class InspectReport:
     shared: dict  # the shared-expert decision; per layer (keyed by index) when layers differ
     scales: dict | None  # the w1/w3 agreement and input-scale report (rows with a global scale only)
     ep_size: int
-    estimated_expert_bytes: int
+    #: None when a layer has no layout at this ep_size (``problems`` says why): an estimate of 0 would read
+    #: as "no expert bytes"
+    estimated_expert_bytes: int | None
     passthrough_bytes: int
-    estimated_output_bytes: int
+    estimated_output_bytes: int | None
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: what the previewed convert command would repair or decide on the way (``--on-scale-mismatch
+    #: requantize``, ``--allow-missing-input-scales``), one line each; not problems
+    repairs: list[str] = field(default_factory=list)
+    #: the tensor bytes convert reads and reports as ``bytes_in`` (``bytes`` is the files' size on disk)
+    tensor_bytes: int = 0
+    #: the convert options this report answers for (so a script can tell which command it previewed)
+    options: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def exit_code(self) -> int:
+        """What `megamoe-convert inspect` exits with: 0 convertible, 2 convert would refuse."""
+        return 0 if self.ok else 2
+
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields in order, then ``ok`` and ``exit_code`` as every other ``--json`` answer (errors
+        included) has them; appended, so the keys scripts already read keep their order."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "ok": self.ok, "exit_code": self.exit_code}
 
 
 def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
                        quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
-                       accept_activation_change: bool = False, l2_activation_scale: float | None = None) -> InspectReport:
+                       accept_activation_change: bool = False, l2_activation_scale: float | None = None,
+                       on_scale_mismatch: str = "error", allow_missing_input_scales: bool = False,
+                       ) -> InspectReport:
     """What `megamoe-convert inspect` reports.
 
     Reads headers and the scalar scale tensors only. Problems that would stop
     `convert` (row size rules, EP divisibility, bad or disagreeing scales)
     are collected in ``problems`` rather than raised, so one run shows them
     all; a checkpoint that cannot be opened or read at all still raises.
-    ``accept_activation_change`` and ``l2_activation_scale`` are convert's,
-    so the report answers for the convert command about to be run.
+    ``accept_activation_change``, ``l2_activation_scale``, ``on_scale_mismatch``
+    and ``allow_missing_input_scales`` are convert's, so the report answers for
+    the convert command about to be run: with ``on_scale_mismatch="requantize"``
+    the w1/w3 mismatches are repairs (``repairs``), not problems, and with
+    ``allow_missing_input_scales`` experts without a w2 input scale are too.
     """
+    if on_scale_mismatch not in checks.SCALE_MISMATCH_POLICIES:
+        raise MegaMoEError(f"--on-scale-mismatch {on_scale_mismatch!r}; "
+                           f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
     source = open_source(src, revision)
     try:
         # accepted here so the report can show the recipe; a change convert would refuse is a problem below
@@ -81,9 +106,11 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         facts = reader.model_facts()
         infos = reader.moe_layers()
         problems: list[str] = []
-        change = reader.activation_change = dataclasses.replace(reader.activation_change,
-                                                                accepted=quantize is not None
-                                                                or bool(accept_activation_change))
+        from .readers import accepted_by
+
+        by = accepted_by(accept_activation_change, quantize)
+        change = reader.activation_change = dataclasses.replace(reader.activation_change, accepted=by is not None,
+                                                                accepted_by=by)
         if change.needs_flag and not change.accepted:
             problems.append(change.summary())
         if not row.has_alphas:
@@ -92,7 +119,9 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
             except MegaMoEError as e:
                 problems.append(str(e))
         layers, groups = [], []
-        expert_bytes = 0
+        repairs: list[str] = []
+        unchecked: dict[int, str] = {}
+        expert_bytes: int | None = 0
         pairs = mismatched = 0
         max_rel = 0.0
         missing_input: dict[int, int] = {}
@@ -118,20 +147,29 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                         max_rel = max(max_rel, abs(g - u) / max(g, u))
                     if rep.mismatches:
                         e, g, u = rep.mismatches[0]
-                        problems.append(
-                            f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 weight_scale_2 "
-                            f"mismatch (first: expert {e}, {g!r} vs {u!r}); convert needs "
-                            "--on-scale-mismatch requantize")
+                        what = (f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 "
+                                f"weight_scale_2 mismatch (first: expert {e}, {g!r} vs {u!r})")
+                        if on_scale_mismatch == "requantize":
+                            repairs.append(f"{what}: requantized onto the larger scale (--on-scale-mismatch "
+                                           "requantize; block scales rescaled, nibbles unchanged)")
+                        else:
+                            problems.append(f"{what}; convert needs --on-scale-mismatch requantize")
                     if rep.missing_a2:
                         problems.append(rep.missing_a2)
                     if rep.missing_input:
                         missing_input[info.index] = len(rep.missing_input)
-                        problems.append(
-                            f"MoE layer {info.index}: {len(rep.missing_input)} expert(s) without a w2 input scale; "
-                            "convert needs --allow-missing-input-scales")
+                        what = f"MoE layer {info.index}: {len(rep.missing_input)} expert(s) without a w2 input scale"
+                        if allow_missing_input_scales:
+                            repairs.append(f"{what}: a2 = max over the others = "
+                                           f"{rep.scalars['l2_activation_scale']!r} (--allow-missing-input-scales)")
+                        else:
+                            problems.append(f"{what}; convert needs --allow-missing-input-scales")
                 except MegaMoEError as e:
                     problems.append(str(e))
-            if spec is not None:
+                    unchecked[info.index] = str(e)
+            if spec is None:
+                expert_bytes = None  # no layout at this ep_size (a problem says why): no estimate
+            elif expert_bytes is not None:
                 for _, t in rank_roles(row, spec.experts_per_rank, info.hidden, info.intermediate, spec.shared):
                     expert_bytes += ep_size * t.numel() * t.element_size()
             layers.append(layer)
@@ -163,11 +201,18 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                            "num_experts": g["key"][2]} for g in groups],
             shapes=shapes, shared=shared_summary,
             scales=({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
-                     "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input}
+                     "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input,
+                     "unchecked_layers": sorted(unchecked)}
                     if row.weight.has_global_scale else None),
             ep_size=ep_size, estimated_expert_bytes=expert_bytes, passthrough_bytes=pt_bytes,
-            estimated_output_bytes=expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files()),
-            problems=problems, warnings=list(source.warnings),
+            estimated_output_bytes=(None if expert_bytes is None else
+                                    expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files())),
+            problems=problems, warnings=list(source.warnings), repairs=repairs,
+            tensor_bytes=sum(source.nbytes(n) for n in source.tensor_names()),
+            options={"format": format, "quantize": quantize, "ep_size": ep_size, "shared_precision": shared_precision,
+                     "accept_activation_change": bool(accept_activation_change),
+                     "l2_activation_scale": l2_activation_scale, "on_scale_mismatch": on_scale_mismatch,
+                     "allow_missing_input_scales": bool(allow_missing_input_scales)},
         )
     finally:
         source.close()

@@ -70,7 +70,7 @@ SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
 SHARED_BY_FLAVOUR = {name: dict(r.shared_by_flavour) for name, r in ROWS.items()}
 
 
-FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DGz"}
+FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DeepGEMM's alias entry point"}
 
 
 def _flavour(row: Row, f: str) -> str:

@@ -146,11 +146,20 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
     """
     reader = _detect(source, format, quantize)
     change = _recipe.compare(_recipe_reader(source, reader, format).activation_recipe(source), reader.row,
-                             accepted=bool(accept_activation_change) or quantize is not None)
+                             accepted=bool(accept_activation_change) or quantize is not None,
+                             accepted_by=accepted_by(accept_activation_change, quantize))
     if change.needs_flag and not change.accepted:
         raise FormatError(change.refusal(str(source.id), reader.format_name))
     reader.activation_change = change
     return reader
+
+
+def accepted_by(accept_activation_change: bool, quantize: str | None) -> str | None:
+    """The option that accepts a coarser activation recipe, as the user gave it: the flag itself, or
+    ``--quantize ROW`` (choosing a quantized row for an unquantized model is that choice); None: neither."""
+    if accept_activation_change:
+        return _recipe.ACCEPT_FLAG
+    return f"--quantize {quantize}" if quantize is not None else None
 
 
 def _recipe_reader(source, reader: CheckpointReader, format: str | None) -> type:

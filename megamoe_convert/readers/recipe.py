@@ -92,6 +92,9 @@ class ActivationChange:
     relation: str
     needs_flag: bool
     accepted: bool = False
+    #: what accepted it, as the user typed it: `ACCEPT_FLAG`, or ``--quantize ROW`` (quantizing an
+    #: unquantized model is itself that choice); recorded as given, never a flag the user did not pass
+    accepted_by: str | None = None
 
     def summary(self) -> str:
         """One line for the convert summary and inspect."""
@@ -101,7 +104,7 @@ class ActivationChange:
                 "unknown": "the source recipe is one this converter does not know"}[self.relation]
         line = f"activations: source {self.source.description}; kernel {self.kernel_description} ({what})"
         if self.needs_flag:
-            line += f"; {'accepted with ' + ACCEPT_FLAG if self.accepted else 'convert needs ' + ACCEPT_FLAG}"
+            line += f"; {'accepted with ' + self.accepted_with if self.accepted else 'convert needs ' + ACCEPT_FLAG}"
         return line
 
     def to_dict(self) -> dict:
@@ -109,7 +112,11 @@ class ActivationChange:
         return {"source": self.source.to_dict(), "kernel": {"row": self.row, "kind": self.kernel_kind,
                                                            "description": self.kernel_description},
                 "relation": self.relation, "needs_flag": self.needs_flag,
-                "accepted_with": ACCEPT_FLAG if (self.needs_flag and self.accepted) else None}
+                "accepted_with": self.accepted_with if (self.needs_flag and self.accepted) else None}
+
+    @property
+    def accepted_with(self) -> str:
+        return self.accepted_by or ACCEPT_FLAG
 
     def refusal(self, source_id: str, format_name: str) -> str:
         """The FormatError text when `needs_flag` and the flag is absent."""
@@ -144,8 +151,10 @@ def _bits(kind: str) -> int:
     return _PRECISION[kind][0]
 
 
-def compare(source: ActivationRecipe, row: str, accepted: bool = False) -> ActivationChange:
-    """Relate the source recipe to row ``row``'s kernel activations."""
+def compare(source: ActivationRecipe, row: str, accepted: bool = False, accepted_by: str | None = None
+            ) -> ActivationChange:
+    """Relate the source recipe to row ``row``'s kernel activations; ``accepted_by``: the option that
+    accepted a coarser recipe (default `ACCEPT_FLAG`)."""
     kk, kdesc = KERNEL_ACTIVATIONS[row]
     if source.kind == "unknown":
         relation = "unknown"
@@ -162,7 +171,8 @@ def compare(source: ActivationRecipe, row: str, accepted: bool = False) -> Activ
             relation = "finer"
         else:
             relation = "different"
-    return ActivationChange(source, row, kk, kdesc, relation, relation in ("coarser", "unknown"), accepted)
+    return ActivationChange(source, row, kk, kdesc, relation, relation in ("coarser", "unknown"), accepted,
+                            accepted_by if accepted else None)
 
 
 def manifest_record(reader, l2_activation_scale_given: bool = False) -> dict:

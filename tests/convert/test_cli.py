@@ -63,7 +63,7 @@ def test_convert_human_summary(tmp_path):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SMALL)
     r = run_cli("convert", src, tmp_path / "o", "--quantize", "mxfp8")
     assert r.exit_code == 0, r.output
-    for needle in ("-> row mxfp8", "layers: 2", "experts: 8", "bytes in:", "bytes out:", "GB/s"):
+    for needle in ("-> row mxfp8", "MoE layers: 2", "routed experts: 4 per layer (8 in all)", "bytes in:", "bytes out:", "GB/s"):
         assert needle in r.stdout
     r = run_cli("verify", tmp_path / "o")
     assert r.exit_code == 0 and r.stdout.startswith("ok: ") and "row mxfp8" in r.stdout
@@ -221,9 +221,9 @@ def test_verify_reload_dry_run(tmp_path):
     r = run_cli("verify", out, "--reload-dry-run", "--json")
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
-    assert rep["ok"] and rep["reload"] == {"ok": True, "ranks": 2, "layers": 4, "problems": []}
+    assert rep["ok"] and rep["reload"] == {"ok": True, "ranks": 2, "layers": 2, "layer_loads": 4, "problems": []}
     r = run_cli("verify", out, "--reload-dry-run")
-    assert r.exit_code == 0 and "ok: reload dry run over 4 layer(s) of 2 EP rank(s)" in r.stdout
+    assert r.exit_code == 0 and "ok: reload dry run of 2 MoE layer(s) on each of 2 EP rank(s) (4 layer loads)" in r.stdout
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["convert", "--help"], ["verify", "--help"]])

@@ -152,7 +152,7 @@ def _cli_text(args: list[str], base: Path, then: list[list[str]] = ()) -> str:
             text += f"$ {' '.join(more)}\nexit {r.exit_code}\n{r.output}"
     finally:
         os.chdir(cwd)
-    return text
+    return text.replace(str(base.resolve()), "$BASE")  # absolute paths in JSON (verify's, as convert's)
 
 
 def _golden() -> dict:

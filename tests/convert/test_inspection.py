@@ -22,7 +22,8 @@ def test_report_is_a_dataclass_whose_dict_is_the_cli_json(tmp_path):
     assert list(json.loads(res.output)) == [  # the key order the report always had
         "source", "kind", "revision", "files", "bytes", "format", "row", "model", "recipe", "activations", "layers",
         "layer_groups", "shapes", "shared", "scales", "ep_size", "estimated_expert_bytes", "passthrough_bytes",
-        "estimated_output_bytes", "problems", "warnings"]
+        "estimated_output_bytes", "problems", "warnings",
+        "repairs", "tensor_bytes", "options", "ok", "exit_code"]  # issue 31: appended, the order above kept
 
 
 def test_a_problem_makes_it_not_ok_and_the_cli_exit_2(tmp_path):
