@@ -72,6 +72,7 @@ def tiny_real(tmp_path_factory):
             if arch == "deepseek_v3":  # released DeepSeek-V3 configs name their router; transformers' omits it
                 cfg = json.loads((src / "config.json").read_text())
                 cfg.setdefault("topk_method", "noaux_tc")
+                cfg.setdefault("scoring_func", "sigmoid")
                 (src / "config.json").write_text(json.dumps(cfg))
             convert(src, base / f"{arch}-out")
             made[arch] = base / f"{arch}-out"
@@ -434,19 +435,28 @@ def _copy_passthrough(model, out: Path, part: str) -> None:
     assert n, f"no {part} tensor copied"
 
 
-def _dsv3_routing(block, x: torch.Tensor, top_k: int):
-    """DeepSeek-V3 routing computed here from the block's own gate (sigmoid scores, bias-corrected top-k,
-    renormalised; n_group = 1): what megamoe's layer is called with (it folds routed_scaling_factor)."""
+def _dsv3_routing(block, x: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1):
+    """DeepSeek-V3 routing computed here from the block's own gate: sigmoid scores, groups ranked by the sum
+    of their two best bias-corrected scores, top-k among the kept groups, weights renormalised. What
+    megamoe's layer is called with (it folds routed_scaling_factor itself)."""
     logits = torch.nn.functional.linear(x.float(), block.gate.weight.float())
     scores = logits.sigmoid()
     bias = block.gate.e_score_correction_bias
-    ids = torch.topk(scores + (bias.float() if bias is not None else 0.0), top_k, dim=-1).indices
+    biased = scores + (bias.float() if bias is not None else 0.0)
+    T, E = biased.shape
+    if n_group > 1:
+        per = E // n_group
+        group_score = biased.view(T, n_group, per).topk(min(2, per), dim=-1).values.sum(-1)
+        keep = torch.zeros(T, n_group, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(per, 1), float("-inf"))
+    ids = torch.topk(biased, top_k, dim=-1).indices
     w = scores.gather(1, ids)
     return w / w.sum(-1, keepdim=True), ids
 
 
-@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "bf16"])
-def test_deepseek_v3_block_forward_through_vllm_runner(dist, folders, fmt):
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "bf16", "tiny-real"])
+def test_deepseek_v3_block_forward_through_vllm_runner(dist, folders, tiny_real, fmt):
     """vLLM's DeepseekV2MoE block (its gate, grouped top-k router and MoE runner) calls our method's apply on
     megamoe's reference backend: the output equals megamoe's layer called directly with the same routing,
     so the routed scaling is applied once and the shared expert (kernel layout, fused) added once; vLLM's
@@ -454,19 +464,24 @@ def test_deepseek_v3_block_forward_through_vllm_runner(dist, folders, fmt):
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    out = _dsv3(folders, fmt)
-    model, loader, vc = _build(out, load_dense=False)
-    (name, m), = _moe_layers(model)
+    if fmt == "tiny-real":  # the whole model loaded (MLA attention, gate, norms by vLLM's own loader)
+        out = tiny_real("deepseek_v3")
+        model, loader, vc = _build(out)
+    else:  # synthetic source: Llama-named attention, which vLLM's MLA model does not load; the gate by hand
+        out = _dsv3(folders, fmt)
+        model, loader, vc = _build(out, load_dense=False)
+        _copy_passthrough(model, out, ".mlp.gate.")
+    name, m = _moe_layers(model)[0]
     mm = m.megamoe_experts
     assert mm.spec.shared is not None and mm.spec.routed_scaling_factor == 2.5
     assert loader.detached_shared and m.quant_method.runner_output_scale == 2.5
-    _copy_passthrough(model, out, ".mlp.gate.")
+    hf = vc.model_config.hf_config
     block = model.model.layers[1].mlp
     torch.manual_seed(0)
     x = torch.randn(7, mm.spec.hidden, dtype=torch.bfloat16)
     with set_current_vllm_config(vc), set_forward_context(None, vc):
         y = block(x)
-    w, ids = _dsv3_routing(block, x, mm.spec.top_k)
+    w, ids = _dsv3_routing(block, x, mm.spec.top_k, getattr(hf, "n_group", 1) or 1, getattr(hf, "topk_group", 1) or 1)
     ref = mm(x, w.float(), ids)
     # tolerance 2e-5 (measured 2e-6 .. 3.5e-6): the same kernels on the same bytes; what differs is bf16
     # rounding outside them -- vLLM's runner scales our bf16 output by the factor in bf16 (we divided it out,
