@@ -53,6 +53,20 @@ def parse_size(text):
 
 from .progress import ProgressDisplay, format_bytes  # noqa: E402  (torch-free)
 
+def hub_options(f):
+    """--cache-dir, --token, --local-files-only: named as huggingface_hub's CLI and library name them;
+    used only when SRC is a hub repo id (what `source.open_source` passes to snapshot_download)."""
+    f = click.option("--local-files-only", is_flag=True, default=None,
+                     help="Hub repos: use the local cache only, never the network (as HF_HUB_OFFLINE=1).")(f)
+    f = click.option("--token", default=None, metavar="TOKEN",
+                     help="Hub repos: the access token for private or gated repos (default: HF_TOKEN, or the "
+                          "token `hf auth login` saved). Never printed.")(f)
+    f = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Hub repos: the cache folder to read and download into (default: HF_HUB_CACHE, or "
+                          "huggingface_hub's ~/.cache/huggingface/hub).")(f)
+    return f
+
+
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
 
@@ -122,6 +136,9 @@ def _resume_command(ctx: click.Context) -> str:
             words.append(str(value))
             continue
         if param.name == "resume" or value == param.default or value is None:
+            continue
+        if param.name == "token":  # a secret is never printed: the resumed run needs HF_TOKEN or a login
+            words += ["--token", "$HF_TOKEN"]
             continue
         opt = max(param.opts, key=len)
         if getattr(param, "is_flag", False):
@@ -199,6 +216,7 @@ def main() -> None:
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit); hub repos only.")
+@hub_options
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
@@ -241,7 +259,7 @@ def main() -> None:
 @click.option("--no-progress", is_flag=True,
               help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr; "
                    "MEGAMOE_PROGRESS_INTERVAL sets the seconds).")
-def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
+def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantize, ep_size, max_shard_size, on_scale_mismatch,
             allow_missing_input_scales, l2_activation_scale, shared_precision, accept_activation_change, checksum,
             overwrite, resume, as_json, no_progress):
     """Convert checkpoint SRC (local folder or hub repo id) into OUT.
@@ -263,6 +281,8 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
       megamoe-convert convert ./src ./out --resume      # after an interrupted run
       megamoe-convert convert ./w4a16-nvfp4 ./out --accept-activation-change --l2-activation-scale 0.002
       megamoe-convert convert ./src ./out --checksum sha256   # verifiable without the blake3 package
+      megamoe-convert convert org/private-model ./out --token hf_xxx --cache-dir /data/hf
+      megamoe-convert convert org/model ./out --local-files-only   # from the cache, never the network
 
     OUT may not overlap SRC or contain the working directory; its missing
     parent folders are created. One run per OUT at a time (a lock beside it,
@@ -291,7 +311,8 @@ def convert(src, out, revision, fmt, quantize, ep_size, max_shard_size, on_scale
                               resume=resume, progress=bar, log=lambda m: click.echo(m, err=True),
                               shared_precision=shared_precision, l2_activation_scale=l2_activation_scale,
                               accept_activation_change=accept_activation_change,
-                              checksum=checksum)
+                              checksum=checksum, cache_dir=cache_dir, token=token,
+                              local_files_only=local_files_only)
             ok = True
             return s
         finally:
@@ -336,6 +357,7 @@ def _print_summary(s) -> None:
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
+@hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
 @click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
@@ -354,7 +376,7 @@ def _print_summary(s) -> None:
               help="As for convert: experts without a w2 input scale are a repair (a2 = max of the others), "
                    "not a problem.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (with ok and exit_code).")
-def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_activation_change, l2_activation_scale,
+def inspect(src, revision, cache_dir, token, local_files_only, fmt, quantize, ep_size, shared_precision, accept_activation_change, l2_activation_scale,
             on_scale_mismatch, allow_missing_input_scales, as_json):
     """Describe checkpoint SRC without converting it.
 
@@ -372,6 +394,7 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
       megamoe-convert inspect ./r1-nvfp4 --shared-precision bf16
       megamoe-convert inspect ./w4a16-nvfp4 --accept-activation-change --l2-activation-scale 0.002
       megamoe-convert inspect ./glm-nvfp4 --on-scale-mismatch requantize   # preview the repaired run
+      megamoe-convert inspect org/model --local-files-only --cache-dir /data/hf
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
@@ -382,7 +405,9 @@ def inspect(src, revision, fmt, quantize, ep_size, shared_precision, accept_acti
                                                   accept_activation_change=accept_activation_change,
                                                   l2_activation_scale=l2_activation_scale,
                                                   on_scale_mismatch=on_scale_mismatch,
-                                                  allow_missing_input_scales=allow_missing_input_scales))
+                                                  allow_missing_input_scales=allow_missing_input_scales,
+                                                  cache_dir=cache_dir, token=token,
+                                                  local_files_only=local_files_only))
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
     else:

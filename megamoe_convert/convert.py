@@ -126,6 +126,9 @@ def convert(
     on_step: StepHook | None = None,
     accept_activation_change: bool = False,
     checksum: str = DEFAULT_CHECKSUM,
+    cache_dir: str | Path | None = None,
+    token: str | None = None,
+    local_files_only: bool | None = None,
 ) -> ConvertSummary:
     """Convert checkpoint `src` (folder or hub id) into a megamoe folder `out`.
 
@@ -148,6 +151,9 @@ def convert(
     OutputError naming the holder) and first finishes any swap an earlier run
     was killed in. OUT's missing parent folders are created.
 
+    ``cache_dir``, ``token``, ``local_files_only``: huggingface_hub's, for a hub
+    repo id `src` (`source.open_source`); none of them changes the output.
+
     ``on_step(name)`` (tests): called at each step of ``output_dir`` (after
     every tensor, and between the renames of the final swap), so a test can
     stop the run at exactly that point.
@@ -165,7 +171,8 @@ def convert(
     digests.check_algorithm(checksum, "--checksum")
     digests.new_hasher(checksum)  # blake3 without its package: a clear error before any work
     log = log or (lambda msg: None)
-    check_placement(out, source_roots(src))
+    check_placement(out, source_roots(src, cache_dir))
+    hub = {"cache_dir": cache_dir, "token": token, "local_files_only": local_files_only}
     created = ensure_parent(out)
     try:
         with OutputLock(out, log) as lock, _heap_frozen():
@@ -178,7 +185,7 @@ def convert(
                 allow_missing_input_scales=allow_missing_input_scales, l2_activation_scale=l2_activation_scale,
                 overwrite=overwrite, resume=resume, progress=progress, log=log, shared_precision=shared_precision,
                 on_step=on_step, accept_activation_change=accept_activation_change,
-                checksum=checksum, guard=lock)
+                checksum=checksum, guard=lock, hub=hub)
     except BaseException:
         remove_created(created)  # only the parents this run made, and only while empty
         raise
@@ -211,14 +218,15 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                     on_scale_mismatch: str, allow_missing_input_scales: bool, l2_activation_scale,
                     overwrite: bool, resume: bool, progress, log: Log, shared_precision: str,
                     on_step: StepHook | None, accept_activation_change: bool = False,
-                    checksum: str = SHA256, guard: OutputLock | None = None) -> ConvertSummary:
+                    checksum: str = SHA256, guard: OutputLock | None = None,
+                    hub: dict | None = None) -> ConvertSummary:
     """`convert` once it holds OUT's lock (`guard`: confirmed before every rename or delete under OUT)."""
     recovered = recover(out, log, guard)
     read_from_ns = time.time_ns()  # before the first source byte is read (temp_folder.source_unverified)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
 
     report_stage(progress, f"opening {src}")
-    source = open_source(src, revision)
+    source = open_source(src, revision, **(hub or {}))
     try:
         check_placement(out, source.roots())
         report_stage(progress, "reading the safetensors headers")

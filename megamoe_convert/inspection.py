@@ -82,7 +82,8 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                        quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
                        accept_activation_change: bool = False, l2_activation_scale: float | None = None,
                        on_scale_mismatch: str = "error", allow_missing_input_scales: bool = False,
-                       ) -> InspectReport:
+                       cache_dir: str | Path | None = None, token: str | None = None,
+                       local_files_only: bool | None = None) -> InspectReport:
     """What `megamoe-convert inspect` reports.
 
     Reads headers and the scalar scale tensors only. Problems that would stop
@@ -98,7 +99,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
     if on_scale_mismatch not in checks.SCALE_MISMATCH_POLICIES:
         raise MegaMoEError(f"--on-scale-mismatch {on_scale_mismatch!r}; "
                            f"valid: {', '.join(checks.SCALE_MISMATCH_POLICIES)}")
-    source = open_source(src, revision)
+    source = open_source(src, revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     try:
         # accepted here so the report can show the recipe; a change convert would refuse is a problem below
         reader = detect_reader(source, format=format, quantize=quantize, accept_activation_change=True)

@@ -568,8 +568,13 @@ def open_source(
     *,
     cache_dir: str | Path | None = None,
     local_files_only: bool | None = None,
+    token: str | None = None,
 ) -> CheckpointSource:
     """Open a local folder or a hub repo id (``org/name``) as a checkpoint.
+
+    ``cache_dir``, ``local_files_only`` and ``token`` are huggingface_hub's
+    (the CLI's ``--cache-dir``, ``--local-files-only``, ``--token``); a token
+    of None uses ``HF_TOKEN`` or the one ``hf auth login`` saved.
 
     A path that exists is always local (so ``./org/name`` beats the hub).
     Hub ids are resolved through ``snapshot_download`` with
@@ -593,14 +598,23 @@ def open_source(
             f"{src!r} is neither an existing folder nor a hub repo id of the form 'org/name'"
         )
     try:
-        return _open_hub(src, revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        return _open_hub(src, revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
     except CheckpointError as e:  # 'org/name' reads as a relative path too: name both readings
         raise CheckpointError(f"{src}: no such local folder ({Path(src).absolute()}); as a hub repo id: {e}") \
             from e.__cause__
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (type and first line of its text): huggingface_hub's messages run
+    over several lines (request ids, URLs, advice), which broke the converter's one-line errors."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _open_hub(
-    repo_id: str, revision: str | None, *, cache_dir: str | Path | None, local_files_only: bool | None
+    repo_id: str, revision: str | None, *, cache_dir: str | Path | None, local_files_only: bool | None,
+    token: str | None = None,
 ) -> CheckpointSource:
     try:
         from huggingface_hub import snapshot_download
@@ -608,15 +622,18 @@ def _open_hub(
     except ImportError as e:  # pragma: no cover - dependency
         raise CheckpointError(f"{repo_id}: huggingface_hub is needed to read hub repos ({e})") from e
     offline = bool(local_files_only) or _env_offline()
+    given_cache = cache_dir  # hf download honours HF_HUB_CACHE itself: only a --cache-dir goes in the hint
     if cache_dir is None and os.environ.get("HF_HUB_CACHE"):
         cache_dir = os.environ["HF_HUB_CACHE"]
     rev = revision or "main"
     where = f"hub repo {repo_id!r} (revision {rev!r})"
     cache_note = f"the hub cache at {hub_cache_dir(cache_dir)}"
-    fetch = f"`hf download {repo_id}" + (f" --revision {revision}`" if revision else "`")
+    fetch = (f"`hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+             + (f" --cache-dir {given_cache}" if given_cache else "") + "`")
     def download(allow: list[str]) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=allow,
-                                      ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=offline))
+                                      ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=offline,
+                                      token=token))
 
     try:
         # configs and the index first: with an index, only the shards it names are fetched, so a
@@ -642,15 +659,15 @@ def _open_hub(
         if offline:
             raise CheckpointError(
                 f"{where} is not in {cache_note} and offline mode is on "
-                f"({'local_files_only' if local_files_only else 'HF_HUB_OFFLINE'}); download it once while online "
-                f"({fetch}) or point HF_HUB_CACHE at a cache that has it"
+                f"({'--local-files-only' if local_files_only else 'HF_HUB_OFFLINE'}); download it once while online "
+                f"({fetch}) or point --cache-dir / HF_HUB_CACHE at a cache that has it"
             ) from e
-        raise CheckpointError(f"{where}: not cached in {cache_note} and the hub could not be reached ({e}); "
-                              f"download it with {fetch}") from e
+        raise CheckpointError(f"{where}: not in {cache_note} and the hub could not be reached "
+                              f"({one_line(e)}); check the network, or download it with {fetch}") from e
     except hf_errors.HfHubHTTPError as e:
-        raise CheckpointError(f"{where}: hub request failed: {e}") from e
+        raise CheckpointError(f"{where}: hub request failed ({one_line(e)})") from e
     except OSError as e:
-        raise CheckpointError(f"{where}: could not download the snapshot: {e}") from e
+        raise CheckpointError(f"{where}: could not download the snapshot ({one_line(e)})") from e
     folder_p = Path(folder)
     commit = folder_p.name if folder_p.parent.name == "snapshots" else None
     if not (folder_p / "config.json").is_file():

@@ -519,7 +519,7 @@ def test_hub_fetches_only_the_shards_the_index_names(tmp_path, monkeypatch, synt
     calls = []
 
     def fake_snapshot_download(repo_id, *, revision, cache_dir, allow_patterns, ignore_patterns,
-                               local_files_only):
+                               local_files_only, token=None):
         calls.append(list(allow_patterns))
         snap.mkdir(parents=True, exist_ok=True)
         for p in src.iterdir():
