@@ -300,8 +300,8 @@ def describe_marker(m: dict) -> str:
     """Who a temp folder's marker says owns it, for messages."""
     if not m.get("pid"):
         return "a run whose marker is unreadable"
-    return (f"run {m.get('run_id', '?')} (pid {m['pid']}" + (f" on {m['host']}" if m.get("host") else "")
-            + (f", started {m['started']}" if m.get("started") else "") + ")")
+    return (f"run {m.get('run_id', '?')}, pid {m['pid']}" + (f" on {m['host']}" if m.get("host") else "")
+            + (f", started {m['started']}" if m.get("started") else ""))
 
 
 def journal_state(tmp: Path) -> tuple[str | None, bool]:
@@ -667,7 +667,7 @@ class TempClaim:
         this run); otherwise OutputError naming the folder and what is there now."""
         if not self._names_it(self.path):
             other = read_temp_marker(self.path) if self.path.is_dir() else {}
-            now = f"it now holds {describe_marker(other)}'s folder" if other else \
+            now = f"it now holds the folder of another run ({describe_marker(other)})" if other else \
                 "it was removed or replaced by something else"
             raise OutputError(
                 f"{self.path} is no longer this run's temp folder (run {self.run_id}, pid {os.getpid()}): {now}; "

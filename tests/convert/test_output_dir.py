@@ -513,7 +513,7 @@ def test_temp_claim_in_process(tmp_path):
         for attempt in (lambda: TempClaim.adopt(tmp, out), lambda: discard_temp(tmp),
                         lambda: check_output_target(out, overwrite=True, resume=False),
                         lambda: prepare_temp_dir(out, overwrite=False, resume=True)):
-            with pytest.raises(OutputError, match=rf"writing {tmp} right now \(run {lock.run_id} \(pid "):
+            with pytest.raises(OutputError, match=rf"writing {tmp} right now \(run {lock.run_id}, pid {os.getpid()} on "):
                 attempt()
         lock.fd = fd
     finally:
