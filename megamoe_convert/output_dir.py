@@ -265,10 +265,27 @@ def new_run_id() -> str:
     return secrets.token_hex(8)
 
 
+#: options whose value is a secret: never written into the marker (nor shown from it)
+SECRET_OPTIONS = ("--token",)
+
+
 def this_command() -> dict:
     """The command line of this process and where it ran: kept in the temp folder's marker, so a later
-    run can show what an interrupted run was started with (``--resume`` with other options names them)."""
-    return {"argv": [os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]], "cwd": os.getcwd()}
+    run can show what an interrupted run was started with (``--resume`` with other options names them).
+    A secret (``--token``'s value) is written as ``$HF_TOKEN``, as the printed resume command says it."""
+    argv, out, hide = sys.argv[1:], [], False
+    for a in argv:
+        if hide:
+            out.append("$HF_TOKEN")
+            hide = False
+        elif a in SECRET_OPTIONS:
+            out.append(a)
+            hide = True
+        elif a.split("=", 1)[0] in SECRET_OPTIONS and "=" in a:
+            out.append(a.split("=", 1)[0] + "=$HF_TOKEN")
+        else:
+            out.append(a)
+    return {"argv": [os.path.basename(sys.argv[0] or "python"), *out], "cwd": os.getcwd()}
 
 
 def write_temp_marker(tmp: Path, out: Path, run_id: str | None = None, command: dict | None = None,

@@ -219,3 +219,17 @@ def test_resume_with_other_options_names_them_and_the_first_command(interrupted,
         assert needle in msg, (needle, msg)
     assert "fingerprint" not in msg
     assert tmp.is_dir() and not out.exists()  # refused: the interrupted run's folder is kept as it was
+
+
+def test_the_kept_command_never_holds_a_token(monkeypatch):
+    """The marker keeps the command line; a hub token given on it (``--token``) is kept as ``$HF_TOKEN``."""
+    import sys
+
+    from megamoe_convert.output_dir import this_command
+
+    monkeypatch.setattr(sys, "argv", ["/x/megamoe-convert", "convert", "org/m", "out", "--token", "hf_secret",
+                                      "--token=hf_other", "--ep-size", "2"])
+    argv = this_command()["argv"]
+    assert argv == ["megamoe-convert", "convert", "org/m", "out", "--token", "$HF_TOKEN", "--token=$HF_TOKEN",
+                    "--ep-size", "2"]
+    assert "hf_" not in json.dumps(this_command())
