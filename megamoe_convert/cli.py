@@ -204,6 +204,7 @@ def main() -> None:
       megamoe-convert inspect nvidia/Some-Model-NVFP4
       megamoe-convert convert nvidia/Some-Model-NVFP4 ./out --ep-size 8
       megamoe-convert verify ./out
+      megamoe-convert synth ./src --layers 16 --experts 64 --hidden 2048   # a large source to try
 
     Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 130 Ctrl-C, 143 SIGTERM.
     """
@@ -582,6 +583,101 @@ def _print_verify(rep, reload: dict | None) -> None:
     click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
     for p in rep.problems:
         click.echo(f"  - {p}")
+
+
+# --------------------------------------------------------------------------- synth
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "fmt", default="modelopt-nvfp4", show_default=True,
+              help="Source format to write (any of megamoe_convert.synth.FORMATS: modelopt-nvfp4, quark-mxfp4, "
+                   "ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="MoE layers.")
+@click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Routed experts per layer.")
+@click.option("--hidden", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Hidden size (a multiple of 128 for every row).")
+@click.option("--intermediate", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Expert intermediate size (a multiple of 128 for every row).")
+@click.option("--top-k", type=click.IntRange(min=1), default=2, show_default=True, help="Experts per token.")
+@click.option("--shared", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Shared experts per layer (DeepSeek style, one MLP of width shared x intermediate).")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Split the source into shards of at most this size with an index, as hub exports are.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was built as JSON on stdout.")
+def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_shard_size, seed, as_json):
+    """Build a synthetic source checkpoint in OUT, of any size, to try convert on.
+
+    The weights are random (a pure function of the seed, layer and expert)
+    and quantized with megamoe's reference quantizers into the format's own
+    tensor names, dtypes and quantization config, so `inspect`, `convert`
+    (its progress, an interrupted run and `--resume`), `verify` and the
+    benchmarks run on it as on a producer's export. Building takes about as
+    long as quantizing that many experts (2 cores: roughly 40 s for 300 MB);
+    it needs about the source's size in memory.
+
+    \b
+    Examples:
+      megamoe-convert synth ./src-small
+      megamoe-convert synth ./src-4gb --layers 16 --experts 64 --hidden 2048 --intermediate 1024 --max-shard-size 1GB
+      megamoe-convert synth ./src-r1ish --format modelopt-nvfp4 --layers 4 --experts 32 --shared 1
+      megamoe-convert synth ./src-bf16 --format bf16 && megamoe-convert convert ./src-bf16 ./out --quantize mxfp8
+
+    Exit codes: 0 built, 2 bad option (OUT not empty, unknown format, sizes).
+    """
+    from . import synth as synth_mod
+
+    if fmt not in synth_mod.FORMATS:
+        raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth_mod.FORMATS)}",
+                                 param_hint="--format")
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except MegaMoEError as e:
+        raise click.BadParameter(str(e), param_hint="--max-shard-size")
+    if top_k > experts:
+        raise click.BadParameter(f"--top-k {top_k} is more than --experts {experts}", param_hint="--top-k")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        _fail(f"{out} exists and is not an empty folder; synth writes a new checkpoint (pick another OUT)")
+    click.echo(f"synth: building a {fmt} checkpoint ({layers} MoE layers x {experts} experts, hidden {hidden}, "
+               f"intermediate {intermediate}) in {out} ...", err=True)
+    t = time.perf_counter()
+
+    def build():
+        # built beside OUT and renamed at the end, as convert does: a failed or interrupted build leaves nothing
+        import shutil
+
+        tmp = out.parent / f".{out.name}.synth-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            synth_mod.build_synthetic_checkpoint(
+                tmp, fmt, num_layers=layers, hidden=hidden, intermediate=intermediate, num_experts=experts,
+                top_k=top_k, shared=shared, seed=seed, max_shard_bytes=max_bytes)
+            if out.exists():
+                out.rmdir()  # empty (checked above)
+            tmp.rename(out)
+            return out
+        except ValueError as e:  # sizes the format cannot encode
+            raise MegaMoEError(f"synth: {e}") from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    path = _run_guarded(build)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    size = sum((path / f).stat().st_size for f in files)
+    result = {"ok": True, "exit_code": 0, "out": str(path.resolve()), "format": fmt, "layers": layers,
+              "experts_per_layer": experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k,
+              "shared": shared, "seed": seed, "files": len(files), "bytes": size,
+              "seconds": round(time.perf_counter() - t, 3)}
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"built {result['out']}: {fmt}, {layers} MoE layers x {experts} experts, {len(files)} safetensors "
+               f"file(s), {format_bytes(size)} in {result['seconds']:.1f} s")
+    click.echo(f"next: megamoe-convert inspect {shlex.quote(str(out))} && "
+               f"megamoe-convert convert {shlex.quote(str(out))} ./out" + (" --quantize mxfp8" if synth_mod.ROW_OF.get(fmt) == "bf16" else ""))
 
 
 # --------------------------------------------------------------------------- demo

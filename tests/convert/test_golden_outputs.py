@@ -64,7 +64,7 @@ CASES: list[tuple[str, object, dict]] = [
     ("synth-modelopt-nvfp4-mismatch-requantize",
      ("synth", "modelopt-nvfp4", dict(_SYN, scale_mismatch=[(0, 1)])), dict(on_scale_mismatch="requantize")),
 ]
-HELP_COMMANDS = [[], ["convert"], ["inspect"], ["verify"], ["demo"]]
+HELP_COMMANDS = [[], ["convert"], ["inspect"], ["verify"], ["demo"], ["synth"]]
 #: CLI runs whose whole output and exit code are recorded, run in a folder where
 #: ``real`` links to tests/fixtures/real (so the paths they print are stable).
 CLI_CASES: list[list[str]] = [
