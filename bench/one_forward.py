@@ -54,7 +54,7 @@ def main() -> None:
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them
-    cfg = moe.default_config(args.tokens * K, E, "frag", w_kind=moe._W_KIND[args.row])
+    cfg = moe.default_config(args.tokens * K, E, "frag", w_kind=moe._W_KIND[args.row], H=H, I=I)
     for kv in filter(None, (args.cfg or "").split(",")):
         k, v = kv.split("=")  # numbers as ints, anything else (decode, scale_load, ...) as text
         cfg = dataclasses.replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v})

@@ -833,7 +833,6 @@ class FragTiles(NamedTuple):
 #: mxfp8 decode: 32-row, 3-stage L1 tiles (8 tokens 818.8 -> 762.0 us, 64 tokens 3134.5 -> 3024.5;
 #: the fp4 rows' 64-row tiles stay fastest there).
 FRAG_TILES = {
-    ("few", W_E2M1_NV): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "fold", "fold", 128),
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
