@@ -80,6 +80,7 @@ class MegaMoEHfQuantizer(HfQuantizer):
         if not checkpoint_files:
             raise CheckpointError("megamoe: from_pretrained found no weight files to load the folder from")
         folder = Path(checkpoint_files[0]).parent
+        _fetch_manifest_from_hub(folder, getattr(model.config, "name_or_path", None))
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         cfg = config.to_dict()
         cfg["quantization_config"] = self.quantization_config.to_dict()
@@ -173,6 +174,27 @@ class MegaMoEHfQuantizer(HfQuantizer):
         if pending.bias is not None:
             linear.bias = pending.bias
         model.set_submodule(name, linear)
+
+
+def _fetch_manifest_from_hub(folder: Path, name_or_path: Optional[str]) -> None:
+    """A converted folder published on the hub: transformers downloads config.json and the files its index
+    lists, not ``megamoe.json``. Fetch it into the same snapshot (the folder's name is the commit), so the
+    manifest read is the one of the same revision. A local folder, or a hub id that is not one, is left to
+    the folder checks (which say "not a megamoe output folder")."""
+    from ...manifest import MANIFEST_NAME
+
+    if (folder / MANIFEST_NAME).exists() or not name_or_path or Path(name_or_path).exists():
+        return
+    if folder.parent.name != "snapshots" or "/" not in str(name_or_path):
+        return
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(str(name_or_path), MANIFEST_NAME, revision=folder.name, cache_dir=folder.parents[2])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes the folder check's clear refusal
+        raise CheckpointError(f"{name_or_path}: could not fetch {MANIFEST_NAME} of revision {folder.name} from the "
+                              f"hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a megamoe "
+                              "output needs it beside its shards") from None
 
 
 def _module_path(model: nn.Module, prefix: str) -> Optional[str]:

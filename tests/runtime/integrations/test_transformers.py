@@ -428,3 +428,50 @@ def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
     assert d < 1e-3, d  # measured 2.1e-4 (nvfp4): cuBLAS vs CPU bf16 attention, amplified by routing
     gen = dict(max_new_tokens=6, do_sample=False)
     assert gpu.generate(ids[:1].cuda(), **gen).shape == (1, 16)
+
+
+def test_hub_repo_fetches_the_manifest_of_the_same_revision(converted_tiny, tmp_path, monkeypatch):
+    """A converted folder published on the hub: transformers fetches config and shards but not megamoe.json;
+    the integration fetches it for the same commit. (Offline here: a hub cache snapshot is laid out by hand,
+    and hf_hub_download is replaced by a copy that records what it was asked.)"""
+    import huggingface_hub
+
+    _, out = converted_tiny("qwen3_moe")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny-megamoe"
+    snap = repo / "snapshots" / commit
+    shutil.copytree(out, snap)
+    (snap / "megamoe.json").unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    asked = []
+
+    def fake_download(repo_id, filename, revision=None, cache_dir=None, **kw):
+        asked.append((repo_id, filename, revision, Path(cache_dir)))
+        shutil.copyfile(out / filename, snap / filename)
+        return str(snap / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    model = _load("org/tiny-megamoe", cache_dir=tmp_path / "hub", local_files_only=True)
+    assert asked == [("org/tiny-megamoe", "megamoe.json", commit, tmp_path / "hub")]
+    assert model.model.layers[0].mlp.megamoe is not None
+
+
+def test_hub_repo_without_a_manifest_is_refused_in_one_line(converted_tiny, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    _, out = converted_tiny("qwen3_moe")
+    commit = "f" * 40
+    repo = tmp_path / "hub" / "models--org--not-converted"
+    shutil.copytree(out, repo / "snapshots" / commit)
+    (repo / "snapshots" / commit / "megamoe.json").unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+    def missing(*a, **k):
+        raise FileNotFoundError("404 Client Error.\n\nEntry Not Found for url: https://...")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
+    with pytest.raises(CheckpointError, match=r"org/not-converted: could not fetch megamoe.json of revision f{40} "
+                                              r"from the hub \(FileNotFoundError: 404 Client Error.\)"):
+        _load("org/not-converted", cache_dir=tmp_path / "hub", local_files_only=True)
