@@ -408,14 +408,19 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
     info = lp.info
     E_l = lp.spec.experts_per_rank
     shared_kt, shared_rec = None, {}
-    per_expert = lp.source_bytes / max(info.num_experts, 1)
+    # progress: expert k's share of the layer's source bytes, in integers whose sum is exactly
+    # source_bytes (int(source_bytes / E) per expert dropped the remainder: a run ended short of 100%)
+    E = max(info.num_experts, 1)
+
+    def share(k: int) -> int:
+        return lp.source_bytes * k // E
     for r in range(ep_size):
         lo = r * E_l
         if r not in needed:
             for e in sorted(mismatched & set(range(lo, lo + E_l))):  # reports only
                 _, rr = checks.requantize_gate_up(reader.read_expert(info.index, e), f"{where} expert {e}")
                 repairs.append({"expert": e, **rr})
-            run.advance(int(per_expert * E_l))
+            run.advance(share(lo + E_l) - share(lo))
             continue
         alpha = torch.zeros(E_l, 2, dtype=torch.float32)
         l2g = torch.zeros(E_l, dtype=torch.float32)
@@ -437,7 +442,7 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
                     alpha[e - lo, 1] = et.up.global_scale
                     l2g[e - lo] = et.down.global_scale
                 del et, got
-                run.advance(int(per_expert))
+                run.advance(share(e + 1) - share(e))
             pieces = kt.named()
             for role, (slot, sink) in routed.items():
                 run.put(sink, slot, pieces[role], bset)

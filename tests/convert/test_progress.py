@@ -108,3 +108,15 @@ def test_cli_convert_off_a_terminal_prints_progress_lines(tmp_path, monkeypatch)
 
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out2"), "--no-progress"])
     assert r.exit_code == 0 and "converting:" not in r.stderr
+
+
+def test_the_byte_count_reaches_the_total_exactly(tmp_path):
+    # shared experts make a layer's bytes per expert fractional: the sum of the shares must still be exact
+    from megamoe_convert.convert import convert
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", num_layers=2, num_experts=3,
+                                           shared=1)
+    seen = []
+    convert(src, tmp_path / "out", progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1]
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))  # never backwards
