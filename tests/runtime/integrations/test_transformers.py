@@ -430,6 +430,18 @@ def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
     assert gpu.generate(ids[:1].cuda(), **gen).shape == (1, 16)
 
 
+def _hub_snapshot(out: Path, cache: Path, repo_id: str, commit: str) -> Path:
+    """A hub cache entry for ``repo_id`` at ``commit`` holding OUT's files but megamoe.json (what transformers
+    downloads of a converted repo), laid out as huggingface_hub lays it out."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    shutil.copytree(out, snap)
+    (snap / "megamoe.json").unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
 def test_hub_repo_fetches_the_manifest_of_the_same_revision(converted_tiny, tmp_path, monkeypatch):
     """A converted folder published on the hub: transformers fetches config and shards but not megamoe.json;
     the integration fetches it for the same commit. (Offline here: a hub cache snapshot is laid out by hand,
@@ -438,12 +450,7 @@ def test_hub_repo_fetches_the_manifest_of_the_same_revision(converted_tiny, tmp_
 
     _, out = converted_tiny("qwen3_moe")
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--org--tiny-megamoe"
-    snap = repo / "snapshots" / commit
-    shutil.copytree(out, snap)
-    (snap / "megamoe.json").unlink()
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    snap = _hub_snapshot(out, tmp_path / "hub", "org/tiny-megamoe", commit)
     asked = []
 
     def fake_download(repo_id, filename, revision=None, cache_dir=None, **kw):
@@ -462,11 +469,7 @@ def test_hub_repo_without_a_manifest_is_refused_in_one_line(converted_tiny, tmp_
 
     _, out = converted_tiny("qwen3_moe")
     commit = "f" * 40
-    repo = tmp_path / "hub" / "models--org--not-converted"
-    shutil.copytree(out, repo / "snapshots" / commit)
-    (repo / "snapshots" / commit / "megamoe.json").unlink()
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    _hub_snapshot(out, tmp_path / "hub", "org/not-converted", commit)
 
     def missing(*a, **k):
         raise FileNotFoundError("404 Client Error.\n\nEntry Not Found for url: https://...")
