@@ -294,12 +294,13 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT),
     130 / 143 interrupted by Ctrl-C / SIGTERM (OUT untouched).
     """
-    try:
-        max_bytes = parse_size(max_shard_size)
-    except MegaMoEError as e:
-        raise click.BadParameter(str(e), param_hint="--max-shard-size")
     bar = _progress("converting", no_progress)
     bar.stage("loading torch and the converter")  # a first line at once: the import takes seconds
+    try:
+        max_bytes = parse_size(max_shard_size)  # (shard_writer imports torch)
+    except MegaMoEError as e:
+        bar.close(False)
+        raise click.BadParameter(str(e), param_hint="--max-shard-size")
 
     def run():
         from .convert import convert as do_convert

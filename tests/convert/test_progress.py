@@ -120,3 +120,26 @@ def test_the_byte_count_reaches_the_total_exactly(tmp_path):
     convert(src, tmp_path / "out", progress=lambda d, t: seen.append((d, t)))
     assert seen and seen[-1][0] == seen[-1][1]
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))  # never backwards
+
+
+def test_first_line_comes_before_torch_is_imported(tmp_path):
+    # the seconds of `import torch` were a blank screen: the display's first line must come before it
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, importlib.abc\n"
+        "class Hook(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.stderr.write('TORCH-IMPORTED\\n'); sys.stderr.flush(); sys.meta_path.remove(self)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "from megamoe_convert.cli import main\n"
+        "main(['convert', sys.argv[1], sys.argv[2]])\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "absent"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "MEGAMOE_PROGRESS_INTERVAL": "0"})
+    err = r.stderr
+    assert "TORCH-IMPORTED" in err and "converting: loading torch" in err, err
+    assert err.index("converting: loading torch") < err.index("TORCH-IMPORTED"), err
