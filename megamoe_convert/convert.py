@@ -275,8 +275,11 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
                     f"output folder {out} already exists (an interrupted conversion of other inputs or options "
                     "was just completed into it); pass --overwrite to replace it")
 
+        # the names this run's plan writes: an --overwrite discard (and a cleanup) removes only those and
+        # what the temp folder's own journal/marker/manifest record, never a file it did not write
+        planned = {*slots_by_file, *(p.name for p in source.extra_files())}
         tmp, resuming = prepare_temp_dir(out, overwrite=overwrite, resume=resume, fingerprint=fingerprint,
-                                         guard=guard)
+                                         guard=guard, planned=planned)
         threads = torch.get_num_threads()
         # Every op touches one expert (a few MB) and is memory-bound: torch's
         # intra-op pool only adds wake-up/spin overhead (5x slower on a loaded
@@ -302,7 +305,7 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         except OutputError:
             raise  # e.g. --resume of a different run: keep that run's temp folder
         except MegaMoEError:
-            remove_temp(tmp, guard)  # bad input: a resume cannot fix it (only while the folder is still ours)
+            remove_temp(tmp, guard, planned)  # bad input: a resume cannot fix it (only while the folder is still ours)
             raise
         finally:
             torch.set_num_threads(threads)

@@ -349,9 +349,70 @@ def _journal_run(tmp: Path) -> tuple[dict | None, bool]:
     return fingerprint, complete and (tmp / MANIFEST_NAME).is_file()
 
 
-def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" = None) -> None:
+#: the index the converter writes into every output (``shard_writer.INDEX_NAME``; not imported: that pulls in torch)
+OUT_INDEX_NAME = "model.safetensors.index.json"
+
+
+def temp_own_names(tmp: Path, planned=()) -> set[str]:
+    """The entry names of a temp folder the converter can prove it wrote: its marker and journal, the
+    manifest and index, every file the journal records as finished, every file a manifest there lists,
+    and `planned` (this run's output plan: shard names and config/tokenizer copies), each also with the
+    ``.part`` suffix (``write_bytes_atomic``) and the manifest's own temp name."""
+    names = {TMP_MARKER, JOURNAL_NAME, MANIFEST_NAME, OUT_INDEX_NAME, *(str(n) for n in planned)}
+    names |= manifest_files(tmp) or set()
+    try:
+        lines = (Path(tmp) / JOURNAL_NAME).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            rec = parse_json(line, str(Path(tmp) / JOURNAL_NAME))
+        except MegaMoEError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "file" and isinstance(rec.get("name"), str):
+            names.add(rec["name"])
+    names = {n for n in names if n and "/" not in n and n not in (".", "..")}
+    return names | {n + ".part" for n in names} | {f".{MANIFEST_NAME}.{os.getpid()}.tmp"}
+
+
+def foreign_temp_entries(tmp: Path, planned=()) -> list[str]:
+    """Entries of `tmp` the converter cannot prove it wrote (`temp_own_names`; a folder or a symlink at
+    one of those names counts as foreign: the converter writes only plain files there)."""
+    own = temp_own_names(tmp, planned)
+    return [n for n in _entries(tmp)
+            if n not in own or (tmp / n).is_symlink() or not (tmp / n).is_file()]
+
+
+def _foreign_error(tmp: Path, foreign: list[str], doing: str) -> OutputError:
+    return OutputError(
+        f"{tmp} was made by megamoe-convert but also holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+        f"it did not write ({_list(foreign)}); {doing} would delete them, so everything in it is left in place: "
+        "move them away first")
+
+
+def remove_own_entries(tmp: Path, planned=()) -> None:
+    """Delete `tmp` entry by entry: only when every entry is one of ours (`foreign_temp_entries`), else
+    OutputError naming the others and nothing removed. The folder itself goes last (rmdir: it fails,
+    leaving the rest, if something appeared meanwhile)."""
+    foreign = foreign_temp_entries(tmp, planned)
+    if foreign:
+        raise _foreign_error(tmp, foreign, "removing it")
+    for n in _entries(tmp):
+        if n != TMP_MARKER:
+            (tmp / n).unlink(missing_ok=True)
+    (tmp / TMP_MARKER).unlink(missing_ok=True)  # last: until it is gone the folder is provably ours
+    try:
+        tmp.rmdir()
+    except OSError as e:
+        raise OutputError(f"cannot remove {tmp}: {e.strerror or e} (something was added to it meanwhile; "
+                          "it is left as it is)") from None
+
+
+def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" = None, planned=()) -> None:
     """Remove an interrupted run's temp folder, only if provably ours and no live run holds it
-    (`TempClaim.adopt` first: refused naming that run). `guard`: the caller's lock, confirmed first."""
+    (`TempClaim.adopt` first: refused naming that run), and only entry by entry: an entry the converter
+    cannot prove it wrote (`foreign_temp_entries`; `planned`: this run's output file names) refuses the
+    whole removal, naming it. `guard`: the caller's lock, confirmed first."""
     if not is_our_temp(tmp):
         raise OutputError(
             f"{tmp} exists but was not made by megamoe-convert (no {TMP_MARKER} or journal inside); "
@@ -362,7 +423,10 @@ def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" 
         claim = TempClaim.adopt(tmp, out)
         try:
             _confirm(guard, f"removing the interrupted run's temp folder {tmp}")
-            shutil.rmtree(tmp)
+            foreign = foreign_temp_entries(tmp, planned)
+            if foreign:
+                raise _foreign_error(tmp, foreign, "discarding the interrupted run (--overwrite)")
+            remove_own_entries(tmp, planned)
         finally:
             claim.release()
 
@@ -918,6 +982,7 @@ __all__ = [
     "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "describe_marker", "new_run_id", "this_command",
     "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
     "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",
+    "temp_own_names", "foreign_temp_entries", "remove_own_entries",
     "swap_into_place", "recover", "signals_deferred", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",
     "STEP_TENSOR", "STEP_SYNCED", "STEP_COMPLETE", "STEP_OLD_MOVED", "STEP_NEW_MOVED", "STEP_CLEANED",
     "STEP_OLD_REMOVED", "StepHook",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +32,8 @@ from .output_dir import (
     check_old_name_free,
     check_replaceable,
     discard_temp,
+    foreign_temp_entries,
+    remove_own_entries,
     is_our_temp,
     journal_state,
     new_run_id,
@@ -78,7 +79,8 @@ def check_output_target(out: Path, *, overwrite: bool, resume: bool, recovered: 
 
 
 def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
-                     fingerprint: str | None = None, guard: OutputLock | None = None) -> tuple[Path, bool]:
+                     fingerprint: str | None = None, guard: OutputLock | None = None,
+                     planned=()) -> tuple[Path, bool]:
     """Check OUT (`check_output_target`) and create or reuse its temp folder.
     Returns (tmp, resuming). A complete temp folder (killed just before its
     swap) whose journal has this run's `fingerprint` is resumed without
@@ -87,7 +89,9 @@ def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
     Under OUT's parent lock. `guard` (the run's `OutputLock`): the folder is
     claimed for the run (`guard.claim`, held until the lock is released; a
     folder another live run holds is refused) and the marker names the run;
-    without one (tests) the folder is claimed only while this function runs."""
+    without one (tests) the folder is claimed only while this function runs.
+    `planned`: this run's output file names (shards, config/tokenizer copies): an --overwrite discard
+    removes only those and the names the folder's journal/marker/manifest prove ours (`discard_temp`)."""
     out = Path(out)
     with parent_locked(out):
         check_output_target(out, overwrite=overwrite, resume=resume)
@@ -111,7 +115,7 @@ def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
                         f"{str(fp)[:12]}..., this run {str(fingerprint)[:12]}...); pass --overwrite to discard it")
                 claim.release()
                 claim = None
-                discard_temp(tmp, out, guard)  # only reachable with --overwrite; only our own
+                discard_temp(tmp, out, guard, planned)  # only reachable with --overwrite; only our own
             if guard is not None:
                 guard.confirm(f"creating {tmp}")
             claim = TempClaim.create(tmp, out, guard.run_id if guard is not None else new_run_id())
@@ -123,9 +127,11 @@ def prepare_temp_dir(out: Path, *, overwrite: bool, resume: bool,
                 claim.release()
 
 
-def remove_temp(tmp: Path, guard: OutputLock | None) -> None:
+def remove_temp(tmp: Path, guard: OutputLock | None, planned=()) -> None:
     """Remove this run's temp folder after bad input (a resume cannot fix it): only while it is
-    still this run's (`guard.confirm`); one taken over is left to the run that has it."""
+    still this run's (`guard.confirm`); one taken over is left to the run that has it. Only entries
+    the run can prove its own (`remove_own_entries`; `planned`: its output file names): a folder
+    holding anything else is left whole."""
     if guard is None or guard.claim is None or guard.claim.path != tmp:  # none, or already swapped into OUT
         return
     with parent_locked(guard.out):
@@ -133,7 +139,10 @@ def remove_temp(tmp: Path, guard: OutputLock | None) -> None:
             guard.confirm(f"removing its temp folder {tmp}")
         except OutputError:
             return
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            remove_own_entries(tmp, planned)
+        except (OutputError, OSError):
+            pass  # something not ours is in it: the folder stays (a later --overwrite names it)
 
 
 # --------------------------------------------------------------------------- resume: what is kept, and why

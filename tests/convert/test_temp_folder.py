@@ -233,3 +233,33 @@ def test_the_kept_command_never_holds_a_token(monkeypatch):
     assert argv == ["megamoe-convert", "convert", "org/m", "out", "--token", "$HF_TOKEN", "--token=$HF_TOKEN",
                     "--ep-size", "2"]
     assert "hf_" not in json.dumps(this_command())
+
+
+def test_overwrite_discard_removes_only_what_the_tool_wrote(tmp_path):
+    """--overwrite discards a stale temp folder entry by entry: a file the tool did not write (a user's,
+    dropped in there) refuses the discard, naming it, and nothing in the folder is removed."""
+    out = tmp_path / "out"
+    tmp, _ = prepare_temp_dir(out, overwrite=False, resume=False)
+    j = Journal(tmp)
+    j.start("fp")
+    (tmp / "model-00001-of-00001.safetensors").write_text("shard")
+    j.record_file("model-00001-of-00001.safetensors", 5, "0" * 64, {})
+    (tmp / "megamoe-experts-rank000-of-001-00001.safetensors").write_text("half-written, not journaled")
+    (tmp / "config.json.part").write_text("{")
+    (tmp / "notes.txt").write_text("mine")
+    (tmp / "subdir").mkdir()
+    before = sorted(p.name for p in tmp.iterdir())
+    with pytest.raises(OutputError, match=r"also holds 2 entries it did not write \(notes.txt, subdir\).*"
+                                          r"left in place"):
+        prepare_temp_dir(out, overwrite=True, resume=False, fingerprint="other",
+                         planned={"megamoe-experts-rank000-of-001-00001.safetensors", "config.json"})
+    assert sorted(p.name for p in tmp.iterdir()) == before and (tmp / "notes.txt").read_text() == "mine"
+    (tmp / "notes.txt").unlink()
+    (tmp / "subdir").rmdir()
+    # without the plan the unjournaled shard is not provably ours either
+    with pytest.raises(OutputError, match=r"megamoe-experts-rank000-of-001-00001.safetensors"):
+        prepare_temp_dir(out, overwrite=True, resume=False, fingerprint="other")
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(set(before) - {"notes.txt", "subdir"})
+    tmp2, resuming = prepare_temp_dir(out, overwrite=True, resume=False, fingerprint="other",
+                                      planned={"megamoe-experts-rank000-of-001-00001.safetensors", "config.json"})
+    assert tmp2 == tmp and not resuming and sorted(p.name for p in tmp.iterdir()) == [TMP_MARKER]
