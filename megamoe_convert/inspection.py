@@ -15,7 +15,7 @@ from megamoe_runtime.errors import MegaMoEError
 from megamoe_runtime.formats import get_row
 
 from . import checks
-from .plan import layer_ranges, model_record, rank_roles
+from .plan import LayerPlan, layer_ranges, model_record, plan_files, rank_roles
 from .readers import detect_reader
 from .readers.recipe import manifest_record
 from .preflight import layer_decisions, layer_scalars
@@ -78,6 +78,53 @@ class InspectReport:
                 "ok": self.ok, "exit_code": self.exit_code}
 
 
+#: a manifest's layer record (spec, scalars, shared note, repairs), per layer and rank: measured 650-700 bytes
+#: on the real fixtures; the tensors and files sections, which grow with the model, are computed exactly
+MANIFEST_LAYER_BYTES = 700
+
+
+def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size: int, reader, facts,
+                          max_bytes: int | None = None) -> int:
+    """What convert writes, from the plan alone: every safetensors file as its writer writes it (the
+    header `shard_writer.safetensors_header` builds for the planned tensors and metadata, then their
+    bytes), the config/tokenizer copies, the index (exact: built as ``run`` builds it) and megamoe.json
+    (its tensors and files sections serialized as the manifest writes them, digests as placeholders of
+    their length; `MANIFEST_LAYER_BYTES` per layer record)."""
+    from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
+    from megamoe_runtime.manifest import FileEntry
+
+    from .shard_writer import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, ST_METADATA, json_bytes, safetensors_header
+
+    slots_by_file = plan_files(plans, source, consumed, row, ep_size,
+                               DEFAULT_MAX_SHARD_SIZE if max_bytes is None else max_bytes)
+    digest = "0" * 64
+    sizes: dict[str, int] = {}
+    for fname, slots in slots_by_file.items():
+        meta = dict(ST_METADATA)
+        if slots[0].ep_rank is not None:  # as stream.Run opens an expert file
+            meta.update({FILE_KEY: fname, RANK_KEY: str(slots[0].ep_rank)})
+        sizes[fname] = len(safetensors_header([s.planned for s in slots], meta)) + \
+            sum(s.planned.nbytes for s in slots)
+    for p in source.extra_files():
+        sizes[p.name] = p.stat().st_size
+    shown = [s for slots in slots_by_file.values() for s in slots if s.ep_rank is None or ep_size == 1]
+    index = {"metadata": {"total_size": sum(s.planned.nbytes for s in shown)},
+             "weight_map": dict(sorted((s.planned.name, s.file) for s in shown))}
+    sizes[INDEX_NAME] = len(json_bytes(index))
+    sections = {
+        "format": "megamoe", "format_version": 1, "converter_version": "0.0.0", "row": row.name,
+        "ep_size": ep_size, "checksum": "sha256", "model": model_record(facts),
+        "source": {"id": str(source.id), "kind": source.kind, "revision": source.revision,
+                   "format": reader.format_name, "content_hash": digest, "recipe": manifest_record(reader)},
+        "tensors": {s.key: s.entry(digest).to_dict() for slots in slots_by_file.values() for s in slots},
+        "files": {n: FileEntry(size, digest).to_dict() for n, size in sorted(sizes.items())},
+        "manifest_sha256": digest,
+    }
+    manifest = len(json.dumps(sections, indent=1, ensure_ascii=True)) + 1 + \
+        MANIFEST_LAYER_BYTES * len(plans) * ep_size
+    return sum(sizes.values()) + manifest
+
+
 def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: str | None = None,
                        quantize: str | None = None, ep_size: int = 1, shared_precision: str = "auto",
                        accept_activation_change: bool = False, l2_activation_scale: float | None = None,
@@ -128,6 +175,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         missing_input: dict[int, int] = {}
         consumed = set(reader.consumed_tensor_names())
         shared_notes = {}
+        lplans: list[LayerPlan] = []
         check_shared_precision(row, shared_precision)
         for info in infos:
             shared, shared_rec, spec = layer_decisions(info, row, facts, ep_size, shared_precision, problems)
@@ -168,6 +216,8 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                 except MegaMoEError as e:
                     problems.append(str(e))
                     unchecked[info.index] = str(e)
+            if spec is not None:
+                lplans.append(LayerPlan(info, spec, shared_rec, None, 0))  # what plan_files reads of a plan
             if spec is None:
                 expert_bytes = None  # no layout at this ep_size (a problem says why): no estimate
             elif expert_bytes is not None:
@@ -207,7 +257,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                     if row.weight.has_global_scale else None),
             ep_size=ep_size, estimated_expert_bytes=expert_bytes, passthrough_bytes=pt_bytes,
             estimated_output_bytes=(None if expert_bytes is None else
-                                    expert_bytes + pt_bytes + sum(p.stat().st_size for p in source.extra_files())),
+                                    estimate_output_bytes(lplans, source, consumed, row, ep_size, reader, facts)),
             problems=problems, warnings=list(source.warnings), repairs=repairs,
             tensor_bytes=sum(source.nbytes(n) for n in source.tensor_names()),
             options={"format": format, "quantize": quantize, "ep_size": ep_size, "shared_precision": shared_precision,

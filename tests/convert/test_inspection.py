@@ -34,3 +34,20 @@ def test_a_problem_makes_it_not_ok_and_the_cli_exit_2(tmp_path):
     assert res.exit_code == 2 and "problems (convert would refuse):" in res.output
     # negative control: the same checkpoint on 2 ranks is convertible
     assert inspect_checkpoint(src, ep_size=2).ok
+
+
+def test_output_estimate_counts_headers_index_and_manifest(tmp_path):
+    """inspect's estimate is what convert writes, within 1%, on committed real exports: the safetensors
+    headers (built by the writer's own header builder from the plan), the index and megamoe.json count
+    (before, only tensor bytes and the copied files did: 686.79 KB estimated for 716.07 KB written)."""
+    from pathlib import Path
+
+    from megamoe_convert.convert import convert
+
+    real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+    for name, ep in (("modelopt-nvfp4-qwen3moe", 1), ("llmcompressor-nvfp4-qwen3moe", 2)):
+        rep = inspect_checkpoint(real / name, ep_size=ep)
+        out = tmp_path / name
+        convert(real / name, out, ep_size=ep)
+        written = sum(p.stat().st_size for p in out.iterdir())
+        assert abs(rep.estimated_output_bytes - written) <= 0.01 * written, (name, rep.estimated_output_bytes, written)
