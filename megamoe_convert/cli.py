@@ -334,7 +334,10 @@ def _print_summary(s) -> None:
     click.echo(f"  MoE layers: {s.layers}   routed experts: {experts}   ep_size: {s.ep_size}   files: {s.files}"
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
-    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s")
+    kept = getattr(s, "bytes_kept", 0)
+    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s"
+               + (f" (over the {format_bytes(s.bytes_in - kept)} processed by this run; {format_bytes(kept)} "
+                  "kept from the earlier run)" if kept else ""))
     act = (s.recipe or {}).get("activations")
     if act:
         src, ker = act["source"]["description"], act["kernel"]["description"]

@@ -160,7 +160,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
         bytes_out=sum(f.size for f in file_entries.values()) + (out / "megamoe.json").stat().st_size,
         seconds=0.0, files=len(file_entries) + 1, repaired_experts=repaired, resumed_files=resumed,
-        warnings=list(source.warnings), shared=shared_decisions(plans), recipe=recipe)
+        bytes_kept=run.kept_bytes, warnings=list(source.warnings), shared=shared_decisions(plans), recipe=recipe)
 
 
 def _annotated_config(config: dict, row: Row) -> dict:

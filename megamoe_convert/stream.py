@@ -93,6 +93,7 @@ class Run:
         self.entries: dict[str, dict] = {}
         self.total = total
         self.done_bytes = 0
+        self.kept_bytes = 0  # of done_bytes: the input of finished files a resume keeps (`skip`), not processed
         self.progress = progress
         self._buffers: dict = {}
         self._turn = 0  # which buffer set the next layer packs into
@@ -112,6 +113,12 @@ class Run:
         self.done_bytes += n
         if self.progress:
             self.progress(min(self.done_bytes, self.total), self.total)
+
+    def skip(self, n: int) -> None:
+        """`advance` over input this run does not process: it belongs to files an interrupted run finished
+        and this resume keeps (the summary's throughput counts only the bytes processed)."""
+        self.kept_bytes += n
+        self.advance(n)
 
     def needed(self, slot: Slot) -> bool:
         return slot.file not in self.done_files
@@ -356,7 +363,7 @@ def convert_layer(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, journ
     report_where(run.progress, f"layer {info.index} ({info.prefix})")
     needed = [r for r in range(ep_size) if any(run.needed(s) or run.check_done for s in lp.slots.get(r, []))]
     if not needed and journaled is not None:
-        run.advance(lp.source_bytes)
+        run.skip(lp.source_bytes)
         return {"repairs": journaled["repairs"], "shared": journaled["shared"]}
     mismatched = {e for e, _, _ in lp.scalar_report.mismatches}
     repairs: list[dict] = []
@@ -420,7 +427,7 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
             for e in sorted(mismatched & set(range(lo, lo + E_l))):  # reports only
                 _, rr = checks.requantize_gate_up(reader.read_expert(info.index, e), f"{where} expert {e}")
                 repairs.append({"expert": e, **rr})
-            run.advance(share(lo + E_l) - share(lo))
+            run.skip(share(lo + E_l) - share(lo))
             continue
         alpha = torch.zeros(E_l, 2, dtype=torch.float32)
         l2g = torch.zeros(E_l, dtype=torch.float32)
@@ -595,7 +602,7 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
             continue
         if fname in run.done_files:
             if not run.check_done:
-                run.advance(sum(s.planned.nbytes for s in slots))
+                run.skip(sum(s.planned.nbytes for s in slots))
                 continue
             for slot in slots:  # resume: the finished file's bytes must still be the source's
                 path, pos, n = source.tensor_data_range(slot.planned.name)

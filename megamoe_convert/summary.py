@@ -25,6 +25,8 @@ class ConvertSummary:
     files: int
     repaired_experts: int = 0
     resumed_files: int = 0
+    #: of bytes_in: the input of the finished files a resume kept from the interrupted run (not processed now)
+    bytes_kept: int = 0
     warnings: list[str] = field(default_factory=list)
     #: the shared-expert decisions, one per distinct decision: layers, precision, requested, reason, note
     shared: list[dict] = field(default_factory=list)
@@ -32,8 +34,14 @@ class ConvertSummary:
     recipe: dict | None = None
 
     @property
+    def bytes_processed(self) -> int:
+        """The input bytes this run read and converted: all of them, less what a resume kept."""
+        return max(0, self.bytes_in - self.bytes_kept)
+
+    @property
     def gb_per_s(self) -> float:
-        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Throughput over the bytes this run processed (a resume's kept files are not counted)."""
+        return self.bytes_processed / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {"out": self.out, "source": self.source, "format": self.format, "row": self.row,
@@ -41,6 +49,7 @@ class ConvertSummary:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 3),
                 "gb_per_s": round(self.gb_per_s, 3), "files": self.files,
                 "repaired_experts": self.repaired_experts, "resumed_files": self.resumed_files,
+                "bytes_kept": self.bytes_kept, "bytes_processed": self.bytes_processed,
                 "warnings": self.warnings, "shared": self.shared, "recipe": self.recipe}
 
 
@@ -55,7 +64,7 @@ def summary_of_output(out: Path, source, reader, row: Row, plans, slots_by_file,
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,
         bytes_out=sum(f.size for f in m.files.values()) + (out / "megamoe.json").stat().st_size,
-        seconds=0.0, files=len(m.files) + 1, resumed_files=len(m.files),
+        seconds=0.0, files=len(m.files) + 1, resumed_files=len(m.files), bytes_kept=total,
         warnings=["completed from an interrupted earlier run of the same conversion: only its final rename "
                   "was left"], shared=shared_decisions(plans), recipe=m.source.recipe)
 

@@ -263,3 +263,29 @@ def test_overwrite_discard_removes_only_what_the_tool_wrote(tmp_path):
     tmp2, resuming = prepare_temp_dir(out, overwrite=True, resume=False, fingerprint="other",
                                       planned={"megamoe-experts-rank000-of-001-00001.safetensors", "config.json"})
     assert tmp2 == tmp and not resuming and sorted(p.name for p in tmp.iterdir()) == [TMP_MARKER]
+
+
+def test_resume_summary_rates_only_the_bytes_it_processed(interrupted, monkeypatch):
+    """A resume's throughput was all input bytes over the resume's time (``1.96 GB/s`` for a run that
+    rewrote little): it is now over the bytes this run processed, and the summary says how many the
+    earlier run's kept files account for."""
+    import megamoe_convert.temp_folder as tf
+    from megamoe_convert.cli import _print_summary
+    from megamoe_convert.convert import convert
+    from megamoe_convert.shard_writer import format_bytes
+
+    monkeypatch.setattr(tf, "RACY_NS", 0)
+    src, out, _ = interrupted("out")
+    s = convert(src, out, resume=True, **ARGS)
+    assert s.resumed_files > 0 and 0 < s.bytes_kept < s.bytes_in
+    assert s.bytes_processed == s.bytes_in - s.bytes_kept
+    s.seconds = 2.0
+    assert s.gb_per_s == pytest.approx(s.bytes_processed / 2.0 / 1e9)
+    assert s.to_dict()["bytes_kept"] == s.bytes_kept
+    lines = []
+    monkeypatch.setattr("click.echo", lambda m="", **k: lines.append(m))
+    _print_summary(s)
+    assert any(f"{format_bytes(s.bytes_kept)} kept from the earlier run" in m
+               and f"over the {format_bytes(s.bytes_processed)} processed by this run" in m for m in lines), lines
+    fresh = convert(src, out.parent / "fresh", **ARGS)
+    assert fresh.bytes_kept == 0 and fresh.bytes_processed == fresh.bytes_in
