@@ -49,6 +49,13 @@ def report_stage(progress: Progress | None, text: str) -> None:
         fn(text)
 
 
+def report_file(progress: Progress | None, name: str) -> None:
+    """The output file the byte pass is writing, for displays that show it (`ProgressDisplay.writing`)."""
+    fn = getattr(progress, "writing", None)
+    if fn is not None:
+        fn(name)
+
+
 def report_where(progress: Progress | None, text: str) -> None:
     """Where the byte pass is (``layer 3/8 model.layers.3.mlp``), for displays that show it."""
     fn = getattr(progress, "where", None)

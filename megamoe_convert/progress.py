@@ -10,7 +10,7 @@ not a terminal, so a CI or k8s log showed no sign of life for minutes.
 
 * a terminal: one line redrawn in place (at most 10 times a second) with
   percent, a bar, bytes done / total, the rate, the ETA and where the run
-  is (``layer 3/8 model.layers.3.mlp``); phases without bytes (loading,
+  is (``layer 3/8 model.layers.3.mlp``) with the file being written; phases without bytes (loading,
   checking, finishing) show at once as ``converting: checking ...``.
 * not a terminal: one plain line every `interval` seconds
   (``MEGAMOE_PROGRESS_INTERVAL``, default 10) while the run lasts, phases
@@ -20,7 +20,7 @@ not a terminal, so a CI or k8s log showed no sign of life for minutes.
   its error says the rest), so short runs and error messages stay clean.
 
 It is called as ``progress(done, total)`` (the `plan.Progress` protocol);
-`stage` and `where` are optional extras the converter calls when present
+`stage`, `where` and `writing` (the output file) are optional extras the converter calls when present
 (`plan.report_stage`). It imports nothing heavy, so the CLI can show the
 first line before torch is imported.
 """
@@ -82,6 +82,7 @@ class ProgressDisplay:
         self.done = self.total = 0
         self.phase: str | None = None
         self.location: str | None = None
+        self.file: str | None = None  # the output file(s) being written (`writing`)
         self.t_start = clock()
         self.t_bytes: float | None = None  # when the first byte was reported (the rate counts from there)
         self._last_draw = float("-inf")
@@ -115,6 +116,7 @@ class ProgressDisplay:
         if not self.enabled or self._closed:
             return
         self.phase = text
+        self.file = None  # a new phase names its own file when it writes one
         if self.mode == "tty" or self.interval <= 0:
             self._show(self.clock(), force_line=True)
         else:
@@ -123,6 +125,11 @@ class ProgressDisplay:
     def where(self, text: str) -> None:
         """Where the byte pass is (``layer 3/8 model.layers.3.mlp``), shown with the bytes."""
         self.location = text
+
+    def writing(self, name: str) -> None:
+        """The output file the byte pass is writing (``megamoe-experts-rank000-of-008-00002.safetensors``),
+        shown after where it is."""
+        self.file = name
 
     def close(self, ok: bool = True) -> None:
         """End the display; ``ok``: the run finished, so say 100% with the total and the rate."""
@@ -136,7 +143,7 @@ class ProgressDisplay:
         # printed none, and its summary says the same (so short runs print exactly what they did before)
         if ok and self.total and (self.mode == "tty" or self._lines):
             self.done, self.phase = self.total, None
-            self.location = None
+            self.location = self.file = None
             self._show(now, force_line=True, final=True)
         if self.mode == "tty" and self._drawn:
             self.stream.write("\n")
@@ -171,7 +178,10 @@ class ProgressDisplay:
 
     def _here(self) -> str | None:
         """What the line says the run is doing: a phase after the bytes began (finishing), else the layer."""
-        return self.phase if self.phase is not None else self.location
+        here = self.phase if self.phase is not None else self.location
+        if self.file:
+            return f"{here}, writing {self.file}" if here else f"writing {self.file}"
+        return here
 
     def text(self, now: float, final: bool = False) -> str:
         """The status as one line of plain text (what a log line says)."""

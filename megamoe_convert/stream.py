@@ -34,7 +34,7 @@ from megamoe_runtime.roles import KERNEL_ROLES, is_shared_role, shared_role
 from . import checks
 from .direct import DirectWeights
 from .output_dir import STEP_TENSOR, Log, StepHook
-from .plan import LayerPlan, Progress, Slot, SourceChangedError, report_where
+from .plan import LayerPlan, Progress, Slot, SourceChangedError, report_file, report_where
 from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
 from .source import CheckpointSource
@@ -432,6 +432,9 @@ def _convert_routed(reader, row: Row, lp: LayerPlan, ep_size: int, run: Run, log
         alpha = torch.zeros(E_l, 2, dtype=torch.float32)
         l2g = torch.zeros(E_l, dtype=torch.float32)
         slots = [s for s in lp.slots.get(r, []) if run.needed(s) or run.check_done]
+        files = list(dict.fromkeys(s.file for s in slots))
+        if files:
+            report_file(run.progress, ", ".join(files))
         routed = {s.role: (s, run.open_parts(s)) for s in slots if s.role in KERNEL_ROLES}
         c0 = lo
         while c0 < lo + E_l:
@@ -600,6 +603,7 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
     for fname, slots in run.slots_by_file.items():
         if not slots or slots[0].role != PASSTHROUGH_ROLE:
             continue
+        report_file(run.progress, fname)
         if fname in run.done_files:
             if not run.check_done:
                 run.skip(sum(s.planned.nbytes for s in slots))

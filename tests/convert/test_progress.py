@@ -101,7 +101,7 @@ def test_cli_convert_off_a_terminal_prints_progress_lines(tmp_path, monkeypatch)
     # interval 0: every phase and byte update is a line; the first comes before torch is imported
     assert err.splitlines()[0].startswith("converting: loading torch")
     assert "converting: checking 2 MoE layer(s)" in err
-    assert "layer 1 (model.layers.1.mlp)" in err
+    assert "layer 1 (model.layers.1.mlp), writing megamoe-experts-rank000-of-001-00001.safetensors" in err
     assert err.strip().splitlines()[-1].startswith("converting: 100% ")
     import json
     assert json.loads(r.stdout)["row"] == "mxfp8"  # stdout stays JSON only
@@ -143,3 +143,23 @@ def test_first_line_comes_before_torch_is_imported(tmp_path):
     err = r.stderr
     assert "TORCH-IMPORTED" in err and "converting: loading torch" in err, err
     assert err.index("converting: loading torch") < err.index("TORCH-IMPORTED"), err
+
+
+def test_the_line_names_the_file_being_written(monkeypatch):
+    """The line said the layer but not the file being written: it names it now, in both modes, and a new
+    phase (which writes its own files, or none) drops it."""
+    monkeypatch.setenv("COLUMNS", "200")  # a terminal line is cut at the terminal's width
+    for stream in (io.StringIO(), TTY()):
+        clock = Clock()
+        p = ProgressDisplay("converting", "auto", stream=stream, interval=0, clock=clock)
+        p.where("layer 3 (model.layers.3.mlp)")
+        p.writing("megamoe-experts-rank001-of-002-00001.safetensors")
+        clock.t = 1.0
+        p(10_000_000, 1_000_000_000)
+        assert "layer 3 (model.layers.3.mlp), writing megamoe-experts-rank001-of-002-00001.safetensors" in p.text(1.0)
+        clock.t = 2.0
+        p(20_000_000, 1_000_000_000)
+        assert "writing megamoe-experts-rank001-of-002-00001.safetensors" in stream.getvalue()
+        p.stage("finishing: flushing the shards")
+        assert "writing" not in p.text(2.0)
+        p.close(ok=True)
