@@ -386,8 +386,8 @@ def foreign_temp_entries(tmp: Path, planned=()) -> list[str]:
 def _foreign_error(tmp: Path, foreign: list[str], doing: str) -> OutputError:
     return OutputError(
         f"{tmp} was made by megamoe-convert but also holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
-        f"it did not write ({_list(foreign)}); {doing} would delete them, so everything in it is left in place: "
-        "move them away first")
+        f"it did not write ({_list(foreign)}); {doing} would delete {'it' if len(foreign) == 1 else 'them'}, so "
+        f"everything in it is left in place: move {'it' if len(foreign) == 1 else 'them'} away first")
 
 
 def remove_own_entries(tmp: Path, planned=()) -> None:
