@@ -82,7 +82,7 @@ def _time(fn, device, iters, group=None) -> float:
 def _worker(rank: int, world: int, port: int, args) -> None:
     from megamoe_runtime import LayerSpec, calc_diff
     from megamoe_runtime.backends.triton.synth import random_kernel_bytes, random_routing
-    from megamoe_runtime.formats import ActivationSpec
+    from megamoe_runtime.format.formats import ActivationSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cuda":

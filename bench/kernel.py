@@ -183,7 +183,7 @@ def matmul_tflops() -> float:
 
 
 def expert_bytes(row: str, H: int, I: int) -> int:
-    from megamoe_runtime.formats import get_row
+    from megamoe_runtime.format.formats import get_row
 
     w = get_row(row).weight
     per = lambda n, k: n * (w.stored_cols(k) * (2 if w.element == "bf16" else 1) + 4 * w.scale_ints(k))
@@ -341,9 +341,9 @@ def bench_staging(tokens, H, bw):
 
 
 def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
-    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
-    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.format import weight_tiles
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
     sh = sh or SHAPES[shape_name]
     H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
@@ -400,7 +400,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
 
         kt = _Roles(lay, "")
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
-        # the weight arrangement a layer derives after its load for this path (megamoe_runtime.weight_tiles)
+        # the weight arrangement a layer derives after its load for this path (megamoe_runtime.format.weight_tiles)
         wt = args.w_tile if args.w_tile is not None else moe.resolve_w_tile(
             spec, "cuda", moe.KernelConfig(mma=mma, k_order=korder))
         if wt and korder == "frag" and mma == "bf16":
@@ -495,7 +495,7 @@ def main() -> None:
     ap.add_argument("--peer-path", default=None,
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--w-tile", type=int, default=None,
-                    help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.weight_tiles); "
+                    help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.format.weight_tiles); "
                          "default: what a layer derives (moe.resolve_w_tile), 0: the converted layout")
     ap.add_argument("--tail", default=None,
                     help="comma list of KernelConfig.tail_max values to time on the frag path (0 = no tail "

@@ -58,11 +58,11 @@ from typing import Any, Callable
 
 import torch
 
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
 
 import megamoe_runtime as mr
-from megamoe_runtime import codecs, layout
-from megamoe_runtime.file_io import read_workers
+from megamoe_runtime.files.file_io import read_workers
+from megamoe_runtime.format import codecs, layout
 
 H, I, E = 2048, 1024, 64  # per layer: 64 * 3 * 2048 * 1024 * (1 + 1/32) B ~= 415 MB (mxfp8)
 
@@ -239,7 +239,7 @@ def phase_safetensors(files: list[Path], device: torch.device) -> Callable[[], A
 
 def phase_prelaid(ck: mr.Checkpoint, device: torch.device, backend: str = "reference") -> Callable[[], Any]:
     """Build and load every layer. backend "triton" (CUDA): the layers also derive the tiled weight
-    arrangement in place after each load (`megamoe_runtime.weight_tiles`), so its cost is in the time."""
+    arrangement in place after each load (`megamoe_runtime.format.weight_tiles`), so its cost is in the time."""
     def run() -> Any:
         layers = [ck.build_layer(li.index, device=device, backend=backend) for li in ck.layers]
         if device.type == "cuda":
@@ -301,7 +301,7 @@ def _utccp(sf: torch.Tensor) -> torch.Tensor:
 
 def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
     """Engine-style: checkpoint-format params, loaded, then transformed into new kernel tensors."""
-    from megamoe_runtime.file_io import SafetensorsFile
+    from megamoe_runtime.files.file_io import SafetensorsFile
     from megamoe_runtime.loaders import parse_expert_weight_name
 
     files = sorted(src.glob("*.safetensors"))
@@ -346,7 +346,7 @@ def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.de
 
 def with_env(env: dict[str, str], run: Callable[[], Any]) -> Callable[[], Any]:
     """``run`` under these environment variables, the page-cache DMA decision taken afresh."""
-    from megamoe_runtime import page_cache_dma
+    from megamoe_runtime.files import page_cache_dma
 
     def wrapped() -> Any:
         old = {k: os.environ.get(k) for k in env}
@@ -371,7 +371,7 @@ def pin_probe(files: list[Path], device: torch.device) -> list[dict]:
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
 
-    from megamoe_runtime import page_cache_dma as D
+    from megamoe_runtime.files import page_cache_dma as D
 
     os.environ["MEGAMOE_LOAD_DMA"] = "1"
     D._state.clear()

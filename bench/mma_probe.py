@@ -42,7 +42,7 @@ def _probe(w_ptr, x_ptr, o8_ptr, o16_ptr, BM: tl.constexpr, BN: tl.constexpr):
 
 
 def main() -> None:
-    from megamoe_runtime import codecs
+    from megamoe_runtime.format import codecs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", type=int, default=256)

@@ -43,7 +43,7 @@ def main() -> None:
         return
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
     sh = SHAPES[args.shape]
     H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]

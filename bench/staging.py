@@ -2,7 +2,7 @@
 
 For each hidden size H and token count T:
 
-* bit-exactness first: every kernel variant below against ``megamoe_runtime.codecs``
+* bit-exactness first: every kernel variant below against ``megamoe_runtime.format.codecs``
   (``quantize_mxfp8``, ``quantize_nvfp4_per_token``) on fresh random rows (a new
   seed per H, 4096 tokens over 16 decades of scale) and the adversarial rows of
   ``megamoe_runtime.testing`` (zero and -0 rows, values next to powers of two,
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel import _bench, copy_bandwidth  # noqa: E402  (same timing method as bench/kernel.py)
 
-from megamoe_runtime import codecs  # noqa: E402
+from megamoe_runtime.format import codecs  # noqa: E402
 from megamoe_runtime.testing import frag_positions, staging_adversarial_rows, staging_random_rows  # noqa: E402
 
 MXFP8_CONFIGS = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
@@ -166,7 +166,7 @@ def count_launches() -> dict:
 
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
     out = {}
     for row in ("nvfp4", "mxfp4"):

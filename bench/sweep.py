@@ -205,7 +205,7 @@ def main() -> None:
                     help="L2 variants bn:warps:stages[:decode[:bk[:maxnreg]]], comma-separated")
     ap.add_argument("--block-m", default=None, help="row blocks to try, comma-separated (default: by regime)")
     ap.add_argument("--w-tile", type=int, default=0,
-                    help="weights in the tiled arrangement of WT rows (megamoe_runtime.weight_tiles); 0: as converted")
+                    help="weights in the tiled arrangement of WT rows (megamoe_runtime.format.weight_tiles); 0: as converted")
     ap.add_argument("--iters", type=int, default=10, help="profiled forwards per candidate")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms) of the whole-layer timings")
     ap.add_argument("--jobs", type=int, default=0,
@@ -232,10 +232,10 @@ def main() -> None:
             if p.returncode:
                 print(f"# compile job rc={p.returncode}: {err[-800:]}", flush=True)
         print(f"# compile pass: {time.time() - t_start:.0f} s in {args.jobs} processes", flush=True)
-    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton import moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.format import weight_tiles
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
     shapes = parse_shapes(args.shapes)
     rows_ = args.rows.split(",")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Cost of the in-place weight tiling pass (`megamoe_runtime.weight_tiles`, issue 11 point 2) on the GPU.
+"""Cost of the in-place weight tiling pass (`megamoe_runtime.format.weight_tiles`, issue 11 point 2) on the GPU.
 
     python bench/tiles.py --shape dsv3 --rows mxfp4,mxfp8 --wt 16
 
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamoe_runtime import weight_tiles  # noqa: E402
+from megamoe_runtime.format import weight_tiles  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 256), "glm": (5120, 1536, 160)}
 

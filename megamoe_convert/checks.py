@@ -29,10 +29,10 @@ from typing import Callable
 
 import torch
 
-from megamoe_runtime import codecs, scales
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
-from megamoe_runtime.formats import LayerSpec, Row, SharedSpec
+from megamoe_runtime.format import codecs, scales
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
 
 from .readers.base import ExpertScalars, ModelFacts, MoELayerInfo
 

@@ -36,7 +36,7 @@ import click  # noqa: E402
 
 from megamoe_runtime.errors import MegaMoEError  # noqa: E402
 
-from megamoe_runtime.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
+from megamoe_runtime.files.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .inspection import InspectReport
@@ -518,7 +518,7 @@ def verify(out, as_json, reload_dry_run, no_progress):
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
     folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
     """
-    from megamoe_runtime.manifest import MANIFEST_NAME
+    from megamoe_runtime.format.manifest import MANIFEST_NAME
 
     if out.is_dir() and not (out / MANIFEST_NAME).exists():
         # bad input, not a failed verification: there is no manifest to verify against

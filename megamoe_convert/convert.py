@@ -52,11 +52,11 @@ from pathlib import Path
 
 import torch
 
-from megamoe_runtime import digests
-from megamoe_runtime.digests import SHA256
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
-from megamoe_runtime.formats import get_row
-from megamoe_runtime.manifest import FORMAT_VERSION
+from megamoe_runtime.files import digests
+from megamoe_runtime.files.digests import SHA256
+from megamoe_runtime.format.formats import get_row
+from megamoe_runtime.format.manifest import FORMAT_VERSION
 
 from . import checks
 from .inspection import inspect_checkpoint
@@ -138,7 +138,7 @@ def convert(
     source whose activation recipe the kernel makes coarser (weight-only,
     FP8 activations on nvfp4; `readers.recipe`), recorded in megamoe.json.
 
-    ``checksum`` ("sha256" | "blake3", see ``megamoe_runtime.digests``): the
+    ``checksum`` ("sha256" | "blake3", see ``megamoe_runtime.files.digests``): the
     algorithm of the manifest's tensor checksums and file digests. blake3
     hashes several times faster per core (BENCHMARKS.md); sha256 needs no
     extra package to verify and gives the bytes earlier versions wrote.

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from megamoe_runtime import layout
-from megamoe_runtime.formats import Row
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.formats import Row
 
 from .readers.base import CheckpointReader
 

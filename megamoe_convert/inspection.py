@@ -10,15 +10,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megamoe_runtime.canonical import expected_shapes
 from megamoe_runtime.errors import MegaMoEError
-from megamoe_runtime.formats import get_row
+from megamoe_runtime.format.canonical import expected_shapes
+from megamoe_runtime.format.formats import get_row
 
 from . import checks
 from .plan import LayerPlan, layer_ranges, model_record, plan_files, rank_roles
+from .preflight import layer_decisions, layer_scalars
 from .readers import detect_reader
 from .readers.recipe import manifest_record
-from .preflight import layer_decisions, layer_scalars
 from .shared import check_shared_precision
 from .source import open_source
 
@@ -91,7 +91,7 @@ def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size:
     (its tensors and files sections serialized as the manifest writes them, digests as placeholders of
     their length; `MANIFEST_LAYER_BYTES` per layer record)."""
     from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
-    from megamoe_runtime.manifest import FileEntry
+    from megamoe_runtime.format.manifest import FileEntry
 
     from .shard_writer import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, ST_METADATA, json_bytes, safetensors_header
 

@@ -63,9 +63,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from megamoe_runtime.errors import MegaMoEError, OutputError
-from megamoe_runtime.json_io import parse_json
-from megamoe_runtime.json_io import read_json
-from megamoe_runtime.manifest import MANIFEST_NAME
+from megamoe_runtime.files.json_io import parse_json
+from megamoe_runtime.files.json_io import read_json
+from megamoe_runtime.format.manifest import MANIFEST_NAME
 
 TMP_SUFFIX = ".megamoe-tmp"
 OLD_SUFFIX = ".megamoe-old"

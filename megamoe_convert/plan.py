@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from megamoe_runtime import layout
-from megamoe_runtime.digests import SHA256
-from megamoe_runtime.formats import LayerSpec, Row
-from megamoe_runtime.manifest import (
+from megamoe_runtime.files.digests import SHA256
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.formats import LayerSpec, Row
+from megamoe_runtime.format.manifest import (
     PASSTHROUGH_ROLE,
     STORAGE_CONTIGUOUS,
     TensorEntry,
@@ -29,7 +29,7 @@ from megamoe_runtime.manifest import (
     tensor_key,
     to_stored,
 )
-from megamoe_runtime.roles import is_shared_role, shared_role
+from megamoe_runtime.format.roles import is_shared_role, shared_role
 
 from . import checks
 from .output_dir import OutputError

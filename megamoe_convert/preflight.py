@@ -8,7 +8,7 @@ refused in seconds, not after hours of writing.
 from __future__ import annotations
 
 from megamoe_runtime.errors import MegaMoEError
-from megamoe_runtime.formats import LayerSpec, Row, SharedSpec
+from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
 
 from . import checks
 from .output_dir import Log

@@ -11,11 +11,11 @@ import json
 import shutil
 from pathlib import Path
 
-from megamoe_runtime import digests
-from megamoe_runtime.digests import SHA256
 from megamoe_runtime.errors import MegaMoEError
-from megamoe_runtime.formats import Row
-from megamoe_runtime.manifest import (
+from megamoe_runtime.files import digests
+from megamoe_runtime.files.digests import SHA256
+from megamoe_runtime.format.formats import Row
+from megamoe_runtime.format.manifest import (
     DIGEST_SHA256,
     FORMAT_VERSION,
     PASSTHROUGH_ROLE,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megamoe_runtime.formats import ActivationSpec, LayerSpec
+from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
 from megamoe_runtime.testing import calc_diff
 
 #: calc_diff thresholds vs the unquantized-activation fp32 computation. The

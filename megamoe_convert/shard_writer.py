@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megamoe_runtime.digests import (
+from megamoe_runtime.files.digests import (
     SHA256,
     composite_kind,
     digest_bytes,
@@ -46,8 +46,8 @@ from megamoe_runtime.digests import (
     new_hasher,
 )
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
-from megamoe_runtime.manifest import dtype_from_name, nbytes_of
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
+from megamoe_runtime.format.manifest import dtype_from_name, nbytes_of
 
 from .output_dir import STEP_TENSOR, StepHook
 
@@ -195,7 +195,7 @@ class ShardWriter:
     the tensor's checksum of ``algorithm`` (``write`` waits for it).
     ``close()`` returns (size, file digest); the file digest is of kind
     ``{algorithm}-of-header-and-tensor-digests`` (see
-    ``megamoe_runtime.digests``): the hash of the header bytes and the
+    ``megamoe_runtime.files.digests``): the hash of the header bytes and the
     per-tensor digests, so every data byte is hashed once, not twice, and
     nothing is read back. There is no
     fsync per shard: the kernel writes finished shards back while later

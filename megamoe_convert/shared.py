@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_runtime import codecs
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import FormatError, LayerSpecError, MegaMoEError
-from megamoe_runtime.formats import ROWS, Row, SharedSpec, get_row
+from megamoe_runtime.format import codecs
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import ROWS, Row, SharedSpec, get_row
 
 from . import checks
 from .plan import LayerPlan, layer_ranges

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from megamoe_runtime.errors import CheckpointError
-from megamoe_runtime.json_io import read_json
-from megamoe_runtime.safetensors_header import (
+from megamoe_runtime.files.json_io import read_json
+from megamoe_runtime.files.safetensors_header import (
     HEADER_DTYPE_BITS,
     HeaderEntry,
     SafetensorsHeader,
     parse_safetensors_header,
 )
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -71,7 +71,7 @@ def read_safetensors_header(path: str | Path) -> FileHeader:
     """Read and validate one safetensors header; CheckpointError naming the file
     on any defect (truncation, oversize or non-JSON header, duplicate keys, bad
     dtype or shape, gaps or overlaps in the data offsets, size mismatch). The
-    rules are the runtime's (:mod:`megamoe_runtime.safetensors_header`)."""
+    rules are the runtime's (:mod:`megamoe_runtime.files.safetensors_header`)."""
     return parse_safetensors_header(path)
 
 

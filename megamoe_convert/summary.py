@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megamoe_runtime.formats import Row
-from megamoe_runtime.manifest import PASSTHROUGH_ROLE
+from megamoe_runtime.format.formats import Row
+from megamoe_runtime.format.manifest import PASSTHROUGH_ROLE
 
 from .shared import shared_decisions
 
@@ -55,7 +55,7 @@ class ConvertSummary:
 
 def summary_of_output(out: Path, source, reader, row: Row, plans, slots_by_file, ep_size: int) -> ConvertSummary:
     """The summary of a conversion found complete in OUT (an interrupted run's swap just finished)."""
-    from megamoe_runtime.manifest import read_manifest
+    from megamoe_runtime.format.manifest import read_manifest
 
     m = read_manifest(out)
     total = sum(lp.source_bytes for lp in plans) + sum(

@@ -4,7 +4,7 @@ Used by ``megamoe-convert demo``, the tests and the benchmarks, so every part
 of the converter is exercised on the same bytes without downloading
 anything. The files follow the real producers' conventions (names, dtypes,
 shapes, quantization configs; docs/CHECKPOINTS.md#source-formats) and the experts are
-quantized with the reference quantizers of ``megamoe_runtime.codecs``. Each
+quantized with the reference quantizers of ``megamoe_runtime.format.codecs``. Each
 format's encoder and quantization config are its reader's (``encode_expert``,
 ``encode_shared``, ``synthetic_quant_config``), next to the code that reads
 them back; this module builds the model around them (names, config, shards).
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megamoe_runtime.source_formats import SUFFIX_KINDS
+from megamoe_runtime.format.source_formats import SUFFIX_KINDS
 
 from .readers import CheckpointReader, readers_in_order
 
@@ -420,8 +420,8 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[st
     """Write a safetensors file the way ``safetensors.torch.save_file`` lays it
     out (tensors sorted by descending alignment, then name; header padded to
     8 bytes), without numpy, which that function needs and torch does not."""
-    from megamoe_runtime.manifest import dtype_name
-    from megamoe_runtime.tensor_bytes import byte_view
+    from megamoe_runtime.files.tensor_bytes import byte_view
+    from megamoe_runtime.format.manifest import dtype_name
 
     from .shard_writer import PlannedTensor, safetensors_header
 

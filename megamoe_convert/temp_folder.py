@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from megamoe_runtime.errors import CheckpointError
-from megamoe_runtime.json_io import parse_json
-from megamoe_runtime.manifest import DIGEST_SHA256
+from megamoe_runtime.files.json_io import parse_json
+from megamoe_runtime.format.manifest import DIGEST_SHA256
 
 from .output_dir import (
     JOURNAL_NAME,
@@ -210,7 +210,7 @@ def check_kept_files(tmp: Path, jfiles: dict[str, dict], planned: set[str], run_
     only if it matches. Before, every kept file was re-hashed, read back from disk (the shards are written
     with O_DIRECT, so nothing is cached), before the first progress line: 12.5 s of blank screen on a
     5 GB source. The re-hash shows each file in the progress display's phase line (`stage`)."""
-    from megamoe_runtime.digests import file_digest
+    from megamoe_runtime.files.digests import file_digest
 
     from .shard_writer import format_bytes
 

@@ -12,8 +12,8 @@ so callers written against ``megamoe_convert.writer`` keep working.
 """
 from __future__ import annotations
 
-from megamoe_runtime.digests import file_digest, hash_file, safetensors_digests
-from megamoe_runtime.manifest import PASSTHROUGH_ROLE
+from megamoe_runtime.files.digests import file_digest, hash_file, safetensors_digests
+from megamoe_runtime.format.manifest import PASSTHROUGH_ROLE
 from megamoe_runtime.verify import VerifyReport, verify_output
 
 from .output_dir import JOURNAL_NAME, TMP_MARKER, OutputError, temp_dir_for, write_temp_marker

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 
 from .errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
-from .formats import LayerSpec, get_row
-from .folder import inside_folder
-from .roles import expected_roles
-from .file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
-from .file_io import deferred_gpu_reads
-from .safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
+from .files.folder import inside_folder
+from .format.formats import LayerSpec, get_row
+from .format.roles import expected_roles
+from .files.file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
+from .files.file_io import deferred_gpu_reads
+from .files.safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
 from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
                           check_verify_level, identity_problems)
-from .manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
+from .format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
 if TYPE_CHECKING:  # pragma: no cover (imported where a layer is built, so opening a folder stays cheap)

@@ -12,7 +12,7 @@ a backend that reads the routed weights faster tiled (the triton backend on a
 GPU) gets them rearranged in place after each load and restored before the
 next load writes (``weight_tiles``; docs/LAYOUT.md#tiled-weights-in-memory).
 
-Attributes (= manifest roles, `megamoe_runtime.manifest`):
+Attributes (= manifest roles, `megamoe_runtime.format.manifest`):
 
 * ``l1_weight [E_l, 2I, Dw]``, ``l2_weight [E_l, H, Iw]``: kernel dtype of the row.
 * ``l1_scale [E_l, 2I, P1]`` / ``l2_scale [E_l, H, P2]``: int32 kernel views with
@@ -52,12 +52,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from . import layout, loaders, scales, weight_tiles
+from . import loaders
 from .backends import get_backend
 from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
-from .formats import LayerSpec, SharedSpec, get_row
-from .limits import MAX_LAYER_BYTES
-from .roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
+from .files.limits import MAX_LAYER_BYTES
+from .format import layout, scales, weight_tiles
+from .format.formats import LayerSpec, SharedSpec, get_row
+from .format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -115,7 +116,7 @@ def _alloc_like_layout(row: Any, E_l: Optional[int], H: int, I: int, device: tor
     what = f"{'shared expert' if E_l is None else f'{E_l} experts'} of hidden {H}, intermediate {I} ({row_name})"
     if need > MAX_LAYER_BYTES:
         raise LayerSpecError(f"{what} need {need} bytes, over megamoe's limit of {MAX_LAYER_BYTES} bytes per "
-                             "layer and rank (megamoe_runtime.limits): not allocated")
+                             "layer and rank (megamoe_runtime.files.limits): not allocated")
     try:
         if init == "zeros":
             return layout.allocate_kernel_tensors(row, E_l, H, I, device)
@@ -282,7 +283,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         #: int32 [E_l] ``cumulative_local_expert_recv_stats`` (DeepGEMM's name), or None: see
         #: `track_expert_recv_stats`.
         self.expert_recv_stats: Optional[torch.Tensor] = None
-        #: rows per tile of the routed weights' in-memory arrangement (`megamoe_runtime.weight_tiles`): 0 while
+        #: rows per tile of the routed weights' in-memory arrangement (`megamoe_runtime.format.weight_tiles`): 0 while
         #: they hold the converted layout; the backend's ``weight_tiles`` choice after every successful load.
         self.weight_tiles = 0
 
@@ -470,7 +471,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def _arrange_for_backend(self) -> None:
         """After a successful load: the arrangement the backend reads fastest (its ``weight_tiles``), derived in
-        place (same storage, one pass per tensor, `megamoe_runtime.weight_tiles`). The forward hands
+        place (same storage, one pass per tensor, `megamoe_runtime.format.weight_tiles`). The forward hands
         ``self.weight_tiles`` to the backend. Without scratch memory the layer keeps the converted layout (a
         warning; the forward is as correct, only slower)."""
         want = getattr(self.backend, "weight_tiles", None)
@@ -653,7 +654,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
             self.l1_alpha_gate.copy_(self.l1_alpha[:, 0])
 
     def _pack_shared_from_module(self, tensors: dict) -> None:
-        from .canonical import ExpertTensors, ProjectionTensors
+        from .format.canonical import ExpertTensors, ProjectionTensors
 
         prec = self.spec.shared.precision
 

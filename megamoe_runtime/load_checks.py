@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import LoadCheckError, MegaMoEError
-from .folder import inside_folder
-from .manifest import MANIFEST_NAME, LayerEntry
-from .roles import SCALAR_ROLES
-from .safetensors_header import SafetensorsHeader, parse_safetensors_header
+from .files.folder import inside_folder
+from .files.safetensors_header import SafetensorsHeader, parse_safetensors_header
+from .format.manifest import MANIFEST_NAME, LayerEntry
+from .format.roles import SCALAR_ROLES
 
 __all__ = [
     "VERIFY_LEVELS",
@@ -129,7 +129,7 @@ def spec_differences(layer_spec: Any, ckpt_spec: Any, *, compare_shared: bool = 
 def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: LoadCheck) -> None:
     """Storage fields must match; semantic ones must match unless adopted (then `chk.adopted_spec` is the layer's
     spec with the checkpoint's semantics, validated, and the backend must support it)."""
-    from .formats import LayerSpec
+    from .format.formats import LayerSpec
 
     spec = layer.spec
     try:
@@ -285,9 +285,9 @@ def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: b
 
 
 def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha256") -> str:
-    """Digest (hex, `algorithm` of megamoe_runtime.digests) of ``nbytes`` bytes of ``path`` at ``offset``, read in
+    """Digest (hex, `algorithm` of megamoe_runtime.files.digests) of ``nbytes`` bytes of ``path`` at ``offset``, read in
     16 MiB chunks: the manifest's tensor checksum."""
-    from .digests import new_hasher
+    from .files.digests import new_hasher
 
     h = new_hasher(algorithm)
     buf = bytearray(min(_HASH_CHUNK, max(nbytes, 1)))
@@ -312,7 +312,7 @@ def check_checksums(items: list, headers: dict) -> list[str]:
     release the GIL on large updates)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .file_io import read_workers
+    from .files.file_io import read_workers
 
     todo, seen = [], set()
     for it in items:

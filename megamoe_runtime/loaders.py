@@ -12,7 +12,7 @@ Raw checkpoint, vLLM style
     ``weight_loader(param, loaded_weight, weight_name, shard_id, expert_id)``
     with ``shard_id`` in {"w1", "w2", "w3"} (gate, down, up) and a GLOBAL
     ``expert_id``: every shard goes straight into kernel layout through
-    `megamoe_runtime.layout`'s ``write_*`` primitives (the code the converter
+    `megamoe_runtime.format.layout`'s ``write_*`` primitives (the code the converter
     uses), each one ``copy_``, in any order. Experts not on this EP rank are
     skipped, except the w2 input scales: every rank reads every expert's so
     that the global L2 activation scale ``a2`` (a max over ALL experts) agrees
@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import layout, scales
 from .errors import CheckpointError, LayoutError, ScaleError
-from .file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
-from .formats import get_row
-from .roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
-from .source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SUFFIXES: API, re-exported)
+from .format import layout, scales
+from .files.file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
+from .format.formats import get_row
+from .format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
+from .format.source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SUFFIXES: API, re-exported)
     FAMILIES,
     PROJECTION_PATTERN,
     PROJECTION_ROLES,
@@ -493,7 +493,7 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
                 raise CheckpointError(
                     f"{where}: packed E2M1 shared expert in a {layer.spec.row} checkpoint; turning it into "
                     f"{prec} is a re-quantization, which is the converter's job (megamoe-convert)")
-            from . import codecs
+            from .format import codecs
 
             src = codecs.e4m3_encode(codecs.e2m1_decode(codecs.unpack_e2m1(src.view(torch.uint8))))
         elif src.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):

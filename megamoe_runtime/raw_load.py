@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .errors import CheckpointError
-from .file_io import SafetensorsFile
+from .files.file_io import SafetensorsFile
 from .layer import DeepGemmMegaMoEExperts
 from .loaders import parse_expert_weight_name
 

@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checkpoint import Checkpoint
 from .errors import MegaMoEError, ReloadError
-from .file_io import SafetensorsFile
-from .manifest import EXPERT_ROLES, MANIFEST_NAME
+from .files.file_io import SafetensorsFile
+from .format.manifest import EXPERT_ROLES, MANIFEST_NAME
 
 __all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
 

@@ -2,7 +2,7 @@
 
 One subclass per source format (ModelOpt NVFP4, Quark MXFP4, ...) turns a
 :class:`~megamoe_convert.source.CheckpointSource` into canonical per-expert
-tensors (:class:`megamoe_runtime.canonical.ExpertTensors`). Everything
+tensors (:class:`megamoe_runtime.format.canonical.ExpertTensors`). Everything
 downstream (checks, writer, inspect) talks only to this interface, so a new
 checkpoint format is one new module and nothing else.
 
@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
     import torch
 
-    from megamoe_runtime.canonical import ExpertTensors
-    from megamoe_runtime.formats import ActivationSpec
+    from megamoe_runtime.format.canonical import ExpertTensors
+    from megamoe_runtime.format.formats import ActivationSpec
 
     from megamoe_convert.source import CheckpointSource
 

@@ -6,7 +6,7 @@ suffixed tensors (``weight``, ``weight_scale``, ``weight_scale_2``, ...). A
 scale, the global and the input scale, which safetensors dtypes are accepted,
 and how a synthetic checkpoint writes them (:meth:`Scheme.encode`); what a
 suffix means (weight, scale, divisor or multiplier) is read from
-``megamoe_runtime.source_formats``, the table the raw loader uses.
+``megamoe_runtime.format.source_formats``, the table the raw loader uses.
 :class:`SchemeReader` then does the rest once for every format: finds the
 experts by name (``naming.scan``), checks presence, dtype and shape of every
 tensor against the config from the headers alone, and reads one expert at a
@@ -22,11 +22,11 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
-from megamoe_runtime.formats import get_row
-from megamoe_runtime.safetensors_header import DTYPES
-from megamoe_runtime.source_formats import SUFFIXES
+from megamoe_runtime.files.safetensors_header import DTYPES
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import get_row
+from megamoe_runtime.format.source_formats import SUFFIXES
 
 from . import naming
 from .base import CheckpointReader, ExpertScalars, ModelFacts, MoELayerInfo, SharedInfo
@@ -34,14 +34,14 @@ from .base import CheckpointReader, ExpertScalars, ModelFacts, MoELayerInfo, Sha
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-#: Param.key -> the kind `megamoe_runtime.source_formats` gives the same suffixes
+#: Param.key -> the kind `megamoe_runtime.format.source_formats` gives the same suffixes
 _KIND_OF_KEY = {"weight": "weight", "scale": "scale", "global": "global_scale", "input": "input_scale"}
 
 
 @dataclass(frozen=True)
 class Param:
     """One stored tensor of a projection module: the converter's view of the
-    runtime's suffix meaning (`megamoe_runtime.source_formats`), plus what only
+    runtime's suffix meaning (`megamoe_runtime.format.source_formats`), plus what only
     reading needs (accepted dtypes, whether it must be present, a change of
     convention). Whether the stored float is a divisor is the runtime's fact,
     not restated here, so the reader and the raw loader cannot disagree."""
@@ -59,7 +59,7 @@ class Param:
         for s in self.suffixes:
             m = SUFFIXES.get(s)
             if m is not None and m.kind != want:
-                raise TypeError(f"Param {self.key!r}: suffix {s!r} is a {m.kind} in megamoe_runtime.source_formats")
+                raise TypeError(f"Param {self.key!r}: suffix {s!r} is a {m.kind} in megamoe_runtime.format.source_formats")
         if len({self._divisor(s) for s in self.suffixes}) > 1:
             raise TypeError(f"Param {self.key!r}: suffixes {self.suffixes} mix divisors and multipliers")
 

@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from megamoe_runtime import codecs
+from megamoe_runtime.format import codecs
 
 from . import naming
 from .base import register_reader

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from megamoe_runtime.errors import CheckpointError, FormatError
-from megamoe_runtime.limits import check_limit
-from megamoe_runtime.source_formats import PROJECTION_PATTERN, PROJECTION_ROLES, SHARED_MODULE_PATTERN
+from megamoe_runtime.files.limits import check_limit
+from megamoe_runtime.format.source_formats import PROJECTION_PATTERN, PROJECTION_ROLES, SHARED_MODULE_PATTERN
 
 #: projection name -> role (w1 = gate, w3 = up, w2 = down): the runtime's table, which its raw loader reads too
 ROLE_OF = PROJECTION_ROLES
@@ -185,7 +185,7 @@ class ConfigSizes:
 
 def config_sizes(config: Mapping[str, Any], where: str = "config.json") -> ConfigSizes:
     """MoE sizes from the config under every known spelling (None = unknown); CheckpointError naming `where`
-    for a size beyond megamoe_runtime.limits."""
+    for a size beyond megamoe_runtime.files.limits."""
     hidden = cfg_get(config, "routed_expert_hidden_size", "hidden_size", "dim", "d_model")
     inter = cfg_get(config, "moe_intermediate_size", "moe_inter_dim", "expert_intermediate_size")
     if inter is None and cfg_get(config, "num_local_experts") is not None:
@@ -214,7 +214,7 @@ def config_sizes(config: Mapping[str, Any], where: str = "config.json") -> Confi
 
 
 def check_config_limits(sizes: ConfigSizes, where: str = "config.json") -> None:
-    """Refuse sizes beyond megamoe_runtime.limits before a reader sizes a list or a buffer from them (a config
+    """Refuse sizes beyond megamoe_runtime.files.limits before a reader sizes a list or a buffer from them (a config
     claiming 10**9 experts would otherwise be enumerated expert by expert)."""
     for limit, label, value in (("hidden", "hidden_size", sizes.hidden),
                                 ("intermediate", "moe_intermediate_size", sizes.intermediate),
@@ -268,7 +268,7 @@ def expected_moe_layers(config: Mapping[str, Any]) -> set[int] | None:
 def activation_from_config(config: Mapping[str, Any]):
     """The expert activation as an ActivationSpec, or FormatError naming the
     config value when no MegaMoE kernel computes it."""
-    from megamoe_runtime.formats import ActivationSpec
+    from megamoe_runtime.format.formats import ActivationSpec
 
     act = cfg_get(config, "hidden_act", "hidden_activation", "activation", "act_fn", default="silu")
     act = str(act).lower()

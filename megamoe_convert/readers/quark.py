@@ -45,8 +45,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from megamoe_runtime.canonical import ProjectionTensors
 from megamoe_runtime.errors import FormatError, ScaleError
+from megamoe_runtime.format.canonical import ProjectionTensors
 
 from .base import register_reader
 from .common import FLOAT_DTYPES, Param, Resolved, Scheme, SchemeReader, quant_config_of

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamoe_runtime.formats import ROWS, get_row
+from megamoe_runtime.format.formats import ROWS, get_row
 
 #: the CLI flag (and API keyword) that accepts a coarser activation recipe
 ACCEPT_FLAG = "--accept-activation-change"

@@ -4,7 +4,7 @@ Without ``quantize`` the experts map onto the ``bf16`` row: BF16 is copied,
 FP16 / FP32 are cast to BF16 (round-to-nearest-even, what any BF16 serving
 path does). With ``quantize="mxfp4" | "mxfp8" | "nvfp4"`` the experts are
 quantized from their stored precision (FP32 is not rounded to BF16 first)
-with the reference quantizers of ``megamoe_runtime.codecs``:
+with the reference quantizers of ``megamoe_runtime.format.codecs``:
 
 * mxfp4: ``quantize_mxfp4`` (RCEIL UE8M0 scale, E2M1 ties to even);
 * mxfp8: ``quantize_mxfp8`` (DeepGEMM's UE8M0 cast, bit-exact);
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_runtime.canonical import ExpertTensors
 from megamoe_runtime.errors import FormatError
-from megamoe_runtime.formats import get_row
+from megamoe_runtime.format.canonical import ExpertTensors
+from megamoe_runtime.format.formats import get_row
 
+from . import naming
 from .base import ExpertScalars, register_reader
 from .common import BF16_SCHEME, SchemeReader, quant_config_of
-from . import naming
 
 QUANTIZE_ROWS = ("mxfp4", "mxfp8", "nvfp4")
 

@@ -67,9 +67,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
-from ..formats import get_row
-from ..scales import W13_RTOL, gate_up_disagreeing
-from ..roles import SHARED_ROLES
+from ..format.formats import get_row
+from ..format.roles import SHARED_ROLES
+from ..format.scales import W13_RTOL, gate_up_disagreeing
 from .reference import quantize_dispatch_nvfp4
 
 __all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
@@ -439,7 +439,7 @@ class DeepGemmBackend:
 
     def forward(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared_input: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from .. import codecs
+        from ..format import codecs
 
         spec = layer.spec
         api = self.api
@@ -559,7 +559,7 @@ class DeepGemmBackend:
         return a2
 
     def _shared_args(self, layer: Any, fn: str, buf: Any, x: torch.Tensor, T: int) -> dict[str, Any]:
-        from .. import codecs
+        from ..format import codecs
 
         spec = layer.spec
         prec = spec.shared.precision

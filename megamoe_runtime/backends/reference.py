@@ -75,10 +75,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from megamoe_runtime import codecs, layout
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
-from megamoe_runtime.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
-from megamoe_runtime.roles import KERNEL_ROLES, SHARED_PREFIX
+from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
+from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX
 
 
 #: E2M1 tie rule of the NVFP4 dispatch quantization. "even" is the kernels'
@@ -595,7 +595,7 @@ def _layer_kernel_tensors(layer: Any, prefix: str) -> Optional[layout.KernelTens
     kt = layout.KernelTensors(*(getattr(layer, prefix + r, None) for r in KERNEL_ROLES))
     wt = getattr(layer, "weight_tiles", 0) if not prefix else 0
     if wt:  # another backend's in-memory arrangement: read copies in the converted layout
-        from ..weight_tiles import untiled_copy
+        from ..format.weight_tiles import untiled_copy
 
         kt = layout.KernelTensors(untiled_copy(kt.l1_weight, wt), kt.l1_scale, untiled_copy(kt.l2_weight, wt),
                                   kt.l2_scale)

@@ -18,9 +18,9 @@ from typing import Mapping
 
 import torch
 
-from .. import codecs
 from ..errors import FormatError
-from ..source_formats import SUFFIXES
+from ..format import codecs
+from ..format.source_formats import SUFFIXES
 
 __all__ = ["QUANTIZED_WEIGHT_DTYPES", "is_quantized_linear", "decode_linear_weight"]
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Union
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError
-from ..manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME
 
 __all__ = ["QUANT_METHOD", "config_value", "check_folder_for_model", "megamoe_quantization_config"]
 

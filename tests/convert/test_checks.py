@@ -7,10 +7,10 @@ import torch
 
 from megamoe_convert import checks
 from megamoe_convert.readers.base import ExpertScalars, ModelFacts, MoELayerInfo, SharedInfo
-from megamoe_runtime import codecs
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
-from megamoe_runtime.formats import ActivationSpec, get_row
+from megamoe_runtime.format import codecs
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import ActivationSpec, get_row
 
 NV, MX4, MX8 = get_row("nvfp4"), get_row("mxfp4"), get_row("mxfp8")
 

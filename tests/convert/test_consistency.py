@@ -99,7 +99,7 @@ def test_inspect_with_a_nan_scale_does_not_claim_an_agreement_of_0_of_0(tmp_path
 
 def test_no_internal_flavour_names_in_notes():
     from megamoe_convert.shared import shared_flavour_note
-    from megamoe_runtime.formats import ROWS
+    from megamoe_runtime.format.formats import ROWS
 
     for row in ROWS.values():
         for p in ("mxfp8", "bf16"):

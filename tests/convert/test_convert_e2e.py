@@ -25,14 +25,14 @@ from safetensors import safe_open
 from megamoe_convert import synth
 from megamoe_convert.cli import main
 from megamoe_convert.convert import convert
-from megamoe_convert.shared import shared_to_precision
-from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
 from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.readers import detect_reader
 from megamoe_convert.shard_writer import parse_size
-from megamoe_runtime import layout
-from megamoe_runtime.layout import KernelTensors
-from megamoe_runtime.manifest import MANIFEST_NAME, kernel_view, read_manifest
+from megamoe_convert.shared import shared_to_precision
+from megamoe_convert.source import open_source
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.layout import KernelTensors
+from megamoe_runtime.format.manifest import MANIFEST_NAME, kernel_view, read_manifest
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 
@@ -359,7 +359,7 @@ def test_fast_codecs_write_the_same_bytes(tmp_path, monkeypatch, fmt):
     """The table and fused codecs (NVFP4 -> MXFP8 and MXFP4 -> MXFP8 shared experts,
     table decodes) write exactly the bytes the composed arithmetic codecs wrote
     before them: the whole output folder, manifest included, is compared."""
-    from megamoe_runtime import codecs as C
+    from megamoe_runtime.format import codecs as C
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SMALL, shared=1, seed=5)
     convert(src, tmp_path / "fast")

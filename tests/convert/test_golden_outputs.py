@@ -231,8 +231,8 @@ def test_default_checksum_writes_the_golden_shard_bytes(tmp_path):
     manifest says which kind it is."""
     from megamoe_convert.convert import convert
     from megamoe_convert.synth import build_synthetic_checkpoint
-    from megamoe_runtime.digests import DEFAULT_CHECKSUM
-    from megamoe_runtime.manifest import read_manifest
+    from megamoe_runtime.files.digests import DEFAULT_CHECKSUM
+    from megamoe_runtime.format.manifest import read_manifest
 
     for name, spec, kwargs in [c for c in CASES if not isinstance(c[1], str)][:3]:
         _, fmt, kw = spec

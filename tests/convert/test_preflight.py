@@ -6,7 +6,7 @@ from megamoe_convert.preflight import layer_decisions
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
 from megamoe_runtime.errors import FormatError, LayerSpecError
-from megamoe_runtime.formats import get_row
+from megamoe_runtime.format.formats import get_row
 
 SMALL = dict(num_layers=1, hidden=256, intermediate=128, num_experts=4, top_k=2)
 

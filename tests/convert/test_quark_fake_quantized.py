@@ -18,8 +18,8 @@ from megamoe_convert.cli import main
 from megamoe_convert.convert import convert
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
-from megamoe_runtime import layout
 from megamoe_runtime.errors import FormatError, MegaMoEError, ScaleError
+from megamoe_runtime.format import layout
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 FAKE = REAL / "quark-mxfp8-qwen3moe"

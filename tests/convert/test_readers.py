@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe_runtime import codecs
-from megamoe_runtime.canonical import ExpertTensors
-from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
 from megamoe_convert.readers import available_formats, detect_reader, readers_in_order
 from megamoe_convert.readers.base import CheckpointReader, MoELayerInfo
 from megamoe_convert.source import open_source
+from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
+from megamoe_runtime.format import codecs
+from megamoe_runtime.format.canonical import ExpertTensors
 from megamoe_convert.synth import (
     FORMATS,
     ROW_OF,
@@ -745,7 +745,7 @@ def test_detection_order_is_explicit_and_followed(tmp_path, monkeypatch):
 
 
 def test_param_reads_suffix_meanings_from_the_runtime_table():
-    """A reader's Param takes divisor-or-multiplier from megamoe_runtime.source_formats (the raw loader's
+    """A reader's Param takes divisor-or-multiplier from megamoe_runtime.format.source_formats (the raw loader's
     table) and refuses a suffix used as another kind than the runtime gives it."""
     from megamoe_convert.readers.common import Param
 

@@ -16,7 +16,7 @@ from megamoe_convert import checks
 from megamoe_convert.convert import convert
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
-from megamoe_runtime import layout
+from megamoe_runtime.format import layout
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 FIXTURES = sorted(p.name for p in REAL.glob("*") if (p / "config.json").is_file())

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe_runtime import codecs
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.source import open_source
+from megamoe_runtime.format import codecs
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 MANIFEST = REAL / "manifest.json"

@@ -32,8 +32,8 @@ from megamoe_convert.inspection import inspect_checkpoint
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.readers.recipe import ACCEPT_FLAG, ActivationRecipe, compare
 from megamoe_convert.source import open_source
-from megamoe_runtime import layout
 from megamoe_runtime.errors import FormatError, ScaleError
+from megamoe_runtime.format import layout
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 
@@ -413,7 +413,7 @@ def test_every_row_has_its_per_row_converter_facts():
     the recipes it keeps (named in the refusal text), its dispatch description and the demo's threshold."""
     from megamoe_convert.readers import recipe
     from megamoe_convert.selfcheck import THRESHOLDS
-    from megamoe_runtime.formats import ROWS
+    from megamoe_runtime.format.formats import ROWS
 
     for name, row in ROWS.items():
         assert recipe._KEEPS[name] and recipe.KERNEL_ACTIVATIONS[name][1], name

@@ -14,9 +14,9 @@ from megamoe_convert.shard_writer import (
     plan_shards,
     safetensors_header,
 )
-from megamoe_runtime.digests import file_digest, safetensors_digests
 from megamoe_runtime.errors import MegaMoEError
-from megamoe_runtime.manifest import dtype_name
+from megamoe_runtime.files.digests import file_digest, safetensors_digests
+from megamoe_runtime.format.manifest import dtype_name
 
 TENSORS = {
     "s": torch.arange(24, dtype=torch.int32).reshape(2, 3, 4),

@@ -7,7 +7,7 @@ from megamoe_convert import synth
 from megamoe_convert.cli import main
 from megamoe_convert.convert import convert
 from megamoe_convert.output_dir import temp_dir_for
-from megamoe_runtime.manifest import read_manifest
+from megamoe_runtime.format.manifest import read_manifest
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 

@@ -17,7 +17,7 @@ import pytest
 from megamoe_convert import stream, synth
 from megamoe_convert.convert import SourceChangedError, convert
 from megamoe_convert.output_dir import temp_dir_for
-from megamoe_runtime.formats import get_row
+from megamoe_runtime.format.formats import get_row
 
 from test_golden_outputs import CASES, _convert_case, _golden
 

@@ -136,7 +136,7 @@ def test_resume_keeps_untouched_files_without_reading_them_again(interrupted, mo
     import megamoe_convert.temp_folder as tf
     from megamoe_convert.convert import convert
     from megamoe_convert.stream import Run
-    from megamoe_runtime import digests
+    from megamoe_runtime.files import digests
 
     monkeypatch.setattr(tf, "RACY_NS", 0)  # the fixture's source was written a moment ago
     src, out, ref = interrupted("out")
@@ -158,7 +158,7 @@ def test_resume_rechecks_what_it_cannot_trust(interrupted, monkeypatch):
     import megamoe_convert.temp_folder as tf
     from megamoe_convert.convert import convert
     from megamoe_convert.stream import Run
-    from megamoe_runtime import digests
+    from megamoe_runtime.files import digests
 
     # a restart between the runs
     monkeypatch.setattr(tf, "RACY_NS", 0)

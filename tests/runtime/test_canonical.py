@@ -1,11 +1,11 @@
-"""megamoe_runtime.canonical: the per-row codec pair (quantize / dequantize) of checkpoint-encoded experts."""
+"""megamoe_runtime.format.canonical: the per-row codec pair (quantize / dequantize) of checkpoint-encoded experts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megamoe_runtime import codecs
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format import codecs
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
 
 #: max relative Frobenius error of a round trip on N(0, 1) weights
 TOL = {"mxfp4": 0.2, "mxfp8": 0.05, "nvfp4": 0.15, "bf16": 0.01}

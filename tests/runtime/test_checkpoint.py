@@ -11,7 +11,7 @@ import torch
 import megamoe_runtime as mr
 from megamoe_runtime.checkpoint import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 from megamoe_runtime.errors import CheckpointError, ManifestError
-from megamoe_runtime.manifest import with_self_digest
+from megamoe_runtime.format.manifest import with_self_digest
 
 
 def test_public_api_open_build_forward(ckpts):

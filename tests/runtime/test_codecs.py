@@ -1,4 +1,4 @@
-"""Tests for megamoe_runtime.codecs and megamoe_runtime.testing.
+"""Tests for megamoe_runtime.format.codecs and megamoe_runtime.testing.
 
 Golden vectors are derived by hand from the format definitions (docs/FORMATS.md)
 and written out literally; the derivation is in the comment beside
@@ -14,8 +14,8 @@ import struct
 import pytest
 import torch
 
-from megamoe_runtime import codecs as C
 from megamoe_runtime.errors import FormatError, LayoutError, MegaMoEError, ScaleError
+from megamoe_runtime.format import codecs as C
 from megamoe_runtime.testing import calc_diff, rel_l2
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -1,4 +1,4 @@
-"""megamoe_runtime.digests: checksum algorithms, file digest kinds, and a machine without blake3.
+"""megamoe_runtime.files.digests: checksum algorithms, file digest kinds, and a machine without blake3.
 
 The composed digests are checked against hashes computed here straight from
 hashlib / the blake3 package over the file's byte ranges; a missing blake3 is
@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from megamoe_runtime import digests as D
 from megamoe_runtime.errors import DigestUnavailableError, ManifestError, MegaMoEError
+from megamoe_runtime.files import digests as D
 
 blake3 = pytest.importorskip("blake3")
 
@@ -84,7 +84,7 @@ def test_without_blake3_only_blake3_fails(monkeypatch, tmp_path):
 def test_default_checksum_is_blake3_where_installed_else_sha256(monkeypatch):
     import importlib.util
 
-    from megamoe_runtime import digests
+    from megamoe_runtime.files import digests
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "blake3" else real(name, *a))

@@ -1,4 +1,4 @@
-"""Tests for megamoe_runtime.formats: the feature matrix and spec validation."""
+"""Tests for megamoe_runtime.format.formats: the feature matrix and spec validation."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megamoe_runtime.errors import FormatError, LayerSpecError, MegaMoEError
-from megamoe_runtime.formats import (
+from megamoe_runtime.format.formats import (
     ROWS,
     ActivationSpec,
     LayerSpec,
@@ -219,7 +219,7 @@ def test_shared_spec_folds():
 
 def test_row_properties_are_the_only_row_branches():
     """What the properties answer for each row (the code asks these instead of comparing names)."""
-    from megamoe_runtime.formats import ROWS
+    from megamoe_runtime.format.formats import ROWS
 
     got = {n: (r.has_scales, r.has_alphas, r.packed_e2m1, r.rsf_in_combine) for n, r in ROWS.items()}
     assert got == {
@@ -235,7 +235,7 @@ def test_row_properties_are_the_only_row_branches():
 
 def test_shared_by_flavour_covers_exactly_the_fusable_precisions():
     from megamoe_runtime.errors import FormatError
-    from megamoe_runtime.formats import ROWS, Row
+    from megamoe_runtime.format.formats import ROWS, Row
     import dataclasses
 
     for r in ROWS.values():

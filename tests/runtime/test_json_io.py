@@ -7,8 +7,8 @@ import random
 import pytest
 
 from megamoe_runtime.errors import CheckpointError, ManifestError, MegaMoEError
-from megamoe_runtime.json_io import JsonError, json_depth, parse_json, read_json
-from megamoe_runtime.limits import MAX_INT_DIGITS, MAX_JSON_DEPTH
+from megamoe_runtime.files.json_io import JsonError, json_depth, parse_json, read_json
+from megamoe_runtime.files.limits import MAX_INT_DIGITS, MAX_JSON_DEPTH
 
 
 def _depth(o) -> int:
@@ -98,7 +98,7 @@ def test_hostile_text_refused_in_bounded_memory(bounded_python):
     """20 MB of hostile JSON of each kind refused under a 1.4 GiB address-space cap (torch alone takes about
     650 MiB): the depth scan never reaches the recursive parser and works in fixed-size chunks. The negative
     control shows the cap is real: a 1.4 GiB allocation in the same process fails."""
-    code = ["from megamoe_runtime.json_io import parse_json, JsonError"]
+    code = ["from megamoe_runtime.files.json_io import parse_json, JsonError"]
     for kind, expr in sorted(HOSTILE.items()):
         code += [f"raw = ({expr}).encode()",
                  "try:\n    parse_json(raw, 'hostile.json')\nexcept JsonError as e:\n"
@@ -122,7 +122,7 @@ def test_hostile_safetensors_header_names_the_file(tmp_path, header, match):
     RecursionError naming no file; now a CheckpointError naming it, from the one header parser."""
     import struct
 
-    from megamoe_runtime.safetensors_header import parse_safetensors_header
+    from megamoe_runtime.files.safetensors_header import parse_safetensors_header
 
     p = tmp_path / "bad.safetensors"
     p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 import megamoe_runtime as mr
-from megamoe_runtime import codecs, layout
 from megamoe_runtime.backends.reference import ReferenceBackend, reference_forward, shared_slot
 from megamoe_runtime.errors import BackendUnavailableError, LayerSpecError, MegaMoEError, ScaleError
+from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format.manifest import kernel_strides_of
 from megamoe_runtime.layer import DeepGemmMegaMoEExperts
-from megamoe_runtime.manifest import kernel_strides_of
 from megamoe_runtime.testing import calc_diff
 
 

@@ -1,4 +1,4 @@
-"""Tests for megamoe_runtime.layout: the only packing code in the project.
+"""Tests for megamoe_runtime.format.layout: the only packing code in the project.
 
 Three independent checks of where bytes go:
 1. round trips (pack -> unpack is the identity on canonical bytes);
@@ -15,10 +15,10 @@ import struct
 import pytest
 import torch
 
-from megamoe_runtime import layout
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import CheckpointError, LayoutError
-from megamoe_runtime.formats import ROWS, get_row
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import ROWS, get_row
 
 ALL_ROWS = tuple(ROWS)
 
@@ -478,7 +478,7 @@ def test_literal_bf16_interleave_only():
 
 def _reference_pack(row, exs, H, I):
     """Kernel tensors built the slow way: explicit index maps + advanced indexing."""
-    from megamoe_runtime.codecs import pack_bytes_int32
+    from megamoe_runtime.format.codecs import pack_bytes_int32
 
     row = get_row(row)
     il = torch.tensor([py_il(n, I) for n in range(2 * I)])
@@ -540,7 +540,7 @@ def test_primitives_write_in_place_into_one_expert_slot():
 
 
 def test_write_accepts_packed_int32_and_e8m0_scales():
-    from megamoe_runtime.codecs import pack_bytes_int32
+    from megamoe_runtime.format.codecs import pack_bytes_int32
 
     gen = torch.Generator().manual_seed(13)
     H, I = 256, 128

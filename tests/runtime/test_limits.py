@@ -1,4 +1,4 @@
-"""Stated limits (megamoe_runtime.limits): a size beyond one is refused before anything is allocated from it,
+"""Stated limits (megamoe_runtime.files.limits): a size beyond one is refused before anything is allocated from it,
 as a MegaMoEError naming where it came from, in bounded time and memory."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 
 from megamoe_runtime.errors import LayerSpecError, ManifestError
-from megamoe_runtime.formats import LayerSpec, SharedSpec
-from megamoe_runtime.limits import LIMITS, MAX_EXPERTS, MAX_HIDDEN, MAX_TOP_K, check_limit
-from megamoe_runtime.manifest import MANIFEST_NAME, read_manifest, with_self_digest
+from megamoe_runtime.files.limits import LIMITS, MAX_EXPERTS, MAX_HIDDEN, MAX_TOP_K, check_limit
+from megamoe_runtime.format.formats import LayerSpec, SharedSpec
+from megamoe_runtime.format.manifest import MANIFEST_NAME, read_manifest, with_self_digest
 
 
 def test_table_is_stated_and_enforced():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import megamoe_runtime as mr
-from megamoe_runtime import file_io
 from megamoe_runtime.errors import CheckpointError, LayerUnusableError, LoadCheckError, ManifestError
-from megamoe_runtime.manifest import MANIFEST_NAME, with_self_digest
+from megamoe_runtime.files import file_io
+from megamoe_runtime.format.manifest import MANIFEST_NAME, with_self_digest
 
 
 def _inputs(spec, T=12, seed=0):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megamoe_runtime as mr
@@ -239,7 +239,7 @@ def test_parse_names_and_loader_argument_errors(ckpts):
 def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
     """Large stored tensors are read by several threads (CPU: straight into the
     parameter; CUDA: per-thread pinned chunks and streams): every byte lands once."""
-    import megamoe_runtime.file_io as L
+    import megamoe_runtime.files.file_io as L
 
     monkeypatch.setattr(L, "_READ_CHUNK", 3 * 4096)
     monkeypatch.setattr(L, "_READ_MIN_PARALLEL", 8192)
@@ -260,7 +260,7 @@ def test_parallel_file_reads_land_every_byte(tmp_path, monkeypatch, device):
 
 
 def test_gpu_chunk_knob(monkeypatch):
-    import megamoe_runtime.file_io as L
+    import megamoe_runtime.files.file_io as L
 
     monkeypatch.delenv("MEGAMOE_LOAD_GPU_CHUNK_MB", raising=False)
     assert L._gpu_chunk() == L._READ_CHUNK

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from megamoe_runtime import layout
 from megamoe_runtime.errors import LayoutError, ManifestError
-from megamoe_runtime.formats import ActivationSpec, LayerSpec
-from megamoe_runtime.manifest import (
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
+from megamoe_runtime.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     STORAGE_CONTIGUOUS,
@@ -87,7 +87,7 @@ def test_ep_keys_and_lookup(tmp_path):
 
 
 def _write_raw(tmp_path, d):
-    from megamoe_runtime.manifest import with_self_digest
+    from megamoe_runtime.format.manifest import with_self_digest
 
     # hand-edited, then digested (a manifest without its digest is refused before any other check)
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(with_self_digest(d)))
@@ -130,7 +130,7 @@ def test_malformed_refused(tmp_path, mutate, match):
 def test_file_digest_kinds(tmp_path):
     """files[name].digest names how sha256 was computed; absent means a
     whole-file sha256; the header-and-tensors kind is for safetensors only."""
-    from megamoe_runtime.manifest import DIGEST_HEADER_AND_TENSORS, DIGEST_SHA256, header_and_tensor_digest
+    from megamoe_runtime.format.manifest import DIGEST_HEADER_AND_TENSORS, DIGEST_SHA256, header_and_tensor_digest
     import hashlib
 
     d = _manifest().to_dict()
@@ -200,7 +200,7 @@ def test_kernel_view_checks():
 def test_self_digest_catches_an_edited_manifest(tmp_path):
     """The manifest carries a digest of itself: an edit that keeps it valid JSON
     and a valid schema (a scale, a checksum digit) is refused by name."""
-    from megamoe_runtime.manifest import SELF_DIGEST_KEY, manifest_bytes, read_manifest, with_self_digest
+    from megamoe_runtime.format.manifest import SELF_DIGEST_KEY, manifest_bytes, read_manifest, with_self_digest
 
     m = _manifest()
     (tmp_path / MANIFEST_NAME).write_bytes(manifest_bytes(m))
@@ -224,7 +224,7 @@ def test_records_json_generated_from_their_fields():
     checksum is stored under its algorithm; a recipe-less source has no recipe key; parsing inverts it."""
     from dataclasses import dataclass, fields
 
-    from megamoe_runtime.manifest import _check_codecs, LayerEntry, SourceInfo, TensorEntry
+    from megamoe_runtime.format.manifest import _check_codecs, LayerEntry, SourceInfo, TensorEntry
 
     t = TensorEntry(name="m.megamoe.l1_scale", layer=0, role="l1_scale", ep_rank=0, experts=(0, 4), file="f",
                     dtype="I32", stored_shape=(4, 2, 8), kernel_shape=(4, 8, 2), kernel_strides=(16, 1, 8),

@@ -4,10 +4,10 @@ import ctypes
 import pytest
 import torch
 
-import megamoe_runtime.file_io as F
-import megamoe_runtime.page_cache_dma as D
+import megamoe_runtime.files.file_io as F
+import megamoe_runtime.files.page_cache_dma as D
 from megamoe_runtime.errors import CheckpointError
-from megamoe_runtime.tensor_bytes import byte_view
+from megamoe_runtime.files.tensor_bytes import byte_view
 
 
 def _blob(tmp_path, n=(1 << 20) + 3 * 4096 + 777, name="blob.bin", seed=1):

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import megamoe_runtime as mr
-from megamoe_runtime.manifest import with_self_digest
 from megamoe_runtime.checkpoint import SafetensorsFile
 from megamoe_runtime.errors import ReloadError
+from megamoe_runtime.format.manifest import with_self_digest
 from megamoe_runtime.layer import DeepGemmMegaMoEExperts
 from megamoe_runtime.reload import byte_runs
 

@@ -3,8 +3,8 @@ from dataclasses import fields
 
 import pytest
 
-from megamoe_runtime import layout, roles
-from megamoe_runtime.formats import ROWS, get_row
+from megamoe_runtime.format import layout, roles
+from megamoe_runtime.format.formats import ROWS, get_row
 
 
 def test_table_facts():

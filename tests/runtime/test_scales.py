@@ -1,4 +1,4 @@
-"""megamoe_runtime.scales: the NVFP4 scale rules, and that every user takes them from here."""
+"""megamoe_runtime.format.scales: the NVFP4 scale rules, and that every user takes them from here."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megamoe_runtime import scales
+from megamoe_runtime.format import scales
 
 
 def test_gate_up_agreement_boundary():

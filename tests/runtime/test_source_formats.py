@@ -1,9 +1,10 @@
-"""The source-format facts the raw loader reads (megamoe_runtime.source_formats)."""
+"""The source-format facts the raw loader reads (megamoe_runtime.format.source_formats)."""
 from __future__ import annotations
 
 import pytest
 
-from megamoe_runtime import loaders, source_formats as sf
+from megamoe_runtime import loaders
+from megamoe_runtime.format import source_formats as sf
 
 #: the raw loader's suffix table as it was written out by hand before issue 12 (a behaviour guard)
 _SUFFIX_KINDS_BEFORE = {

@@ -1,4 +1,4 @@
-"""The tiled in-memory weight arrangement (`megamoe_runtime.weight_tiles`) and the layer's handling of it:
+"""The tiled in-memory weight arrangement (`megamoe_runtime.format.weight_tiles`) and the layer's handling of it:
 derived in place after a load, restored before the next load writes, invisible to loaders, the dry run and
 the reference backend."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import megamoe_runtime as mr
-from megamoe_runtime import weight_tiles
 from megamoe_runtime.backends.reference import ReferenceBackend
 from megamoe_runtime.errors import LayoutError
+from megamoe_runtime.format import weight_tiles
 from megamoe_runtime.layer import DeepGemmMegaMoEExperts
 from megamoe_runtime.raw_load import load_raw_checkpoint
 
@@ -170,7 +170,7 @@ def test_partial_raw_reload_leaves_no_expert_tiled(ckpts):
     ref = ck.build_layer(0, backend="reference")
     layer = ck.build_layer(0, backend=_TilingReference())
     spec = layer.spec
-    from megamoe_runtime.file_io import SafetensorsFile
+    from megamoe_runtime.files.file_io import SafetensorsFile
     from megamoe_runtime.loaders import parse_expert_weight_name
 
     last = spec.num_experts - 1
@@ -233,8 +233,8 @@ def test_state_dict_holds_the_converted_layout(ckpts):
 def test_a_load_failing_midway_on_a_tiled_layer(ckpts, monkeypatch):
     """A read failing after writes began: the layer (restored to the converted layout before the first write)
     is unusable; the next good load makes it usable, tiled and equal to a fresh build."""
-    from megamoe_runtime import file_io
     from megamoe_runtime.errors import LayerUnusableError
+    from megamoe_runtime.files import file_io
 
     _, out = ckpts.converted(FMT, **SIZES)
     ck = mr.open_checkpoint(out)

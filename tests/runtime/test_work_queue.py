@@ -1,7 +1,7 @@
 """work_queue.py: every item to exactly one thread."""
 import threading
 
-from megamoe_runtime.work_queue import SharedQueue
+from megamoe_runtime.files.work_queue import SharedQueue
 
 
 def test_each_item_taken_once_by_many_threads():

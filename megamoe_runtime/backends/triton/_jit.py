@@ -1,6 +1,6 @@
 """Triton device helpers shared by the staging and MoE kernels.
 
-Every helper reproduces one rounding step of ``megamoe_runtime.codecs`` bit
+Every helper reproduces one rounding step of ``megamoe_runtime.format.codecs`` bit
 for bit (the reference backend's numerics, docs/FORMATS.md and docs/NUMERICS.md):
 
 * UE8M0 ceil with DeepGEMM's 1e-4 amax floor, from the fp32 bits of a true

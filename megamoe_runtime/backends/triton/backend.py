@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
-from megamoe_runtime.roles import KERNEL_ROLES, SHARED_PREFIX, shared_role
+from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX, shared_role
 
 __all__ = ["TritonBackend"]
 
@@ -73,7 +73,7 @@ class TritonBackend:
 
     def weight_tiles(self, spec: Any, device: Any) -> int:
         """Rows per tile of the in-memory weight arrangement this backend reads fastest (the layer
-        derives it after each load, `megamoe_runtime.weight_tiles`); 0 keeps the converted layout."""
+        derives it after each load, `megamoe_runtime.format.weight_tiles`); 0 keeps the converted layout."""
         from .moe import resolve_w_tile
 
         return resolve_w_tile(spec, device, self.config)

@@ -316,6 +316,6 @@ def selected(row: str, hw: bool, choice: Optional[str]) -> bool:
         from megamoe_runtime.errors import MegaMoEError
 
         raise MegaMoEError(f"MEGAMOE_TRITON_MMA / KernelConfig.mma = {c!r}; valid: auto, fp8, bf16")
-    from megamoe_runtime.formats import get_row
+    from megamoe_runtime.format.formats import get_row
 
     return c == "fp8" and get_row(row).weight.scale_encoding == "ue8m0" and hw  # the MX rows

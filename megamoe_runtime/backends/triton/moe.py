@@ -1043,7 +1043,7 @@ def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
 
 
 #: rows per tile of the weight arrangement the layer derives after a load for this backend
-#: (`megamoe_runtime.weight_tiles`; 16 and 64 measured the same on the H200, BENCHMARKS.md issue 11
+#: (`megamoe_runtime.format.weight_tiles`; 16 and 64 measured the same on the H200, BENCHMARKS.md issue 11
 #: fifth pass); env ``MEGAMOE_TRITON_WTILE`` ("0": keep the converted layout)
 DEFAULT_W_TILE = 16
 
@@ -1267,7 +1267,7 @@ def frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tens
     """int16 bits of what ``_jit.e2m1_frag_words`` must return for bytes ``b_all`` (whole
     little-endian words) and one bf16 scale per word: per word, nibbles (0, 4, 1, 5, 2, 6, 3, 7)
     decoded by ``codecs`` times the scale."""
-    from megamoe_runtime import codecs
+    from megamoe_runtime.format import codecs
 
     vals = codecs.e2m1_decode(codecs.unpack_e2m1(b_all)).reshape(-1, 8) * s_rep.float()[:, None]
     order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], device=vals.device)
@@ -1277,7 +1277,7 @@ def frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tens
 def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict:
     """Compare the PRMT E2M1 decode and the arithmetic decode with codecs over all 256
     bytes and the given scales; returns mismatch counts (diagnostics for asm_decode_ok)."""
-    from megamoe_runtime import codecs
+    from megamoe_runtime.format import codecs
 
     if mx_bytes is None:
         mx_bytes = list(range(100, 141, 3)) + [0, 127]
@@ -1403,7 +1403,7 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     ``shared_input`` (default: the hidden states). Top-k ids are GLOBAL (-1
     masked); only this rank's experts contribute. ``asm``: force the E2M1
     decode path (default: the PRMT path if its self-check passed). ``w_tile``: the arrangement of the
-    routed weights (`megamoe_runtime.weight_tiles`; 0 = the converted layout), which only the frag
+    routed weights (`megamoe_runtime.format.weight_tiles`; 0 = the converted layout), which only the frag
     K order's bf16 GEMMs read. ``fold_flags``: int32 ``[2, E_l]`` from `fold_flags` on these
     weights (the layer keeps them per load); None: each fold tile scans its own scale words.
     """
@@ -1627,8 +1627,8 @@ def _forward_fp8(spec, kt, cfg, x_bf16, x_sh, tw, ids, shared, out, nslot, retur
 
 def _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared) -> None:
     """Shape / dtype / layout checks that need no host sync."""
-    from megamoe_runtime import layout
     from megamoe_runtime.errors import LayoutError, MegaMoEError, ScaleError
+    from megamoe_runtime.format import layout
 
     H, K = spec.hidden, spec.top_k
     if hidden_states.dim() != 2 or hidden_states.shape[1] != H or hidden_states.dtype != torch.bfloat16:
@@ -1640,7 +1640,7 @@ def _check(spec, kt, hidden_states, topk_weights, topk_ids, scalars, shared) -> 
             raise MegaMoEError(f"{name} has shape {tuple(t.shape)}; expected [{T}, {K}]")
     if topk_ids.is_floating_point():
         raise MegaMoEError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    from megamoe_runtime.layout import KernelTensors
+    from megamoe_runtime.format.layout import KernelTensors
 
     routed = KernelTensors(kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
     layout.check_kernel_tensors(spec.row, routed, spec.experts_per_rank, H, spec.intermediate, "triton routed")

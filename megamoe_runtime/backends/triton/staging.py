@@ -12,7 +12,7 @@
   expert, each expert's run padded to a multiple of the GEMM row block, masked
   slots (-1) and other ranks' experts dropped, zero tokens handled.
 
-All quantizers are bit-exact with ``megamoe_runtime.codecs`` (the reference
+All quantizers are bit-exact with ``megamoe_runtime.format.codecs`` (the reference
 numerics): ``tests/runtime/backends/test_triton.py`` checks that on the GPU
 over random and adversarial inputs. Nothing here syncs with the host, so the
 whole staging + MoE forward can be captured in a CUDA graph.

@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import torch
 
-from megamoe_runtime import codecs, layout
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
-from megamoe_runtime.formats import LayerSpec
+from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import LayerSpec
 
 __all__ = ["SynthLayer", "random_layer", "random_kernel_bytes", "random_routing"]
 

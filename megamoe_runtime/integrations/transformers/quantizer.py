@@ -181,7 +181,7 @@ def _fetch_manifest_from_hub(folder: Path, name_or_path: Optional[str]) -> None:
     lists, not ``megamoe.json``. Fetch it into the same snapshot (the folder's name is the commit), so the
     manifest read is the one of the same revision. A local folder, or a hub id that is not one, is left to
     the folder checks (which say "not a megamoe output folder")."""
-    from ...manifest import MANIFEST_NAME
+    from ...format.manifest import MANIFEST_NAME
 
     if (folder / MANIFEST_NAME).exists() or not name_or_path or Path(name_or_path).exists():
         return

@@ -32,7 +32,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ...errors import CheckpointError
-from ...manifest import MANIFEST_NAME
+from ...format.manifest import MANIFEST_NAME
 from ..folder import check_folder_for_model
 from . import LOAD_FORMAT, QUANT_METHOD, SUPPORTED_ARCHITECTURES
 

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megamoe_runtime import codecs, layout
 from megamoe_runtime.backends import get_backend
+from megamoe_runtime.format import codecs, layout
 from megamoe_runtime.backends.reference import (
     NvScalars,
     ReferenceBackend,
@@ -32,9 +32,9 @@ from megamoe_runtime.backends.reference import (
     reference_slots,
     shared_slot,
 )
-from megamoe_runtime.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.errors import LayoutError, MegaMoEError
-from megamoe_runtime.formats import ActivationSpec, LayerSpec, SharedSpec, get_row
+from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
+from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, SharedSpec, get_row
 from megamoe_runtime.testing import calc_diff
 
 H, I, E, K, T = 128, 128, 4, 2, 16

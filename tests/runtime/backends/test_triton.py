@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe_runtime import codecs, layout
-from megamoe_runtime.formats import ActivationSpec, LayerSpec, SharedSpec
+from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, SharedSpec
 from megamoe_runtime.testing import calc_diff, frag_positions, staging_adversarial_rows, staging_random_rows
 
 pytestmark = pytest.mark.gpu
@@ -332,8 +332,8 @@ def test_tiled_weights_same_bits(row, wt, T):
     import types
 
     _, moe, _ = _triton()
-    from megamoe_runtime import weight_tiles
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+    from megamoe_runtime.format import weight_tiles
 
     spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T)
     sc = _NvScalars(lay) if row == "nvfp4" else None
@@ -618,9 +618,9 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     computes bit for bit what the converted layout computes, survives a reload under a captured
     CUDA graph, and refuses a path that cannot read tiles."""
     _, moe, _ = _triton()
-    from megamoe_runtime import weight_tiles
     from megamoe_runtime.checkpoint import open_checkpoint
     from megamoe_runtime.errors import MegaMoEError
+    from megamoe_runtime.format import weight_tiles
 
     _, out = ckpts.converted(fmt)
     ck = open_checkpoint(out)

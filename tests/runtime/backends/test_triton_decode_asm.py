@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe_runtime import codecs
 from megamoe_runtime.backends.triton import decode_asm
+from megamoe_runtime.format import codecs
 
 M32 = np.uint64(0xFFFFFFFF)
 

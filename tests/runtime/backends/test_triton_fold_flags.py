@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_runtime.formats import ActivationSpec, LayerSpec
+from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
 
 pytest.importorskip("triton")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Type
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 
 __all__ = [
     "LimitError",
@@ -65,7 +65,7 @@ LIMITS: dict[str, int] = {
 
 
 class LimitError(MegaMoEError):
-    """A size claimed by the input exceeds a stated limit (megamoe_runtime.limits)."""
+    """A size claimed by the input exceeds a stated limit (megamoe_runtime.files.limits)."""
 
 
 def check_limit(name: str, value: Any, where: str, error: Type[MegaMoEError] = LimitError,
@@ -77,4 +77,4 @@ def check_limit(name: str, value: Any, where: str, error: Type[MegaMoEError] = L
         shown = str(value) if value < 10**30 else f"a number of more than 30 digits"
         what = label or name
         raise error(f"{where}: {what} = {shown} exceeds megamoe's limit of {limit} for {name} "
-                    "(megamoe_runtime.limits)")
+                    "(megamoe_runtime.files.limits)")

@@ -22,8 +22,8 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
+from ..errors import CheckpointError, LayoutError
 from . import page_cache_dma
-from .errors import CheckpointError, LayoutError
 from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_safetensors_header
 from .tensor_bytes import byte_view
 from .work_queue import SharedQueue
@@ -40,7 +40,7 @@ def read_safetensors_header(path: Union[str, os.PathLike]) -> tuple[dict[str, He
     """Parse and validate a safetensors header: ``(entries, metadata, data_start)``.
 
     Reads only the header bytes. CheckpointError, naming the file, for any
-    defect :func:`megamoe_runtime.safetensors_header.parse_safetensors_header`
+    defect :func:`megamoe_runtime.files.safetensors_header.parse_safetensors_header`
     refuses (truncation, a header over 100 MB, invalid JSON, duplicate keys,
     malformed entries or unknown dtypes, byte ranges that do not tile the data
     section, a file length that disagrees with the header).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 __all__ = ["ScratchError", "run_bytes", "check_tileable", "tiled_copy", "untiled_copy", "tile_in_place",
            "untile_in_place"]

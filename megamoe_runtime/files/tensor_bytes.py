@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

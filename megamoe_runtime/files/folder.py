@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Type, Union
 
-from .errors import CheckpointError, MegaMoEError
+from ..errors import CheckpointError, MegaMoEError
 
 __all__ = ["inside_folder"]
 

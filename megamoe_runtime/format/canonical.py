@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError, MegaMoEError, ScaleError
+from ..errors import CheckpointError, MegaMoEError, ScaleError
 from .formats import Row, get_row
 from .scales import is_valid_scale
 

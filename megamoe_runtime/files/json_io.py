@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Type, Union
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 from .limits import MAX_INT_DIGITS, MAX_JSON_BYTES, MAX_JSON_DEPTH
 
 __all__ = ["JsonError", "parse_json", "read_json", "json_depth"]
@@ -89,7 +89,7 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict:
 def _int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > MAX_INT_DIGITS:
-        raise _Refused(f"an integer of {digits} digits (limit {MAX_INT_DIGITS}, megamoe_runtime.limits)")
+        raise _Refused(f"an integer of {digits} digits (limit {MAX_INT_DIGITS}, megamoe_runtime.files.limits)")
     return int(text)
 
 
@@ -119,7 +119,7 @@ def parse_json(raw: Union[bytes, str], where: str, *, error: Type[MegaMoEError] 
         raise error(f"{where}: garbage {what} (not valid UTF-8 JSON: {e})") from None
     depth = json_depth(raw)
     if depth > max_depth:
-        raise error(f"{where}: {what} nests {depth} levels deep (limit {max_depth}, megamoe_runtime.limits)")
+        raise error(f"{where}: {what} nests {depth} levels deep (limit {max_depth}, megamoe_runtime.files.limits)")
     try:
         return json.loads(text, object_pairs_hook=_pairs, parse_int=_int, parse_float=_float,
                           parse_constant=_constant)

@@ -40,7 +40,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import DigestUnavailableError, ManifestError, MegaMoEError
+from ..errors import DigestUnavailableError, ManifestError, MegaMoEError
 
 SHA256 = "sha256"
 BLAKE3 = "blake3"
@@ -208,7 +208,7 @@ def safetensors_digests(path: Path, fh=None, *, algorithm: str = SHA256, whole: 
     `fh` is its validated header (read if None; CheckpointError for an invalid
     one, which guarantees header + data offsets tile the file exactly, so the
     digest covers every byte)."""
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
     from .safetensors_header import parse_safetensors_header
 
     path = Path(path)

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import FormatError, LayerSpecError
-from .limits import check_limit
+from ..errors import FormatError, LayerSpecError
+from ..files.limits import check_limit
 
 __all__ = [
     "WeightSpec",

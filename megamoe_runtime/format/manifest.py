@@ -33,10 +33,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import LayoutError, ManifestError, MegaMoEError
-from .folder import inside_folder
-from .json_io import parse_json, read_json
-from .limits import check_limit
+from ..errors import LayoutError, ManifestError, MegaMoEError
+from ..files.folder import inside_folder
+from ..files.json_io import parse_json, read_json
+from ..files.limits import check_limit
 from .roles import (  # the role table and storage orders (re-exported: the manifest names them)
     EXPERT_ROLES,
     MN_MAJOR_ROLES,
@@ -46,7 +46,7 @@ from .roles import (  # the role table and storage orders (re-exported: the mani
     STORAGE_MN_MAJOR,
     STORAGES,
 )
-from .safetensors_header import DTYPE_BITS, DTYPES
+from ..files.safetensors_header import DTYPE_BITS, DTYPES
 
 FORMAT_NAME = "megamoe"
 FORMAT_VERSION = 1
@@ -279,7 +279,7 @@ class SourceInfo:
 
 # Checksum algorithms and file digest kinds: defined in digests.py (the runtime
 # verifies folders too); re-exported here, where the manifest names them.
-from .digests import (  # noqa: E402
+from ..files.digests import (  # noqa: E402
     ALGORITHMS,
     DIGEST_BLAKE3,
     DIGEST_BLAKE3_HEADER_AND_TENSORS,

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .json_io import parse_json
 from .limits import MAX_HEADER_BYTES
 

@@ -23,7 +23,7 @@ from typing import Union
 
 import torch
 
-from .errors import FormatError, LayoutError, ScaleError
+from ..errors import FormatError, LayoutError, ScaleError
 
 __all__ = [
     "E2M1_VALUES",

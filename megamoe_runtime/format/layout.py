@@ -45,8 +45,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import LayoutError
 from .canonical import ExpertTensors, ProjectionTensors
-from .errors import LayoutError
 from .formats import Row, get_row, nearest_multiples
 from .roles import KERNEL_ROLES
 
