@@ -269,7 +269,7 @@ def phase_reload(ck: mr.Checkpoint, layers: list, device: torch.device, verify: 
 
 
 def phase_raw_direct(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
-    from megamoe_runtime.raw_load import load_raw_checkpoint
+    from megamoe_runtime.load.raw_load import load_raw_checkpoint
 
     def run() -> Any:
         model = torch.nn.ModuleList(
@@ -302,7 +302,7 @@ def _utccp(sf: torch.Tensor) -> torch.Tensor:
 def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
     """Engine-style: checkpoint-format params, loaded, then transformed into new kernel tensors."""
     from megamoe_runtime.files.file_io import SafetensorsFile
-    from megamoe_runtime.loaders import parse_expert_weight_name
+    from megamoe_runtime.layer.loaders import parse_expert_weight_name
 
     files = sorted(src.glob("*.safetensors"))
 

@@ -530,7 +530,7 @@ def verify(out, as_json, reload_dry_run, no_progress):
     bar.stage(f"reading {out}")
 
     def run():
-        from megamoe_runtime.verify import verify_output
+        from megamoe_runtime.load.verify import verify_output
 
         ok = False
         try:
@@ -558,9 +558,9 @@ def verify(out, as_json, reload_dry_run, no_progress):
 
 
 def _reload_dry_run(out: Path) -> dict:
-    """megamoe_runtime.reload.dry_run_checkpoint: every layer of every EP rank
+    """megamoe_runtime.load.reload.dry_run_checkpoint: every layer of every EP rank
     built on the meta device, loaders run against header-only stand-ins."""
-    from megamoe_runtime.reload import dry_run_checkpoint
+    from megamoe_runtime.load.reload import dry_run_checkpoint
 
     try:
         reports = dry_run_checkpoint(out)
@@ -779,7 +779,7 @@ def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
     from . import synth
     from .convert import convert as do_convert
     from .selfcheck import compare_with_source
-    from megamoe_runtime.verify import verify_output
+    from megamoe_runtime.load.verify import verify_output
 
     src, out = root / "source", root / "converted"
     for p in (src, out, root / "hf-source", root / "hf-converted"):  # the last two: demo_generate's

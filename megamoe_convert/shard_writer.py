@@ -21,7 +21,7 @@ Also here, the byte-level helpers the converter writes with: shard planning
 (`plan_shards`), sizes (`parse_size`), pass-through byte copies
 (`copy_source_bytes`) and small deterministic JSON files. The temp folder
 and journal are ``temp_folder``; verifying a finished folder is
-``megamoe_runtime.verify``.
+``megamoe_runtime.load.verify``.
 """
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from megamoe_runtime.checkpoint import FILE_KEY, RANK_KEY
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.files import digests
 from megamoe_runtime.files.digests import SHA256
@@ -31,6 +30,7 @@ from megamoe_runtime.format import layout
 from megamoe_runtime.format.formats import Row, get_row
 from megamoe_runtime.format.manifest import PASSTHROUGH_ROLE, to_stored
 from megamoe_runtime.format.roles import KERNEL_ROLES, is_shared_role, shared_role
+from megamoe_runtime.load.checkpoint import FILE_KEY, RANK_KEY
 
 from . import checks
 from .direct import DirectWeights

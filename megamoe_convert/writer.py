@@ -4,7 +4,7 @@ The three jobs this file once held now live in one module each:
 
 * ``shard_writer``: the streaming safetensors writer and its byte helpers;
 * ``temp_folder``: the temp folder, its journal, and the final swap;
-* ``megamoe_runtime.verify``: `verify_output` (a serve-only install verifies
+* ``megamoe_runtime.load.verify``: `verify_output` (a serve-only install verifies
   a folder without the converter).
 
 Code in this package imports from those modules; this one only re-exports,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from megamoe_runtime.files.digests import file_digest, hash_file, safetensors_digests
 from megamoe_runtime.format.manifest import PASSTHROUGH_ROLE
-from megamoe_runtime.verify import VerifyReport, verify_output
+from megamoe_runtime.load.verify import VerifyReport, verify_output
 
 from .output_dir import JOURNAL_NAME, TMP_MARKER, OutputError, temp_dir_for, write_temp_marker
 from .shard_writer import (

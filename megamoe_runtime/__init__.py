@@ -22,21 +22,21 @@ __version__ = "0.1.0"
 #: row table, codecs, layout and manifest internals in their own modules.
 _EXPORTS = {
     # open a converted folder, build and run layers
-    "open_checkpoint": "checkpoint",
-    "Checkpoint": "checkpoint",
-    "DeepGemmMegaMoEExperts": "layer",
-    "MegaMoESharedExpert": "layer",
+    "open_checkpoint": "load.checkpoint",
+    "Checkpoint": "load.checkpoint",
+    "DeepGemmMegaMoEExperts": "layer.experts",
+    "MegaMoESharedExpert": "layer.experts",
     # describe a layer
     "LayerSpec": "format.formats",
     "ActivationSpec": "format.formats",
     "SharedSpec": "format.formats",
     # raw (unconverted) checkpoints, vLLM style
-    "make_expert_params_mapping": "loaders",
-    "load_raw_weights": "raw_load",
+    "make_expert_params_mapping": "layer.loaders",
+    "load_raw_weights": "load.raw_load",
     # reload safety
-    "verify_reload": "reload",
-    "dry_run_checkpoint": "reload",
-    "ReloadReport": "reload",
+    "verify_reload": "load.reload",
+    "dry_run_checkpoint": "load.reload",
+    "ReloadReport": "load.reload",
     # backends
     "get_backend": "backends",
     "register_backend": "backends",
@@ -46,23 +46,6 @@ _EXPORTS = {
     # the base error (every megamoe error is one; the others are in ``errors``)
     "MegaMoEError": "errors",
 }
-#: Names exported before the public surface was narrowed; still resolved, so
-#: no caller breaks, but not part of ``__all__`` (import them from their module).
-_COMPAT = {
-    "LayerInfo": "checkpoint",
-    "SafetensorsFile": "checkpoint",
-    "parse_expert_weight_name": "loaders",
-    "Row": "format.formats",
-    "WeightSpec": "format.formats",
-    "ROWS": "format.formats",
-    "get_row": "format.formats",
-    "read_manifest": "format.manifest",
-    "Manifest": "format.manifest",
-    "FORMAT_VERSION": "format.manifest",
-    **{e: "errors" for e in ("FormatError", "LayerSpecError", "LayoutError", "ManifestError", "CheckpointError",
-                             "ScaleError", "ReloadError", "BackendUnavailableError")},
-}
-
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
 
 
@@ -70,7 +53,7 @@ def __getattr__(name: str) -> Any:
     if name == "errors":
         value: Any = importlib.import_module(f"{__name__}.errors")
     else:
-        mod = _EXPORTS.get(name) or _COMPAT.get(name)
+        mod = _EXPORTS.get(name)
         if mod is None:
             raise AttributeError(f"module 'megamoe_runtime' has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)

@@ -32,7 +32,7 @@ class OutputError(MegaMoEError):
     """The output folder cannot be written as asked (exists, not ours,
     overlaps the source, locked by a running conversion, stale temp folder,
     resume of a different conversion), or a folder to verify is not one.
-    Defined here, not in the converter, so that ``megamoe_runtime.verify``
+    Defined here, not in the converter, so that ``megamoe_runtime.load.verify``
     raises the same class a serve-only install can catch."""
 
 

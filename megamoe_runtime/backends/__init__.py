@@ -51,7 +51,7 @@ class Backend(Protocol):
     run it outside). Optional: ``available(device)`` (static, True or a
     reason) and ``fused_shared_reason(spec)`` (why fusion is off).
 
-    Expert parallelism through `megamoe_runtime.ep` needs the expert side of
+    Expert parallelism through `megamoe_runtime.layer.ep` needs the expert side of
     the forward split off: ``pairs(layer, rows, weights, ids)`` returns the
     bf16 slot outputs of (token row, raw top-k weight, global expert id)
     pairs that all belong to this rank, and ``shared_slot(layer,

@@ -253,7 +253,7 @@ class DeepGemmBackend:
     counts_recv_stats = True
     #: the mega kernels dispatch and combine over the EP group themselves (NVLink, symmetric memory)
     native_ep = True
-    #: so there is no separate expert-side compute for `megamoe_runtime.ep` (Backend protocol)
+    #: so there is no separate expert-side compute for `megamoe_runtime.layer.ep` (Backend protocol)
     pairs = None
     shared_slot = None
 

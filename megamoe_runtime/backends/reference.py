@@ -452,7 +452,7 @@ def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids
     """Slot outputs of (token row, top-k weight, expert) pairs, bf16 ``[N, H]``.
 
     The expert-side half of the forward, with the signature of
-    ``megamoe_runtime.ep.PairCompute`` once ``spec``, ``kt`` and ``scalars``
+    ``megamoe_runtime.layer.ep.PairCompute`` once ``spec``, ``kt`` and ``scalars``
     are bound: ``rows`` bf16 ``[N, H]``, ``weights`` the RAW router weights
     ``[N]`` (mx/bf16 rows fold ``spec.routed_scaling_factor`` in here; nvfp4
     applies it in the combine), ``ids`` GLOBAL expert ids ``[N]``, every one
@@ -638,7 +638,7 @@ class ReferenceBackend:
         return NvScalars(layer.l1_alpha, layer.l2_global_scale, _f32(layer.l2_activation_scale, device))
 
     def pairs(self, layer: Any, rows: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """Expert-side half of an EP forward (`megamoe_runtime.ep`): the bf16
+        """Expert-side half of an EP forward (`megamoe_runtime.layer.ep`): the bf16
         slot outputs of (row, raw top-k weight, global expert id) pairs that
         all belong to this rank."""
         return reference_pairs(layer.spec, _layer_kernel_tensors(layer, ""), rows, weights, ids,

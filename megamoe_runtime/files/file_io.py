@@ -6,7 +6,7 @@ One place for the ways bytes leave a file: the validated header
 memory, split over reader threads for large tensors, and pinned double
 buffering to the GPU (`read_file_into`, `FileSlice.read_into`), and the
 staged host-to-GPU copy of a large pageable source (`copy_into`). The loaders
-(`megamoe_runtime.loaders`) and the checkpoint (`megamoe_runtime.checkpoint`)
+(`megamoe_runtime.layer.loaders`) and the checkpoint (`megamoe_runtime.load.checkpoint`)
 both use it; it imports neither, which is what keeps the import graph of
 checkpoint -> layer -> loaders one-directional.
 """

@@ -29,6 +29,9 @@ __all__ = [
     "SharedSpec",
     "LayerSpec",
     "nearest_multiples",
+    "STORAGE_FIELDS",
+    "SEMANTIC_FIELDS",
+    "spec_differences",
 ]
 
 #: DeepGEMM's combine has at most 32 slots per token: top-k routed + 1 shared.
@@ -590,3 +593,33 @@ class LayerSpec:
         if kw.get("shared") is not None and not isinstance(kw["shared"], SharedSpec):
             kw["shared"] = SharedSpec.from_dict(kw["shared"])
         return cls(**kw)
+
+
+#: spec fields that fix the layer's storage: a checkpoint that differs here cannot be loaded into the layer
+STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
+#: spec fields that change only the numerics: refused unless the caller adopts them
+SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
+
+
+def _flat_spec(spec: Any) -> dict[str, Any]:
+    d = spec.to_dict()
+    out = {k: v for k, v in d.items() if k != "activation"}
+    for k, v in (d.get("activation") or {}).items():
+        out[f"activation.{k}"] = v
+    return out
+
+
+def spec_differences(layer_spec: Any, ckpt_spec: Any, *, compare_shared: bool = True
+                     ) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """``(storage, semantic)``: field -> (layer's value, checkpoint's value) for every field that differs.
+    ``compare_shared=False`` skips ``shared`` (a layer whose shared expert came from an engine module)."""
+    a, b = _flat_spec(layer_spec), _flat_spec(ckpt_spec)
+    storage, semantic = {}, {}
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) == b.get(k):
+            continue
+        top = k.split(".")[0]
+        if top == "shared" and not compare_shared:
+            continue
+        (semantic if top in SEMANTIC_FIELDS else storage)[k] = (a.get(k), b.get(k))
+    return storage, semantic

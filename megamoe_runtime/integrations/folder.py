@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
+from ..load.checkpoint import Checkpoint, open_checkpoint
 
 __all__ = ["QUANT_METHOD", "config_value", "check_folder_for_model", "megamoe_quantization_config"]
 
@@ -99,7 +99,7 @@ def check_folder_for_model(folder: Union[str, os.PathLike], config: Mapping[str,
         raise CheckpointError(f"{root}: {MANIFEST_NAME} does not describe the model config.json builds: "
                               + "; ".join(problems))
     if dry_run:
-        from ..reload import dry_run_checkpoint
+        from ..load.reload import dry_run_checkpoint
 
         errors = [e for rep in dry_run_checkpoint(root, ep_size=1) if not rep.ok for e in _report_problems(rep)]
         if errors:

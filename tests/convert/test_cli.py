@@ -274,7 +274,7 @@ def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, c
     temp folder and the exact --resume command, nothing is under OUT; the
     printed command completes the conversion."""
     from megamoe_convert.output_dir import lock_path_for, temp_dir_for
-    from megamoe_runtime.verify import verify_output
+    from megamoe_runtime.load.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", **SMALL)
     src_bytes = {f.name: f.read_bytes() for f in Path(src).iterdir()}

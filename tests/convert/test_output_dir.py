@@ -27,7 +27,7 @@ from megamoe_convert.output_dir import (
     old_dir_for,
     temp_dir_for,
 )
-from megamoe_runtime.verify import verify_output
+from megamoe_runtime.load.verify import verify_output
 
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)

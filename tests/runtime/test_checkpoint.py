@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import megamoe_runtime as mr
-from megamoe_runtime.checkpoint import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 from megamoe_runtime.errors import CheckpointError, ManifestError
 from megamoe_runtime.format.manifest import with_self_digest
+from megamoe_runtime.load.checkpoint import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 
 
 def test_public_api_open_build_forward(ckpts):

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megamoe_runtime as mr
-from megamoe_runtime.ep import plan_dispatch
 from megamoe_runtime.errors import MegaMoEError
+from megamoe_runtime.layer.ep import plan_dispatch
 
 NUM_EXPERTS = 8
 TOP_K = 3

@@ -22,12 +22,14 @@ def test_all_is_the_user_surface():
     assert mr.errors is errors and issubclass(mr.errors.ScaleError, mr.MegaMoEError)
 
 
-def test_names_exported_before_still_resolve():
-    """Narrowing __all__ breaks no caller: the old names resolve to the same objects."""
-    from megamoe_runtime.format import formats, manifest
+def test_only_the_public_names_resolve():
+    """No compatibility aliases: a name outside ``__all__`` is imported from its module."""
+    import pytest
 
-    assert mr.ScaleError is errors.ScaleError and mr.LayoutError is errors.LayoutError
-    assert mr.get_row is formats.get_row and mr.FORMAT_VERSION == manifest.FORMAT_VERSION
+    for name in ("get_row", "ROWS", "Manifest", "FORMAT_VERSION", "ScaleError", "LayerInfo", "SafetensorsFile",
+                 "parse_expert_weight_name"):
+        with pytest.raises(AttributeError):
+            getattr(mr, name)
 
 
 def test_unknown_name_is_an_attribute_error():
@@ -45,22 +47,27 @@ def test_import_stays_cheap():
 
 
 def test_no_import_cycle_between_checkpoint_layer_and_loaders():
-    """checkpoint -> layer -> load_checks -> loaders -> file_io only: no module imports one above it, even
-    lazily (verify sits above them all: its spec check builds a meta layer)."""
+    """checkpoint -> layer -> loaders -> file_io only: no module imports one above it, even lazily (verify and
+    load_checks sit above the layer: the spec check builds a meta layer)."""
     import ast
     from pathlib import Path
 
     pkg = Path(mr.__file__).parent
+    where = {"verify": "load.verify", "checkpoint": "load.checkpoint", "load_checks": "load.load_checks",
+             "layer": "layer.experts", "loaders": "layer.loaders", "file_io": "files.file_io"}
     below = {"verify": {"checkpoint", "layer", "load_checks", "loaders", "file_io"},
-             "checkpoint": {"layer", "load_checks", "loaders", "file_io"}, "layer": {"load_checks", "loaders", "file_io"},
-             "load_checks": {"loaders", "file_io"}, "loaders": {"file_io"}, "file_io": set()}
+             "checkpoint": {"layer", "load_checks", "loaders", "file_io"}, "load_checks": {"loaders", "file_io"},
+             "layer": {"loaders", "file_io"}, "loaders": {"file_io"}, "file_io": set()}
     for mod, allowed_below in below.items():
-        tree = ast.parse((pkg / ("files/file_io.py" if mod == "file_io" else f"{mod}.py")).read_text())
+        name = f"megamoe_runtime.{where[mod]}"
+        tree = ast.parse((pkg / (where[mod].replace(".", "/") + ".py")).read_text())
         typing_only = {id(n) for blk in ast.walk(tree) if isinstance(blk, ast.If)
                        and getattr(blk.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(blk)}
         imported = set()
         for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom) and n.level == 1 and id(n) not in typing_only:
-                imported |= {n.module.split(".")[0]} if n.module else {a.name for a in n.names}
-        above = (set(below) - allowed_below - {mod}) & imported
+            if isinstance(n, ast.ImportFrom) and id(n) not in typing_only:
+                base = name.split(".")[:-n.level] if n.level else []
+                target = ".".join(base + ([n.module] if n.module else []))
+                imported |= {target} | {f"{target}.{a.name}" for a in n.names}
+        above = {m for m in set(below) - allowed_below - {mod} if f"megamoe_runtime.{where[m]}" in imported}
         assert above == set(), f"{mod} imports {sorted(above)}, which sit above it"

@@ -11,7 +11,7 @@ from megamoe_runtime.backends.reference import ReferenceBackend, reference_forwa
 from megamoe_runtime.errors import BackendUnavailableError, LayerSpecError, MegaMoEError, ScaleError
 from megamoe_runtime.format import codecs, layout
 from megamoe_runtime.format.manifest import kernel_strides_of
-from megamoe_runtime.layer import DeepGemmMegaMoEExperts
+from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
 from megamoe_runtime.testing import calc_diff
 
 

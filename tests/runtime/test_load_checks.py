@@ -1,4 +1,4 @@
-"""All-or-nothing loads (megamoe_runtime.load_checks): every check before the first byte, shared by the real
+"""All-or-nothing loads (megamoe_runtime.load.load_checks): every check before the first byte, shared by the real
 reload and the dry run; a layer marked unusable when a read still fails midway; semantics refused or adopted;
 a replaced folder noticed; checksums on request; symlinks out of the folder refused."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import megamoe_runtime as mr
 from megamoe_runtime.errors import CheckpointError, LayerUnusableError, LoadCheckError, ManifestError
 from megamoe_runtime.files import file_io
+from megamoe_runtime.files.safetensors_header import parse_safetensors_header
 from megamoe_runtime.format.manifest import MANIFEST_NAME, with_self_digest
 
 
@@ -115,7 +116,7 @@ def test_nvfp4_scales_are_checked_before_writing(ckpts, tmp_path, layer_bytes):
     before = layer_bytes(layer)
     m = mr.open_checkpoint(out_b).manifest
     te = m.entry("model.layers.1.mlp.megamoe.l2_global_scale")
-    h = mr.checkpoint.parse_safetensors_header(out_b / te.file)
+    h = parse_safetensors_header(out_b / te.file)
     en = h.tensors[te.name]
     with open(out_b / te.file, "r+b") as f:
         f.seek(h.data_start + en.begin + 4 * 3)
@@ -212,7 +213,7 @@ def test_checksums_on_load_catch_a_flipped_byte(ckpts, tmp_path, layer_bytes):
     before = layer_bytes(layer)
     m = mr.open_checkpoint(out_b).manifest
     te = m.entry("model.layers.0.mlp.megamoe.l2_weight")
-    h = mr.checkpoint.parse_safetensors_header(out_b / te.file)
+    h = parse_safetensors_header(out_b / te.file)
     pos = h.data_start + h.tensors[te.name].begin + 1234
     with open(out_b / te.file, "r+b") as f:
         f.seek(pos)

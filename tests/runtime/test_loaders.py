@@ -11,11 +11,11 @@ from megamoe_runtime.files.tensor_bytes import byte_view
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megamoe_runtime as mr
-from megamoe_runtime.checkpoint import FileSlice, SafetensorsFile
 from megamoe_runtime.errors import CheckpointError, LayoutError, ScaleError
-from megamoe_runtime.layer import DeepGemmMegaMoEExperts
-from megamoe_runtime.loaders import make_expert_params_mapping, parse_expert_weight_name
-from megamoe_runtime.raw_load import load_raw_checkpoint, load_raw_weights
+from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+from megamoe_runtime.layer.loaders import make_expert_params_mapping, parse_expert_weight_name
+from megamoe_runtime.load.checkpoint import FileSlice, SafetensorsFile
+from megamoe_runtime.load.raw_load import load_raw_checkpoint, load_raw_weights
 
 
 def _raw_layer(ckpt: mr.Checkpoint, index: int, ep_rank: int = 0, ep_size: int = 1) -> DeepGemmMegaMoEExperts:

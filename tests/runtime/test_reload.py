@@ -10,11 +10,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 import megamoe_runtime as mr
-from megamoe_runtime.checkpoint import SafetensorsFile
 from megamoe_runtime.errors import ReloadError
 from megamoe_runtime.format.manifest import with_self_digest
-from megamoe_runtime.layer import DeepGemmMegaMoEExperts
-from megamoe_runtime.reload import byte_runs
+from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+from megamoe_runtime.load.checkpoint import SafetensorsFile
+from megamoe_runtime.load.reload import byte_runs
 
 
 def _model(ck: mr.Checkpoint, **kw) -> nn.ModuleDict:
@@ -235,7 +235,7 @@ def test_dry_run_checkpoint_uses_meta_layers_per_rank(ckpts, tmp_path):
 def test_coverage_of_many_experts_names_each_gap_and_overlap():
     """The coverage report collects experts in sets (a list scan made 800k experts run for > 10 min): at the
     report's cap of 4096 gaps, every other expert missing and one written twice are all named, in order."""
-    from megamoe_runtime.reload import _coverage, _Tracked, _Write
+    from megamoe_runtime.load.reload import _coverage, _Tracked, _Write
 
     MAX_EXPERTS = 2 * 4096
     per = 4

@@ -44,8 +44,8 @@ def test_valid_scales():
 def test_one_definition_used_by_checks_loaders_and_deepgemm():
     """The converter's checks, the raw loader and the deepgemm backend share these objects."""
     from megamoe_convert import checks
-    from megamoe_runtime import loaders
     from megamoe_runtime.backends import deepgemm
+    from megamoe_runtime.layer import loaders
 
     assert checks.GATE_UP_RTOL is scales.W13_RTOL and loaders.W13_RTOL is scales.W13_RTOL
     assert deepgemm.W13_RTOL is scales.W13_RTOL

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe_runtime import loaders
 from megamoe_runtime.format import source_formats as sf
+from megamoe_runtime.layer import loaders
 
 #: the raw loader's suffix table as it was written out by hand before issue 12 (a behaviour guard)
 _SUFFIX_KINDS_BEFORE = {

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from megamoe_runtime.errors import OutputError
-from megamoe_runtime.verify import verify_output
+from megamoe_runtime.load.verify import verify_output
 
 
 def test_verify_a_converted_folder(ckpts):
@@ -24,7 +24,7 @@ def test_verify_refuses_a_missing_folder_with_the_converters_error_class(tmp_pat
 
 def test_verify_needs_no_converter():
     """A serve-only install verifies a folder: importing verify imports nothing of megamoe_convert."""
-    code = ("import sys, megamoe_runtime.verify; "
+    code = ("import sys, megamoe_runtime.load.verify; "
             "print(sorted(m for m in sys.modules if m.startswith('megamoe_convert')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

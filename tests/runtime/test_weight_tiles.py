@@ -10,8 +10,8 @@ import megamoe_runtime as mr
 from megamoe_runtime.backends.reference import ReferenceBackend
 from megamoe_runtime.errors import LayoutError
 from megamoe_runtime.format import weight_tiles
-from megamoe_runtime.layer import DeepGemmMegaMoEExperts
-from megamoe_runtime.raw_load import load_raw_checkpoint
+from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+from megamoe_runtime.load.raw_load import load_raw_checkpoint
 
 
 def _bytes(E, N, kb, dtype, seed=0):
@@ -171,7 +171,7 @@ def test_partial_raw_reload_leaves_no_expert_tiled(ckpts):
     layer = ck.build_layer(0, backend=_TilingReference())
     spec = layer.spec
     from megamoe_runtime.files.file_io import SafetensorsFile
-    from megamoe_runtime.loaders import parse_expert_weight_name
+    from megamoe_runtime.layer.loaders import parse_expert_weight_name
 
     last = spec.num_experts - 1
     refs = []

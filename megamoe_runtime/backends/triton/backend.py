@@ -113,7 +113,7 @@ class TritonBackend:
         return bool(ok)
 
     def pairs(self, layer: Any, rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Expert side of an EP forward (`megamoe_runtime.ep`): bf16 ``[N, H]``
+        """Expert side of an EP forward (`megamoe_runtime.layer.ep`): bf16 ``[N, H]``
         slot outputs of (row, raw top-k weight, global expert id) pairs owned
         by this rank: the routed part of the forward with one slot per row."""
         if rows.device.type != "cuda":

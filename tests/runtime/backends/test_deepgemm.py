@@ -19,7 +19,7 @@ import megamoe_runtime as mr
 from megamoe_runtime.backends.deepgemm import DeepGemmBackend, detect_api, import_deep_gemm, shared_sf_rows
 from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
 from megamoe_runtime.format import codecs
-from megamoe_runtime.layer import DeepGemmMegaMoEExperts
+from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
 
 _ALIGN = 16  # the stand-ins align T like DeepGEMM does (to something), here 16
 

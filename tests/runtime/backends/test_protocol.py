@@ -26,8 +26,8 @@ def test_reference_instance_is_a_backend_and_computes_pairs():
 
 def test_a_backend_without_pair_compute_is_refused_by_ep(monkeypatch):
     """deepgemm declares pairs = None (its kernels do EP): ep_forward names it instead of failing later."""
-    from megamoe_runtime import ep
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
+    from megamoe_runtime.layer import ep
 
     class Stub:
         name, pairs, shared_slot = "stub", None, None

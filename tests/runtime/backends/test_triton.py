@@ -588,7 +588,7 @@ def test_real_export_end_to_end(fixture, tmp_path):
     _triton()
     assert (FIXTURES / fixture).exists(), f"committed real export {fixture} is missing"
     from megamoe_convert.convert import convert
-    from megamoe_runtime.checkpoint import open_checkpoint
+    from megamoe_runtime.load.checkpoint import open_checkpoint
 
     out_dir = tmp_path / "converted"
     convert(FIXTURES / fixture, out_dir)
@@ -618,9 +618,9 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     computes bit for bit what the converted layout computes, survives a reload under a captured
     CUDA graph, and refuses a path that cannot read tiles."""
     _, moe, _ = _triton()
-    from megamoe_runtime.checkpoint import open_checkpoint
     from megamoe_runtime.errors import MegaMoEError
     from megamoe_runtime.format import weight_tiles
+    from megamoe_runtime.load.checkpoint import open_checkpoint
 
     _, out = ckpts.converted(fmt)
     ck = open_checkpoint(out)
@@ -671,7 +671,7 @@ def test_layer_fold_flags_follow_reloads(fmt, ckpts):
     expert, so a CUDA graph captured before the reload replays the plain decode's output."""
     _, moe, _ = _triton()
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.checkpoint import open_checkpoint
+    from megamoe_runtime.load.checkpoint import open_checkpoint
 
     _, out = ckpts.converted(fmt)
     lt = open_checkpoint(out).build_layer(0, device="cuda", backend="triton")
@@ -807,7 +807,7 @@ def test_ep_pieces_recombine_to_the_forward(row, shared, tmp_path):
     from megamoe_convert.convert import convert
     from megamoe_convert.synth import build_synthetic_checkpoint
     from megamoe_runtime.backends.reference import combine_slots
-    from megamoe_runtime.checkpoint import open_checkpoint
+    from megamoe_runtime.load.checkpoint import open_checkpoint
 
     fmt = {"mxfp4": "modelopt-mxfp4", "mxfp8": "modelopt-mxfp8", "nvfp4": "modelopt-nvfp4", "bf16": "bf16"}[row]
     src = build_synthetic_checkpoint(tmp_path / "src", fmt, num_layers=1, hidden=256, intermediate=128,

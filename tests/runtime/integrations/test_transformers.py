@@ -358,7 +358,7 @@ def test_missing_shard_refused_before_any_allocation(converted_tiny, tmp_path, m
     bad = _copy(out, tmp_path)
     shard = next(bad.glob("megamoe-experts-*.safetensors"))
     shard.unlink()
-    from megamoe_runtime import checkpoint
+    from megamoe_runtime.load import checkpoint
     real_alloc, built = checkpoint.Checkpoint.allocate_layer, []
 
     def alloc(self, index, device="cpu", *a, **k):  # the dry run's meta layers are fine; a real one is not

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import CheckpointError, ManifestError, MegaMoEError, OutputError
-from .files.digests import SHA256, hash_file, is_composite, new_hasher, safetensors_digests
-from .files.folder import inside_folder
-from .files.safetensors_header import parse_safetensors_header
-from .format.manifest import MANIFEST_NAME, read_manifest
+from ..errors import CheckpointError, ManifestError, MegaMoEError, OutputError
+from ..files.digests import SHA256, hash_file, is_composite, new_hasher, safetensors_digests
+from ..files.folder import inside_folder
+from ..files.safetensors_header import parse_safetensors_header
+from ..format.manifest import MANIFEST_NAME, read_manifest
 
 
 @dataclass
@@ -172,8 +172,8 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
     every rank, each entry's dtype, per-expert kernel shape and strides those of the layer the spec builds (a
     meta layer: no memory), and no role the spec does not have. Catches a spec edited to another ``num_experts``
     or ``hidden`` that the manifest's own schema checks accept. (`megamoe-convert verify` runs it.)"""
-    from .format.manifest import EXPERT_ROLES, dtype_name
-    from .layer import DeepGemmMegaMoEExperts
+    from ..format.manifest import EXPERT_ROLES, dtype_name
+    from ..layer.experts import DeepGemmMegaMoEExperts
 
     problems: list[str] = []
     for le in sorted(manifest.layers, key=lambda le: le.index):

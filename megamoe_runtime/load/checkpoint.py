@@ -6,7 +6,7 @@
     layer = ckpt.build_layer(3, device="cuda", backend="auto", ep_rank=r, ep_size=n)
     ckpt.load_layer(layer)                      # reload new weights into the same storage
 
-Loading is the pre-laid-out path of `megamoe_runtime.loaders`: each stored
+Loading is the pre-laid-out path of `megamoe_runtime.layer.loaders`: each stored
 tensor's bytes go from the file straight into the layer's storage -- one read
 per tensor into the parameter on CPU, pinned double-buffered chunks on CUDA --
 with no transform and no full-size temporary (a dry run sends the same
@@ -29,20 +29,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 
-from .errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
-from .files.folder import inside_folder
-from .format.formats import LayerSpec, get_row
-from .format.roles import expected_roles
-from .files.file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
-from .files.file_io import deferred_gpu_reads
-from .files.safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
+from ..errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
+from ..files.folder import inside_folder
+from ..format.formats import LayerSpec, get_row
+from ..format.roles import expected_roles
+from ..files.file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
+from ..files.file_io import deferred_gpu_reads
+from ..files.safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
 from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
                           check_verify_level, identity_problems)
-from .format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
+from ..format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
                        read_manifest)
 
 if TYPE_CHECKING:  # pragma: no cover (imported where a layer is built, so opening a folder stays cheap)
-    from .layer import DeepGemmMegaMoEExperts
+    from ..layer.experts import DeepGemmMegaMoEExperts
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -283,7 +283,7 @@ class Checkpoint:
                        ep_rank: int = 0, ep_size: int = 1, **layer_kwargs: Any) -> "DeepGemmMegaMoEExperts":
         """The layer `build_layer` loads, allocated and not loaded: the reload dry run builds its meta layers
         here, so what it checks is the layer a real build makes (spec for the rank, manifest prefix and index)."""
-        from .layer import DeepGemmMegaMoEExperts
+        from ..layer.experts import DeepGemmMegaMoEExperts
 
         le = self.manifest.layer(layer_index)
         return DeepGemmMegaMoEExperts(le.layer_spec(ep_rank, ep_size), device=device, backend=backend,
@@ -364,7 +364,7 @@ def open_checkpoint(directory: Union[str, os.PathLike], verify: str = "headers")
     (ManifestError if missing, malformed, without its self-digest, of a newer format version, or a symlink out of
     the folder).
 
-    ``verify`` is what every load checks before its first byte (`megamoe_runtime.load_checks`): ``"none"``
+    ``verify`` is what every load checks before its first byte (`megamoe_runtime.load.load_checks`): ``"none"``
     (spec, plan and folder identity only; file headers as each file is reached), ``"headers"`` (default: every
     file's header, length, identity and every destination, NVFP4 scales) or ``"checksums"`` (also every loaded
     tensor's sha256 against the manifest: one extra read of the bytes; see BENCHMARKS.md for the cost)."""

@@ -52,13 +52,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ..backends import get_backend
+from ..errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
+from ..files.limits import MAX_LAYER_BYTES
+from ..format import layout, scales, weight_tiles
+from ..format.formats import LayerSpec, SharedSpec, get_row, spec_differences
+from ..format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 from . import loaders
-from .backends import get_backend
-from .errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
-from .files.limits import MAX_LAYER_BYTES
-from .format import layout, scales, weight_tiles
-from .format.formats import LayerSpec, SharedSpec, get_row
-from .format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -233,7 +233,7 @@ class MegaMoESharedExpert(nn.Module):
         return layout.KernelTensors(*(getattr(self, r) for r in SHARED_ROLES))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from .backends.reference import shared_slot
+        from ..backends.reference import shared_slot
 
         kt = self.kernel_tensors()
         return shared_slot(self.spec, kt, hidden_states)
@@ -615,10 +615,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def adopt_spec(self, spec: LayerSpec) -> None:
         """Take a spec that differs from the layer's only in semantic fields (top_k, activation,
-        routed_scaling_factor; `load_checks.SEMANTIC_FIELDS`), as a reload with ``adopt_semantics=True`` does:
+        routed_scaling_factor; `formats.SEMANTIC_FIELDS`), as a reload with ``adopt_semantics=True`` does:
         afterwards the layer computes what a fresh build from that spec computes. Storage fields must be equal."""
-        from .load_checks import spec_differences
-
         storage, _ = spec_differences(self.spec, spec, compare_shared=not self.shared_from_module)
         if storage:
             raise LayerSpecError(f"{self.prefix or 'layer'}: adopt_spec cannot change storage fields {storage}")
@@ -654,7 +652,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
             self.l1_alpha_gate.copy_(self.l1_alpha[:, 0])
 
     def _pack_shared_from_module(self, tensors: dict) -> None:
-        from .format.canonical import ExpertTensors, ProjectionTensors
+        from ..format.canonical import ExpertTensors, ProjectionTensors
 
         prec = self.spec.shared.precision
 

@@ -3,7 +3,7 @@
 `load_raw_weights(model, pairs)` routes ``(name, tensor)`` pairs to the
 `DeepGemmMegaMoEExperts` layers of a model by MoE prefix and drives each
 layer's ``weight_loader`` / ``shared_weight_loader`` (the per-layer code is in
-`megamoe_runtime.loaders`); `load_raw_checkpoint(model, dir)` feeds it from a
+`megamoe_runtime.layer.loaders`); `load_raw_checkpoint(model, dir)` feeds it from a
 folder of ``*.safetensors``. This module sits above the layer (it finds layers
 by type), so the loaders need not import the layer back.
 """
@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .errors import CheckpointError
-from .files.file_io import SafetensorsFile
-from .layer import DeepGemmMegaMoEExperts
-from .loaders import parse_expert_weight_name
+from ..errors import CheckpointError
+from ..files.file_io import SafetensorsFile
+from ..layer.experts import DeepGemmMegaMoEExperts
+from ..layer.loaders import parse_expert_weight_name
 
 __all__ = ["RawLoadReport", "load_raw_weights", "load_raw_checkpoint"]
 

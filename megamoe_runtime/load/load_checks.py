@@ -28,20 +28,18 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .errors import LoadCheckError, MegaMoEError
-from .files.folder import inside_folder
-from .files.safetensors_header import SafetensorsHeader, parse_safetensors_header
-from .format.manifest import MANIFEST_NAME, LayerEntry
-from .format.roles import SCALAR_ROLES
+from ..errors import LoadCheckError, MegaMoEError
+from ..files.folder import inside_folder
+from ..files.safetensors_header import SafetensorsHeader, parse_safetensors_header
+from ..format.formats import SEMANTIC_FIELDS, spec_differences
+from ..format.manifest import MANIFEST_NAME, LayerEntry
+from ..format.roles import SCALAR_ROLES
 
 __all__ = [
     "VERIFY_LEVELS",
     "DEFAULT_VERIFY",
-    "STORAGE_FIELDS",
-    "SEMANTIC_FIELDS",
     "LoadCheck",
     "check_layer_load",
-    "spec_differences",
     "check_verify_level",
     "identity_problems",
     "FILE_KEY",
@@ -52,10 +50,6 @@ VERIFY_LEVELS = ("none", "headers", "checksums")
 #: headers are parsed by every load anyway (they give the byte offsets), so checking them all up front costs a
 #: stat and a header read per file: measured in bench/load.py (BENCHMARKS.md), within noise of "none"
 DEFAULT_VERIFY = "headers"
-#: spec fields that fix the layer's storage: a checkpoint that differs here cannot be loaded into the layer
-STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
-#: spec fields that change only the numerics: refused unless the caller adopts them
-SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
 _HASH_CHUNK = 16 << 20
 
 
@@ -102,34 +96,10 @@ class LoadCheck:
 # --------------------------------------------------------------------------- spec
 
 
-def _flat_spec(spec: Any) -> dict[str, Any]:
-    d = spec.to_dict()
-    out = {k: v for k, v in d.items() if k != "activation"}
-    for k, v in (d.get("activation") or {}).items():
-        out[f"activation.{k}"] = v
-    return out
-
-
-def spec_differences(layer_spec: Any, ckpt_spec: Any, *, compare_shared: bool = True
-                     ) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """``(storage, semantic)``: field -> (layer's value, checkpoint's value) for every field that differs.
-    ``compare_shared=False`` skips ``shared`` (a layer whose shared expert came from an engine module)."""
-    a, b = _flat_spec(layer_spec), _flat_spec(ckpt_spec)
-    storage, semantic = {}, {}
-    for k in sorted(set(a) | set(b)):
-        if a.get(k) == b.get(k):
-            continue
-        top = k.split(".")[0]
-        if top == "shared" and not compare_shared:
-            continue
-        (semantic if top in SEMANTIC_FIELDS else storage)[k] = (a.get(k), b.get(k))
-    return storage, semantic
-
-
 def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: LoadCheck) -> None:
     """Storage fields must match; semantic ones must match unless adopted (then `chk.adopted_spec` is the layer's
     spec with the checkpoint's semantics, validated, and the backend must support it)."""
-    from .format.formats import LayerSpec
+    from ..format.formats import LayerSpec
 
     spec = layer.spec
     try:
@@ -219,7 +189,7 @@ def check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Op
 def check_destinations(layer: Any, items: list, headers: dict) -> list[str]:
     """Every planned source fits its destination view in the layer (the checks `copy_stored` makes at write time,
     made here first)."""
-    from .loaders import check_stored_source
+    from ..layer.loaders import check_stored_source
 
     problems = []
     for it in items:
@@ -287,7 +257,7 @@ def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: b
 def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha256") -> str:
     """Digest (hex, `algorithm` of megamoe_runtime.files.digests) of ``nbytes`` bytes of ``path`` at ``offset``, read in
     16 MiB chunks: the manifest's tensor checksum."""
-    from .files.digests import new_hasher
+    from ..files.digests import new_hasher
 
     h = new_hasher(algorithm)
     buf = bytearray(min(_HASH_CHUNK, max(nbytes, 1)))
@@ -312,7 +282,7 @@ def check_checksums(items: list, headers: dict) -> list[str]:
     release the GIL on large updates)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .files.file_io import read_workers
+    from ..files.file_io import read_workers
 
     todo, seen = [], set()
     for it in items:

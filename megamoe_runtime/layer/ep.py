@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 
 # (rows bf16 [N, H], weights f32 [N], global expert ids [N]) -> slot outputs bf16 [N, H]
 PairCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -167,7 +167,7 @@ def ep_forward(
     ascending order, shared last, exactly as the single-rank forward does.
     Every rank must call this collectively, also with zero tokens.
     """
-    from .backends.reference import combine_slots
+    from ..backends.reference import combine_slots
 
     spec = layer.spec
     world = dist.get_world_size(group)

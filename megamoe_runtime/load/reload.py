@@ -41,10 +41,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import MegaMoEError, ReloadError
+from ..files.file_io import SafetensorsFile
+from ..format.manifest import EXPERT_ROLES, MANIFEST_NAME
 from .checkpoint import Checkpoint
-from .errors import MegaMoEError, ReloadError
-from .files.file_io import SafetensorsFile
-from .format.manifest import EXPERT_ROLES, MANIFEST_NAME
 
 __all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
 
@@ -364,7 +364,7 @@ _MISSING = _Missing()
 
 
 def _find_layers(root: nn.Module) -> dict[str, Any]:
-    from .layer import DeepGemmMegaMoEExperts
+    from ..layer.experts import DeepGemmMegaMoEExperts
 
     out = {}
     for name, m in root.named_modules():
@@ -585,7 +585,7 @@ def _raw_files(root: Path) -> list[Path]:
 
 
 def _dry_raw(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: ReloadReport) -> None:
-    from .loaders import parse_expert_weight_name
+    from ..layer.loaders import parse_expert_weight_name
 
     by_prefix = {}
     for lname, layer in layers.items():

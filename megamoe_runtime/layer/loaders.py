@@ -29,7 +29,7 @@ written in place (``copy_``), so CUDA-graph-captured pointers stay valid.
 
 Dry runs. A meta tensor as source means "record the write, touch nothing":
 the loaders then skip all host-side scale state (no ``.item()``, no pending
-dict, no a2), as `megamoe_runtime.reload.verify_reload` requires.
+dict, no a2), as `megamoe_runtime.load.reload.verify_reload` requires.
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
-from .errors import CheckpointError, LayoutError, ScaleError
-from .format import layout, scales
-from .files.file_io import copy_into as _copy_into, read_file_into, read_workers  # noqa: F401 (read_*: API)
-from .format.formats import get_row
-from .format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
-from .format.source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SUFFIXES: API, re-exported)
+from ..errors import CheckpointError, LayoutError, ScaleError
+from ..format import layout, scales
+from ..files.file_io import copy_into as _copy_into
+from ..format.formats import get_row
+from ..format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
+from ..format.source_formats import (
     FAMILIES,
     PROJECTION_PATTERN,
     PROJECTION_ROLES,
@@ -55,7 +55,7 @@ from .format.source_formats import (  # noqa: F401 (SUFFIX_KINDS, UNSUPPORTED_SU
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .layer import DeepGemmMegaMoEExperts
+    from .experts import DeepGemmMegaMoEExperts
 
 __all__ = [
     "SHARD_IDS",
@@ -493,7 +493,7 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
                 raise CheckpointError(
                     f"{where}: packed E2M1 shared expert in a {layer.spec.row} checkpoint; turning it into "
                     f"{prec} is a re-quantization, which is the converter's job (megamoe-convert)")
-            from .format import codecs
+            from ..format import codecs
 
             src = codecs.e4m3_encode(codecs.e2m1_decode(codecs.unpack_e2m1(src.view(torch.uint8))))
         elif src.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
@@ -547,16 +547,3 @@ def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> Optional[
 
 def _short(ids: list[int]) -> str:
     return str(ids[:8])[:-1] + (", ...]" if len(ids) > 8 else "]")
-
-
-#: the model-level drivers moved to `megamoe_runtime.raw_load` (they import the layer, which imports
-#: this module); the old names still resolve here, lazily
-_MOVED = {"RawLoadReport", "load_raw_weights", "load_raw_checkpoint"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from . import raw_load
-
-        return getattr(raw_load, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
