@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from megamoe_runtime.backends.triton import moe  # noqa: E402
+from megamoe_runtime.backends.triton import configs, l1, l2  # noqa: E402
 
 DIV = {"H", "I", "stride_we", "stride_wn", "stride_wse"}
 L1_TYPES = {"x_ptr": "*bf16", "xts_ptr": "*fp32", "w_ptr": "*u8", "wsb_ptr": "*u8", "alpha_ptr": "*fp32",
@@ -43,18 +43,18 @@ L2_TYPES = {"act_ptr": "*bf16", "w_ptr": "*u8", "wsb_ptr": "*u8", "fflag_ptr": "
             "nblk_ptr": "*i32", "tw_ptr": "*fp32", "l2s_ptr": "*fp32", "slot_ptr": "*bf16", "T": "i32", "H": "i32",
             "I": "i32", "TOPK": "i32", "NSLOT": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
             "a2_ptr": "*fp32"}
-KINDS = {"mxfp4": moe.W_E2M1_MX, "nvfp4": moe.W_E2M1_NV, "mxfp8": moe.W_E4M3_MX}
+KINDS = {"mxfp4": configs.W_E2M1_MX, "nvfp4": configs.W_E2M1_NV, "mxfp8": configs.W_E4M3_MX}
 
 
 def compile_kernel(which, w_kind, bm, bn, warps, fold, sword, gu, stages=3, wt=0, fflags=True):
-    fn = moe._l1_kernel if which == "l1" else moe._l2_kernel
+    fn = l1._l1_kernel if which == "l1" else l2._l2_kernel
     types = L1_TYPES if which == "l1" else L2_TYPES
-    nv = w_kind == moe.W_E2M1_NV
+    nv = w_kind == configs.W_E2M1_NV
     cx = dict(W_KIND=w_kind, BM=bm, BN=bn, BK=128, HW_CVT=True, ASM=True, FRAG=True, FOLD=fold, SWORD=sword,
               SHARED=False, WT=wt, FFLAGS=fflags)
     if which == "l1":
-        cx.update(NV_IN=nv, ACT=0, HAS_CLAMP=True, REQ=moe.REQ_NV4 if nv else moe.REQ_MX8, APPLY_W=not nv,
-                  SPLIT_OUT=3 if w_kind == moe.W_E4M3_MX else 2, GU=gu)
+        cx.update(NV_IN=nv, ACT=0, HAS_CLAMP=True, REQ=configs.REQ_NV4 if nv else configs.REQ_MX8, APPLY_W=not nv,
+                  SPLIT_OUT=3 if w_kind == configs.W_E4M3_MX else 2, GU=gu)
     else:
         cx.update(NV_EPI=nv)
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}

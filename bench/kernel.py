@@ -341,7 +341,7 @@ def bench_staging(tokens, H, bw):
 
 
 def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
-    from megamoe_runtime.backends.triton import moe, synth
+    from megamoe_runtime.backends.triton import configs, moe, synth
     from megamoe_runtime.format import weight_tiles
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
@@ -401,8 +401,8 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
         kt = _Roles(lay, "")
         sc = _NvScalars(lay) if get_row(row).has_alphas else None
         # the weight arrangement a layer derives after its load for this path (megamoe_runtime.format.weight_tiles)
-        wt = args.w_tile if args.w_tile is not None else moe.resolve_w_tile(
-            spec, "cuda", moe.KernelConfig(mma=mma, k_order=korder))
+        wt = args.w_tile if args.w_tile is not None else configs.resolve_w_tile(
+            spec, "cuda", configs.KernelConfig(mma=mma, k_order=korder))
         if wt and korder == "frag" and mma == "bf16":
             weight_tiles.tile_in_place(kt.l1_weight, wt)
             weight_tiles.tile_in_place(kt.l2_weight, wt)
@@ -420,21 +420,21 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
             pairs = T * K
             # what a caller without a config gets (default_config), on the chosen path
             dvk = DECODE_VARIANTS.get(dv, {})
-            configs = [dataclasses.replace(moe.default_config(pairs, E, korder, l1_gu=dvk.get("l1_gu"),
-                                                              w_kind=moe._W_KIND[row], H=H, I=I), mma=mma,
-                                           k_order=korder, **dvk)]
+            cfgs = [dataclasses.replace(configs.default_config(pairs, E, korder, l1_gu=dvk.get("l1_gu"),
+                                                           w_kind=configs.ROW_W_KIND[row], H=H, I=I), mma=mma,
+                                        k_order=korder, **dvk)]
             if tail_max is not None:
-                configs = [dataclasses.replace(configs[0], tail_max=tail_max)]
+                cfgs = [dataclasses.replace(cfgs[0], tail_max=tail_max)]
             if args.tune and mma == "fp8":
                 from megamoe_runtime.backends.triton import mma8
 
-                configs = [moe.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]
+                cfgs = [configs.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]
             elif args.tune:
-                configs = [dataclasses.replace(c, mma=mma, k_order=korder, **dvk)
-                           for c in moe.candidate_configs(pairs, E, korder)
+                cfgs = [dataclasses.replace(c, mma=mma, k_order=korder, **dvk)
+                           for c in configs.candidate_configs(pairs, E, korder)
                            if dvk.get("l1_gu") is None or bool(c.l1_gu) == dvk["l1_gu"]]
             best = None
-            for cfg in configs:
+            for cfg in cfgs:
                 try:
                     ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt,
                                                         fold_flags=ff), graph=True)
@@ -496,7 +496,7 @@ def main() -> None:
                     help="folder holding OpenAI's triton_kernels: time its MoE on the same routing (peer column)")
     ap.add_argument("--w-tile", type=int, default=None,
                     help="rows per tile of the frag paths' weight arrangement (megamoe_runtime.format.weight_tiles); "
-                         "default: what a layer derives (moe.resolve_w_tile), 0: the converted layout")
+                         "default: what a layer derives (configs.resolve_w_tile), 0: the converted layout")
     ap.add_argument("--tail", default=None,
                     help="comma list of KernelConfig.tail_max values to time on the frag path (0 = no tail "
                          "launches, d = the default's; labelled /tailN)")
@@ -545,9 +545,9 @@ def main() -> None:
     print("#", json.dumps(info), flush=True)
     bw = copy_bandwidth()
     tf = matmul_tflops()
-    from megamoe_runtime.backends.triton import moe as _moe
+    from megamoe_runtime.backends.triton import decode_check
 
-    info.update(copy_GBps=bw, bf16_matmul_TFLOPs=tf, e2m1_decode="prmt-lut" if _moe.asm_decode_ok(
+    info.update(copy_GBps=bw, bf16_matmul_TFLOPs=tf, e2m1_decode="prmt-lut" if decode_check.asm_decode_ok(
         torch.device("cuda")) else "arithmetic")
     print(f"# copy bandwidth {bw:.0f} GB/s (read+write), bf16 8192^3 matmul {tf:.0f} TFLOP/s", flush=True)
     results, staging_rows = [], []

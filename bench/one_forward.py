@@ -41,7 +41,7 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"peer T={args.tokens}")
         return
-    from megamoe_runtime.backends.triton import moe, synth
+    from megamoe_runtime.backends.triton import configs, moe, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
 
@@ -54,7 +54,7 @@ def main() -> None:
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them
-    cfg = moe.default_config(args.tokens * K, E, "frag", w_kind=moe._W_KIND[args.row], H=H, I=I)
+    cfg = configs.default_config(args.tokens * K, E, "frag", w_kind=configs.ROW_W_KIND[args.row], H=H, I=I)
     for kv in filter(None, (args.cfg or "").split(",")):
         k, v = kv.split("=")  # numbers as ints, anything else (decode, scale_load, ...) as text
         cfg = dataclasses.replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v})

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     args = ap.parse_args()
-    from megamoe_runtime.backends.triton import moe, staging
+    from megamoe_runtime.backends.triton import configs, staging
 
     from megamoe_runtime.testing import check_routing_plan as check_plan
 
@@ -39,7 +39,7 @@ def main() -> None:
     print("|---|---|---|---|" + "---|" * len(slices))
     for T in (int(t) for t in args.tokens.split(",")):
         _, ids = routing(T, E, K, seed=T)
-        bm = moe.default_config(T * K, E, "frag").block_m
+        bm = configs.default_config(T * K, E, "frag").block_m
         times = []
         for sl in slices:
             check_plan(staging.route(ids, E, 0, bm, slice_pairs=sl), ids, E, 0, bm)

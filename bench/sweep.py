@@ -94,15 +94,15 @@ def _l2(v: str) -> tuple[dict, str | None]:
 
 def sweep_point(spec, kt, sc, T, E, K, l1s, l2s, log, bms=None, w_tile: int = 0, compile_only: bool = False,
                 iters: int = 10, rep: int = 200) -> dict:
-    from megamoe_runtime.backends.triton import moe
+    from megamoe_runtime.backends.triton import configs, moe
 
     pairs = T * K
     mean = pairs / E
     tw, ids = routing(T, E, K, seed=T)
     x = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # the per-expert fold flags a loaded layer passes
-    w_kind = moe._W_KIND[spec.row]
-    dflt = moe.default_config(pairs, E, "frag", w_kind=w_kind, H=spec.hidden, I=spec.intermediate)
+    w_kind = configs.ROW_W_KIND[spec.row]
+    dflt = configs.default_config(pairs, E, "frag", w_kind=w_kind, H=spec.hidden, I=spec.intermediate)
     # a variant without a decode runs the default's for this regime and row; each kernel keeps its
     # own (KernelConfig.decode for the L1, l2_decode for the L2), so the best L1 and the best L2
     # combine as measured
@@ -232,7 +232,7 @@ def main() -> None:
             if p.returncode:
                 print(f"# compile job rc={p.returncode}: {err[-800:]}", flush=True)
         print(f"# compile pass: {time.time() - t_start:.0f} s in {args.jobs} processes", flush=True)
-    from megamoe_runtime.backends.triton import moe, synth
+    from megamoe_runtime.backends.triton import configs, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.format import weight_tiles
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
@@ -284,7 +284,7 @@ def main() -> None:
                 continue
             spec, lay, kt, sc = layers[(s, row)]
             H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
-            reg = moe.frag_regime(T * K / E, T * K)
+            reg = configs.frag_regime(T * K / E, T * K)
             l1s = args.l1.split(",") if args.l1 else L1_VARIANTS[reg]
             l2s = args.l2.split(",") if args.l2 else L2_VARIANTS[reg]
             log(f"# {s} {row} T={T} ({reg})")

@@ -74,7 +74,7 @@ class TritonBackend:
     def weight_tiles(self, spec: Any, device: Any) -> int:
         """Rows per tile of the in-memory weight arrangement this backend reads fastest (the layer
         derives it after each load, `megamoe_runtime.format.weight_tiles`); 0 keeps the converted layout."""
-        from .moe import resolve_w_tile
+        from .configs import resolve_w_tile
 
         return resolve_w_tile(spec, device, self.config)
 
@@ -82,7 +82,7 @@ class TritonBackend:
         """A load is about to write the weights: the fold flags no longer describe them, so the kernels
         go back to scanning each tile's scales (``FOLD_SCAN``) until `weights_loaded`. In place: a
         captured CUDA graph reads the flags' storage."""
-        from .moe import FOLD_SCAN
+        from .operands import FOLD_SCAN
 
         flags = getattr(layer, "triton_fold_flags", None)
         if flags is not None and getattr(layer, "_triton_fold_flags_set", False):

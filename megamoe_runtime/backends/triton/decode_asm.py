@@ -3,7 +3,7 @@
 Why a module of its own: the asm is data the kernels paste into ``tl.inline_asm_elementwise``
 (``_jit``), and it can be checked without a GPU or triton: ``tests/runtime/backends/
 test_triton_decode_asm.py`` runs these exact strings through a small PTX interpreter against
-``codecs`` for every nibble / byte value and scale. On the GPU ``moe.asm_decode_check`` checks
+``codecs`` for every nibble / byte value and scale. On the GPU ``decode_check.asm_decode_check`` checks
 the compiled code the same way before the kernels use it. Operands: ``$0..`` the outputs, then
 the inputs, in the order of each wrapper in ``_jit``.
 """
@@ -154,7 +154,7 @@ E4M3_FRAG_FOLD = without_bias(E4M3_FRAG)
 
 
 # The NVFP4 fold decode's scale operand, from the E4M3 byte by one integer multiply-add
-# (``moe._nv_fold_scale_bits``): byte b = e << 3 | m, shifted left by 4, is the bf16 pattern
+# (``operands._nv_fold_scale_bits``): byte b = e << 3 | m, shifted left by 4, is the bf16 pattern
 # of E4M3(b) * 2^-120 when e >= 1; adding 238 to the exponent field makes it E4M3(b) * 2^118,
 # the value the FOLD decode wants, and ``* 0x100010`` puts it in both halves of a bf16x2.
 # Exact for the bytes of NV_FOLD_SCALE_BYTES (normal, positive, finite); the kernels detect any

@@ -19,22 +19,22 @@ So the math is the reference's (docs/NUMERICS.md) except the order of
 the fp32 sums, and inside one k32 MMA the tensor core's own summation of 32
 exact products. Swap-AB: weights are the M side (L1 takes a contiguous block
 of 2*BN interleaved gate/up rows, split in the epilogue), the expert's tokens
-the N side. The epilogues are the bf16 path's (``moe._activation``), and the
+the N side. The epilogues are the bf16 path's (``l1.activation``), and the
 L1 epilogue writes the intermediate as MXFP8 bytes + scales for L2.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _jit
-from .moe import _activation, _utccp
+from .l1 import activation
+from .operands import utccp
 
-# weight kinds (same numbers as moe.W_*)
+# weight kinds (same numbers as configs.W_*)
 W_E2M1_MX = 0
 W_E4M3_MX = 1
 
@@ -132,7 +132,7 @@ def _gemm8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, x_ptr, xsf_ptr, xrow, 
 @triton.jit
 def _requant_mx8(a, BN: tl.constexpr, BM: tl.constexpr, HW_CVT: tl.constexpr):
     """MXFP8 of ``a`` [BN (K of L2), BM] along axis 0: (E4M3 values fp32 [BN, BM], UE8M0 bytes
-    [BN/32, BM]); the same rounding as ``moe._requant`` REQ 0 (and ``codecs.quantize_mxfp8``)."""
+    [BN/32, BM]); the same rounding as ``l1._requant`` REQ 0 (and ``codecs.quantize_mxfp8``)."""
     a3 = a.reshape(BN // 32, 32, BM)
     amax = tl.max(tl.abs(a3), axis=1)
     e = _jit.ue8m0_ceil_byte(amax, 448.0)
@@ -169,7 +169,7 @@ def _l1_fp8_kernel(x_ptr, xsf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     e64 = e.to(tl.int64)
     R: tl.constexpr = 2 * BN
     rows = pid_n * R + tl.arange(0, R)
-    acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, rows, _utccp(rows), 2 * I, stride_wn,
+    acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, rows, utccp(rows), 2 * I, stride_wn,
                  x_ptr, xsf_ptr, tok.to(tl.int64) * H, tok.to(tl.int64) * (H // 32), mvalid, H,
                  W_KIND, R, BM, GPI, ASM)
     # kernel rows 16q + r (r < 8) are gate column 8q + r, rows 16q + 8 + r the up column
@@ -177,7 +177,7 @@ def _l1_fp8_kernel(x_ptr, xsf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     acc_g, acc_u = tl.split(a4)
     acc_g = tl.reshape(acc_g, (BN, BM))
     acc_u = tl.reshape(acc_u, (BN, BM))
-    a = _activation(acc_g, acc_u, clamp_c, act_alpha, act_beta, situ_b, situ_bl, ACT, HAS_CLAMP, True)
+    a = activation(acc_g, acc_u, clamp_c, act_alpha, act_beta, situ_b, situ_bl, ACT, HAS_CLAMP, True)
     if APPLY_W:
         w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
         a = a * w[None, :]
@@ -220,7 +220,7 @@ def _l2_fp8_kernel(act_ptr, asf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr
         slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
     e64 = e.to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
-    acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, n, _utccp(n), H, stride_wn,
+    acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, n, utccp(n), H, stride_wn,
                  act_ptr, asf_ptr, arow * I, arow * (I // 32), mvalid, I, W_KIND, BN, BM, GPI, ASM)
     y = _jit.bf16r(acc, True).to(tl.bfloat16)
     tl.store(slot_ptr + slot[None, :] * H + n[:, None], y, mask=mvalid[None, :])
@@ -302,20 +302,3 @@ def launch_l2(fc: Fp8Config, act8, asf, w, ws_bytes, ws_stride, plan, slots, T, 
         d if shared else plan.num_blocks, slots, T, H, I, K, nslot, swe, swn, ws_stride,
         W_KIND=w_kind, SHARED=shared, BM=bm, BN=bn, GPI=fc.gpi, ASM=asm,
         num_warps=fc.warps, num_stages=fc.stages, enable_fp_fusion=False)
-
-
-def selected(row: str, hw: bool, choice: Optional[str]) -> bool:
-    """Whether a forward of ``row`` takes the FP8 path: only the MX rows on a GPU, and only
-    when asked for. ``choice`` (KernelConfig.mma, else env ``MEGAMOE_TRITON_MMA``) is "fp8",
-    "bf16" or "auto" (the default: bf16, the exact path; the FP8 path misses the 1e-6 calc_diff
-    bar, see BENCHMARKS.md)."""
-    import os
-
-    c = choice or os.environ.get("MEGAMOE_TRITON_MMA", "auto")
-    if c not in ("auto", "fp8", "bf16"):
-        from megamoe_runtime.errors import MegaMoEError
-
-        raise MegaMoEError(f"MEGAMOE_TRITON_MMA / KernelConfig.mma = {c!r}; valid: auto, fp8, bf16")
-    from megamoe_runtime.format.formats import get_row
-
-    return c == "fp8" and get_row(row).weight.scale_encoding == "ue8m0" and hw  # the MX rows

@@ -173,13 +173,14 @@ def test_frag_k_order_bitwise(row, T, bm):
     natural order's output bit for bit and match the reference; with the wrong activation
     order they must not."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
     spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", "mxfp8", T=T, mask_frac=0.1,
                                                 zero_tokens=min(2, T - 1))
     sc = _NvScalars(lay) if row == "nvfp4" else None
     outs = {k: moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, shared=_Roles(lay, "shared_"),
-                               shared_input=x, config=moe.KernelConfig(block_m=bm, k_order=k))
+                               shared_input=x, config=configs.KernelConfig(block_m=bm, k_order=k))
             for k in ("split", "frag")}
     d = calc_diff(outs["frag"], ref)
     _report(test="frag_k_order", row=row, T=T, block_m=bm, calc_diff=d,
@@ -196,7 +197,7 @@ def test_frag_k_order_bitwise(row, T, bm):
     real = moe_mod.resolve_k_order
     try:
         moe_mod.resolve_k_order = lambda cfg, w_kind, H, I: "split" if cfg.k_order == "bad" else real(cfg, w_kind, H, I)
-        orig_l1 = moe_mod._launch_l1
+        orig_l1 = moe_mod.launch_l1
 
         def bad_l1(*a, **k):
             a = list(a)
@@ -204,12 +205,12 @@ def test_frag_k_order_bitwise(row, T, bm):
                 a[-1] = True
             return orig_l1(*a, **k)
 
-        moe_mod._launch_l1 = bad_l1
+        moe_mod.launch_l1 = bad_l1
         bad = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, shared=_Roles(lay, "shared_"),
-                              shared_input=x, config=moe.KernelConfig(block_m=bm, k_order="bad"))
+                              shared_input=x, config=configs.KernelConfig(block_m=bm, k_order="bad"))
     finally:
         moe_mod.resolve_k_order = real
-        moe_mod._launch_l1 = orig_l1
+        moe_mod.launch_l1 = orig_l1
     assert calc_diff(bad, ref) > 1e-3, "a wrong K order must be caught"
 
 
@@ -234,6 +235,7 @@ def test_fold_decode_bitwise(row, T, bm, big):
     negative controls: those bytes change the output, and flags that hide them keep the fold's wrong
     output."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs, launch, operands
     from megamoe_runtime.backends.reference import ReferenceBackend
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
@@ -243,7 +245,7 @@ def test_fold_decode_bitwise(row, T, bm, big):
     if big:
         before = ref
         for t in (lay.l1_scale, lay.l2_scale):  # expert 0, the first 4 K groups of 16 physical rows
-            sb = moe._scale_bytes(t, t.device)[0, 0, :64]
+            sb = launch.scale_bytes(t, t.device)[0, 0, :64]
             if row == "nvfp4":  # E4M3 bytes the integer scale operand cannot take (_nv_scale_plant)
                 sb.copy_(_nv_scale_plant(t.device))
             else:
@@ -253,30 +255,30 @@ def test_fold_decode_bitwise(row, T, bm, big):
         ref = ReferenceBackend().forward(lay, x, tw, ids)
         assert calc_diff(ref, before) > 1e-3, "the large scales must change the output"
     outs = {(d, w, gu): moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc,
-                                        config=moe.KernelConfig(block_m=bm, k_order="frag", decode=d, scale_load=w,
+                                        config=configs.KernelConfig(block_m=bm, k_order="frag", decode=d, scale_load=w,
                                                                 l1_gu=gu))
             for d, w, gu in (("plain", "bytes", False), ("fold", "bytes", False), ("fold", "words", True),
                              ("plain", "bytes", True))}
     for l1d, l2d in (("fold", "plain"), ("plain", "fold")):  # a decode per kernel
         outs[(l1d, l2d, "per-kernel")] = moe.moe_forward(
             spec, _Roles(lay, ""), x, tw, ids, scalars=sc,
-            config=moe.KernelConfig(block_m=bm, k_order="frag", decode=l1d, l2_decode=l2d))
+            config=configs.KernelConfig(block_m=bm, k_order="frag", decode=l1d, l2_decode=l2d))
     # the per-expert flags a loaded layer passes instead of the per-tile scan (moe.fold_flags)
     ff = moe.fold_flags(spec, _Roles(lay, ""))
     assert ff.tolist() == ([[1] + [0] * (ff.shape[1] - 1)] * 2 if big else [[0] * ff.shape[1]] * 2), ff.tolist()
     for gu in (False, True):
         outs[("fold", "flags", gu)] = moe.moe_forward(
             spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=ff,
-            config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=gu))
+            config=configs.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=gu))
     outs[("fold", "flags say scan", True)] = moe.moe_forward(
-        spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=torch.full_like(ff, moe.FOLD_SCAN),
-        config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
+        spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=torch.full_like(ff, operands.FOLD_SCAN),
+        config=configs.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
     plain = outs[("plain", "bytes", False)]
     for k, o in outs.items():
         assert torch.equal(o.view(torch.int16), plain.view(torch.int16)), f"{k} differs from the plain decode"
     if big:  # negative control: flags claiming every expert is fine make the kernels keep the fold's garbage
         lie = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, fold_flags=torch.zeros_like(ff),
-                              config=moe.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
+                              config=configs.KernelConfig(block_m=bm, k_order="frag", decode="fold", l1_gu=True))
         assert not torch.equal(lie.view(torch.int16), plain.view(torch.int16)), "the flags are not what the kernels read"
     d = _assert_matches(outs[("fold", "words", True)], ref, f"fold {row}/T={T}/big={big}")
     _report(test="fold_decode", row=row, T=T, block_m=bm, big=big, calc_diff=d,
@@ -288,11 +290,12 @@ def test_register_cap_same_bits(row):
     """A register cap (``KernelConfig.l1_maxnreg`` / ``l2_maxnreg``, ptxas ``.maxnreg``) changes
     occupancy, never the output: bitwise the uncapped default's, which matches the reference."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
     spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=37)
     sc = _NvScalars(lay) if row == "nvfp4" else None
-    base = moe.default_config(37 * spec.top_k, spec.experts_per_rank, "frag", w_kind=moe._W_KIND[row])
+    base = configs.default_config(37 * spec.top_k, spec.experts_per_rank, "frag", w_kind=configs.ROW_W_KIND[row])
     outs = [moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, config=c)
             for c in (base, dataclasses.replace(base, l1_maxnreg=96, l2_maxnreg=64))]
     assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), "the register cap changed the output"
@@ -302,19 +305,20 @@ def test_register_cap_same_bits(row):
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("T", [1, 8, 40])
 def test_shape_rule_tiles_same_bits(row, T):
-    """The tiles the grid-fill rule picks from the shape (``moe.shape_tiles``: 32-row 4-stage L1,
+    """The tiles the grid-fill rule picks from the shape (``configs.shape_tiles``: 32-row 4-stage L1,
     64-column L2 with 4 stages, the 32-row one-dot mid-size nvfp4 L1) give the table's output bit for
     bit, and the shape-aware default (``H``, ``I`` given) matches the reference (issue 28)."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
     spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T)
     sc = _NvScalars(lay) if row == "nvfp4" else None
     kt = _Roles(lay, "")
     P, E_l = T * spec.top_k, spec.experts_per_rank
-    base = moe.default_config(P, E_l, "frag", w_kind=moe._W_KIND[row])
+    base = configs.default_config(P, E_l, "frag", w_kind=configs.ROW_W_KIND[row])
     want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
-    cfgs = [moe.default_config(P, E_l, "frag", w_kind=moe._W_KIND[row], H=spec.hidden, I=spec.intermediate),
+    cfgs = [configs.default_config(P, E_l, "frag", w_kind=configs.ROW_W_KIND[row], H=spec.hidden, I=spec.intermediate),
             dataclasses.replace(base, l1_bn=32, l1_stages=4), dataclasses.replace(base, l2_bn=64, l2_stages=4),
             dataclasses.replace(base, block_m=32, l1_gu=True, l1_bn=32, l1_stages=3, l1_maxnreg=None)]
     for c in cfgs:
@@ -332,6 +336,7 @@ def test_tiled_weights_same_bits(row, wt, T):
     import types
 
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.format import weight_tiles
 
@@ -341,7 +346,7 @@ def test_tiled_weights_same_bits(row, wt, T):
     tiled = types.SimpleNamespace(**vars(kt))
     tiled.l1_weight = weight_tiles.tiled_copy(kt.l1_weight, wt)
     tiled.l2_weight = weight_tiles.tiled_copy(kt.l2_weight, wt)
-    base = moe.default_config(T * spec.top_k, spec.experts_per_rank, "frag", w_kind=moe._W_KIND[row])
+    base = configs.default_config(T * spec.top_k, spec.experts_per_rank, "frag", w_kind=configs.ROW_W_KIND[row])
     want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
     for d, gu in (("plain", True), ("fold", False)):
         cfg = dataclasses.replace(base, decode=d, l1_gu=gu)
@@ -356,7 +361,8 @@ def test_e2m1_asm_decode_self_check():
     """The PRMT lookup-table E2M1 decode (the fast path) agrees with codecs on this GPU,
     and a forward through it equals the arithmetic decode bit for bit."""
     _, moe, _ = _triton()
-    assert moe.asm_decode_ok(torch.device("cuda")), "PRMT E2M1 decode disagrees with codecs"
+    from megamoe_runtime.backends.triton import decode_check
+    assert decode_check.asm_decode_ok(torch.device("cuda")), "PRMT E2M1 decode disagrees with codecs"
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
 
     for row in ("mxfp4", "nvfp4"):
@@ -401,9 +407,10 @@ def test_mx_rows_both_gemm_paths(row, mma, T, bm):
     FP8_TOL; reports the bitwise fraction. Negative control: one expert's L1 scales set to 1.0
     must be caught on either path."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton import TritonBackend
 
-    cfg = moe.KernelConfig(block_m=bm, mma=mma)
+    cfg = configs.KernelConfig(block_m=bm, mma=mma)
     spec, lay, (x, tw, ids), out, ref = _run_pair(row, "swiglu_clamp_ab", "mxfp8", T=T, config=cfg,
                                                   zero_tokens=1 if T > 1 else 0, mask_frac=0.0 if T == 1 else 0.15)
     d = calc_diff(out, ref)
@@ -478,7 +485,8 @@ def test_forward_matches_reference(row, act, shared):
 def test_forward_sizes_and_ep(row, T, bm):
     """Decode sizes, many pairs per expert (several row blocks), EP rank 1 of 2."""
     _, moe, _ = _triton()
-    cfg = moe.KernelConfig(block_m=bm) if bm else None
+    from megamoe_runtime.backends.triton import configs
+    cfg = configs.KernelConfig(block_m=bm) if bm else None
     _, _, _, out, ref = _run_pair(row, "swiglu_clamp_ab", None, T=T, E=8, K=2, ep=(1, 2), config=cfg,
                                   mask_frac=0.1, zero_tokens=1 if T > 1 else 0)
     d = calc_diff(out, ref)
@@ -496,10 +504,11 @@ def test_tail_blocks_same_bits(row, T, bm, tail_max, ep, monkeypatch):
     the same per-row math, so the output is the no-tail output bit for bit and matches the
     reference. Negative control: tail launches that compute nothing must be caught."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton import staging
 
     E, K = 8, 2
-    base = moe.default_config(T * K, E, "frag", w_kind=moe._W_KIND[row])
+    base = configs.default_config(T * K, E, "frag", w_kind=configs.ROW_W_KIND[row])
     base = dataclasses.replace(base, block_m=bm or base.block_m, tail_max=0)
     calls = []
 
@@ -618,6 +627,7 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     computes bit for bit what the converted layout computes, survives a reload under a captured
     CUDA graph, and refuses a path that cannot read tiles."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.errors import MegaMoEError
     from megamoe_runtime.format import weight_tiles
     from megamoe_runtime.load.checkpoint import open_checkpoint
@@ -629,7 +639,7 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     monkeypatch.setenv("MEGAMOE_TRITON_WTILE", "0")
     l0 = ck.build_layer(0, device="cuda", backend="triton")
     monkeypatch.delenv("MEGAMOE_TRITON_WTILE")
-    assert lt.weight_tiles == moe.DEFAULT_W_TILE and l0.weight_tiles == 0
+    assert lt.weight_tiles == configs.DEFAULT_W_TILE and l0.weight_tiles == 0
     for name in ("l1_weight", "l2_weight"):
         want = weight_tiles.tiled_copy(getattr(lr, name).detach(), lt.weight_tiles)
         assert torch.equal(getattr(lt, name).view(torch.uint8), want.view(torch.uint8)), name
@@ -649,16 +659,16 @@ def test_layer_derives_tiled_weights_on_load(fmt, ckpts, monkeypatch):
     with torch.cuda.graph(graph):
         yg = lt(x, tw, ids)
     ck.load_layer(lt)
-    assert lt.storage_snapshot == snap and lt.weight_tiles == moe.DEFAULT_W_TILE
+    assert lt.storage_snapshot == snap and lt.weight_tiles == configs.DEFAULT_W_TILE
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg.view(torch.int16), y.view(torch.int16))
     # negative control: the converted bytes read as tiles
-    lt.weight_tiles, l0.weight_tiles = 0, moe.DEFAULT_W_TILE
+    lt.weight_tiles, l0.weight_tiles = 0, configs.DEFAULT_W_TILE
     assert calc_diff(l0(x, tw, ids), y) > 1e-3
-    lt.weight_tiles = moe.DEFAULT_W_TILE
+    lt.weight_tiles = configs.DEFAULT_W_TILE
     # the split order cannot read tiles: a clear error, not wrong numbers
-    lt.backend.config = moe.KernelConfig(k_order="split")
+    lt.backend.config = configs.KernelConfig(k_order="split")
     with pytest.raises(MegaMoEError, match="tiled by"):
         lt(x, tw, ids)
 
@@ -670,6 +680,7 @@ def test_layer_fold_flags_follow_reloads(fmt, ckpts):
     writes, and after a reload that brings scale bytes the fold cannot take the flags mark that
     expert, so a CUDA graph captured before the reload replays the plain decode's output."""
     _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs, launch, operands
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.load.checkpoint import open_checkpoint
 
@@ -678,7 +689,7 @@ def test_layer_fold_flags_follow_reloads(fmt, ckpts):
     spec = lt.spec
     flags = lt.triton_fold_flags
     keep = flags.data_ptr()
-    assert flags.tolist() == [[moe.FOLD_OK] * spec.experts_per_rank] * 2
+    assert flags.tolist() == [[operands.FOLD_OK] * spec.experts_per_rank] * 2
     T = 19
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(T, spec.hidden, generator=g).to(torch.bfloat16).cuda()
@@ -688,30 +699,30 @@ def test_layer_fold_flags_follow_reloads(fmt, ckpts):
     sc = _NvScalars(lt) if spec.row == "nvfp4" else None
 
     def direct(decode, ff=None):
-        cfg = moe.KernelConfig(k_order="frag", decode=decode, l1_gu=True)
+        cfg = configs.KernelConfig(k_order="frag", decode=decode, l1_gu=True)
         return moe.moe_forward(spec, _Roles(lt, ""), x, tw, ids, scalars=sc, config=cfg, fold_flags=ff,
                                w_tile=lt.weight_tiles)
 
     y = lt(x, tw, ids)
     assert torch.equal(direct("fold", flags).view(torch.int16), direct("fold").view(torch.int16))
     graph = torch.cuda.CUDAGraph()
-    lt.backend.config = moe.KernelConfig(k_order="frag", decode="fold", l1_gu=True)  # the fold where flags act
+    lt.backend.config = configs.KernelConfig(k_order="frag", decode="fold", l1_gu=True)  # the fold where flags act
     lt(x, tw, ids)
     with torch.cuda.graph(graph):
         yg = lt(x, tw, ids)
     # a load writes: flags go to FOLD_SCAN before the first byte, in place
     lt.begin_load()
-    assert flags.tolist() == [[moe.FOLD_SCAN] * spec.experts_per_rank] * 2
+    assert flags.tolist() == [[operands.FOLD_SCAN] * spec.experts_per_rank] * 2
     lt.abort_load()
     # reload with scale bytes of expert 0 the fold cannot take
     sd = {k: v.clone() for k, v in lt.state_dict().items()}
     for name in ("l1_scale", "l2_scale"):
-        sb = moe._scale_bytes(sd[name], sd[name].device)[0, 0, :64]
+        sb = launch.scale_bytes(sd[name], sd[name].device)[0, 0, :64]
         sb.copy_(_nv_scale_plant("cuda") if spec.row == "nvfp4" else
                  torch.full_like(sb, 131 if spec.row == "mxfp4" else 137))
     lt.load_state_dict(sd)
     assert lt.triton_fold_flags.data_ptr() == keep
-    assert flags[:, 0].tolist() == [moe.FOLD_REDO] * 2 and int(flags[:, 1:].sum()) == 0, flags.tolist()
+    assert flags[:, 0].tolist() == [operands.FOLD_REDO] * 2 and int(flags[:, 1:].sum()) == 0, flags.tolist()
     plain = direct("plain")
     assert not torch.equal(plain.view(torch.int16), y.view(torch.int16)), "the reloaded scales must change the output"
     graph.replay()

@@ -4,7 +4,7 @@
 small interpreter of the few instructions it uses (integer and/or/shifts/multiplies, byte
 permutes, ``mul.rn.bf16x2``) runs those exact strings over every nibble / byte value and a
 range of scales, and the results must equal ``codecs``' decode times the scale, bf16 bit for
-bit. The GPU runs the compiled code through the same comparison (``moe.asm_decode_check``)
+bit. The GPU runs the compiled code through the same comparison (``decode_check.asm_decode_check``)
 before using it; this catches an edit of the text in CPU CI. Negative controls: a changed
 mask, a dropped multiply and a swapped output order are caught.
 """

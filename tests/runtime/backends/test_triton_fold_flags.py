@@ -42,15 +42,15 @@ def _expected(row: str, lay) -> torch.Tensor:
 
 @pytest.mark.parametrize("row", ["mxfp4", "mxfp8", "nvfp4"])
 def test_fold_flags_mark_the_experts_with_bytes_the_fold_cannot_take(row):
-    from megamoe_runtime.backends.triton import moe
+    from megamoe_runtime.backends.triton import launch, moe, operands
 
     spec, lay, kt = _layer(row)
     flags = moe.fold_flags(spec, kt)
     assert flags.dtype == torch.int32 and tuple(flags.shape) == (2, 6)
     assert torch.equal(flags, _expected(row, lay)) and int(flags.sum()) == 0, "synthetic scales are in range"
     good, bad = EDGES[row]
-    l1b = moe._scale_bytes(lay.l1_scale, "cpu")
-    l2b = moe._scale_bytes(lay.l2_scale, "cpu")
+    l1b = launch.scale_bytes(lay.l1_scale, "cpu")
+    l2b = launch.scale_bytes(lay.l2_scale, "cpu")
     l1b[1, 0, 0] = good[0]  # edge bytes the fold takes: expert 1 stays FOLD_OK
     l2b[1, -1, -1] = good[-1]
     for i, v in enumerate(bad):  # one byte per expert 2.. (L1) and the last experts (L2)
@@ -62,7 +62,7 @@ def test_fold_flags_mark_the_experts_with_bytes_the_fold_cannot_take(row):
     got = moe.fold_flags(spec, kt, out=flags)
     assert got.data_ptr() == keep, "flags are rewritten in place (a captured graph reads that storage)"
     assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
-    assert moe.FOLD_REDO == 1 and moe.FOLD_OK == 0
+    assert operands.FOLD_REDO == 1 and operands.FOLD_OK == 0
 
 
 def test_fold_flags_refuse_a_wrong_output_buffer():

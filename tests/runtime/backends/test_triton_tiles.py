@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from megamoe_runtime.backends.triton import moe  # noqa: E402
+from megamoe_runtime.backends.triton import configs, launch  # noqa: E402
 from megamoe_runtime.errors import MegaMoEError  # noqa: E402
 
-KINDS = {"mxfp4": moe.W_E2M1_MX, "nvfp4": moe.W_E2M1_NV, "mxfp8": moe.W_E4M3_MX}
+KINDS = {"mxfp4": configs.W_E2M1_MX, "nvfp4": configs.W_E2M1_NV, "mxfp8": configs.W_E4M3_MX}
 E = 256
 
 
@@ -28,11 +28,11 @@ def _no_env(monkeypatch):
                                          (33, "prefill64"), (64, "prefill64"), (64.5, "prefill"),
                                          (128, "prefill")])
 def test_frag_regime_boundaries(mean, regime):
-    assert moe.frag_regime(mean) == regime
+    assert configs.frag_regime(mean) == regime
     # "few" is decode with at most FEW_PAIRS pairs in all; the other regimes ignore the count
-    few = moe.frag_regime(mean, moe.FEW_PAIRS)
+    few = configs.frag_regime(mean, configs.FEW_PAIRS)
     assert few == ("few" if regime == "decode" else regime)
-    assert moe.frag_regime(mean, moe.FEW_PAIRS + 1) == regime
+    assert configs.frag_regime(mean, configs.FEW_PAIRS + 1) == regime
 
 
 @pytest.mark.parametrize("row", sorted(KINDS))
@@ -41,23 +41,23 @@ def test_default_frag_config_follows_the_table(row, tokens):
     """Top-8 over 256 experts: what a forward without a config runs."""
     pairs = tokens * 8
     mean = pairs / E
-    cfg = moe.default_config(pairs, E, "frag", w_kind=KINDS[row])
-    t = moe.FRAG_TILES[(moe.frag_regime(mean, pairs), KINDS[row])]
+    cfg = configs.default_config(pairs, E, "frag", w_kind=KINDS[row])
+    t = configs.FRAG_TILES[(configs.frag_regime(mean, pairs), KINDS[row])]
     assert (cfg.l1_gu, cfg.l1_bn, cfg.l1_warps, cfg.l1_stages) == (t.l1_gu, t.l1_bn, t.l1_warps, t.l1_stages)
-    assert cfg.decode == t.decode and moe.resolve_decode(cfg, KINDS[row])[0] == (t.decode == "fold")
+    assert cfg.decode == t.decode and configs.resolve_decode(cfg, KINDS[row])[0] == (t.decode == "fold")
     # each kernel runs the table's decode for it; the config names the L2's only where it differs
-    assert moe.resolve_l2_fold(cfg, KINDS[row]) == (t.l2_decode == "fold")
+    assert configs.resolve_l2_fold(cfg, KINDS[row]) == (t.l2_decode == "fold")
     assert cfg.l2_decode == (None if t.l2_decode == t.decode else t.l2_decode)
     assert (cfg.l2_bn, cfg.l2_warps, cfg.l2_stages) == (t.l2_bn, t.l2_warps, t.l2_stages)
     assert cfg.k_order == "frag" and cfg.l1_bk == cfg.l2_bk == 128
     assert cfg.block_m == (t.block_m if t.block_m is not None else (64 if mean <= 64 else 128))
     # the row block holds the mean pairs of an expert from the mid regime on (decode: 16-row blocks)
-    assert cfg.block_m >= min(mean, 128) or moe.frag_regime(mean) == "decode"
-    assert (moe.frag_regime(mean, pairs) == "few") == (tokens == 1)
+    assert cfg.block_m >= min(mean, 128) or configs.frag_regime(mean) == "decode"
+    assert (configs.frag_regime(mean, pairs) == "few") == (tokens == 1)
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
     assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
     # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
-    assert cfg.tail_max == (t.tail_max if moe.frag_regime(mean).startswith("prefill") or mean <= t.tail_max
+    assert cfg.tail_max == (t.tail_max if configs.frag_regime(mean).startswith("prefill") or mean <= t.tail_max
                             else 0)
     assert cfg.tail is None
 
@@ -66,8 +66,8 @@ def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("few", "decode", "mid", "prefill64", "prefill"):
         for kind in KINDS.values():
             bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail = \
-                moe.FRAG_TILES[(regime, kind)]
-            assert bm in (None, 16, 32, 64, 128) and decode in moe.DECODES and l2_decode in moe.DECODES
+                configs.FRAG_TILES[(regime, kind)]
+            assert bm in (None, 16, 32, 64, 128) and decode in configs.DECODES and l2_decode in configs.DECODES
             assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128))  # 4 CTAs of 4 warps at 128 registers
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
@@ -77,90 +77,90 @@ def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
             # tails only where a row block is larger than the tail launches' (not at decode sizes)
             for b in ((bm,) if bm else (64, 128)):
                 assert tail == 0 or (regime != "decode" and 0 < tail < b
-                                     and moe.tail_config(kind, b).block_m < b), (regime, kind, tail)
+                                     and configs.tail_config(kind, b).block_m < b), (regime, kind, tail)
 
 
 @pytest.mark.parametrize("row", sorted(KINDS))
 @pytest.mark.parametrize("bm,below", [(128, "mid"), (64, "mid"), (32, "decode")])
 def test_tail_config_is_the_regime_below(row, bm, below):
-    t = moe.tail_config(KINDS[row], bm)
-    b = moe.TAIL_TILES.get((below, KINDS[row]), moe.FRAG_TILES[(below, KINDS[row])])
+    t = configs.tail_config(KINDS[row], bm)
+    b = configs.TAIL_TILES.get((below, KINDS[row]), configs.FRAG_TILES[(below, KINDS[row])])
     assert (t.block_m, t.l1_bn, t.l1_warps, t.l1_stages, t.l2_bn, t.l2_warps, t.decode, t.l1_maxnreg) == \
         (b.block_m, b.l1_bn, b.l1_warps, b.l1_stages, b.l2_bn, b.l2_warps, b.decode, b.l1_maxnreg)
     assert t.tail_max == 0 and t.block_m < bm  # a tail launch never splits again
     for pairs in (8, 512, 4096, 32768):
-        cfg = moe.default_config(pairs * 8, E, "frag", w_kind=KINDS[row])
-        assert cfg.tail_max == moe.FRAG_TILES[(moe.frag_regime(pairs * 8 / E, pairs * 8), KINDS[row])].tail_max
+        cfg = configs.default_config(pairs * 8, E, "frag", w_kind=KINDS[row])
+        assert cfg.tail_max == configs.FRAG_TILES[(configs.frag_regime(pairs * 8 / E, pairs * 8), KINDS[row])].tail_max
 
 
 def test_l1_gu_override_flips_only_that_field(monkeypatch):
-    base = moe.default_config(64 * 8, E, "frag", w_kind=moe.W_E2M1_MX)
+    base = configs.default_config(64 * 8, E, "frag", w_kind=configs.W_E2M1_MX)
     for gu in (True, False):
-        cfg = moe.default_config(64 * 8, E, "frag", l1_gu=gu, w_kind=moe.W_E2M1_MX)
+        cfg = configs.default_config(64 * 8, E, "frag", l1_gu=gu, w_kind=configs.W_E2M1_MX)
         assert cfg == dataclasses.replace(base, l1_gu=gu)
     monkeypatch.setenv("MEGAMOE_TRITON_L1GU", "0")
-    assert moe.default_config(64 * 8, E, "frag", w_kind=moe.W_E2M1_MX) == dataclasses.replace(base, l1_gu=False)
-    assert moe.default_config(64 * 8, E, "frag", l1_gu=True, w_kind=moe.W_E2M1_MX).l1_gu is True
+    assert configs.default_config(64 * 8, E, "frag", w_kind=configs.W_E2M1_MX) == dataclasses.replace(base, l1_gu=False)
+    assert configs.default_config(64 * 8, E, "frag", l1_gu=True, w_kind=configs.W_E2M1_MX).l1_gu is True
 
 
 def test_unknown_weight_kind_gets_the_mxfp4_tiles():
     for pairs in (8, 4096, 32768):
-        assert moe.default_config(pairs, E, "frag") == moe.default_config(pairs, E, "frag", w_kind=moe.W_E2M1_MX)
+        assert configs.default_config(pairs, E, "frag") == configs.default_config(pairs, E, "frag", w_kind=configs.W_E2M1_MX)
 
 
 def test_non_frag_defaults_unchanged():
     """The split/natural paths and the shared expert (``default_config(T, 1)``) keep their tiles."""
-    assert moe.default_config(8, E).block_m == 16
-    assert moe.default_config(300, 1).block_m == 128 and moe.default_config(300, 1).l1_warps == 8
+    assert configs.default_config(8, E).block_m == 16
+    assert configs.default_config(300, 1).block_m == 128 and configs.default_config(300, 1).l1_warps == 8
 
 
 @pytest.mark.parametrize("row,fold", [("mxfp4", False), ("nvfp4", True), ("mxfp8", True)])
 def test_default_decode_by_row(row, fold, monkeypatch):
-    assert moe.resolve_decode(moe.KernelConfig(), KINDS[row]) == (fold, False)
-    assert moe.resolve_decode(moe.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
+    assert configs.resolve_decode(configs.KernelConfig(), KINDS[row]) == (fold, False)
+    assert configs.resolve_decode(configs.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
     monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fold")
-    assert moe.resolve_decode(moe.KernelConfig(), KINDS[row]) == (True, False)
-    assert moe.resolve_decode(moe.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
+    assert configs.resolve_decode(configs.KernelConfig(), KINDS[row]) == (True, False)
+    assert configs.resolve_decode(configs.KernelConfig(decode="plain"), KINDS[row]) == (False, False)
     monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
     with pytest.raises(MegaMoEError, match="decode 'fast'"):
-        moe.resolve_decode(moe.KernelConfig(), KINDS[row])
+        configs.resolve_decode(configs.KernelConfig(), KINDS[row])
 
 
 def test_decode_env_overrides_the_table(monkeypatch):
     """The measured per-kernel decode (mxfp8 mid sizes: plain L1, fold L2) gives way to
     ``MEGAMOE_TRITON_DECODE`` on both kernels; a config's own decode wins over all of it."""
-    w = moe.W_E4M3_MX
-    mid = moe.default_config(512 * 8, E, "frag", w_kind=w)
-    dec = moe.default_config(8 * 8, E, "frag", w_kind=w)
+    w = configs.W_E4M3_MX
+    mid = configs.default_config(512 * 8, E, "frag", w_kind=w)
+    dec = configs.default_config(8 * 8, E, "frag", w_kind=w)
     assert (mid.decode, mid.l2_decode, dec.decode, dec.l2_decode) == ("plain", "fold", "plain", None)
-    assert (moe.resolve_decode(mid, w)[0], moe.resolve_l2_fold(mid, w)) == (False, True)
+    assert (configs.resolve_decode(mid, w)[0], configs.resolve_l2_fold(mid, w)) == (False, True)
     for d in ("plain", "fold"):
         monkeypatch.setenv("MEGAMOE_TRITON_DECODE", d)
-        forced = moe.default_config(512 * 8, E, "frag", w_kind=w)
+        forced = configs.default_config(512 * 8, E, "frag", w_kind=w)
         assert (forced.decode, forced.l2_decode) == (d, None)
-        assert moe.resolve_decode(forced, w)[0] is moe.resolve_l2_fold(forced, w) is (d == "fold")
-    assert (moe.resolve_decode(mid, w)[0], moe.resolve_l2_fold(mid, w)) == (False, True)  # built earlier: kept
+        assert configs.resolve_decode(forced, w)[0] is configs.resolve_l2_fold(forced, w) is (d == "fold")
+    assert (configs.resolve_decode(mid, w)[0], configs.resolve_l2_fold(mid, w)) == (False, True)  # built earlier: kept
     monkeypatch.setenv("MEGAMOE_TRITON_DECODE", "fast")
     with pytest.raises(MegaMoEError, match="decode 'fast'"):
-        moe.resolve_decode(moe.default_config(8 * 8, E, "frag", w_kind=w), w)
+        configs.resolve_decode(configs.default_config(8 * 8, E, "frag", w_kind=w), w)
 
 
 def test_register_cap_reaches_the_compile_options(monkeypatch):
-    monkeypatch.setattr(moe, "hw_cvt_default", lambda: True)
-    assert moe._opts() == {"enable_fp_fusion": False}
-    assert moe._opts(96) == {"enable_fp_fusion": False, "maxnreg": 96}
-    monkeypatch.setattr(moe, "hw_cvt_default", lambda: False)  # the interpreter takes no compile options
-    assert moe._opts(96) == {}
+    monkeypatch.setattr(launch, "hw_cvt_default", lambda: True)
+    assert launch.opts() == {"enable_fp_fusion": False}
+    assert launch.opts(96) == {"enable_fp_fusion": False, "maxnreg": 96}
+    monkeypatch.setattr(launch, "hw_cvt_default", lambda: False)  # the interpreter takes no compile options
+    assert launch.opts(96) == {}
 
 
 def test_l2_decode_overrides_only_the_l2(monkeypatch):
-    cfg = moe.KernelConfig(decode="plain", l2_decode="fold")
-    assert moe.resolve_decode(cfg, moe.W_E2M1_NV)[0] is False and moe.resolve_l2_fold(cfg, moe.W_E2M1_NV) is True
+    cfg = configs.KernelConfig(decode="plain", l2_decode="fold")
+    assert configs.resolve_decode(cfg, configs.W_E2M1_NV)[0] is False and configs.resolve_l2_fold(cfg, configs.W_E2M1_NV) is True
     for d in ("fold", "plain"):  # unset: the L1's, wherever that comes from
         monkeypatch.setenv("MEGAMOE_TRITON_DECODE", d)
-        assert moe.resolve_l2_fold(moe.KernelConfig(), moe.W_E2M1_MX) is (d == "fold")
+        assert configs.resolve_l2_fold(configs.KernelConfig(), configs.W_E2M1_MX) is (d == "fold")
     with pytest.raises(MegaMoEError, match="l2_decode 'fast'"):
-        moe.resolve_l2_fold(moe.KernelConfig(l2_decode="fast"), moe.W_E2M1_MX)
+        configs.resolve_l2_fold(configs.KernelConfig(l2_decode="fast"), configs.W_E2M1_MX)
 
 
 # --------------------------------------------------------------------------- the grid-fill rule (issue 28)
@@ -173,7 +173,7 @@ SHAPES = {"dsv3": (7168, 2048, 256, 8), "kimi-k2": (7168, 2048, 384, 8), "qwen3-
 
 @pytest.fixture
 def _h200(monkeypatch):
-    monkeypatch.setattr(moe, "_SMS", {"n": 132})
+    monkeypatch.setattr(configs, "_SMS", {"n": 132})
 
 
 @pytest.mark.parametrize("shape,tokens,l1,l2", [
@@ -191,10 +191,10 @@ def _h200(monkeypatch):
 ])
 def test_shape_rule_choices(_h200, shape, tokens, l1, l2):
     H, I, E, K = SHAPES[shape]
-    cfg = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
+    cfg = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
     assert (cfg.l1_bn, cfg.l1_stages) == l1 and (cfg.l2_bn, cfg.l2_stages) == l2
     # everything else is the regime's table entry
-    table = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV)
+    table = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV)
     assert dataclasses.replace(cfg, l1_bn=table.l1_bn, l1_stages=table.l1_stages, l2_bn=table.l2_bn,
                                l2_stages=table.l2_stages) == table
 
@@ -205,30 +205,30 @@ def test_shape_rule_choices(_h200, shape, tokens, l1, l2):
 def test_shape_rule_leaves_mx_rows_on_the_table(_h200, row, shape, tokens):
     """mxfp4's 32-row / 64-column tiles lost at every point of the sweep; mxfp8's decode tiles are 32 rows."""
     H, I, E, K = SHAPES[shape]
-    a = moe.default_config(tokens * K, E, "frag", w_kind=KINDS[row], H=H, I=I)
-    assert a == moe.default_config(tokens * K, E, "frag", w_kind=KINDS[row])
+    a = configs.default_config(tokens * K, E, "frag", w_kind=KINDS[row], H=H, I=I)
+    assert a == configs.default_config(tokens * K, E, "frag", w_kind=KINDS[row])
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_shape_rule_only_at_streaming_sizes(_h200, shape):
     H, I, E, K = SHAPES[shape]
     for tokens in (4096, 8192):
-        if moe.frag_regime(tokens * K / E).startswith("prefill"):
-            a = moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
-            assert a == moe.default_config(tokens * K, E, "frag", w_kind=moe.W_E2M1_NV)
+        if configs.frag_regime(tokens * K / E).startswith("prefill"):
+            a = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
+            assert a == configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV)
 
 
 def test_expected_touched_and_wave_efficiency():
-    assert moe.expected_touched(0, 256) == 0
-    assert abs(moe.expected_touched(8, 256) - 7.88) < 0.01  # one token, top-8 of 256
-    assert moe.expected_touched(10 ** 6, 16) == pytest.approx(16)
-    assert moe.wave_efficiency(528, 528) == 1.0 and moe.wave_efficiency(529, 528) == pytest.approx(529 / 1056)
-    assert moe.wave_efficiency(0, 528) == 0.0
+    assert configs.expected_touched(0, 256) == 0
+    assert abs(configs.expected_touched(8, 256) - 7.88) < 0.01  # one token, top-8 of 256
+    assert configs.expected_touched(10 ** 6, 16) == pytest.approx(16)
+    assert configs.wave_efficiency(528, 528) == 1.0 and configs.wave_efficiency(529, 528) == pytest.approx(529 / 1056)
+    assert configs.wave_efficiency(0, 528) == 0.0
 
 
 def test_shape_rule_follows_the_sm_count(monkeypatch):
     """Fewer SMs, fewer slots: a grid that underfills 132 SMs can fill 16."""
     H, I, E, K = SHAPES["kimi-k2"]
-    monkeypatch.setattr(moe, "_SMS", {"n": 16})
-    cfg = moe.default_config(1 * K, E, "frag", w_kind=moe.W_E2M1_NV, H=H, I=I)
+    monkeypatch.setattr(configs, "_SMS", {"n": 16})
+    cfg = configs.default_config(1 * K, E, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
     assert (cfg.l1_bn, cfg.l2_bn) == (64, 128)

@@ -1,0 +1,235 @@
+"""L1 of the triton forward: gate/up GEMM and its epilogue, one launch per row-block plan.
+
+`_l1_kernel` computes both halves of the interleaved gate/up rows of a tile, then the epilogue
+the reference defines (bf16 g/u, clamp, `activation`, top-k weight, MXFP8 / NVFP4 / bf16 requant
+of the intermediate); `launch_l1` marshals its arguments. `activation` is shared with the FP8
+path (`mma8`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _jit
+from .configs import resolve_l1_gu
+from .launch import bytes_if_fp8, opts, scale_bytes, scale_stride, scale_words, weight_strides
+from .operands import FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, fold_flag, fold_redo, mm_block, utccp, x_tiles
+
+
+@triton.jit
+def activation(g, u, clamp_c, act_alpha, act_beta, situ_b, situ_bl,
+                ACT: tl.constexpr, HAS_CLAMP: tl.constexpr, GPU: tl.constexpr):
+    """act(bf16(g), bf16(u)) in fp32 exactly as ``reference.activation_fp32`` (+ ``apply_clamp``)."""
+    g = _jit.bf16r(g, GPU)
+    u = _jit.bf16r(u, GPU)
+    if HAS_CLAMP:
+        g = tl.minimum(g, clamp_c)
+        u = tl.maximum(tl.minimum(u, clamp_c), -clamp_c)
+    one = tl.full(g.shape, 1.0, tl.float32)
+    if ACT == 0:
+        den = one + _jit.expf(-(act_alpha * g), GPU)
+        return tl.math.div_rn(g, den) * (u + act_beta)
+    else:
+        sig = tl.math.div_rn(one, one + _jit.expf(-g, GPU))
+        bv = one * situ_b
+        blv = one * situ_bl
+        t1 = _jit.tanhf(tl.math.div_rn(g, bv), GPU)
+        t2 = _jit.tanhf(tl.math.div_rn(u, blv), GPU)
+        return (((sig * situ_b) * t1) * situ_bl) * t2
+
+
+@triton.jit
+def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HW_CVT: tl.constexpr):
+    """Quantize-dequantize ``a`` [BN (K of L2), BM] along axis 0; the result is exact in bf16."""
+    if REQ == 0:  # MXFP8 per 32: e = ceil_ue8m0(max(amax,1e-4)/448); q = e4m3(a * 2^-e)
+        a3 = a.reshape(BN // 32, 32, BM)
+        amax = tl.max(tl.abs(a3), axis=1)
+        e = _jit.ue8m0_ceil_byte(amax, 448.0)
+        q = _jit.e4m3_round(a3 * _jit.inv_pow2_from_byte(e)[:, None, :], HW_CVT)
+        return (q * _jit.pow2_from_byte(e)[:, None, :]).reshape(BN, BM).to(tl.bfloat16)
+    elif REQ == 1:  # NVFP4 per 16 with global a2: sf = e4m3(max(amax/6*inv, 2^-9)); q = e2m1(a*inv/sf)
+        a3 = a.reshape(BN // 16, 16, BM)
+        amax = tl.max(tl.abs(a3), axis=1)
+        sf = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * inv_a2
+        sf = _jit.e4m3_round(tl.maximum(sf, _jit.E4M3_MIN_SUB), HW_CVT)
+        sfb = tl.full(a3.shape, 1.0, tl.float32) * sf[:, None, :]
+        c = _jit.e2m1_code(tl.math.div_rn(a3 * inv_a2, sfb))
+        return (_jit.e2m1_value(c) * sfb).reshape(BN, BM).to(tl.bfloat16)
+    else:
+        return _jit.bf16r(a, HW_CVT).to(tl.bfloat16)
+
+
+@triton.jit
+def _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+                 FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
+                 WT: tl.constexpr = 0, fflag=FOLD_SCAN_CONSTEXPR):
+    """The L1 main loop as a gate dot and an up dot of BN rows each (every K order; ``fflag`` the
+    expert's fold flag, ``fold_redo``)."""
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, H, BK):
+        xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+        acc_g = mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                          FRAG, FOLD, SWORD, WT)
+        acc_u = mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                          FRAG, FOLD, SWORD, WT)
+    if FOLD:
+        if fold_redo(fflag, wse, sg, NROWS, H, W_KIND, BN) or fold_redo(fflag, wse, su, NROWS, H, W_KIND, BN):
+            acc_g = tl.zeros((BN, BM), tl.float32)  # a scale above the limit: redo with the plain decode
+            acc_u = tl.zeros((BN, BM), tl.float32)
+            for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
+                xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+                acc_g = mm_block(acc_g, we, wse, rg, sg, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
+                                  ASM, FRAG, False, SWORD, WT)
+                acc_u = mm_block(acc_u, we, wse, ru, su, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
+                                  ASM, FRAG, False, SWORD, WT)
+            if W_KIND == 2:  # the caller restores the fold's 2^8 (exact: see NV_REDO_SCALE)
+                acc_g = acc_g * NV_REDO_SCALE
+                acc_u = acc_u * NV_REDO_SCALE
+    return acc_g, acc_u
+
+
+# --------------------------------------------------------------------------- L1
+
+
+@triton.jit
+def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
+               pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr,
+               T, H, I, TOPK, stride_we, stride_wn, stride_wse,
+               rsf, clamp_c, act_alpha, act_beta, situ_b, situ_bl, a2_ptr,
+               W_KIND: tl.constexpr, NV_IN: tl.constexpr, ACT: tl.constexpr, HAS_CLAMP: tl.constexpr,
+               REQ: tl.constexpr, APPLY_W: tl.constexpr, SHARED: tl.constexpr, SPLIT_OUT: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
+               GU: tl.constexpr = False, WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False):
+    """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
+    epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
+
+    GU (frag only): the 2*BN contiguous kernel rows of the tile (gate and up interleaved in
+    groups of 8) are one ``[2BN, 128]`` operand and one dot, instead of a gate dot and an up
+    dot of BN rows each. In the wgmma accumulator a thread owns rows r and r + 8 of every
+    16-row slab, so gate row 16m + i and its up row 16m + 8 + i land in the same thread and
+    the split after the loop renames registers. Why: with 8 warps a 64-row dot is split along
+    the tokens and both warpgroups decode the same weights; a 128-row dot is split along the
+    rows, so 128-pair tiles can take 8 warps (half the accumulator registers per thread, no
+    spills) without decoding anything twice. Same products, same per-element sums: bitwise
+    the same output.
+
+    FOLD (frag + asm): the decode's bias multiply rides on the scale operand (``_w_frag``). MX
+    weights: exact while every UE8M0 byte of the tile is <= 128 (E4M3: 134); ``_fold_bad`` checks that
+    after the loop and, if one was larger, the tile is computed again with the plain decode
+    (never taken by real weights, so it costs only the check). NVFP4: the
+    accumulators are value * 2^-8 exactly and get the 2^8 back here. FFLAGS: ``fflag_ptr`` holds the
+    per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = tl.arange(0, BM)
+    if SHARED:
+        e = pid_m * 0
+        tok = pid_m * BM + m
+        mvalid = tok < T
+        tok = tl.where(mvalid, tok, 0)
+        pair = tok
+    else:
+        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
+        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
+        # from sinking the expert's load below the exit
+        nb = tl.load(nblk_ptr)
+        e = tl.load(blk_ptr + pid_m)
+        if (pid_m >= nb) | (e < 0):
+            return
+        pair = tl.load(pair_ptr + pid_m * BM + m)
+        mvalid = pair >= 0
+        pair = tl.where(mvalid, pair, 0)
+        tok = pair // TOPK
+    e64 = e.to(tl.int64)
+    fflag = fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
+    xrow = tok.to(tl.int64) * H
+    j = pid_n * BN + tl.arange(0, BN)
+    rg = 16 * (j // 8) + j % 8
+    ru = rg + 8
+    sg = utccp(rg)
+    su = utccp(ru)
+    we = w_ptr + e64 * stride_we
+    wse = wsb_ptr + e64 * stride_wse
+    NROWS = 2 * I
+    SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
+    if GU:  # one dot over the 2BN contiguous kernel rows (gate/up interleaved by 8)
+        r2 = pid_n * (2 * BN) + tl.arange(0, 2 * BN)
+        s2 = utccp(r2)
+        acc = tl.zeros((2 * BN, BM), tl.float32)
+        for k0 in range(0, H, BK):
+            xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+            acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
+                            FRAG, FOLD, SWORD, WT)
+        if FOLD:
+            if fold_redo(fflag, wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale the fold cannot take: plain again
+                acc = tl.zeros((2 * BN, BM), tl.float32)
+                for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
+                    xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+                    acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT,
+                                    ASM, FRAG, False, SWORD, WT)
+                if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see NV_REDO_SCALE)
+                    acc = acc * NV_REDO_SCALE
+        a4 = tl.permute(acc.reshape(BN // 8, 2, 8, BM), (0, 2, 3, 1))  # (slab, i, token, gate/up)
+        acc_g, acc_u = tl.split(a4)
+        acc_g = acc_g.reshape(BN, BM)
+        acc_u = acc_u.reshape(BN, BM)
+    else:
+        acc_g, acc_u = _l1_two_dots(x_ptr, xrow, mvalid, we, wse, rg, ru, sg, su, NROWS, stride_wn, H, W_KIND, BN,
+                                    BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT, fflag)
+    if FOLD and W_KIND == 2:
+        acc_g = acc_g * 256.0
+        acc_u = acc_u * 256.0
+    if NV_IN:  # NVFP4: acc * (token_scale * l1_alpha[e, half]), scalar product first
+        ts = tl.load(xts_ptr + tok, mask=mvalid, other=0.0)
+        acc_g = acc_g * (ts * tl.load(alpha_ptr + e64 * 2))[None, :]
+        acc_u = acc_u * (ts * tl.load(alpha_ptr + e64 * 2 + 1))[None, :]
+    a = activation(acc_g, acc_u, clamp_c, act_alpha, act_beta, situ_b, situ_bl, ACT, HAS_CLAMP, HW_CVT)
+    if APPLY_W:
+        w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
+        a = a * w[None, :]
+    if REQ == 1:  # inv = 1 / a2 in fp32, as codecs.quantize_nvfp4
+        a2v = tl.load(a2_ptr + tl.arange(0, 1))
+        inv_a2 = tl.sum(tl.math.div_rn(tl.full((1,), 1.0, tl.float32), a2v), axis=0)
+    else:
+        inv_a2 = 1.0
+    q = _requant(a, inv_a2, REQ, BN, BM, HW_CVT)
+    if SHARED:
+        orow = tok.to(tl.int64)
+    else:
+        orow = (pid_m * BM + m).to(tl.int64)
+    if SPLIT_OUT == 2:  # frag K order: the next GEMM's e2m1 weights read 16-byte runs (_w_frag)
+        col = _jit.frag_pos(j)
+    elif SPLIT_OUT == 3:  # E4M3 frag K order (_w_frag8)
+        col = _jit.frag8_pos(j)
+    elif SPLIT_OUT:  # [even j | odd j]: the next GEMM's e2m1 weights take even/odd k separately
+        col = j // 2 + (j % 2) * (I // 2)
+    else:
+        col = j
+    tl.store(act_ptr + orow[None, :] * I + col[:, None], q, mask=mvalid[None, :])
+
+
+def launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
+               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False,
+               wt=0, fflags=None):
+    act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
+    swe, swn = weight_strides(w)
+    bn = min(cfg.l1_bn, I)
+    grid = (I // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
+    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
+    _l1_kernel[grid](
+        x, xts, bytes_if_fp8(w), scale_bytes(ws, w.device), alpha, x if fflags is None else fflags,
+        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
+        dummy_i32 if shared else plan.num_blocks, tw, act,
+        T, H, I, K, swe, swn, scale_stride(ws),
+        rsf, c, a_alpha, a_beta, sb, slb, a2,
+        W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
+        SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
+        BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
+        HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=scale_words(sword, frag, w_kind),
+        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=wt, FFLAGS=fflags is not None,
+        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
+        **opts(cfg.l1_maxnreg))

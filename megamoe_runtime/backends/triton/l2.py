@@ -1,0 +1,147 @@
+"""L2 and combine of the triton forward: down GEMM into bf16 slots, then the slot sum.
+
+`_l2_kernel` writes one bf16 slot per (token, top-k slot) pair (NVFP4: alphas and a2 in the
+epilogue); `_combine_kernel` adds a token's slots in ascending slot order in fp32, with the
+routed scaling factor where the row applies it in the combine. `launch_l2` and `combine` are
+their host sides.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _jit
+from .launch import bytes_if_fp8, opts, scale_bytes, scale_stride, scale_words, weight_strides
+from .operands import NV_REDO_SCALE, fold_flag, fold_redo, mm_block, utccp, x_tiles
+
+
+# --------------------------------------------------------------------------- L2
+
+
+@triton.jit
+def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, l2s_ptr, slot_ptr,
+               T, H, I, TOPK, NSLOT, stride_we, stride_wn, stride_wse, a2_ptr,
+               W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
+               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
+               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False):
+    """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
+    (FOLD, SWORD and FFLAGS as in ``_l1_kernel``)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = tl.arange(0, BM)
+    if SHARED:
+        e = pid_m * 0
+        tok = pid_m * BM + m
+        mvalid = tok < T
+        tok = tl.where(mvalid, tok, 0)
+        arow = tok.to(tl.int64)
+        slot = tok.to(tl.int64) * NSLOT + TOPK
+        pair = tok
+    else:
+        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
+        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
+        # from sinking the expert's load below the exit
+        nb = tl.load(nblk_ptr)
+        e = tl.load(blk_ptr + pid_m)
+        if (pid_m >= nb) | (e < 0):
+            return
+        pair = tl.load(pair_ptr + pid_m * BM + m)
+        mvalid = pair >= 0
+        pair = tl.where(mvalid, pair, 0)
+        arow = (pid_m * BM + m).to(tl.int64)
+        slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
+    e64 = e.to(tl.int64)
+    fflag = fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
+    n = pid_n * BN + tl.arange(0, BN)
+    sn = utccp(n)
+    we = w_ptr + e64 * stride_we
+    wse = wsb_ptr + e64 * stride_wse
+    SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
+    acc = tl.zeros((BN, BM), tl.float32)
+    xrow = arow * I
+    for k0 in range(0, I, BK):
+        xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
+        acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
+                        WT)
+    if FOLD:
+        if fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
+            acc = tl.zeros((BN, BM), tl.float32)
+            for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
+                xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
+                acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                                FRAG, False, SWORD, WT)
+            if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see NV_REDO_SCALE)
+                acc = acc * NV_REDO_SCALE
+    if FOLD and W_KIND == 2:
+        acc = acc * 256.0
+    if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
+        p = _jit.bf16r(acc * (tl.load(l2s_ptr + e64) * tl.load(a2_ptr)), HW_CVT)
+        if SHARED:
+            y = p.to(tl.bfloat16)
+        else:
+            w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0)
+            y = _jit.bf16r(p * w[None, :], HW_CVT).to(tl.bfloat16)
+    else:
+        y = _jit.bf16r(acc, HW_CVT).to(tl.bfloat16)
+    tl.store(slot_ptr + slot[None, :] * H + n[:, None], y, mask=mvalid[None, :])
+
+
+# --------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
+                    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, NV: tl.constexpr, APPLY_RSF: tl.constexpr,
+                    BH: tl.constexpr, GPU: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    NSLOT: tl.constexpr = TOPK + HAS_SHARED
+    base = slot_ptr + t * NSLOT * H
+    acc = tl.zeros((BH,), tl.float32)
+    for k in tl.static_range(TOPK):
+        le = tl.load(ids_ptr + t * TOPK + k).to(tl.int32) - e_lo
+        ok = (le >= 0) & (le < E_l)
+        s = tl.load(base + k * H + h, mask=hm & ok, other=0.0).to(tl.float32)
+        acc = acc + tl.where(ok, s, 0.0)
+    if NV:
+        r = _jit.bf16r(acc, GPU)
+        if APPLY_RSF:
+            r = _jit.bf16r(r * rsf, GPU)
+        if HAS_SHARED:
+            r = r + tl.load(base + TOPK * H + h, mask=hm, other=0.0).to(tl.float32)
+        acc = r
+    else:
+        if HAS_SHARED:
+            acc = acc + tl.load(base + TOPK * H + h, mask=hm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, _jit.bf16r(acc, GPU).to(tl.bfloat16), mask=hm)
+
+
+def launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
+               frag=False, fold=False, sword=False, wt=0, fflags=None):
+    swe, swn = weight_strides(w)
+    bn = min(cfg.l2_bn, H)
+    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
+    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
+    _l2_kernel[grid](
+        act, bytes_if_fp8(w), scale_bytes(ws, w.device), act if fflags is None else fflags,
+        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
+        dummy_i32 if shared else plan.num_blocks, tw, l2s, slots,
+        T, H, I, K, nslot, swe, swn, scale_stride(ws), a2,
+        W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
+        BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
+        FOLD=bool(fold and frag and asm), SWORD=scale_words(sword, frag, w_kind),
+        WT=wt, FFLAGS=fflags is not None, num_warps=cfg.l2_warps,
+        num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
+
+
+def combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:
+    H, K, E_l = spec.hidden, spec.top_k, spec.experts_per_rank
+    row = spec.row_spec
+    bh = min(cfg.combine_bh, triton.next_power_of_2(H))
+    _combine_kernel[(out.shape[0], triton.cdiv(H, bh))](
+        slots, ids, out, H, spec.ep_rank * E_l, E_l, rsf,
+        TOPK=K, HAS_SHARED=has_shared, NV=row.rsf_in_combine, APPLY_RSF=(row.rsf_in_combine and rsf != 1.0),
+        BH=bh, GPU=hw, num_warps=4, **opts())
