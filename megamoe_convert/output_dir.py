@@ -663,7 +663,7 @@ def temp_holder(tmp: Path) -> dict | None:
     return None
 
 
-def _busy_temp(tmp: Path, out: Path, holder: dict) -> OutputError:
+def busy_temp_error(tmp: Path, out: Path, holder: dict) -> OutputError:
     return OutputError(
         f"another megamoe-convert run is writing {tmp} right now ({describe_marker(holder)}), although the lock "
         f"{lock_path_for(out)} does not say so (it was removed or replaced while that run held it); this run "
@@ -700,7 +700,7 @@ class TempClaim:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise _busy_temp(tmp, out, read_temp_marker(tmp)) from None
+            raise busy_temp_error(tmp, out, read_temp_marker(tmp)) from None
         except OSError as e:
             if e.errno not in _NO_DIR_LOCK:
                 os.close(fd)
@@ -814,7 +814,7 @@ def _confirm(guard: "OutputLock | None", doing: str) -> None:
 # --------------------------------------------------------------------------- swap
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -830,7 +830,7 @@ def _fsync_dir(path: Path) -> None:
 def _strip_temp_files(out: Path) -> None:
     for name in (JOURNAL_NAME, TMP_MARKER):
         (out / name).unlink(missing_ok=True)
-    _fsync_dir(out)
+    fsync_dir(out)
 
 
 def _step(on_step: StepHook | None, name: str) -> None:
@@ -890,13 +890,13 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None,
                 shutil.rmtree(old)
             os.rename(out, old)
             moved_old = True
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
             _step(on_step, STEP_OLD_MOVED)
         _confirm(guard, f"renaming {tmp} to {out}")
         _rename_no_replace(tmp, out)
         if guard is not None and guard.claim is not None:
             guard.claim.moved(out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         _step(on_step, STEP_NEW_MOVED)
         _confirm(guard, f"removing the journal and marker from {out}")
         _strip_temp_files(out)
@@ -904,7 +904,7 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None,
         if moved_old:  # only what this swap put there: a folder that was already at that name is not ours
             _confirm(guard, f"removing the previous output {old}")
             shutil.rmtree(old)
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
             _step(on_step, STEP_OLD_REMOVED)
 
 
@@ -950,14 +950,14 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
                     _rename_no_replace(tmp, out)
                 finally:
                     claim.release()
-                _fsync_dir(out.parent)
+                fsync_dir(out.parent)
                 finished = fp
                 log(f"recovered: an earlier run to {out} was stopped just before its final rename; "
                     f"its complete output in {tmp} is now {out}")
             elif old.exists() and is_our_old(old):
                 _confirm(guard, f"renaming {old} to {out}")
                 _rename_no_replace(old, out)
-                _fsync_dir(out.parent)
+                fsync_dir(out.parent)
                 log(f"recovered: an earlier --overwrite run was stopped mid-swap; the previous output "
                     f"{old} is back at {out}")
         if out.is_dir() and not out.is_symlink() and (out / JOURNAL_NAME).is_file() and is_megamoe_output(out):
@@ -970,7 +970,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
             if is_our_old(old):
                 _confirm(guard, f"removing {old}")
                 shutil.rmtree(old)
-                _fsync_dir(out.parent)
+                fsync_dir(out.parent)
                 log(f"removed {old}, the previous output left by an earlier --overwrite run")
             else:
                 log(f"warning: {old} exists and is not a megamoe output; it is left alone")
@@ -978,7 +978,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
 
 
 __all__ = [
-    "OutputError", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
+    "OutputError", "fsync_dir", "busy_temp_error", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
     "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "describe_marker", "new_run_id", "this_command",
     "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
     "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from megamoe_runtime.errors import CheckpointError
+from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.files.json_io import parse_json
 from megamoe_runtime.format.manifest import DIGEST_SHA256
 
@@ -27,12 +27,12 @@ from .output_dir import (
     OutputLock,
     StepHook,
     TempClaim,
-    _busy_temp,
-    _fsync_dir,
+    busy_temp_error,
     check_old_name_free,
     check_replaceable,
     discard_temp,
     foreign_temp_entries,
+    fsync_dir,
     remove_own_entries,
     is_our_temp,
     journal_state,
@@ -66,7 +66,7 @@ def check_output_target(out: Path, *, overwrite: bool, resume: bool, recovered: 
             discard_temp(tmp)  # raises: not ours, left alone
         holder = temp_holder(tmp)
         if holder is not None:
-            raise _busy_temp(tmp, out, holder)
+            raise busy_temp_error(tmp, out, holder)
         fp, complete = journal_state(tmp)
         if complete or overwrite or (resume and (tmp / JOURNAL_NAME).is_file()):
             return  # a complete one is resumed when this run's fingerprint matches (prepare_temp_dir)
@@ -343,7 +343,7 @@ def finalize_output(tmp: Path, out: Path, mark_complete: Callable[[], None] | No
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if on_step is not None:
         on_step(STEP_SYNCED)
     if mark_complete is not None:

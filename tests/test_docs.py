@@ -82,6 +82,38 @@ def test_a_wrong_citation_is_reported(tmp_path):
     ]
 
 
+#: a page named without its folder (``LAYOUT.md``) or with one (``docs/LAYOUT.md``, ``tests/fixtures/real/README.md``)
+_PAGE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[A-Z][A-Z_0-9]*\.md)\b")
+#: a path into a folder beside the repository (a session's shared folder), which a clone does not have
+_OUTSIDE = re.compile(r"(?<![\w])(?:\.\./shared|/work/shared)\b")
+
+
+def missing_pages(files: list[Path]) -> list[str]:
+    """Every page a file names that the repository lacks, and every path it names outside the repository."""
+    bad = []
+    for f in files:
+        where = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name
+        text = f.read_text(errors="replace")
+        for page in sorted(set(_PAGE.findall(text))):
+            if not any((base / page).is_file() for base in (ROOT, DOCS, f.parent)):
+                bad.append(f"{where}: names {page}, which the repository lacks")
+        bad += [f"{where}: points outside the repository: {m}" for m in sorted(set(_OUTSIDE.findall(text)))]
+    return bad
+
+
+def test_every_named_page_exists_in_the_repository():
+    files = _sources() + [ROOT / "tests/fixtures/real/README.md", ROOT / "tests/fixtures/make_real_fixtures.py"]
+    assert missing_pages(files) == []
+
+
+def test_a_missing_page_is_reported(tmp_path):
+    """Negative control: a page the repository lacks, and a path beside it, are both caught."""
+    f = tmp_path / "x.py"
+    f.write_text("as REFERENCE.md section 6 says; see ../shared/notes and LAYOUT.md\n")
+    assert missing_pages([f]) == ["x.py: names REFERENCE.md, which the repository lacks",
+                                  "x.py: points outside the repository: ../shared"]
+
+
 def test_anchor_rule():
     assert anchor("w1 w3 agreement") == "w1-w3-agreement"
     assert anchor("DeepGEMM UE8M0 scale") == "deepgemm-ue8m0-scale"

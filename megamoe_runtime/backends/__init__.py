@@ -16,6 +16,10 @@ layout, allocated once); none re-lays-out weights at load or per call.
 device can run it, then triton on CUDA, then reference. Backends are looked up
 by a ``"module:attr"`` path and imported on first use, so importing
 `megamoe_runtime` never imports triton or deep_gemm.
+
+May import: `megamoe_runtime.errors`, `files`, `format`, and its own modules (no circle). Never `layer`,
+`load` or `integrations`: a backend is handed the layer and reads its attributes
+(tests/test_import_floors.py).
 """
 from __future__ import annotations
 

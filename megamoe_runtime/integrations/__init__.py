@@ -12,4 +12,7 @@ What lives here and what it may import:
 Each engine package imports its engine lazily and nothing here is imported by ``megamoe_runtime`` itself:
 the base install never needs transformers or vLLM. They import downward only: the runtime's public API
 (checkpoint, layer, codecs, errors), never the converter.
+
+May import: every floor of the runtime below (`errors`, `files`, `format`, `backends`, `layer`, `load`) and
+its own modules (no circle); never `megamoe_convert` (tests/test_import_floors.py).
 """

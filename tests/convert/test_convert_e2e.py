@@ -394,7 +394,7 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     def killed(path):
         raise KeyboardInterrupt("killed during the final fsync")
 
-    monkeypatch.setattr(temp_folder_mod, "_fsync_dir", killed)
+    monkeypatch.setattr(temp_folder_mod, "fsync_dir", killed)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out)
     monkeypatch.undo()

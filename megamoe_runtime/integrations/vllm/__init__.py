@@ -23,21 +23,7 @@ Nothing here imports vLLM until `register` runs: ``import megamoe_runtime`` neve
 """
 from __future__ import annotations
 
-__all__ = ["register", "LOAD_FORMAT", "QUANT_METHOD", "SUPPORTED_ARCHITECTURES"]
-
-#: the name of the quantization method and of the load format this plugin registers
-QUANT_METHOD = "megamoe"
-LOAD_FORMAT = "megamoe"
-
-#: the model classes whose MoE blocks this plugin fills (vLLM architecture names; config.json's
-#: ``architectures``). Kimi-K2 checkpoints name DeepseekV3ForCausalLM.
-SUPPORTED_ARCHITECTURES = (
-    "DeepseekV3ForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Glm4MoeForCausalLM",
-    "MixtralForCausalLM",
-)
+__all__ = ["register"]
 
 _registered = False
 

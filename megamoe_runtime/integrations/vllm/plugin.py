@@ -33,10 +33,22 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
-from ..folder import check_folder_for_model
-from . import LOAD_FORMAT, QUANT_METHOD, SUPPORTED_ARCHITECTURES
+from ..folder import QUANT_METHOD, check_folder_for_model
 
 logger = init_logger(__name__)
+
+#: the name of the load format this plugin registers (the quantization method is `folder.QUANT_METHOD`)
+LOAD_FORMAT = "megamoe"
+
+#: the model classes whose MoE blocks this plugin fills (vLLM architecture names; config.json's
+#: ``architectures``). Kimi-K2 checkpoints name DeepseekV3ForCausalLM.
+SUPPORTED_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 
 #: vLLM's parameter names (its own DeepGemmMegaMoEExperts, vllm/model_executor/layers/fused_moe/
 #: deep_gemm_mega_moe.py ``_create_weights``) -> the megamoe role holding the same bytes, shape and strides
