@@ -91,7 +91,7 @@ def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size:
     (its tensors and files sections serialized as the manifest writes them, digests as placeholders of
     their length; `MANIFEST_LAYER_BYTES` per layer record)."""
     from megamoe_runtime.format.manifest import FileEntry
-    from megamoe_runtime.load.checkpoint import FILE_KEY, RANK_KEY
+    from megamoe_runtime.load.load_checks import FILE_KEY, RANK_KEY
 
     from .shard_writer import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, ST_METADATA, json_bytes, safetensors_header
 

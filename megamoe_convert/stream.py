@@ -30,7 +30,7 @@ from megamoe_runtime.format import layout
 from megamoe_runtime.format.formats import Row, get_row
 from megamoe_runtime.format.manifest import PASSTHROUGH_ROLE, to_stored
 from megamoe_runtime.format.roles import KERNEL_ROLES, is_shared_role, shared_role
-from megamoe_runtime.load.checkpoint import FILE_KEY, RANK_KEY
+from megamoe_runtime.load.load_checks import FILE_KEY, RANK_KEY
 
 from . import checks
 from .direct import DirectWeights

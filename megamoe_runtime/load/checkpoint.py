@@ -30,26 +30,19 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 
 from ..errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
+from ..files.file_io import FileSlice, SafetensorsFile, deferred_gpu_reads
 from ..files.folder import inside_folder
+from ..files.safetensors_header import SafetensorsHeader
 from ..format.formats import LayerSpec, get_row
-from ..format.roles import expected_roles
-from ..files.file_io import SAFETENSORS_DTYPES, FileSlice, SafetensorsFile, read_safetensors_header  # noqa: F401 (API)
-from ..files.file_io import deferred_gpu_reads
-from ..files.safetensors_header import HeaderEntry, SafetensorsHeader, parse_safetensors_header  # noqa: F401
-from .load_checks import (FILE_KEY, RANK_KEY, check_layer_load,  # noqa: F401 (FILE_KEY, RANK_KEY: API)
-                          check_verify_level, identity_problems)
 from ..format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
-                       read_manifest)
+                               read_manifest)
+from ..format.roles import expected_roles
+from .load_checks import check_layer_load, check_verify_level, identity_problems
 
 if TYPE_CHECKING:  # pragma: no cover (imported where a layer is built, so opening a folder stays cheap)
     from ..layer.experts import DeepGemmMegaMoEExperts
 
 __all__ = [
-    "SAFETENSORS_DTYPES",
-    "HeaderEntry",
-    "FileSlice",
-    "SafetensorsFile",
-    "read_safetensors_header",
     "Checkpoint",
     "LayerInfo",
     "PlanItem",

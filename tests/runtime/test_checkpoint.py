@@ -10,8 +10,8 @@ import torch
 
 import megamoe_runtime as mr
 from megamoe_runtime.errors import CheckpointError, ManifestError
+from megamoe_runtime.files.file_io import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 from megamoe_runtime.format.manifest import with_self_digest
-from megamoe_runtime.load.checkpoint import SAFETENSORS_DTYPES, SafetensorsFile, read_safetensors_header
 
 
 def test_public_api_open_build_forward(ckpts):

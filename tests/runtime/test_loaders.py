@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megamoe_runtime as mr
 from megamoe_runtime.errors import CheckpointError, LayoutError, ScaleError
+from megamoe_runtime.files.file_io import FileSlice, SafetensorsFile
 from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
 from megamoe_runtime.layer.loaders import make_expert_params_mapping, parse_expert_weight_name
-from megamoe_runtime.load.checkpoint import FileSlice, SafetensorsFile
 from megamoe_runtime.load.raw_load import load_raw_checkpoint, load_raw_weights
 
 

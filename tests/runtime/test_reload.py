@@ -11,9 +11,9 @@ from torch import nn
 
 import megamoe_runtime as mr
 from megamoe_runtime.errors import ReloadError
+from megamoe_runtime.files.file_io import SafetensorsFile
 from megamoe_runtime.format.manifest import with_self_digest
 from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
-from megamoe_runtime.load.checkpoint import SafetensorsFile
 from megamoe_runtime.load.reload import byte_runs
 
 
