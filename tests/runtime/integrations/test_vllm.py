@@ -154,7 +154,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_megamoe_import_does_not_import_vllm():
     code = ("import sys, megamoe_runtime, megamoe_runtime.integrations.vllm as v; "
-            "assert v.QUANT_METHOD == 'megamoe'; bad = [m for m in sys.modules if m.split('.')[0] == 'vllm']; "
+            "assert callable(v.register); bad = [m for m in sys.modules if m.split('.')[0] == 'vllm']; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
