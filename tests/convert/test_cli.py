@@ -111,6 +111,13 @@ def test_demo_json(tmp_path):
     assert (tmp_path / "d" / "hf-converted" / "megamoe.json").is_file()
     r = run_cli("demo", "--keep", tmp_path / "d")
     assert r.exit_code == 2 and "exists" in r.stderr
+    mine = tmp_path / "e" / "hf-source"  # a user's folder where the last step would save its model
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    r = run_cli("demo", "--keep", tmp_path / "e")
+    assert r.exit_code == 2 and "hf-source exists" in r.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "e" / "source").exists()
     r = run_cli("demo", "--format", "gguf")
     assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
 

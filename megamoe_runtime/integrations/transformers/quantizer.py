@@ -164,9 +164,10 @@ class MegaMoEHfQuantizer(HfQuantizer):
 
         device = _device_near(model, name)
         tensors = {}
-        for suffix, file in pending.tensors.items():
+        for file in sorted(set(pending.tensors.values())):  # each file opened once per linear
             with safe_open(str(self.checkpoint.path_of(file)), "pt", device="cpu") as f:
-                tensors[suffix] = f.get_tensor(f"{name}.{suffix}").to(device)
+                for suffix in (s for s, fl in pending.tensors.items() if fl == file):
+                    tensors[suffix] = f.get_tensor(f"{name}.{suffix}").to(device)
         w = decode_linear_weight(name, tensors, pending.in_features)
         linear = nn.Linear(pending.in_features, pending.out_features, bias=pending.bias is not None,
                            device="meta", dtype=dtype)

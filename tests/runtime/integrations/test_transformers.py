@@ -335,6 +335,15 @@ def _copy(out: Path, tmp_path: Path) -> Path:
     return dst
 
 
+def _with_config(out: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of OUT whose config.json says ``changes`` (a manifest that no longer describes it)."""
+    bad = _copy(out, tmp_path)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(changes)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
 def test_not_a_megamoe_folder(converted_tiny, tmp_path):
     _, out = converted_tiny("qwen3_moe")
     bad = _copy(out, tmp_path)
@@ -345,10 +354,7 @@ def test_not_a_megamoe_folder(converted_tiny, tmp_path):
 
 def test_manifest_of_another_model(converted_tiny, tmp_path):
     _, out = converted_tiny("qwen3_moe")
-    bad = _copy(out, tmp_path)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 64
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(out, tmp_path, moe_intermediate_size=64)
     with pytest.raises(CheckpointError, match=r"expert intermediate 128 in megamoe.json, 64 in config.json"):
         _load(bad)
 
@@ -382,10 +388,7 @@ def test_unknown_architecture(converted_tiny, tmp_path, monkeypatch):
 
 def test_routed_scaling_disagreeing_with_the_manifest(converted_tiny, tmp_path):
     _, out = converted_tiny("glm4_moe")
-    bad = _copy(out, tmp_path)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["routed_scaling_factor"] = 3.0
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(out, tmp_path, routed_scaling_factor=3.0)
     with pytest.raises(CheckpointError, match="routed_scaling_factor is 3.0 in config.json but 1.5 in megamoe.json"):
         _load(bad)
 
