@@ -11,7 +11,9 @@ that the bf16 source fits the machine's disk), each measured in its own fresh pr
   Triton cache, so its first token includes compiling the kernels; the second as a restarted server sees it).
 
 Per run: seconds from ``from_pretrained`` to the first generated token (a 32-token prompt), peak host RSS,
-peak device memory, and greedy decode tokens/s at batch 1 over 32 new tokens after one warm-up generation.
+peak device memory, and greedy decode tokens/s at batch 1 over 32 new tokens after one warm-up generation,
+eager and (on a GPU, unless ``--no-static``) through ``generate(cache_implementation="static")``, which
+transformers compiles with CUDA graphs; the static run's tokens are compared with the eager run's.
 The page cache is warm for both (the files were just written); DeepGEMM is not installed on the H200.
 
     python bench/serve.py --work /tmp/serve --json serve.json            # H200
@@ -30,6 +32,8 @@ import time
 from pathlib import Path
 
 PROMPT, NEW_TOKENS = 32, 32
+#: also time generate(cache_implementation="static") (compiled, CUDA graphs); --no-static turns it off
+STATIC = os.environ.get("MEGAMOE_SERVE_STATIC", "1") != "0"
 
 
 def build_source(path: Path, tiny: bool, layers: int, experts: int) -> dict:
@@ -94,16 +98,43 @@ def measure(folder: str, use_megamoe: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t1
+        eager_out = model.generate(ids, **gen)
+    peaks = {"peak_host_rss_gb": round(_peak_rss_bytes() / 2**30, 2),  # before the static cache is allocated
+             "peak_device_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+    static = _static_decode(model, ids, gen, eager_out) if cuda and STATIC else {}
     backend = None
     for m in model.modules():
         if type(m).__name__ == "DeepGemmMegaMoEExperts":
             backend = m.backend.name
             break
     return {"load_s": round(t_loaded, 2), "first_token_s": round(ttft, 2),
-            "peak_host_rss_gb": round(_peak_rss_bytes() / 2**30, 2),
-            "peak_device_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-            "decode_tokens_per_s": round(NEW_TOKENS / dt, 2), "experts": backend or
+            **peaks,
+            "decode_tokens_per_s": round(NEW_TOKENS / dt, 2), **static, "experts": backend or
             f"transformers ({getattr(model.config, '_experts_implementation', None)})"}
+
+
+def _static_decode(model, ids, gen: dict, eager_out) -> dict:
+    """Greedy decode through ``generate(cache_implementation="static")``: on a GPU transformers compiles the
+    forward (inductor, "reduce-overhead": CUDA graphs) when the quantizer allows it. The first call compiles;
+    the timed one replays. Tokens are compared with the eager generate of the same prompt."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model.generate(ids, cache_implementation="static", **gen)  # compiles
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            model.generate(ids, cache_implementation="static", **gen)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            model.generate(ids, cache_implementation="static", **gen)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t1
+    except Exception as e:  # a model or quantizer that does not compile: say so, keep the eager numbers
+        return {"static_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"static_first_generate_s": round(first, 2), "static_decode_tokens_per_s": round(NEW_TOKENS / dt, 2),
+            "static_tokens_equal_eager": bool(torch.equal(out.cpu(), eager_out.cpu()))}
 
 
 def _peak_rss_bytes() -> int:
@@ -130,6 +161,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (DeepSeek-V3: 256)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run, not a benchmark)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--no-static", action="store_true",
+                    help="skip the static-cache (compiled, CUDA-graph) decode of each run")
+    ap.add_argument("--no-cold", action="store_true", help="skip the run with an empty Triton cache")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--megamoe", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -148,9 +182,12 @@ def main() -> None:
     convert(src, out, quantize="mxfp4")
     res["convert_s"] = round(time.perf_counter() - t, 1)
     res["out_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    env = dict(os.environ, TRITON_CACHE_DIR=str(a.work / "triton-cache"))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(a.work / "triton-cache"),
+               MEGAMOE_SERVE_STATIC="0" if a.no_static else "1")
     res["source"] = _child(src, False, env)
-    res["megamoe_cold_jit"] = _child(out, True, env)
+    print(json.dumps({"source": res["source"]}), flush=True)
+    if not a.no_cold:
+        res["megamoe_cold_jit"] = _child(out, True, dict(env, MEGAMOE_SERVE_STATIC="0"))
     res["megamoe"] = _child(out, True, env)
     print(json.dumps(res, indent=1))
     if a.json:

@@ -58,7 +58,7 @@ from ..files.limits import MAX_LAYER_BYTES
 from ..format import layout, scales, weight_tiles
 from ..format.formats import LayerSpec, SharedSpec, get_row, spec_differences
 from ..format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
-from . import loaders
+from . import compiled, loaders
 
 __all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
 
@@ -308,6 +308,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
                         module_reason = str(e)
         self.spec = spec_with_module
         self.backend = get_backend(backend, dev, spec=self.spec, **(backend_kwargs or {}))
+        #: this layer's name for ``torch.ops.megamoe.routed_experts`` (``compiled``: how torch.compile sees it)
+        self.op_handle = compiled.register(self)
 
         fused, reason = False, "no shared experts"
         if self.spec.shared is not None:
@@ -731,7 +733,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
             return ep_forward(self, hidden_states, topk_weights, topk_ids, shared_experts=shared_experts,
                               recv_stats=self.expert_recv_stats)
         shared_input = hidden_states if self.shared_fused else None
-        y = self.backend.forward(self, hidden_states, topk_weights, topk_ids, shared_input=shared_input)
+        y = compiled.routed_call(self, hidden_states, topk_weights, topk_ids, shared_input)
         stats = self.expert_recv_stats
         if stats is not None and not getattr(self.backend, "counts_recv_stats", False):
             # fixed-shape scatter (other ranks' and masked ids into a spill bin): boolean-mask

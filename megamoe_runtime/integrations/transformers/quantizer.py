@@ -75,6 +75,12 @@ class MegaMoEHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        # the layer's backend call is one custom op under torch.compile (layer/compiled.py), so generate's
+        # static-cache compile (and its CUDA graphs on a GPU) may take the whole model
+        return True
+
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: Optional[list] = None,
                                              **kwargs: Any) -> nn.Module:
         if not checkpoint_files:

@@ -433,6 +433,53 @@ def test_gpu_from_pretrained_matches_the_cpu_model(fixture, converted_real):
     assert gpu.generate(ids[:1].cuda(), **gen).shape == (1, 16)
 
 
+def _moe_ops(graphs: list) -> int:
+    op = torch.ops.megamoe.routed_experts
+    return sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default))
+
+
+def test_static_cache_generate_compiles_whole_graph(converted_tiny):
+    """generate(cache_implementation="static") compiles the forward when the quantizer allows it (on a GPU by
+    default, with CUDA graphs): the megamoe blocks trace as one op each with no graph break, and the tokens are
+    eager generate's."""
+    _, out = converted_tiny("deepseek_v3")
+    model = _load(out)
+    assert model.hf_quantizer.is_compileable
+    n_moe = sum(isinstance(m, MegaMoEBlock) for m in model.modules())
+    ids = _prompt(model.config.vocab_size)[:1]
+    gen = dict(max_new_tokens=6, do_sample=False)
+    want = model.generate(ids, **gen)
+    graphs: list = []
+
+    def backend(gm, example_inputs, **options):  # transformers passes its mode; a recorder has none to use
+        graphs.append(gm)
+        return gm.forward
+
+    cc = transformers.CompileConfig(backend=backend, fullgraph=True)
+    cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    torch._dynamo.reset()
+    try:
+        got = model.generate(ids, cache_implementation="static", compile_config=cc, **gen)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert graphs and all(_moe_ops([g]) == n_moe for g in graphs), [_moe_ops([g]) for g in graphs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_static_cache_generate_equals_eager(converted_real):
+    """On the GPU, transformers' own auto-compile (inductor, CUDA graphs) of a static-cache generate runs the
+    triton layer and gives eager generate's tokens."""
+    gpu = _load(converted_real("quark-mxfp4-deepseekv3"), device_map="cuda")
+    ids = _prompt(gpu.config.vocab_size)[:1].cuda()
+    gen = dict(max_new_tokens=8, do_sample=False)
+    want = gpu.generate(ids, **gen)
+    torch._dynamo.reset()
+    for _ in range(2):  # the first call compiles and records, the second replays
+        assert torch.equal(gpu.generate(ids, cache_implementation="static", **gen), want)
+
+
 def _hub_snapshot(out: Path, cache: Path, repo_id: str, commit: str) -> Path:
     """A hub cache entry for ``repo_id`` at ``commit`` holding OUT's files but megamoe.json (what transformers
     downloads of a converted repo), laid out as huggingface_hub lays it out."""
