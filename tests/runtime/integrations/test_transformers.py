@@ -54,6 +54,22 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits.float()
 
 
+def _logits_and_routes(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits, and each MoE router's top-k expert ids per token (sorted), in the order the routers ran."""
+    routes: list[torch.Tensor] = []
+
+    def keep(module, args, out):
+        if isinstance(out, tuple) and len(out) == 3:  # transformers' routers return (logits, weights, ids)
+            routes.append(out[2].reshape(-1, out[2].shape[-1]).sort(-1).values)
+
+    hooks = [m.register_forward_hook(keep) for n, m in model.named_modules() if n.endswith(".gate")]
+    try:
+        return _logits(model, ids), routes
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _prompt(vocab: int, n: int = 2, t: int = 10, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n, t), generator=g)
@@ -74,15 +90,37 @@ def test_bf16_source_matches_transformers_on_the_source(arch, converted_tiny):
     n_moe = len(json.loads((out / "megamoe.json").read_text())["layers"])
     assert len(blocks) == n_moe and all(b.megamoe.backend.name == "reference" for b in blocks)
     ids = _prompt(ours.config.vocab_size)
-    a, b = _logits(ours, ids), _logits(ref, ids)
-    d = calc_diff(a, b)
-    assert d < BF16_TOL, f"{arch}: calc_diff {d}"
+    (a, ra), (b, rb) = _logits_and_routes(ours, ids), _logits_and_routes(ref, ids)
+    assert len(ra) == len(rb) == n_moe
+    # a token whose top-k experts differ in some layer is a near-tie the two sides' bf16 roundings broke
+    # differently (seen: one of 20 tokens of glm4_moe on an AMX CPU); it moves that token's logits by a whole
+    # expert, so it is counted, bounded, and left out of the numerics check
+    flipped = torch.zeros(ids.numel(), dtype=torch.bool)
+    for x, y in zip(ra, rb):
+        flipped |= (x != y).any(-1)
+    assert int(flipped.sum()) <= max(1, ids.numel() // 10), f"{arch}: routing differs at {int(flipped.sum())} tokens"
+    keep = ~flipped.reshape(ids.shape)
+    d = calc_diff(a[keep], b[keep])
+    assert d < BF16_TOL, f"{arch}: calc_diff {d} ({int(flipped.sum())} tokens routed differently left out)"
     forced = _greedy_agree(ours, ref, ids, 8, float((a - b).abs().max()))
     assert forced <= 2, f"{arch}: {forced} of 8 greedy steps were ties"
     if forced == 0:  # no near-tie on the way: generate() itself (KV cache, decode steps of one token) agrees
         gen = dict(max_new_tokens=8, do_sample=False)
         assert torch.equal(ours.generate(ids[:1], **gen), ref.generate(ids[:1], **gen))
     assert _snapshot(out) == before  # loading writes nothing into OUT
+
+
+def test_relabeled_router_is_caught_by_the_routing_count(converted_tiny):
+    """Negative control of the near-tie allowance above: a router whose expert order is reversed routes most
+    tokens elsewhere, far past the one-in-ten tokens the comparison may leave out."""
+    src, out = converted_tiny("glm4_moe")
+    ours, ref = _load(out), _load(src)
+    gate = ours.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.weight.copy_(gate.weight.flip(0))
+    ids = _prompt(ours.config.vocab_size)
+    (_, ra), (_, rb) = _logits_and_routes(ours, ids), _logits_and_routes(ref, ids)
+    assert int((ra[0] != rb[0]).any(-1).sum()) > ids.numel() // 10
 
 
 def test_shared_expert_runs_fused_and_once(converted_tiny):
