@@ -14,9 +14,9 @@ in one CUDA graph, ``do_bench`` median), and both lines are printed.
 
 Candidates: ``L1_VARIANTS`` / ``L2_VARIANTS`` by regime (mean pairs per expert), or
 ``--l1`` / ``--l2`` as ``gu:bn:warps:stages[:decode[:bk[:maxnreg]]]`` and
-``bn:warps:stages[:decode[:bk[:maxnreg]]]`` lists separated by commas (decode "-" = the row's
-default, bk "-" = 128; the frag kernels take 128 whatever is asked; maxnreg absent = the default
-config's register cap, 0 = none).
+``bn:warps:stages[:decode[:bk[:maxnreg[:split]]]]`` lists separated by commas (decode "-" = the row's
+default, bk "-" = 128; the frag kernels take 128 whatever is asked; maxnreg absent or "-" = the default
+config's register cap, 0 = none; split = the L2's K slices, ``KernelConfig.l2_split``).
 """
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def default_variants(cfg) -> tuple[str, str]:
     """The L1 and L2 variant strings of a config's own tiles (its decodes; its L1 register cap)."""
     l1 = f"{int(bool(cfg.l1_gu))}:{cfg.l1_bn}:{cfg.l1_warps}:{cfg.l1_stages}:{cfg.decode}:-:{cfg.l1_maxnreg or 0}"
     l2 = f"{cfg.l2_bn}:{cfg.l2_warps}:{cfg.l2_stages}:{cfg.l2_decode or cfg.decode}"
+    if cfg.l2_split > 1:
+        l2 += f":-:-:{cfg.l2_split}"
     return l1, l2
 
 
@@ -87,8 +89,10 @@ def _l2(v: str) -> tuple[dict, str | None]:
     d = dict(l2_bn=int(p[0]), l2_warps=int(p[1]), l2_stages=int(p[2]))
     if len(p) > 4 and p[4] != "-":
         d["l2_bk"] = int(p[4])
-    if len(p) > 5:
+    if len(p) > 5 and p[5] != "-":
         d["l2_maxnreg"] = int(p[5]) or None
+    if len(p) > 6:
+        d["l2_split"] = int(p[6])
     return d, (p[3] if len(p) > 3 and p[3] != "-" else None)
 
 

@@ -42,6 +42,9 @@ class KernelConfig:
     l2_bk: int = 128
     l2_warps: int = 4
     l2_stages: int = 3
+    #: frag path: the routed L2 in this many K slices (fp32 partials, added in order by one reduce launch;
+    #: docs/KERNELS.md "Split-K L2"); 1 = one pass over K. Taken only where it cuts I into whole 128-blocks.
+    l2_split: int = 1
     combine_bh: int = 1024
     #: GEMM path of the MX rows: "fp8" (E4M3 wgmma, ``mma8``), "bf16" (decode to bf16) or
     #: None = env ``MEGAMOE_TRITON_MMA`` (default "auto" = bf16, the exact path). Other rows: bf16.
@@ -263,6 +266,32 @@ def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_l
     return cfg
 
 
+#: the split-K rule's slices, and the K loop (128-blocks of I) it needs before it splits
+SPLIT_K_SLICES = 4
+SPLIT_K_MIN_STEPS = 64
+
+
+def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_local: int, H: int, I: int,
+                  sms: Optional[int] = None) -> "KernelConfig":
+    """The split-K part of the tile rule (docs/KERNELS.md "Split-K L2"): a few large experts (I / 128 >=
+    64: Mixtral, DBRX) at decode and mid sizes give the L2 too few tiles, each with a long K loop. When
+    the L2 would run under two CTAs per SM with 128-column tiles (``blocks * H / 128 < 2 * SMs``, row
+    blocks as in ``shape_tiles``), split its K into ``SPLIT_K_SLICES`` slices. Measured on the H200 for
+    the E2M1 rows (issue 28, 2026-12-04: Mixtral 1 / 8 / 64 tokens 1.35 / 1.04 / 1.18x mxfp4, 1.11 / 1.04 /
+    1.09x nvfp4; DBRX one token 1.14x mxfp4); mxfp8 was not swept and keeps one pass."""
+    steps = I // 128 if I else 0
+    if kind not in (W_E2M1_MX, W_E2M1_NV) or regime not in ("few", "decode", "mid") or not H \
+            or steps < SPLIT_K_MIN_STEPS or steps % SPLIT_K_SLICES:
+        return cfg
+    import math
+
+    sms = sms or sm_count()
+    blocks = max(expected_touched(n_pairs, num_local), math.ceil(n_pairs / (cfg.block_m or 16)))
+    if blocks * (H // 128) < 2 * sms:
+        cfg = dataclasses.replace(cfg, l2_split=SPLIT_K_SLICES)
+    return cfg
+
+
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
                    l1_gu: Optional[bool] = None, w_kind: Optional[int] = None,
                    H: Optional[int] = None, I: Optional[int] = None) -> KernelConfig:
@@ -286,6 +315,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
         cfg = _frag_config(t, bm, l1_gu)
         cfg = shape_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
+        cfg = split_k_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
         # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
         # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its

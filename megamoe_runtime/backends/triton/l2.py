@@ -25,11 +25,18 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False):
+               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
-    (FOLD, SWORD and FFLAGS as in ``_l1_kernel``)."""
+    (FOLD, SWORD and FFLAGS as in ``_l1_kernel``).
+
+    KSPLIT > 1 (routed launches only): program ``(n, m, s)`` sums K slice ``s`` of ``I / KSPLIT`` and
+    stores its fp32 partial at ``slot_ptr[s, slot, n]`` (an fp32 ``[KSPLIT, T * NSLOT, H]`` buffer);
+    ``_l2_split_reduce`` adds the slices in order and applies the epilogue. Why: with few experts and a
+    long I (Mixtral, DBRX) a mid-size batch gives the L2 too few tiles to keep every SM streaming
+    weights through a 112-step K loop (docs/KERNELS.md "Split-K L2")."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     m = tl.arange(0, BM)
     if SHARED:
         e = pid_m * 0
@@ -61,14 +68,20 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
     acc = tl.zeros((BN, BM), tl.float32)
     xrow = arow * I
-    for k0 in range(0, I, BK):
+    if KSPLIT == 1:  # the loop of one pass, as written before the split: K from 0 (its alignment known)
+        k_lo = 0
+        k_hi = I
+    else:  # slices of whole 128-blocks (l2_split checks)
+        k_lo = tl.multiple_of(pid_k * (I // KSPLIT), 128)
+        k_hi = k_lo + I // KSPLIT
+    for k0 in range(k_lo, k_hi, BK):
         xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
         acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
                         WT)
     if FOLD:
         if fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
-            for k0 in tl.range(0, I, BK, num_stages=1):  # rare: unpipelined, so it costs the main loop no registers
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):  # rare: unpipelined, no registers taken
                 xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
                 acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
                                 FRAG, False, SWORD, WT)
@@ -76,6 +89,10 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
                 acc = acc * NV_REDO_SCALE
     if FOLD and W_KIND == 2:
         acc = acc * 256.0
+    if KSPLIT > 1:  # the partial of this K slice; the reduce adds the slices and applies the epilogue
+        part = slot_ptr + pid_k.to(tl.int64) * (T * NSLOT) * H
+        tl.store(part + slot[None, :] * H + n[:, None], acc, mask=mvalid[None, :])
+        return
     if NV_EPI:  # p = bf16(acc * (l2_global_scale[e] * a2)); slot = bf16(p * w)
         p = _jit.bf16r(acc * (tl.load(l2s_ptr + e64) * tl.load(a2_ptr)), HW_CVT)
         if SHARED:
@@ -86,6 +103,31 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     else:
         y = _jit.bf16r(acc, HW_CVT).to(tl.bfloat16)
     tl.store(slot_ptr + slot[None, :] * H + n[:, None], y, mask=mvalid[None, :])
+
+
+@triton.jit
+def _l2_split_reduce(part_ptr, ids_ptr, tw_ptr, l2s_ptr, a2_ptr, slot_ptr, H, e_lo, E_l, NSLOT, NPART,
+                     TOPK: tl.constexpr, KSPLIT: tl.constexpr, NV_EPI: tl.constexpr, BH: tl.constexpr,
+                     HW_CVT: tl.constexpr):
+    """slot = epilogue(sum of the KSPLIT fp32 partials, slice 0 first) for one routed (token, k) slot:
+    the split L2's end, the same epilogue as ``_l2_kernel``'s. Slots of other ranks' experts and masked
+    ids are left unwritten, as the unsplit L2 leaves them (the combine never reads them)."""
+    pr = tl.program_id(0).to(tl.int64)  # pair = token * TOPK + k
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    le = tl.load(ids_ptr + pr).to(tl.int32) - e_lo
+    if (le < 0) | (le >= E_l):
+        return
+    slot = (pr // TOPK) * NSLOT + pr % TOPK
+    acc = tl.load(part_ptr + slot * H + h, mask=hm, other=0.0)
+    for s in tl.static_range(1, KSPLIT):
+        acc = acc + tl.load(part_ptr + s * NPART * H + slot * H + h, mask=hm, other=0.0)
+    if NV_EPI:
+        p = _jit.bf16r(acc * (tl.load(l2s_ptr + le) * tl.load(a2_ptr)), HW_CVT)
+        y = _jit.bf16r(p * tl.load(tw_ptr + pr), HW_CVT).to(tl.bfloat16)
+    else:
+        y = _jit.bf16r(acc, HW_CVT).to(tl.bfloat16)
+    tl.store(slot_ptr + slot * H + h, y, mask=hm)
 
 
 # --------------------------------------------------------------------------- combine
@@ -119,22 +161,39 @@ def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
     tl.store(out_ptr + t * H + h, _jit.bf16r(acc, GPU).to(tl.bfloat16), mask=hm)
 
 
+def l2_split(cfg, I: int) -> int:
+    """The K slices of the routed L2 launches: ``cfg.l2_split`` where it cuts I into whole 128-blocks, else 1."""
+    s = getattr(cfg, "l2_split", 1) or 1
+    return s if s > 1 and I % (128 * s) == 0 else 1
+
+
 def launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False, fold=False, sword=False, wt=0, fflags=None):
+               frag=False, fold=False, sword=False, wt=0, fflags=None, part=None):
+    """One L2 launch. ``part`` (fp32 ``[KSPLIT, T * nslot, H]``, routed launches only): write the K slices'
+    partials there instead of bf16 slots; ``reduce_l2_split`` then ends every launch of the forward at once."""
     swe, swn = weight_strides(w)
     bn = min(cfg.l2_bn, H)
-    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
+    ks = 1 if part is None else part.shape[0]
+    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks, ks)
     dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
     _l2_kernel[grid](
         act, bytes_if_fp8(w), scale_bytes(ws, w.device), act if fflags is None else fflags,
         dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
-        dummy_i32 if shared else plan.num_blocks, tw, l2s, slots,
+        dummy_i32 if shared else plan.num_blocks, tw, l2s, slots if part is None else part,
         T, H, I, K, nslot, swe, swn, scale_stride(ws), a2,
         W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
         BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
         FOLD=bool(fold and frag and asm), SWORD=scale_words(sword, frag, w_kind),
-        WT=wt, FFLAGS=fflags is not None, num_warps=cfg.l2_warps,
+        WT=wt, FFLAGS=fflags is not None, KSPLIT=ks, num_warps=cfg.l2_warps,
         num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
+
+
+def reduce_l2_split(part, ids, tw, l2s, a2, slots, T, H, K, nslot, e_lo, E_l, nv_epi, hw) -> None:
+    """The routed slots from the split L2's partials (``_l2_split_reduce``), after all its launches."""
+    bh = min(1024, triton.next_power_of_2(H))
+    _l2_split_reduce[(T * K, triton.cdiv(H, bh))](
+        part, ids, tw, l2s, a2, slots, H, e_lo, E_l, nslot, T * nslot,
+        TOPK=K, KSPLIT=part.shape[0], NV_EPI=nv_epi, BH=bh, HW_CVT=hw, num_warps=4, **opts())
 
 
 def combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:

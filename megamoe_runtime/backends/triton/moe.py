@@ -44,7 +44,7 @@ from .configs import (
 )
 from .decode_check import asm_decode_ok
 from .l1 import launch_l1
-from .l2 import combine, launch_l2
+from .l2 import combine, l2_split, launch_l2, reduce_l2_split
 from .launch import act_params, bytes_if_fp8, scale_bytes, scale_stride
 from .operands import FOLD_OK
 from .staging import hw_cvt_default, quantize_mxfp8, quantize_nvfp4_per_token, route, split_tails
@@ -149,6 +149,8 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
         # an expert's short last block goes to a launch of small blocks (docs/KERNELS.md "Tail blocks")
         launches.append((tcfg, split_tails(plan, E_l, tcfg.block_m, cfg.tail_max), tcfg.block_m,
                          resolve_decode(tcfg, w_kind)[0], resolve_l2_fold(tcfg, w_kind)))
+    ks = l2_split(cfg, I) if frag else 1
+    part = torch.empty(ks, T * nslot, H, dtype=torch.float32, device=dev) if ks > 1 else None
     for lcfg, lplan, lbm, lfold, lfold2 in launches:
         act = torch.empty(lplan.max_blocks * lbm, I, dtype=torch.bfloat16, device=dev)
         launch_l1(lcfg, xq, xts, kt.l1_weight, kt.l1_scale, alpha, lplan, tw, act, T, H, I, K, act_spec,
@@ -156,7 +158,10 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
                    fold=lfold, sword=sword, wt=w_tile, fflags=None if fold_flags is None else fold_flags[0])
         launch_l2(lcfg, act, kt.l2_weight, kt.l2_scale, lplan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind,
                    spec.row_spec.has_alphas, False, lbm, hw, asm, frag, fold=lfold2, sword=sword, wt=w_tile,
-                   fflags=None if fold_flags is None else fold_flags[1])
+                   fflags=None if fold_flags is None else fold_flags[1], part=part)
+    if part is not None:  # the split L2's slices added in order, its epilogue, into the routed slots
+        reduce_l2_split(part, ids, tw, l2s, a2, slots, T, H, K, nslot, spec.ep_rank * E_l, E_l,
+                        spec.row_spec.has_alphas, hw)
     # ---- fused shared expert (slot K, weight 1.0, every token)
     if has_shared:
         I_s = spec.shared.folded_intermediate

@@ -328,6 +328,41 @@ def test_shape_rule_tiles_same_bits(row, T):
 
 
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T,shared,ep", [(8, None, (0, 1)), (40, "mxfp8", (1, 2)), (300, None, (0, 1))])
+def test_split_k_l2_same_bits(row, T, shared, ep, monkeypatch):
+    """The routed L2 in 2 and 4 K slices (``KernelConfig.l2_split``: fp32 partials added in slice order by
+    ``_l2_split_reduce``) gives the one-pass output bit for bit on E2M1 weights (their partial sums are
+    exact; E4M3 weights: all but a last-bit few, within the reference's bar), with tail launches (T=300), a fused shared slot and EP rank 1 of 2 (other ranks' slots left to
+    the combine); a split that does not cut I into 128-blocks runs one pass. Negative control: a reduce that
+    drops the last slice is caught."""
+    _, moe, _ = _triton()
+    from megamoe_runtime.backends.triton import configs, l2
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+
+    spec, lay, (x, tw, ids), _, ref = _run_pair(row, "swiglu_clamp_ab", shared, T=T, I=512, ep=ep)
+    sc = _NvScalars(lay) if row == "nvfp4" else None
+    kt, sk = _Roles(lay, ""), (_Roles(lay, "shared_") if shared else None)
+    P, E_l = T * spec.top_k, spec.experts_per_rank
+    base = configs.default_config(P, E_l, "frag", w_kind=configs.ROW_W_KIND[row])
+    want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base, shared=sk)
+    _assert_matches(want, ref, f"split-K base {row}/T={T}")
+    assert l2.l2_split(dataclasses.replace(base, l2_split=3), 512) == 1
+    for split in (2, 4):
+        c = dataclasses.replace(base, l2_split=split)
+        out = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=c, shared=sk)
+        same = float((out.view(torch.int16) == want.view(torch.int16)).float().mean())
+        if row == "mxfp8":  # E4M3 weights: a partial sum can be inexact, and then the orders differ in its last bit
+            assert same > 0.9999, f"{row} T={T} split {split}: {same} bitwise"  # (docs/NUMERICS.md)
+            _assert_matches(out, ref, f"split-K {split} {row}/T={T}")
+        else:
+            assert same == 1.0, f"{row} T={T} split {split}: {same} bitwise"
+    real = l2.reduce_l2_split
+    monkeypatch.setattr(moe, "reduce_l2_split", lambda part, *a, **k: real(part[:-1], *a, **k))
+    bad = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=dataclasses.replace(base, l2_split=2), shared=sk)
+    assert not torch.equal(bad.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("wt,T", [(16, 8), (64, 300)])
 def test_tiled_weights_same_bits(row, wt, T):
     """Weights in the tiled arrangement (``weight_tiles.tiled_copy``) read with ``w_tile`` give the

@@ -196,17 +196,22 @@ def test_shape_rule_choices(_h200, shape, tokens, l1, l2):
     # everything else is the regime's table entry
     table = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV)
     assert dataclasses.replace(cfg, l1_bn=table.l1_bn, l1_stages=table.l1_stages, l2_bn=table.l2_bn,
-                               l2_stages=table.l2_stages) == table
+                               l2_stages=table.l2_stages, l2_split=1) == table
+    # and the split-K rule on top: the few-large-expert L2 at decode / mid sizes (test_split_k_rule)
+    assert cfg.l2_split == (4 if (shape, tokens) in {("mixtral", 1), ("mixtral", 8), ("mixtral", 64), ("dbrx", 1)}
+                            else 1)
 
 
 @pytest.mark.parametrize("row", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
 def test_shape_rule_leaves_mx_rows_on_the_table(_h200, row, shape, tokens):
-    """mxfp4's 32-row / 64-column tiles lost at every point of the sweep; mxfp8's decode tiles are 32 rows."""
+    """mxfp4's 32-row / 64-column tiles lost at every point of the sweep; mxfp8's decode tiles are 32 rows.
+    Only the split-K rule may change an MX row's config (mxfp4 on Mixtral / DBRX, test_split_k_rule)."""
     H, I, E, K = SHAPES[shape]
     a = configs.default_config(tokens * K, E, "frag", w_kind=KINDS[row], H=H, I=I)
-    assert a == configs.default_config(tokens * K, E, "frag", w_kind=KINDS[row])
+    assert dataclasses.replace(a, l2_split=1) == configs.default_config(tokens * K, E, "frag", w_kind=KINDS[row])
+    assert a.l2_split == 1 or (row == "mxfp4" and shape in ("mixtral", "dbrx") and tokens <= 64)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -232,3 +237,26 @@ def test_shape_rule_follows_the_sm_count(monkeypatch):
     monkeypatch.setattr(configs, "_SMS", {"n": 16})
     cfg = configs.default_config(1 * K, E, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
     assert (cfg.l1_bn, cfg.l2_bn) == (64, 128)
+
+
+@pytest.mark.parametrize("shape,tokens,row,split", [
+    ((4096, 14336, 8, 2), 1, "mxfp4", 4), ((4096, 14336, 8, 2), 8, "nvfp4", 4), ((4096, 14336, 8, 2), 64, "mxfp4", 4),
+    ((4096, 14336, 8, 2), 512, "mxfp4", 1),   # prefill: compute-bound, one pass
+    ((4096, 14336, 8, 2), 64, "mxfp8", 1),    # not swept for E4M3 weights
+    ((6144, 10752, 16, 4), 1, "mxfp4", 4), ((6144, 10752, 16, 4), 8, "nvfp4", 1),  # 14 experts: grid full
+    ((7168, 2048, 256, 8), 1, "mxfp4", 1),    # a 16-step K loop: nothing to split
+])
+def test_split_k_rule(shape, tokens, row, split):
+    """The split-K rule (``configs.split_k_tiles``) at the points it was measured on (H200, 132 SMs)."""
+    H, I, E_, K = shape
+    cfg = configs.default_config(tokens * K, E_, "frag", w_kind=KINDS[row], H=H, I=I)
+    want = configs.split_k_tiles(dataclasses.replace(cfg, l2_split=1), KINDS[row], configs.frag_regime(tokens * K / E_, tokens * K), tokens * K, E_,
+                                 H, I, sms=132)
+    assert want.l2_split == split
+    assert launch_l2_split(want, I) == split
+
+
+def launch_l2_split(cfg, I):
+    from megamoe_runtime.backends.triton import l2
+
+    return l2.l2_split(cfg, I)
