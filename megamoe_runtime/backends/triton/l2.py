@@ -1,7 +1,8 @@
 """L2 and combine of the triton forward: down GEMM into bf16 slots, then the slot sum.
 
 `_l2_kernel` writes one bf16 slot per (token, top-k slot) pair (NVFP4: alphas and a2 in the
-epilogue); `_combine_kernel` adds a token's slots in ascending slot order in fp32, with the
+epilogue), or, split along K, fp32 partials that `_l2_split_reduce` adds in slice order before the same
+epilogue (docs/KERNELS.md "Split-K L2"); `_combine_kernel` adds a token's slots in ascending slot order in fp32, with the
 routed scaling factor where the row applies it in the combine. `launch_l2` and `combine` are
 their host sides.
 """
