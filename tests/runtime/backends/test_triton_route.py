@@ -53,8 +53,21 @@ def test_route_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "-c", code, __file__], env=env, capture_output=True, text=True,
                        timeout=300, cwd=Path(__file__).resolve().parents[3])
+    if r.returncode and "only 0-dimensional arrays can be converted to Python scalars" in r.stderr:
+        # triton's CPU interpreter (3.6) holds a runtime scalar argument as a 1-element array and takes int() of
+        # it for range(); numpy >= 2.4 refuses that. The kernels run on the GPU test below either way.
+        import numpy as np
+
+        pytest.skip(f"triton {_triton_version()}'s interpreter cannot take range() over a scalar argument with "
+                    f"numpy {np.__version__}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == str(len(CASES) + len(TAIL_CASES))
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def test_check_plan_catches_a_wrong_plan():
