@@ -106,3 +106,22 @@ def test_gpu_inductor_cuda_graphs_give_eager_bits(ckpts, row):
         x.copy_(x2), w.copy_(w2), ids.copy_(ids2)
         got = c(x, w, ids).clone()
         assert torch.equal(got, lay(x, w, ids)), seed
+
+
+def test_a_compiled_layer_still_refuses_when_unusable(layer):
+    """The forward's own checks stay in front of the op (dynamo guards on them): a layer marked unusable (a
+    failed reload) refuses through the compiled call too, naming why, and runs again once usable."""
+    from megamoe_runtime.errors import LayerUnusableError
+
+    x, w, ids = _inputs(layer)
+    torch._dynamo.reset()
+    c = torch.compile(layer, backend=recording_backend([]))  # transformers' generate compiles this way
+    want = c(x, w, ids)
+    layer.unusable_reason = "a reload failed (test)"
+    try:
+        with pytest.raises(LayerUnusableError, match="a reload failed"):
+            c(x, w, ids)
+    finally:
+        layer.unusable_reason = None
+    assert torch.equal(c(x, w, ids), want)
+    torch._dynamo.reset()
