@@ -32,6 +32,16 @@ ROLES = (("w13_weight", "l1_weight"), ("w13_weight_scale", "l1_scale"), ("w2_wei
          ("w2_weight_scale", "l2_scale"))
 
 
+@pytest.fixture(autouse=True)
+def _as_on_a_cpu_without_amx(monkeypatch):
+    """On a CPU with AMX tiles vLLM routes small bf16 linears and MLA attention to kernels whose ops
+    (``torch.ops._C.convert_weight_packed``) exist only in vLLM's CPU build, not in the PyPI wheel this job
+    installs, so the model would fail to load for a reason outside the plugin. vLLM asks
+    ``torch.cpu._is_amx_tile_supported`` before each such choice; answering False gives its paths for a CPU
+    without AMX (where the job was first run), which the wheel has."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
 # --------------------------------------------------------------------------- builders
 
 
