@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import MegaMoEError
+
 __all__ = ["register", "routed_call"]
 
 _HANDLES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -37,8 +39,6 @@ def _routed_experts(hidden_states: torch.Tensor, topk_weights: torch.Tensor, top
                     handle: int, fused_shared: bool) -> torch.Tensor:
     layer = _HANDLES.get(handle)
     if layer is None:  # the compiled graph outlived the layer it was traced for
-        from ..errors import MegaMoEError
-
         raise MegaMoEError(f"megamoe::routed_experts: layer handle {handle} no longer exists (the compiled "
                            "model outlived its megamoe layer); compile the model again")
     y = layer.backend.forward(layer, hidden_states, topk_weights, topk_ids,
@@ -49,7 +49,7 @@ def _routed_experts(hidden_states: torch.Tensor, topk_weights: torch.Tensor, top
 
 @_routed_experts.register_fake
 def _(hidden_states, topk_weights, topk_ids, handle, fused_shared):
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # contiguous bf16 [T, H], as every backend returns
 
 
 def routed_call(layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -60,8 +60,6 @@ def routed_call(layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Ten
     if not torch.compiler.is_compiling():
         return layer.backend.forward(layer, hidden_states, topk_weights, topk_ids, shared_input=shared_input)
     if shared_input is not None and shared_input is not hidden_states:
-        from ..errors import MegaMoEError
-
         raise MegaMoEError("under torch.compile the fused shared expert must read the routed input itself")
     return torch.ops.megamoe.routed_experts(hidden_states, topk_weights, topk_ids, layer.op_handle,
                                             shared_input is not None)
