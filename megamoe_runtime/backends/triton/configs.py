@@ -233,6 +233,14 @@ def wave_efficiency(ctas: float, slots: int) -> float:
     return ctas / (math.ceil(ctas / slots) * slots)
 
 
+def expected_blocks(n_pairs: int, num_local: int, block_m: int) -> float:
+    """Row blocks a batch is expected to route into: at least one per expert touched, at least the pairs
+    over the row block (the grid rules size the launches from this; the host never sees the routing)."""
+    import math
+
+    return max(expected_touched(n_pairs, num_local), math.ceil(n_pairs / block_m))
+
+
 def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_local: int, H: int, I: int,
                 sms: Optional[int] = None) -> "KernelConfig":
     """The grid-fill part of the tile rule (docs/KERNELS.md "Tile rule"): at decode and mid sizes the
@@ -251,12 +259,10 @@ def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_l
     table's."""
     if kind != W_E2M1_NV or regime not in ("few", "decode", "mid") or not H or not I:
         return cfg
-    import math
-
     sms = sms or sm_count()
     slots = FILL_CTAS_PER_SM * sms
     bm = cfg.block_m or 16
-    blocks = max(expected_touched(n_pairs, num_local), math.ceil(n_pairs / bm))
+    blocks = expected_blocks(n_pairs, num_local, bm)
     if regime in ("few", "decode") and cfg.l1_bn == 64:
         n64 = blocks * (I // 64)
         if n64 < 2 * slots and wave_efficiency(2 * n64, slots) > 1.05 * wave_efficiency(n64, slots):
@@ -283,11 +289,7 @@ def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num
     if kind not in (W_E2M1_MX, W_E2M1_NV) or regime not in ("few", "decode", "mid") or not H \
             or steps < SPLIT_K_MIN_STEPS or steps % SPLIT_K_SLICES:
         return cfg
-    import math
-
-    sms = sms or sm_count()
-    blocks = max(expected_touched(n_pairs, num_local), math.ceil(n_pairs / (cfg.block_m or 16)))
-    if blocks * (H // 128) < 2 * sms:
+    if expected_blocks(n_pairs, num_local, cfg.block_m or 16) * (H // 128) < 2 * (sms or sm_count()):
         cfg = dataclasses.replace(cfg, l2_split=SPLIT_K_SLICES)
     return cfg
 

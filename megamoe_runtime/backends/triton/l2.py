@@ -1,10 +1,10 @@
 """L2 and combine of the triton forward: down GEMM into bf16 slots, then the slot sum.
 
 `_l2_kernel` writes one bf16 slot per (token, top-k slot) pair (NVFP4: alphas and a2 in the
-epilogue), or, split along K, fp32 partials that `_l2_split_reduce` adds in slice order before the same
-epilogue (docs/KERNELS.md "Split-K L2"); `_combine_kernel` adds a token's slots in ascending slot order in fp32, with the
-routed scaling factor where the row applies it in the combine. `launch_l2` and `combine` are
-their host sides.
+epilogue), or, split along K, fp32 partials that `_l2_split_reduce` adds in slice order before the
+same epilogue (docs/KERNELS.md "Split-K L2"); `_combine_kernel` adds a token's slots in ascending
+slot order in fp32, with the routed scaling factor where the row applies it in the combine.
+`launch_l2`, `reduce_l2_split` and `combine` are their host sides.
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
 
 def l2_split(cfg, I: int) -> int:
     """The K slices of the routed L2 launches: ``cfg.l2_split`` where it cuts I into whole 128-blocks, else 1."""
-    s = getattr(cfg, "l2_split", 1) or 1
+    s = cfg.l2_split
     return s if s > 1 and I % (128 * s) == 0 else 1
 
 

@@ -332,9 +332,9 @@ def test_shape_rule_tiles_same_bits(row, T):
 def test_split_k_l2_same_bits(row, T, shared, ep, monkeypatch):
     """The routed L2 in 2 and 4 K slices (``KernelConfig.l2_split``: fp32 partials added in slice order by
     ``_l2_split_reduce``) gives the one-pass output bit for bit on E2M1 weights (their partial sums are
-    exact; E4M3 weights: all but a last-bit few, within the reference's bar), with tail launches (T=300), a fused shared slot and EP rank 1 of 2 (other ranks' slots left to
-    the combine); a split that does not cut I into 128-blocks runs one pass. Negative control: a reduce that
-    drops the last slice is caught."""
+    exact; E4M3 weights: all but a last-bit few, within the reference's bar), with tail launches (T=300),
+    a fused shared slot and EP rank 1 of 2 (other ranks' slots left to the combine); a split that does not
+    cut I into 128-blocks runs one pass. Negative control: a reduce that drops the last slice is caught."""
     _, moe, _ = _triton()
     from megamoe_runtime.backends.triton import configs, l2
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
