@@ -482,8 +482,8 @@ class DeepGemmBackend:
                 raise BackendUnavailableError(f"EP size {spec.ep_size} needs torch.distributed to be initialised "
                                               "(or pass group= to the deepgemm backend)")
             # one rank: a world-size-1 NCCL group over an in-process store (no port, no peer)
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                    device_id=self.device)
+            dev = self.device if self.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
         return dist.group.WORLD
 
     def _sm90_buffer(self, layer: Any) -> Any:

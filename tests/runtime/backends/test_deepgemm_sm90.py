@@ -361,9 +361,11 @@ def test_clamp_and_masked_slots(gpu):
     assert rel(y, fp32_model(x, ids, w, spec.routed_scaling_factor, *layer.canonical)) > 0.1  # clamp matters
 
 
-def _per_expert_err(y, ref, ids, e):
+def _per_expert_err(y, ref, ids, e, cols=slice(None)):
+    """Relative error on the tokens routed to expert ``e`` (and the output columns given): a scale
+    planted in one block of one expert moves only those."""
     rows = (ids == e).any(-1)
-    return rel(y[rows], ref[rows])
+    return rel(y[rows][:, cols], ref[rows][:, cols])
 
 
 @pytest.mark.gpu
@@ -388,11 +390,14 @@ def test_negative_controls_fail(gpu, control):
     else:
         bad.l2_scale = s2.clone()
         bad.l2_scale[e, 0, 0] *= 2
+    cols = slice(0, 128) if control == "one_l2_block_scale_doubled" else slice(None)  # L2 block 0: h < 128
     ref = fp32_model(x, ids, w, spec.routed_scaling_factor, w1, s1, w2, s2)
     good = be.forward(layer, x, w, ids)
     y = be.forward(bad, x, w, ids)
-    assert _per_expert_err(good, ref, ids, e) < TOL
-    assert _per_expert_err(y, ref, ids, e) > 0.1, control
+    # the fp32 model with the same planted error is 0.22 (L1 block), 0.64 (L2 block, its columns),
+    # 1.5 (not interleaved) and 2.1 (L1 scales transposed) away; the kernel on good bytes stays near TOL
+    assert _per_expert_err(good, ref, ids, e, cols) < 0.05
+    assert _per_expert_err(y, ref, ids, e, cols) > 0.1, control
 
 
 @pytest.mark.gpu
