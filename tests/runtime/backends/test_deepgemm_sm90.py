@@ -431,3 +431,68 @@ def test_auto_picks_deepgemm_on_sm90(gpu):
     dg, _, spec, _ = gpu
     assert get_backend("auto", "cuda", spec=spec).name == "deepgemm"
 
+
+
+# --------------------------------------------------------------------------- the layer, against the reference
+
+
+def _fp8_block_layer(backend, device, seed=3, E=8, H=512, I=256, K=2, clamp=None):
+    from megamoe_runtime.format.canonical import ExpertTensors
+    from megamoe_runtime.format.formats import LayerSpec
+    from megamoe_runtime.format.layout import pack_expert_stack
+    from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+
+    spec = LayerSpec(row="fp8_block", hidden=H, intermediate=I, num_experts=E, top_k=K,
+                     routed_scaling_factor=2.5, activation=ActivationSpec(clamp=clamp))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(n, k):
+        mag = torch.exp2(torch.randint(-3, 4, (n // 128, k // 128), generator=g).float())
+        return torch.randn(n, k, generator=g) * 0.02 * mag.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+    kt = pack_expert_stack("fp8_block", [ExpertTensors.quantize("fp8_block", w(I, H), w(I, H), w(H, I))
+                                         for _ in range(E)])
+    layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend,
+                                   backend_kwargs={"max_num_tokens": 256} if backend != "reference" else None)
+    layer.begin_load("stored")
+    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        layer.load_stored(role, getattr(kt, role).to(device), experts=(0, E))
+    layer.finish_load()
+    return layer, kt
+
+
+def test_layer_loads_the_row_in_place_on_cpu():
+    """The layer's fp8_block parameters are what sm90_weights hands fp8_mega_moe (shapes, dtypes,
+    contiguity), filled by the ordinary stored-load path."""
+    layer, kt = _fp8_block_layer("reference", "cpu")
+    (l1w, l1s), (l2w, l2s) = sm90_weights(layer)
+    assert l1w is layer.l1_weight and l2s is layer.l2_scale
+    assert torch.equal(l1w.view(torch.uint8), kt.l1_weight.view(torch.uint8)) and torch.equal(l1s, kt.l1_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 200])
+def test_layer_on_deepgemm_matches_the_reference_backend(T):
+    """`auto` picks deepgemm for fp8_block on SM90; its output is within TOL of the reference backend
+    (which models the same numerics in fp32, docs/NUMERICS.md#fp8-block)."""
+    _sm90_deep_gemm()
+    from megamoe_runtime.backends.reference import reference_forward
+
+    layer, kt = _fp8_block_layer("auto", "cuda")
+    assert layer.backend.name == "deepgemm"
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 512, generator=g).bfloat16().cuda()
+    w, ids = torch.randn(T, 8, generator=g).softmax(-1).topk(2, -1)
+    w, ids = w.cuda(), ids.cuda()
+    y = layer(x, w, ids)
+    ref = reference_forward(layer.spec, layer, x, w, ids)  # the reference reads the same tensors
+    assert rel(y, ref) < TOL, rel(y, ref)
+    if T < 64:
+        return
+    # the same layer with one L2 block scale doubled in place (a bad reload) must leave TOL on the
+    # tokens and output columns that block feeds
+    e = int(ids[0, 0])
+    kb = int(layer.l2_scale[e, 0].argmax())  # the block that dominates outputs 0..127 of expert e
+    with torch.no_grad():
+        layer.l2_scale[e, 0, kb] *= 2
+    assert _per_expert_err(layer(x, w, ids), ref, ids, e, slice(0, 128)) > 0.1
