@@ -1,10 +1,10 @@
 """DeepGEMM MegaMoE backend: marshalling the layer's kernel-layout tensors to DeepGEMM's mega API.
 
-CONTRACT-TESTED ONLY. DeepGEMM's mega kernels (``fp8_fp4_mega_moe``,
+The SM100 path is CONTRACT-TESTED ONLY. DeepGEMM's SM100 mega kernels (``fp8_fp4_mega_moe``,
 ``fp4_fp4_mega_moe``, ``nvfp4_mega_moe``, ``bf16_mega_moe``) run on SM100-family
 GPUs only (B200 / GB200 / B300); every other architecture, the H200 this
 project tests on included, raises "Unsupported architecture" inside DeepGEMM.
-So this module has never launched a kernel: its argument marshalling (which
+So that path has never launched a kernel: its argument marshalling (which
 entry point, which keyword names, which tensors with which shapes, dtypes and
 strides, what is staged into the symmetric buffer) is tested against recording
 stand-ins of every documented API version (``tests/runtime/backends/test_deepgemm.py``).
