@@ -166,17 +166,6 @@ def _requant(a, BN: tl.constexpr, BM: tl.constexpr, GA: tl.constexpr, HW_CVT: tl
 
 
 @triton.jit
-def _routed_block(pair_ptr, blk_ptr, nblk_ptr, pid_m, TOPK, BM: tl.constexpr):
-    """(expert, pair ids, valid mask, ok) of row block ``pid_m`` of the routing plan."""
-    m = tl.arange(0, BM)
-    nb = tl.load(nblk_ptr)
-    e = tl.load(blk_ptr + pid_m)
-    pair = tl.load(pair_ptr + pid_m * BM + m)
-    mvalid = (pair >= 0) & (pid_m < nb)
-    return e, tl.where(mvalid, pair, 0), mvalid, (pid_m < nb) & (e >= 0)
-
-
-@triton.jit
 def _l1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr, as_ptr,
                H, I, TOPK, stride_we, stride_wn, ws_se, ws_sn, ws_sk,
                rsf, clamp_c, HAS_CLAMP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GA: tl.constexpr,
@@ -185,26 +174,31 @@ def _l1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr
     then the epilogue (clamp, silu(g) * u, top-k weight * rsf, E4M3 requant per GA) -> act bytes + scales."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    e, pair, mvalid, ok = _routed_block(pair_ptr, blk_ptr, nblk_ptr, pid_m, TOPK, BM)
-    if ok:
-        tok = (pair // TOPK).to(tl.int64)
-        e64 = e.to(tl.int64)
-        R: tl.constexpr = 2 * BN
-        rows = pid_n * R + tl.arange(0, R)
-        # kernel row r: gate (r // 8 even) or up column 8 * (r // 16) + r % 8; scales in [gate | up] rows
-        srow = ((rows // 8) % 2) * (I // 128) + (8 * (rows // 16) + rows % 8) // 128
-        acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, rows, srow * ws_sn, stride_wn, ws_sk,
-                    x_ptr, xs_ptr, tok * H, tok * (H // 128), mvalid, H, 128, R, BM, GPI, HW_CVT)
-        a4 = tl.permute(tl.reshape(acc, (R // 16, 2, 8, BM)), (0, 2, 3, 1))  # (slab, i, token, gate/up)
-        acc_g, acc_u = tl.split(a4)
-        a = _silu_mul(tl.reshape(acc_g, (BN, BM)), tl.reshape(acc_u, (BN, BM)), clamp_c, HAS_CLAMP, HW_CVT)
-        w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
-        q, s = _requant(a * w[None, :], BN, BM, GA, HW_CVT)
-        orow = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-        j = pid_n * BN + tl.arange(0, BN)
-        tl.store(act_ptr + orow[None, :] * I + j[:, None], q, mask=mvalid[None, :])
-        jg = pid_n * (BN // GA) + tl.arange(0, BN // GA)
-        tl.store(as_ptr + orow[None, :] * (I // GA) + jg[:, None], s, mask=mvalid[None, :])
+    nb = tl.load(nblk_ptr)
+    e = tl.load(blk_ptr + pid_m)
+    if (pid_m >= nb) | (e < 0):  # past the plan's blocks (``e < 0`` keeps the expert's load above the exit)
+        return
+    pair = tl.load(pair_ptr + pid_m * BM + tl.arange(0, BM))
+    mvalid = pair >= 0
+    pair = tl.where(mvalid, pair, 0)
+    tok = (pair // TOPK).to(tl.int64)
+    e64 = e.to(tl.int64)
+    R: tl.constexpr = 2 * BN
+    rows = pid_n * R + tl.arange(0, R)
+    # kernel row r: gate (r // 8 even) or up column 8 * (r // 16) + r % 8; scales in [gate | up] rows
+    srow = ((rows // 8) % 2) * (I // 128) + (8 * (rows // 16) + rows % 8) // 128
+    acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, rows, srow * ws_sn, stride_wn, ws_sk,
+                x_ptr, xs_ptr, tok * H, tok * (H // 128), mvalid, H, 128, R, BM, GPI, HW_CVT)
+    a4 = tl.permute(tl.reshape(acc, (R // 16, 2, 8, BM)), (0, 2, 3, 1))  # (slab, i, token, gate/up)
+    acc_g, acc_u = tl.split(a4)
+    a = _silu_mul(tl.reshape(acc_g, (BN, BM)), tl.reshape(acc_u, (BN, BM)), clamp_c, HAS_CLAMP, HW_CVT)
+    w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
+    q, s = _requant(a * w[None, :], BN, BM, GA, HW_CVT)
+    orow = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    j = pid_n * BN + tl.arange(0, BN)
+    tl.store(act_ptr + orow[None, :] * I + j[:, None], q, mask=mvalid[None, :])
+    jg = pid_n * (BN // GA) + tl.arange(0, BN // GA)
+    tl.store(as_ptr + orow[None, :] * (I // GA) + jg[:, None], s, mask=mvalid[None, :])
 
 
 @triton.jit
@@ -214,16 +208,21 @@ def _l2_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, slot
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    e, pair, mvalid, ok = _routed_block(pair_ptr, blk_ptr, nblk_ptr, pid_m, TOPK, BM)
-    if ok:
-        e64 = e.to(tl.int64)
-        arow = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-        n = pid_n * BN + tl.arange(0, BN)
-        acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, n, (n // 128) * ws_sn, stride_wn, ws_sk,
-                    act_ptr, as_ptr, arow * I, arow * (I // GA), mvalid, I, GA, BN, BM, GPI, HW_CVT)
-        slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
-        tl.store(slot_ptr + slot[None, :] * H + n[:, None], _jit.bf16r(acc, HW_CVT).to(tl.bfloat16),
-                 mask=mvalid[None, :])
+    nb = tl.load(nblk_ptr)
+    e = tl.load(blk_ptr + pid_m)
+    if (pid_m >= nb) | (e < 0):
+        return
+    pair = tl.load(pair_ptr + pid_m * BM + tl.arange(0, BM))
+    mvalid = pair >= 0
+    pair = tl.where(mvalid, pair, 0)
+    e64 = e.to(tl.int64)
+    arow = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, n, (n // 128) * ws_sn, stride_wn, ws_sk,
+                act_ptr, as_ptr, arow * I, arow * (I // GA), mvalid, I, GA, BN, BM, GPI, HW_CVT)
+    slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
+    tl.store(slot_ptr + slot[None, :] * H + n[:, None], _jit.bf16r(acc, HW_CVT).to(tl.bfloat16),
+             mask=mvalid[None, :])
 
 
 # --------------------------------------------------------------------------- host side
