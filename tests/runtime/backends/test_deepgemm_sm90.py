@@ -8,6 +8,7 @@ must fail, a CUDA graph that must see a reload, and ``auto`` picking deepgemm.
 """
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -274,6 +275,25 @@ def test_import_failure_is_one_line_naming_torch_and_what_to_install():
     assert "not installed" in msg and torch.__version__ in msg and "pip install sgl-deep-gemm" in msg
     dep = ModuleNotFoundError("No module named 'tvm_ffi'", name="tvm_ffi")
     assert "tvm_ffi" in import_failure_message(dep)
+    assert "AssertionError" in import_failure_message(AssertionError())  # sgl-deep-gemm without a CUDA toolkit
+
+
+def test_a_deep_gemm_that_fails_to_import_makes_the_backend_unavailable(monkeypatch):
+    """Whatever the import raises, `auto` gets a reason, not an exception."""
+    import builtins
+
+    real = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name == "deep_gemm":
+            raise AssertionError
+        return real(name, *a, **k)
+
+    monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    monkeypatch.setattr(dgb.importlib, "import_module", lambda n: broken(n))
+    reason = DeepGemmBackend.available("cpu")
+    assert isinstance(reason, str) and "importing deep_gemm failed" in reason
 
 
 def test_kernel_layout_is_interleave8():
