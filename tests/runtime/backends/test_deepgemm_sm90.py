@@ -22,7 +22,7 @@ from megamoe_runtime.backends.deepgemm import (
     sm90_weights,
     stage_sm90_inputs,
 )
-from megamoe_runtime.errors import LayoutError
+from megamoe_runtime.errors import BackendUnavailableError, LayoutError
 from megamoe_runtime.format.formats import ActivationSpec
 from megamoe_runtime.format.layout import write_l1_weight
 
@@ -516,3 +516,33 @@ def test_layer_on_deepgemm_matches_the_reference_backend(T):
     with torch.no_grad():
         layer.l2_scale[e, 0, kb] *= 2
     assert _per_expert_err(layer(x, w, ids), ref, ids, e, slice(0, 128)) > 0.1
+
+
+def test_one_rank_without_torch_distributed_gets_a_world_size_1_group(monkeypatch):
+    """The SM90 buffer rendezvouses symmetric memory over a process group even for one rank: the
+    backend makes a world-size-1 NCCL group over an in-process store (here redirected to gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    seen = {}
+    real = dist.init_process_group
+
+    def record(backend, **kw):
+        seen.update(kw, backend=backend)
+        kw.pop("device_id", None)
+        real("gloo", **kw)
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    be = DeepGemmBackend("cuda:0", check_device=False, module=_standin())
+    with pytest.raises(BackendUnavailableError, match="EP size 2 needs torch.distributed"):
+        be._sm90_group(_spec(ep_size=2))  # EP ranks must bring their group
+    assert not seen
+    try:
+        group = be._sm90_group(_spec())
+        assert group.size() == 1 and group.rank() == 0
+        assert seen["backend"] == "nccl" and seen["world_size"] == 1 and seen["rank"] == 0
+        assert isinstance(seen["store"], dist.HashStore) and seen["device_id"] == torch.device("cuda", 0)
+        assert be._sm90_group(_spec()) is group  # made once
+    finally:
+        dist.destroy_process_group()
