@@ -20,7 +20,7 @@ PACKAGES = ("megamoe_runtime", "megamoe_convert")
 #: bottom first. A runtime module's floor is the first name under ``megamoe_runtime``; the package's own
 #: ``__init__`` (the lazy public surface) sits above every floor, and the converter above the whole runtime.
 FLOORS = (
-    ("errors", "testing"),
+    ("errors", "testing", "knobs"),
     ("files",),
     ("format",),
     ("backends",),
