@@ -40,9 +40,9 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 import torch
 
 from ..errors import CheckpointError, LayoutError, ScaleError
-from ..format import layout, scales
+from ..format import formats, layout, scales
 from ..files.file_io import copy_into as _copy_into
-from ..format.formats import LayerSpec, get_row
+from ..format.formats import get_row
 from ..format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
 from ..format.source_formats import (
     FAMILIES,
@@ -236,7 +236,7 @@ class LoadTarget(Protocol):
     """What the loaders read and write of the layer they are handed (`DeepGemmMegaMoEExperts` is one):
     declared here so that the loaders depend on these names only and never on the layer's module."""
 
-    spec: LayerSpec
+    spec: formats.LayerSpec
     prefix: str
     layer_index: Optional[int]
     shared_fused: bool
