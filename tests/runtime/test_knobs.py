@@ -153,3 +153,14 @@ def test_defaults_left_to_the_code_are_the_documented_ones(monkeypatch):
     assert knobs.KNOBS["MEGAMOE_PROGRESS_INTERVAL"].default == f"{progress.DEFAULT_INTERVAL:g}"
     assert progress.interval_from_env() == progress.DEFAULT_INTERVAL
     assert knobs.KNOBS["MEGAMOE_LOAD_GPU_CHUNK_MB"].default_label == f"`{file_io._gpu_chunk() >> 20}`"
+
+
+def test_choices_are_the_ones_the_code_accepts():
+    """A knob's documented choices are the values its reading code accepts."""
+    from megamoe_runtime.backends import AUTO_ORDER
+    from megamoe_runtime.backends.triton import configs
+
+    assert set(knobs.KNOBS["MEGAMOE_BACKEND"].choices) == {"auto", *AUTO_ORDER}
+    assert knobs.KNOBS["MEGAMOE_TRITON_KORDER"].choices == configs.K_ORDERS
+    assert knobs.KNOBS["MEGAMOE_TRITON_DECODE"].choices == configs.DECODES
+    assert knobs.KNOBS["MEGAMOE_TRITON_SCALES"].choices == configs.SCALE_LOADS
