@@ -26,12 +26,13 @@ first line before torch is imported.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import threading
 import time
 from typing import Callable, TextIO
+
+from megamoe_runtime import knobs
 
 #: seconds between two lines when stderr is not a terminal (``MEGAMOE_PROGRESS_INTERVAL`` overrides)
 DEFAULT_INTERVAL = 10.0
@@ -56,7 +57,7 @@ def format_duration(s: float) -> str:
 
 
 def interval_from_env(default: float = DEFAULT_INTERVAL) -> float:
-    v = os.environ.get("MEGAMOE_PROGRESS_INTERVAL")
+    v = knobs.get("MEGAMOE_PROGRESS_INTERVAL")
     try:
         return max(0.0, float(v)) if v else default
     except ValueError:

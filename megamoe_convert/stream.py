@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe_runtime import knobs
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.files import digests
 from megamoe_runtime.files.digests import SHA256
@@ -52,7 +53,7 @@ DIRECT_WRITES = True
 
 def direct_writes() -> bool:
     """`DIRECT_WRITES`, unless ``MEGAMOE_CONVERT_DIRECT=0`` turns it off for this process."""
-    return DIRECT_WRITES and os.environ.get("MEGAMOE_CONVERT_DIRECT", "1") not in ("0", "false", "no")
+    return DIRECT_WRITES and knobs.value("MEGAMOE_CONVERT_DIRECT") not in ("0", "false", "no")
 
 
 def read_threads() -> int:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import knobs
 from .work_queue import SharedQueue
 
 __all__ = ["available", "disable", "dma_reads", "DmaRead", "piece_bytes", "dma_threads", "dma_share"]
@@ -66,20 +67,20 @@ _state: dict[Any, Any] = {}
 
 def piece_bytes() -> int:
     """Bytes pinned at a time (``MEGAMOE_LOAD_DMA_PIECE_MB``, default 64), rounded to pages."""
-    mb = float(os.environ.get("MEGAMOE_LOAD_DMA_PIECE_MB", "64"))
+    mb = knobs.value("MEGAMOE_LOAD_DMA_PIECE_MB")
     return max(_PAGE, int(mb * (1 << 20)) // _PAGE * _PAGE)
 
 
 def dma_share() -> float:
     """Fraction of each large read done by DMA (``MEGAMOE_LOAD_DMA_SHARE``, default 0.5); the
     copying readers do the rest at the same time."""
-    return min(1.0, max(0.0, float(os.environ.get("MEGAMOE_LOAD_DMA_SHARE", "0.5"))))
+    return min(1.0, max(0.0, knobs.value("MEGAMOE_LOAD_DMA_SHARE")))
 
 
 def dma_threads() -> int:
     """Threads pinning pieces (``MEGAMOE_LOAD_DMA_THREADS``, default 2: the pinning rate does not grow
     past two on the H200 host)."""
-    return max(1, min(8, int(os.environ.get("MEGAMOE_LOAD_DMA_THREADS", "2"))))
+    return max(1, min(8, knobs.value("MEGAMOE_LOAD_DMA_THREADS")))
 
 
 def _cudart() -> Optional[ctypes.CDLL]:
@@ -119,7 +120,7 @@ def available(device: torch.device) -> "bool | str":
         if device in _state:
             return _state[device]
         why: "bool | str" = True
-        if os.environ.get("MEGAMOE_LOAD_DMA", "0") != "1":
+        if knobs.value("MEGAMOE_LOAD_DMA") != "1":
             why = "off (opt-in: MEGAMOE_LOAD_DMA=1)"
         elif not sys.platform.startswith("linux"):
             why = "not Linux"

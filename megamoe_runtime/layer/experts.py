@@ -45,13 +45,13 @@ the shared expert twice.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from .. import knobs
 from ..backends import get_backend
 from ..errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from ..files.limits import MAX_LAYER_BYTES
@@ -82,7 +82,7 @@ def _advise_hugepages(t: torch.Tensor) -> None:
     global _libc
     nbytes = t.untyped_storage().nbytes()
     if (t.device.type != "cpu" or nbytes < 2 * _HUGE or not sys.platform.startswith("linux")
-            or os.environ.get("MEGAMOE_THP", "0") != "1"):
+            or knobs.value("MEGAMOE_THP") != "1"):
         return
     try:
         if _libc is None:

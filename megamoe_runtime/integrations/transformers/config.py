@@ -8,11 +8,11 @@ written to disk by the converter, and ``MEGAMOE_BACKEND`` sets it from the envir
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ... import knobs
 from ..folder import QUANT_METHOD
 
 __all__ = ["MegaMoEConfig", "BACKENDS"]
@@ -32,7 +32,7 @@ class MegaMoEConfig(QuantizationConfigMixin):
         self.row = row
         self.manifest = manifest
         self.source_quantization_config = source_quantization_config
-        self.backend = backend or os.environ.get("MEGAMOE_BACKEND") or "auto"
+        self.backend = backend or knobs.get("MEGAMOE_BACKEND") or "auto"
         if self.backend not in BACKENDS:
             raise ValueError(f"megamoe backend {self.backend!r} is unknown; valid: {', '.join(BACKENDS)}")
         kwargs.pop("quant_method", None)

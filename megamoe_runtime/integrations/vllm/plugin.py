@@ -31,6 +31,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ... import knobs
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
 from ..folder import QUANT_METHOD, check_folder_for_model
@@ -303,7 +304,7 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{ckpt.root}: layer {self.layer_index} ({self.prefix}, EP rank {ep_rank} of "
                                   f"{ep_size}): " + "; ".join(bad))
         device = torch.get_default_device()
-        backend = os.environ.get(BACKEND_ENV) or "auto"
+        backend = knobs.get(BACKEND_ENV) or "auto"
         mm = ckpt.allocate_layer(self.layer_index, device=device, backend=backend, ep_rank=ep_rank, ep_size=ep_size)
         layer.register_module("megamoe_experts", mm)
         for name, role in VLLM_PARAM_ROLES:
