@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
+from megamoe_runtime.format.formats import ROWS, ActivationSpec, LayerSpec
 from megamoe_runtime.testing import calc_diff
 
 #: calc_diff thresholds vs the unquantized-activation fp32 computation. The
 #: served forward quantizes activations (MXFP8 / NVFP4) and the intermediate;
-#: a wrong layout (swapped experts, gate/up, scales) lands orders of magnitude above.
-THRESHOLDS = {"bf16": 1e-4, "mxfp8": 2e-3, "mxfp4": 2e-3, "nvfp4": 2e-2}
+#: a wrong layout (swapped experts, gate/up, scales) lands orders of magnitude above
+#: (`Row.selfcheck_tolerance`).
+THRESHOLDS = {name: r.selfcheck_tolerance for name, r in ROWS.items()}
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
 from megamoe_runtime.files.safetensors_header import DTYPES
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
-from megamoe_runtime.format.formats import get_row
+from megamoe_runtime.format.formats import Element, get_row
 from megamoe_runtime.format.source_formats import SUFFIXES
 
 from . import naming
@@ -715,7 +715,7 @@ class SchemeReader(CheckpointReader):
         # weights=False: a meta tensor with the dtype and shape a real read gives, put through the same
         # reinterpretation below, so validate() checks it the same way (the caller reads the bytes itself)
         w = self.source.get_tensor(r.names["weight"]) if weights else self.source.meta_tensor(r.names["weight"])
-        if row.weight.element == "bf16":
+        if row.weight.element == Element.BF16:
             w = w.to(torch.bfloat16)
         elif row.weight.element == "e2m1":
             w = w.view(torch.uint8)

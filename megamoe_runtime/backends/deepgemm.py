@@ -139,30 +139,28 @@ class MegaAPI:
         return None
 
     def entry_for(self, row: str) -> tuple[Optional[str], str]:
-        """(function name, '') for a row, or (None, what is missing)."""
-        if row == "mxfp4":
-            return ("fp8_fp4_mega_moe", "") if self.has("fp8_fp4_mega_moe") else (
-                None, "deep_gemm has no fp8_fp4_mega_moe (the MXFP4-weight mega kernel)")
-        if row == "mxfp8":
-            if self.has("fp8_fp8_mega_moe"):
-                return "fp8_fp8_mega_moe", ""
-            if self.flavour == "dg-newer" and self.has("fp8_fp4_mega_moe"):
-                return "fp8_fp4_mega_moe", ""
-            return None, ("this DeepGEMM has no MXFP8-weight mega kernel: needs newer deepseek-ai/DeepGEMM "
-                          "(fp8_fp4_mega_moe with e4m3 weights) or zyongye/DeepGEMM's fp8_fp8_mega_moe")
-        if row == "nvfp4":
-            if self.has("fp4_fp4_mega_moe"):
-                return "fp4_fp4_mega_moe", ""
-            if self.has("nvfp4_mega_moe") and self.nvfp4_buffer is not None:
-                return "nvfp4_mega_moe", ""
-            if self.has("nvfp4_mega_moe"):
-                return None, "deep_gemm has nvfp4_mega_moe but no NVFP4SymmBuffer (deep_gemm.mega.nvfp4)"
-            return None, ("this DeepGEMM has no NVFP4 mega kernel: needs newer deepseek-ai/DeepGEMM "
-                          "(fp4_fp4_mega_moe) or vllm-project/DeepGEMM (nvfp4_mega_moe)")
-        if row == "bf16":
-            return ("bf16_mega_moe", "") if self.has("bf16_mega_moe") else (
-                None, "this DeepGEMM has no bf16_mega_moe (added in deepseek-ai/DeepGEMM main, June 2026)")
-        return None, f"unknown row {row!r}"
+        """(function name, '') for a row, or (None, what is missing): the first of the row's
+        ``entry_preference`` this module has and can run (`_entry_blocked`)."""
+        try:
+            r = get_row(row)
+        except MegaMoEError:
+            return None, f"unknown row {row!r}"
+        blocked = ""
+        for fn in r.entry_preference:
+            if self.has(fn):
+                why = self._entry_blocked(fn, r)
+                if why is None:
+                    return fn, ""
+                blocked = blocked or why
+        return None, blocked or r.no_kernel_hint
+
+    def _entry_blocked(self, fn: str, row: Any) -> Optional[str]:
+        """Why a present entry point cannot run ``row`` here ("" = silently not usable), None if it can."""
+        if fn == "fp8_fp4_mega_moe" and row.weight.element == "e4m3" and self.flavour != "dg-newer":
+            return ""  # older builds' fp8_fp4_mega_moe takes E2M1 weights only
+        if fn == "nvfp4_mega_moe" and self.nvfp4_buffer is None:
+            return "deep_gemm has nvfp4_mega_moe but no NVFP4SymmBuffer (deep_gemm.mega.nvfp4)"
+        return None
 
 
 def detect_api(module: Any) -> MegaAPI:

@@ -77,7 +77,7 @@ from torch import Tensor
 
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
 from megamoe_runtime.format import codecs, layout
-from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
+from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, Element, LayerSpec, Row, get_row
 from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX
 
 
@@ -409,7 +409,7 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
         a2 = _f32(scalars.l2_activation_scale, dev).reshape(())
         l1_alpha = _f32(scalars.l1_alpha, dev)
         l2_gs = _f32(scalars.l2_global_scale, dev)
-    elif element == "bf16":
+    elif element == Element.BF16:
         x_l1 = rows.to(torch.float32)
     else:
         x_l1 = _mxfp8_qdq(rows)
@@ -436,7 +436,7 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
             a = _nvfp4_qdq_no_global(a, a2)  # unweighted, global a2 (inv = 1/a2 in fp32)
             p = ((a @ w2.t()) * (l2_gs[e_l] * a2)).to(torch.bfloat16)  # fp32 scalar product first
             y = (p.to(torch.float32) * w[:, None]).to(torch.bfloat16)  # weight after L2
-        elif element == "bf16":
+        elif element == Element.BF16:
             a = (a * w[:, None]).to(torch.bfloat16).to(torch.float32)
             y = (a @ w2.t()).to(torch.bfloat16)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, MegaMoEError, ScaleError
-from .formats import Row, get_row
+from .formats import Element, Row, get_row
 from .scales import is_valid_scale
 
 __all__ = ["ProjectionTensors", "ExpertTensors", "ROLES", "expected_shapes"]
@@ -117,7 +117,7 @@ class ProjectionTensors:
         from . import codecs
 
         spec = get_row(row).weight
-        if spec.element == "bf16":
+        if spec.element == Element.BF16:
             return cls(w.to(torch.bfloat16).contiguous())
         if spec.scale_encoding == "ue8m0":
             quant = codecs.quantize_mxfp4 if spec.element == "e2m1" else codecs.quantize_mxfp8
@@ -134,7 +134,7 @@ class ProjectionTensors:
 
         row = get_row(row)
         w = row.weight
-        if w.element == "bf16":
+        if w.element == Element.BF16:
             return self.weight.float()
         if w.scale_encoding == "ue8m0":
             return codecs.dequantize_mx(self.weight, self.scale, w.element)

@@ -42,7 +42,7 @@ import torch
 from ..errors import CheckpointError, LayoutError, ScaleError
 from ..format import formats, layout, scales
 from ..files.file_io import copy_into as _copy_into
-from ..format.formats import get_row
+from ..format.formats import Element, get_row
 from ..format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
 from ..format.source_formats import (
     FAMILIES,
@@ -461,7 +461,7 @@ def raw_weight_loader(layer: LoadTarget, param: Optional[torch.Tensor],
         return True
 
     if kind == "weight":
-        src = loaded_weight if row.weight.element != "bf16" else _as_bf16(loaded_weight)
+        src = loaded_weight if row.weight.element != Element.BF16 else _as_bf16(loaded_weight)
         if shard_id == "w2":
             layout.write_l2_weight(layer.l2_weight[e], src, where=where)
         else:

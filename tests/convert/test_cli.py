@@ -364,3 +364,12 @@ def test_quantize_choices_are_the_readers_quantize_rows():
     for name in ("convert", "inspect"):
         opt = next(p for p in main.commands[name].params if p.name == "quantize")
         assert tuple(opt.type.choices) == QUANTIZE_ROWS, name
+
+
+def test_shared_precision_choices_are_the_row_tables():
+    """--shared-precision is listed by hand for the same reason; it must be `SHARED_PRECISION_CHOICES`."""
+    from megamoe_convert.shared import SHARED_PRECISION_CHOICES
+
+    for name in ("convert", "inspect"):
+        opt = next(p for p in main.commands[name].params if p.name == "shared_precision")
+        assert tuple(opt.type.choices) == SHARED_PRECISION_CHOICES, name

@@ -59,6 +59,23 @@ def test_rows_match_feature_matrix():
         ROWS["mxfp4"].entry_point("dgz")
 
 
+def test_row_table_is_the_one_description():
+    """Every per-row table elsewhere is derived from ROWS: a row added to the table appears in each."""
+    from megamoe_convert.readers import recipe
+    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_runtime.format.formats import QUANTIZE_ROWS, Dispatch, Element, RowName
+
+    assert set(RowName) == set(ROWS) and all(type(n) is str for n in ROWS)
+    assert {r.dispatch for r in ROWS.values()} <= set(Dispatch)
+    assert {r.weight.element for r in ROWS.values()} <= set(Element)
+    assert set(THRESHOLDS) == set(recipe.KERNEL_ACTIVATIONS) == set(recipe._KEEPS) == set(ROWS)
+    assert QUANTIZE_ROWS == tuple(n for n, r in ROWS.items() if r.quantize_target)
+    for r in ROWS.values():
+        assert set(r.entry_preference) == set(r.entry_points) and r.no_kernel_hint
+    with pytest.raises(FormatError, match="entry_preference"):
+        dataclasses.replace(ROWS["mxfp4"], entry_preference=("nope",))
+
+
 def test_weight_spec_size_helpers():
     w = ROWS["mxfp4"].weight
     assert (w.stored_cols(256), w.scale_groups(256), w.scale_ints(256), w.scale_k_per_int32) == (128, 8, 2, 128)

@@ -63,7 +63,9 @@ class TritonBackend:
         return True
 
     def supports(self, spec: Any) -> Union[bool, str]:
-        if spec.row not in ("mxfp4", "mxfp8", "nvfp4", "bf16"):
+        from .configs import ROW_W_KIND
+
+        if spec.row not in ROW_W_KIND:
             return f"row {spec.row!r} is not implemented by the triton backend"
         if spec.hidden % 128 or spec.intermediate % 128:
             return f"hidden={spec.hidden} and intermediate={spec.intermediate} must be multiples of 128"

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from megamoe_runtime.format.formats import ROWS
 
 # weight kinds
 W_E2M1_MX = 0
@@ -503,4 +504,12 @@ def resolve_l2_fold(cfg: "KernelConfig", w_kind: Optional[int] = None) -> bool:
     return cfg.l2_decode == "fold"
 
 
-ROW_W_KIND = {"mxfp4": W_E2M1_MX, "mxfp8": W_E4M3_MX, "nvfp4": W_E2M1_NV, "bf16": W_BF16}
+#: the weight kind the kernels decode, per (element, scale encoding, scale group) of a row's WeightSpec
+_W_KIND_OF_WEIGHT = {("e2m1", "ue8m0", 32): W_E2M1_MX, ("e4m3", "ue8m0", 32): W_E4M3_MX,
+                     ("e2m1", "e4m3", 16): W_E2M1_NV, ("bf16", None, None): W_BF16}
+
+
+#: row -> weight kind, for the rows whose weights these kernels decode (the rows the backend runs)
+ROW_W_KIND = {name: _W_KIND_OF_WEIGHT[k] for name, k in
+              ((n, (r.weight.element, r.weight.scale_encoding, r.weight.scale_group)) for n, r in ROWS.items())
+              if k in _W_KIND_OF_WEIGHT}
