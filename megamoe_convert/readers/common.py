@@ -304,6 +304,8 @@ class SchemeReader(CheckpointReader):
                     )
             elif p.key == "scale":
                 assert sshape is not None
+                if row.weight.block_scaled and shape == tuple(d for d in sshape if d != 1):
+                    shape = sshape  # transformers <= 5.17 squeezes size-1 block dims when it splits fused experts
                 if shape != sshape and row.weight.block_scaled:
                     b = row.weight.scale_block_rows
                     raise CheckpointError(
@@ -731,7 +733,8 @@ class SchemeReader(CheckpointReader):
         if "scale" in r.names:
             s = self.source.get_tensor(r.names["scale"])
             if row.weight.block_scaled:
-                s = s.float()  # fp32 as stored; a bf16 scale widens exactly
+                # fp32 as stored (a bf16 scale widens exactly); a squeezed grid gets its size-1 dims back
+                s = s.float().reshape(row.weight.scale_shape(r.out, r.k))
             elif row.weight.scale_encoding == "ue8m0":
                 s = s.view(torch.uint8)
                 if r.scale_block is not None:
