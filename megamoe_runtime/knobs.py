@@ -47,6 +47,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("MEGAMOE_BACKEND", "serving", str, None,
          "the backend the transformers and vLLM integrations build layers with when the config names none",
          choices=("auto", "deepgemm", "triton", "reference"), default_doc="`auto` (follows the device)"),
+    Knob("MEGAMOE_VERIFY", "serving", str, None,
+         "the checks a load through the transformers and vLLM integrations makes when the config names none: "
+         "`headers` validates every header and destination before the first byte, `checksums` also hashes every "
+         "loaded tensor against the manifest", choices=("none", "headers", "checksums"), default_doc="`headers`"),
     Knob("MEGAMOE_THP", "serving", str, "0",
          "`1` asks Linux for transparent huge pages on a layer's CPU storage (faster first load when huge "
          "pages are free, slower when the kernel must compact memory for them)", choices=_ON_OFF),

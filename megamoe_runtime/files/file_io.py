@@ -375,7 +375,7 @@ def _do_reads(reads: list[tuple[Any, int, int, torch.Tensor]]) -> None:
                 continue
             # the first `share` of the bytes by DMA, the rest copied at the same time: the kernel pins
             # pages at about 25-35 GB/s on the H200 host whatever the threads, below the link, so the
-            # copying readers carry the other part in parallel (BENCHMARKS.md, issue 13)
+            # copying readers carry the other part in parallel (docs/bench-log/load.md)
             cut = min(nbytes, -(-int(nbytes * share) // 4096) * 4096)
             if cut:
                 dma.append((path, offset, cut, flat[:cut]))

@@ -60,7 +60,7 @@ from ..format.formats import LayerSpec, SharedSpec, get_row, spec_differences
 from ..format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 from . import compiled, loaders
 
-__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
+__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert"]
 
 
 _MADV_HUGEPAGE = 14
@@ -148,7 +148,7 @@ def _find_proj(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]
     return None
 
 
-def describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
+def _describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
     """(SharedSpec or None, canonical tensors, reason) for an engine's shared MLP.
 
     Recognises ``gate_proj``/``up_proj``/``down_proj``, ``w1``/``w3``/``w2``
@@ -297,7 +297,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
                 "module was given too; use one source of shared experts"
             )
         if spec.shared is None and shared_experts is not None and fuse_shared is not False:
-            sspec, tensors, module_reason = describe_shared_module(shared_experts, spec.hidden)
+            sspec, tensors, module_reason = _describe_shared_module(shared_experts, spec.hidden)
             if sspec is not None:
                 ok, module_reason = spec.row_spec.can_fuse_shared(sspec.precision)
                 if ok:

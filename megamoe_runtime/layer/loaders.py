@@ -60,7 +60,6 @@ __all__ = [
     "parse_expert_weight_name",
     "make_expert_params_mapping",
     "copy_stored",
-    "stored_destination",
     "raw_weight_loader",
     "shared_weight_loader",
     "LoadState",
@@ -278,7 +277,7 @@ def _check_scale_value(v: float, what: str) -> None:
 # --------------------------------------------------------------------------- pre-laid-out
 
 
-def stored_destination(layer: LoadTarget, role: str, storage: str = STORAGE_CONTIGUOUS,
+def _stored_destination(layer: LoadTarget, role: str, storage: str = STORAGE_CONTIGUOUS,
                        experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The view of `layer`'s storage that a stored (file) tensor of ``role``
     copies into: the parameter itself, its contiguous physical base for
@@ -311,7 +310,7 @@ def check_stored_source(layer: LoadTarget, role: str, dtype: Optional[torch.dtyp
                         experts: Optional[tuple[int, int]] = None, name: str = "") -> torch.Tensor:
     """The destination view of a stored tensor of this dtype and shape, or LayoutError: the checks `copy_stored`
     makes before its copy, callable on header facts alone (`load_checks` runs them before a load's first byte)."""
-    dst = stored_destination(layer, role, storage, experts)
+    dst = _stored_destination(layer, role, storage, experts)
     what = name or role
     if dtype != dst.dtype:
         raise LayoutError(_where(layer, f"{what}: stored dtype {dtype} != parameter dtype {dst.dtype}; "

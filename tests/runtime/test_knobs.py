@@ -160,7 +160,11 @@ def test_choices_are_the_ones_the_code_accepts():
     from megamoe_runtime.backends import AUTO_ORDER
     from megamoe_runtime.backends.triton import configs
 
+    from megamoe_runtime.load.load_checks import DEFAULT_VERIFY, VERIFY_LEVELS
+
     assert set(knobs.KNOBS["MEGAMOE_BACKEND"].choices) == {"auto", *AUTO_ORDER}
+    assert knobs.KNOBS["MEGAMOE_VERIFY"].choices == VERIFY_LEVELS
+    assert knobs.KNOBS["MEGAMOE_VERIFY"].default_label == f"`{DEFAULT_VERIFY}`"
     assert knobs.KNOBS["MEGAMOE_TRITON_KORDER"].choices == configs.K_ORDERS
     assert knobs.KNOBS["MEGAMOE_TRITON_DECODE"].choices == configs.DECODES
     assert knobs.KNOBS["MEGAMOE_TRITON_SCALES"].choices == configs.SCALE_LOADS
