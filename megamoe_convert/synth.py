@@ -51,6 +51,8 @@ FORMATS = (
     "fp32",
     "bf16-fused",
     "deepseek-v4",
+    "fp8-block",
+    "ct-fp8-block",
 )
 
 

@@ -50,6 +50,7 @@ from . import modelopt as _modelopt  # noqa: F401,E402
 from . import quark as _quark  # noqa: F401,E402
 from . import compressed_tensors as _ct  # noqa: F401,E402
 from . import deepseek_v4 as _dsv4  # noqa: F401,E402
+from . import fp8_block as _fp8b  # noqa: F401,E402
 from . import unquantized as _unq  # noqa: F401,E402
 
 __all__ = [
@@ -71,8 +72,8 @@ __all__ = [
 DETECTION_ORDER = (
     "modelopt-nvfp4", "modelopt-mxfp4", "modelopt-mxfp8", "modelopt-w4a8-nvfp4-fp8",
     "quark-mxfp4", "quark-nvfp4", "quark-mxfp8",
-    "ct-nvfp4", "ct-mxfp4", "ct-mxfp8",
-    "deepseek-v4",
+    "ct-nvfp4", "ct-mxfp4", "ct-mxfp8", "ct-fp8-block",
+    "deepseek-v4", "fp8-block",
     "unquantized",
 )
 if set(DETECTION_ORDER) != set(registered_readers()) or len(set(DETECTION_ORDER)) != len(DETECTION_ORDER):

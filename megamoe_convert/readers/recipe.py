@@ -34,6 +34,7 @@ ACCEPT_FLAG = "--accept-activation-change"
 _PRECISION = {
     "bf16": (16, 2),
     "fp8": (8, 0),  # one scale per tensor (or per token when dynamic per-token)
+    "fp8_128": (8, 2),  # dynamic, one fp32 scale per 1x128 group of a token
     "mxfp8": (8, 2),
     "mxfp4": (4, 2),
     "nvfp4": (4, 2),

@@ -54,6 +54,7 @@ class RowName(StrEnum):
     MXFP8 = "mxfp8"
     NVFP4 = "nvfp4"
     BF16 = "bf16"
+    FP8_BLOCK = "fp8_block"
 
 
 class Element(StrEnum):
@@ -70,6 +71,7 @@ class Dispatch(StrEnum):
     MXFP8 = "mxfp8"
     NVFP4 = "nvfp4"
     BF16 = "bf16"
+    FP8_128 = "fp8_128"
 
 
 #: what each dispatch feeds the first GEMM, in words (messages, ``inspect``)
@@ -77,6 +79,7 @@ DISPATCH_DESCRIPTIONS = {
     Dispatch.MXFP8: "MXFP8 (E4M3, one UE8M0 scale per 32 elements)",
     Dispatch.NVFP4: "NVFP4 (E2M1, one E4M3 scale per 16 elements)",
     Dispatch.BF16: "BF16 (not quantized)",
+    Dispatch.FP8_128: "FP8 (E4M3, one fp32 scale per 128 elements: amax / 448)",
 }
 
 
@@ -106,15 +109,19 @@ class WeightSpec:
 
     elements_per_byte: 2 for packed E2M1, 1 for E4M3, 0 for bf16 (2 bytes per
     element). scale_group: elements along K sharing one scale byte (32 for
-    UE8M0, 16 for NVFP4's E4M3), None without scales.
+    UE8M0, 16 for NVFP4's E4M3, 128 for a 128x128 block), None without
+    scales. scale_block_rows: rows (N) sharing one scale: 1 for the per-row
+    groups of the MX / NVFP4 rows, 128 for 128x128 block scales, which are
+    fp32 multipliers kept unpacked ``[N/128, K/128]`` (docs/LAYOUT.md#sm90-block-fp8).
     """
 
     element: Element
     elements_per_byte: int
     kernel_dtype: torch.dtype
     scale_group: int | None
-    scale_encoding: str | None  # "ue8m0" | "e4m3" | None
+    scale_encoding: str | None  # "ue8m0" | "e4m3" | "fp32" | None
     has_global_scale: bool
+    scale_block_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.element not in tuple(Element):
@@ -127,17 +134,32 @@ class WeightSpec:
             )
         if (self.scale_group is None) != (self.scale_encoding is None):
             raise FormatError("WeightSpec: scale_group and scale_encoding must both be set or both be None")
-        if self.scale_encoding not in (None, "ue8m0", "e4m3"):
-            raise FormatError(f"WeightSpec.scale_encoding={self.scale_encoding!r}; valid: 'ue8m0', 'e4m3', None")
+        if self.scale_encoding not in (None, "ue8m0", "e4m3", "fp32"):
+            raise FormatError(f"WeightSpec.scale_encoding={self.scale_encoding!r}; "
+                              "valid: 'ue8m0', 'e4m3', 'fp32', None")
+        if self.block_scaled != (self.scale_encoding == "fp32"):
+            raise FormatError("WeightSpec: fp32 scales are 128x128 block scales (scale_block_rows=128) and only they")
 
     @property
     def has_scales(self) -> bool:
         return self.scale_group is not None
 
     @property
+    def block_scaled(self) -> bool:
+        """One unpacked fp32 scale per block of rows x K (not per-row byte groups)."""
+        return self.scale_block_rows > 1
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, int] | None:
+        """Canonical scale shape of an ``[n, k]`` weight: ``[n, k/group]`` per-row groups,
+        ``[n/128, k/128]`` block scales, None without scales."""
+        if self.scale_group is None:
+            return None
+        return (n // self.scale_block_rows, k // self.scale_group)
+
+    @property
     def scale_k_per_int32(self) -> int | None:
-        """Elements of K covered by one packed int32 (4 scale bytes): 128 MX, 64 NVFP4."""
-        return None if self.scale_group is None else 4 * self.scale_group
+        """Elements of K covered by one packed int32 (4 scale bytes): 128 MX, 64 NVFP4; None unpacked."""
+        return None if self.scale_group is None or self.block_scaled else 4 * self.scale_group
 
     @property
     def checkpoint_dtype(self) -> torch.dtype:
@@ -146,10 +168,10 @@ class WeightSpec:
 
     @property
     def scale_checkpoint_dtype(self) -> torch.dtype | None:
-        """dtype of the scale in canonical encoding: uint8 (UE8M0) or float8_e4m3fn."""
+        """dtype of the scale in canonical encoding: uint8 (UE8M0), float8_e4m3fn or float32 (block)."""
         if self.scale_encoding is None:
             return None
-        return torch.uint8 if self.scale_encoding == "ue8m0" else torch.float8_e4m3fn
+        return {"ue8m0": torch.uint8, "e4m3": torch.float8_e4m3fn, "fp32": torch.float32}[self.scale_encoding]
 
     def stored_cols(self, k: int) -> int:
         """Columns of a weight row holding k elements (k/2 for packed E2M1)."""
@@ -160,8 +182,8 @@ class WeightSpec:
         return 0 if self.scale_group is None else k // self.scale_group
 
     def scale_ints(self, k: int) -> int:
-        """P: packed int32 columns per row, ceil(k / (4 * group)) (0 without scales)."""
-        if self.scale_group is None:
+        """P: packed int32 columns per row, ceil(k / (4 * group)) (0 without scales or unpacked)."""
+        if self.scale_group is None or self.block_scaled:
             return 0
         return -(-k // (4 * self.scale_group))
 
@@ -170,6 +192,8 @@ E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
 E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
 E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
 BF16 = WeightSpec(Element.BF16, 0, torch.bfloat16, None, None, False)
+#: E4M3 weights, one fp32 multiplier per 128x128 block (DeepSeek-V3's ``weight_scale_inv``)
+E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
 
 
 @dataclass(frozen=True)
@@ -216,6 +240,9 @@ class Row:
     api_flavours: tuple[tuple[str, str], ...] = field(default=())
     shared_by_flavour: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     notes: str = ""
+    #: the kernel layout's name and version, recorded in megamoe.json for rows whose
+    #: layout is versioned; a folder of another layout of the row is refused (docs/LAYOUT.md)
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.mma_type not in ("fp8xfp4", "fp8xfp8", "fp4xfp4", "bf16xbf16"):
@@ -421,6 +448,31 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("dg", "bf16_mega_moe"), ("dgv", "bf16_mega_moe")),
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
+    ),
+    Row(
+        name=RowName.FP8_BLOCK,
+        mma_type="fp8xfp8",
+        entry_points=("fp8_mega_moe",),
+        weight=E4M3_F32_BLOCK128,
+        dispatch=Dispatch.FP8_128,
+        # the SM90 kernel has no shared-expert slot: shared experts stay in the
+        # pass-through files and run outside it (docs/FORMATS.md#fp8-block)
+        fusable_shared=(),
+        activations=frozenset({"swiglu"}),
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l1",
+        entry_preference=("fp8_mega_moe",),
+        no_kernel_hint=("deep_gemm has no fp8_mega_moe (the SM90 block-FP8 mega kernel of SGLang's DeepGEMM build): "
+                        "pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11, built for torch 2.11"),
+        selfcheck_tolerance=2e-3,
+        quantize_target=False,
+        source_recipes=("dynamic FP8 per 1x128 activations: DeepSeek-V3/R1 native FP8, transformers FineGrainedFP8 "
+                        "(Qwen3-FP8, GLM-4.5-FP8), llm-compressor FP8_BLOCK"),
+        api_flavours=(("sgl", "fp8_mega_moe"),),
+        shared_by_flavour=(("sgl", ()),),
+        notes="SGLang's DeepGEMM (sgl-deep-gemm) SM90 fp8_mega_moe, recipe (128, 128, 128); Hopper only",
+        layout="sm90-block-fp8/1",
     ),
 )
 

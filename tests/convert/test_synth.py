@@ -24,9 +24,11 @@ _SMALL = dict(num_layers=2, hidden=128, intermediate=64, num_experts=4, top_k=2,
 
 
 def _cases() -> list[tuple[str, str, dict]]:
-    from megamoe_convert.synth import FORMATS
+    from megamoe_convert.synth import FORMATS, ROW_OF
 
-    cases = [(fmt, fmt, dict(_SMALL)) for fmt in FORMATS]
+    # block-FP8 weights come in 128x128 blocks
+    cases = [(fmt, fmt, dict(_SMALL, intermediate=128) if ROW_OF[fmt] == "fp8_block" else dict(_SMALL))
+             for fmt in FORMATS]
     cases += [
         ("modelopt-nvfp4-shared-mismatch", "modelopt-nvfp4", dict(_SMALL, shared=2, scale_mismatch=[(0, 1)])),
         ("ct-nvfp4-shared-bf16-excluded", "ct-nvfp4", dict(_SMALL, shared=1, shared_format="bf16",

@@ -21,6 +21,7 @@ W_E2M1_MX = 0
 W_E4M3_MX = 1
 W_E2M1_NV = 2
 W_BF16 = 3
+W_E4M3_B128 = 4  # E4M3 with fp32 128x128 block scales (the block-FP8 row, ``block8``)
 # requant kinds of the L1 epilogue
 REQ_MX8 = 0
 REQ_NV4 = 1
@@ -506,7 +507,8 @@ def resolve_l2_fold(cfg: "KernelConfig", w_kind: Optional[int] = None) -> bool:
 
 #: the weight kind the kernels decode, per (element, scale encoding, scale group) of a row's WeightSpec
 _W_KIND_OF_WEIGHT = {("e2m1", "ue8m0", 32): W_E2M1_MX, ("e4m3", "ue8m0", 32): W_E4M3_MX,
-                     ("e2m1", "e4m3", 16): W_E2M1_NV, ("bf16", None, None): W_BF16}
+                     ("e2m1", "e4m3", 16): W_E2M1_NV, ("bf16", None, None): W_BF16,
+                     ("e4m3", "fp32", 128): W_E4M3_B128}
 
 
 #: row -> weight kind, for the rows whose weights these kernels decode (the rows the backend runs)
