@@ -692,7 +692,9 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
               help="Synthetic source format to build: any format megamoe_convert.synth supports (modelopt-nvfp4, "
                    "quark-mxfp4, ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Build in this folder and keep it (default: a temporary folder, removed afterwards).")
+              help="Build in this folder and keep it (default: a temporary folder, removed afterwards). Run "
+                   "again, it replaces what an earlier demo wrote there (its .megamoe-demo.json lists it) and "
+                   "refuses to touch anything else.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Convert into this many EP rank file sets (the check reads every rank's files).")
 @click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
@@ -726,12 +728,14 @@ def demo(fmt, keep, ep_size, tokens, as_json):
     if fmt not in synth.FORMATS:
         raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth.FORMATS)}",
                                  param_hint="--format")
+    from .demo import prepare_keep, run_demo
+
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        result = _run_guarded(lambda: _demo(keep, fmt, ep_size, tokens))
+        result = _run_guarded(lambda: (prepare_keep(keep), run_demo(keep, fmt, ep_size, tokens, log))[1])
     else:
         with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as d:
-            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size, tokens))
+            result = _run_guarded(lambda: run_demo(Path(d), fmt, ep_size, tokens, log))
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -760,45 +764,18 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
     n_ok = sum(r["ok"] for r in c["layers"])
     g = result["generate"]
     if "skipped" in g:
-        click.echo(f"demo: generate skipped: {g['skipped']}")
+        click.echo(f"demo: transformers step skipped: {g['skipped']}")
     else:
-        click.echo(f"demo: AutoModelForCausalLM.from_pretrained(converted {g['model']}) generated "
-                   f"{g['tokens']}; transformers on the source: {g['reference_tokens']} "
-                   f"{'(identical)' if g['ok'] else '(DIFFERENT)'}")
+        where = g["out"] if kept else "a temporary folder"
+        click.echo(f"demo: transformers: converted a tiny {g['model']} with random weights (a {g['source_dtype']} "
+                   f"source, so row {g['row']}) into {where}")
+        click.echo(f"demo: AutoModelForCausalLM.from_pretrained on it generated {g['tokens']}; transformers on "
+                   f"the source: {g['reference_tokens']} {'(identical)' if g['ok'] else '(DIFFERENT)'}")
     if result["ok"]:
         click.echo(f"demo: ok: {n_ok}/{len(c['layers'])} layers match the source")
     else:
         click.echo(f"demo: FAILED: {n_ok}/{len(c['layers'])} layers match the source"
                    + ("" if v["ok"] else ", verify failed"))
-
-
-DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
-
-
-def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
-    from . import synth
-    from .convert import convert as do_convert
-    from .selfcheck import compare_with_source
-    from megamoe_runtime.load.verify import verify_output
-
-    src, out = root / "source", root / "converted"
-    for p in (src, out, root / "hf-source", root / "hf-converted"):  # the last two: demo_generate's
-        if p.exists():
-            raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
-    synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
-    s = do_convert(src, out, ep_size=ep_size, log=lambda m: click.echo(m, err=True))
-    v = verify_output(out)
-    t = time.perf_counter()
-    layers = compare_with_source(src, out, tokens=tokens, seed=0)
-    compare = {"backend": "reference", "tokens": tokens, "seed": 0, "ok": all(r.ok for r in layers),
-               "layers": [r.to_dict() for r in layers], "seconds": round(time.perf_counter() - t, 3)}
-    from .demo_generate import demo_generate
-
-    generate = demo_generate(root, log=lambda m: None)
-    return {"ok": v.ok and compare["ok"] and generate["ok"], "format": fmt, "src": str(src), "out": str(out),
-            "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
-            "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
-            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}
 
 
 if __name__ == "__main__":  # pragma: no cover

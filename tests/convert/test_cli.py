@@ -109,15 +109,37 @@ def test_demo_json(tmp_path):
     gen = res["generate"]  # the last step: from_pretrained on a converted real transformers model + generate
     assert gen["ok"] and len(gen["tokens"]) == 8 and gen["tokens"] == gen["reference_tokens"]
     assert (tmp_path / "d" / "hf-converted" / "megamoe.json").is_file()
-    r = run_cli("demo", "--keep", tmp_path / "d")
-    assert r.exit_code == 2 and "exists" in r.stderr
+    assert "demo: transformers: converted a tiny DeepseekV3ForCausalLM with random weights (a bf16 source, so row " \
+           f"bf16) into {tmp_path / 'd' / 'hf-converted'}" not in r.stdout  # (--json: the JSON only)
+    assert gen["row"] == "bf16" and gen["source_dtype"] == "bf16" and gen["out"] == str(tmp_path / "d" / "hf-converted")
     mine = tmp_path / "e" / "hf-source"  # a user's folder where the last step would save its model
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("mine")
     r = run_cli("demo", "--keep", tmp_path / "e")
-    assert r.exit_code == 2 and "hf-source exists" in r.stderr
+    assert r.exit_code == 2 and "hf-source (not written by the demo)" in r.stderr
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "e" / "source").exists()
+    r = run_cli("demo", "--format", "gguf")
+    assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
+
+
+def test_demo_keep_runs_again_in_its_own_folder_only(tmp_path):
+    """The README runs `demo --keep` more than once: a second run replaces what the first wrote (its marker
+    lists it), and names the folder it wrote; a file changed since, or a folder it did not write, is never
+    touched."""
+    d = tmp_path / "d"
+    for _ in range(2):
+        r = run_cli("demo", "--keep", d, "--format", "bf16")
+        assert r.exit_code == 0, r.output
+    assert (d / "converted" / "megamoe.json").is_file() and (d / ".megamoe-demo.json").is_file()
+    assert "demo: transformers: converted a tiny DeepseekV3ForCausalLM with random weights (a bf16 source, so row " \
+           f"bf16) into {d / 'hf-converted'}" in r.stdout
+    cfg = d / "converted" / "config.json"
+    cfg.write_text(cfg.read_text() + " ")  # the user's edit
+    before = cfg.read_bytes()
+    r = run_cli("demo", "--keep", d, "--format", "bf16")
+    assert r.exit_code == 2 and f"{d / 'converted'} (changed since the demo wrote it)" in r.stderr
+    assert cfg.read_bytes() == before and (d / "source" / "config.json").is_file()
     r = run_cli("demo", "--format", "gguf")
     assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
 
@@ -364,3 +386,13 @@ def test_quantize_choices_are_the_readers_quantize_rows():
     for name in ("convert", "inspect"):
         opt = next(p for p in main.commands[name].params if p.name == "quantize")
         assert tuple(opt.type.choices) == QUANTIZE_ROWS, name
+
+
+@pytest.mark.parametrize("cmd", ["convert", "inspect"])
+def test_an_already_converted_folder_is_named_as_such(ckpts, tmp_path, cmd):
+    _, out = ckpts.converted("modelopt-nvfp4")
+    args = [cmd, out] + ([tmp_path / "again"] if cmd == "convert" else [])
+    r = run_cli(*args)
+    assert r.exit_code == 2
+    assert f"{out}: already a megamoe output (megamoe.json is there)" in r.stderr
+    assert not (tmp_path / "again").exists()
