@@ -335,7 +335,8 @@ def _print_summary(s) -> None:
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
     kept = getattr(s, "bytes_kept", 0)
-    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s"
+    click.echo(f"  time: {s.seconds:.2f} s converting (checks, reads, writes, rename; not the start-up of Python "
+               f"and torch)   throughput: {s.gb_per_s:.2f} GB/s"
                + (f" (over the {format_bytes(s.bytes_in - kept)} processed by this run; {format_bytes(kept)} "
                   "kept from the earlier run)" if kept else ""))
     act = (s.recipe or {}).get("activations")
@@ -442,7 +443,7 @@ def _print_inspect(rep: "InspectReport") -> None:
         sc = rep.scales
         bad = sc.get("unchecked_layers") or []
         if sc["pairs"]:
-            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
+            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 {sc['tensor']} pairs differ "
                        f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})"
                        + (f"; layers {layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
                           if bad else ""))
@@ -500,20 +501,27 @@ def _shared_line(sh: dict) -> str:
                    "written exactly once.")
 @click.option("--no-progress", is_flag=True,
               help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr).")
-def verify(out, as_json, reload_dry_run, no_progress):
-    """Check converted folder OUT against its manifest.
+@click.option("--against", "against", default=None, metavar="SRC",
+              help="Also serve every MoE layer (reference backend, CPU) and compare it with an fp32 MoE computed "
+                   "from source checkpoint SRC (a folder or hub repo id, read as the conversion read it): one "
+                   "calc_diff per layer, each below its row's threshold (bf16 1e-4, mxfp8/mxfp4 2e-3, nvfp4 2e-2).")
+@click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
+              help="With --against: tokens per layer in the comparison.")
+def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
+    """Check converted folder OUT against its manifest (and, with --against, its source).
 
     Manifest schema, version and self-digest, every file present with its size and
     digest, every safetensors header consistent with the manifest, every
     tensor's checksum (sha256 or blake3, as the manifest says; a blake3 folder
     needs the blake3 package). Exit 1 with a report on any mismatch, missing
-    file or flipped byte.
+    file or flipped byte, or (--against) a layer above its threshold.
 
     \b
     Examples:
       megamoe-convert verify ./qwen3-megamoe
       megamoe-convert verify ./qwen3-megamoe --json
       megamoe-convert verify ./qwen3-megamoe --reload-dry-run
+      megamoe-convert verify ./qwen3-megamoe --against ./Qwen3-30B-A3B-NVFP4
 
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
     folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
@@ -548,13 +556,29 @@ def verify(out, as_json, reload_dry_run, no_progress):
         if not result["reload"]["ok"]:
             rep.problems.extend(result["reload"]["problems"])
             result["problems"], result["ok"] = rep.problems, False
+    if against is not None and rep.ok:
+        result["against"] = _verify_against(out, against, tokens, bar_off=no_progress)
+        if not result["against"]["ok"]:
+            bad = [le for le in result["against"]["layers"] if not le["ok"]]
+            rep.problems.extend(f"layer {le['index']} ({le['prefix']}): calc_diff {le['calc_diff']:.2e} against "
+                                f"{against} >= threshold {le['threshold']:.0e}" for le in bad)
+            result["problems"], result["ok"] = rep.problems, False
     result["exit_code"] = EXIT_OK if rep.ok else EXIT_VERIFY_FAILED
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        _print_verify(rep, result.get("reload"))
+        _print_verify(rep, result.get("reload"), result.get("against"))
     if not rep.ok:
         sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _verify_against(out: Path, src: str, tokens: int, bar_off: bool) -> dict:
+    """megamoe_convert.against: every layer of OUT served and compared with the fp32 MoE of SRC."""
+    from .against import compare_folder_with_source
+
+    if not bar_off:
+        click.echo(f"verify: comparing every MoE layer of {out} with {src} ({tokens} tokens) ...", err=True)
+    return _run_guarded(lambda: compare_folder_with_source(out, src, tokens=tokens))
 
 
 def _reload_dry_run(out: Path) -> dict:
@@ -573,13 +597,24 @@ def _reload_dry_run(out: Path) -> dict:
             "layer_loads": sum(len(rep.layers) for rep in reports), "problems": problems}
 
 
-def _print_verify(rep, reload: dict | None) -> None:
+def _print_verify(rep, reload: dict | None, against: dict | None = None) -> None:
     for w in rep.warnings:
         click.echo(f"warning: {w}", err=True)
+    if against is not None:
+        from .against import layer_lines
+
+        click.echo(f"served layers ({against['backend']} backend, {against['tokens']} tokens) vs fp32 MoE from "
+                   f"{against['source']} ({against['format']}"
+                   + (f", quantized to {against['quantize']}" if against["quantize"] else "") + "):")
+        for line in layer_lines(against["layers"]):
+            click.echo(f"  {line}")
     if rep.ok:
         click.echo(f"ok: {rep.path}: format_version {rep.format_version}, row {rep.row}, ep_size {rep.ep_size}, "
                    f"{rep.layers} MoE layers; {rep.files_checked} files, {rep.tensors_checked} tensors, "
                    f"{format_bytes(rep.bytes_checked)} checked")
+        if against is not None:
+            click.echo(f"ok: all {len(against['layers'])} MoE layers match {against['source']} within their row's "
+                       "threshold")
         if reload is not None:
             click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
                        f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")

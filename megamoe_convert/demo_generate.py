@@ -23,8 +23,9 @@ def demo_generate(root: Path, log: Callable[[str], None]) -> dict:
         import torch
         import transformers  # noqa: F401
     except ImportError:
-        return {"ok": True, "skipped": "transformers is not installed: pip install -e '.[transformers]' in a clone "
-                                       "(pip install 'megamoe[transformers]' from an index)"}
+        from megamoe_runtime.errors import install_hint
+
+        return {"ok": True, "skipped": f"transformers is not installed: {install_hint('transformers')}"}
     import megamoe_runtime.integrations.transformers  # noqa: F401  (registers the megamoe method)
     from megamoe_runtime.integrations.transformers.tiny import save_tiny_model
     from transformers import AutoModelForCausalLM

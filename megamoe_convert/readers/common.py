@@ -198,6 +198,12 @@ class SchemeReader(CheckpointReader):
     direct_weight_bytes: ClassVar[bool] = False
 
     @classmethod
+    def global_scale_name(cls) -> str:
+        """The source format's own name of the per-projection global scale (ModelOpt and Quark
+        ``weight_scale_2``, compressed-tensors ``weight_global_scale``), for messages about it."""
+        return next((p.suffixes[0] for p in cls.scheme.params if p.key == "global"), "weight_scale_2")
+
+    @classmethod
     def synthetic_row(cls, variant: str) -> str:
         """The encoding of ``scheme``, which `encode_expert` writes (DeepSeek-V4: the FP4 experts)."""
         return cls.scheme.encoding

@@ -396,3 +396,60 @@ def test_an_already_converted_folder_is_named_as_such(ckpts, tmp_path, cmd):
     assert r.exit_code == 2
     assert f"{out}: already a megamoe output (megamoe.json is there)" in r.stderr
     assert not (tmp_path / "again").exists()
+
+
+def test_inspect_names_the_source_formats_own_global_scale_tensor():
+    """compressed-tensors keeps the NVFP4 global scale in weight_global_scale, ModelOpt in weight_scale_2."""
+    real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+    for fixture, name in (("llmcompressor-nvfp4-qwen3moe", "weight_global_scale"),
+                          ("modelopt-nvfp4-qwen3moe", "weight_scale_2")):
+        r = run_cli("inspect", real / fixture)
+        assert r.exit_code == 0, r.output
+        assert f"of 8 w1/w3 {name} pairs differ" in r.stdout, fixture
+
+
+def test_convert_summary_says_what_its_time_measures(synth_ckpt, tmp_path):
+    r = run_cli("convert", synth_ckpt("bf16"), tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert "s converting (checks, reads, writes, rename; not the start-up of Python and torch)" in r.stdout
+
+
+def test_verify_against_its_source_prints_the_layer_table_and_passes(ckpts):
+    src, out = ckpts.converted("modelopt-nvfp4")
+    r = run_cli("verify", out, "--against", src)
+    assert r.exit_code == 0, r.output
+    assert "layer  module" in r.stdout and "calc_diff  threshold  result" in r.stdout
+    for i in (0, 1):
+        assert f"    {i}  model.layers.{i}.mlp  nvfp4" in r.stdout
+    assert f"ok: all 2 MoE layers match {src} within their row's threshold" in r.stdout
+    d = json.loads(run_cli("verify", out, "--against", src, "--json", "--tokens", "8").stdout)
+    a = d["against"]
+    assert d["ok"] and d["exit_code"] == 0 and a["ok"] and a["tokens"] == 8 and a["format"] == "modelopt-nvfp4"
+    assert [le["index"] for le in a["layers"]] == [0, 1]
+    assert all(le["ok"] and 0 <= le["calc_diff"] < le["threshold"] == 2e-2 for le in a["layers"])
+
+
+def test_verify_against_quantized_from_bf16_reads_the_source_as_the_conversion_did(ckpts):
+    """--quantize mxfp4: the manifest says so, and the comparison quantizes the source the same way."""
+    src = ckpts.source("bf16")
+    out = ckpts.base / "bf16-to-mxfp4"
+    if not out.exists():
+        from megamoe_convert.convert import convert
+        convert(src, out, quantize="mxfp4")
+    d = json.loads(run_cli("verify", out, "--against", src, "--json").stdout)
+    assert d["ok"] and d["against"]["quantize"] == "mxfp4" and d["against"]["row"] == "mxfp4"
+
+
+def test_verify_against_another_source_fails(ckpts, make_ckpt):
+    """Negative control: a source of the same shapes but other weights misses every threshold (exit 1); one of
+    other shapes is named as not the source (exit 2)."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    other = make_ckpt("modelopt-nvfp4", seed=7)
+    r = run_cli("verify", out, "--against", other)
+    assert r.exit_code == 1, r.output
+    assert r.stdout.count("FAIL") >= 2 and f"against {other} >= threshold 2e-02" in r.stdout
+    d = json.loads(run_cli("verify", out, "--against", other, "--json").stdout)
+    assert d["exit_code"] == 1 and not d["ok"] and not d["against"]["ok"]
+    wider = make_ckpt("modelopt-nvfp4", intermediate=384)
+    r = run_cli("verify", out, "--against", wider)
+    assert r.exit_code == 2 and f"{wider} is not the source of {out}: MoE layer 0" in r.stderr
