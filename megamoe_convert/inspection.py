@@ -177,7 +177,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         shared_notes = {}
         lplans: list[LayerPlan] = []
         check_shared_precision(row, shared_precision)
-        global_name = getattr(reader, "global_scale_name", lambda: "weight_scale_2")()
+        global_name = reader.global_scale_name()
         for info in infos:
             shared, shared_rec, spec = layer_decisions(info, row, facts, ep_size, shared_precision, problems)
             if info.shared is not None and shared is None:

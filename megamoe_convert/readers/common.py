@@ -199,8 +199,7 @@ class SchemeReader(CheckpointReader):
 
     @classmethod
     def global_scale_name(cls) -> str:
-        """The source format's own name of the per-projection global scale (ModelOpt and Quark
-        ``weight_scale_2``, compressed-tensors ``weight_global_scale``), for messages about it."""
+        """The scheme's ``global`` parameter's stored name."""
         return next((p.suffixes[0] for p in cls.scheme.params if p.key == "global"), "weight_scale_2")
 
     @classmethod
