@@ -360,6 +360,11 @@ def _print_summary(s) -> None:
         click.echo(f"  shared experts (layers {d['layers']}): fused as {d['precision']} ({d['reason']})")
         if d["note"]:
             click.echo(f"    {d['note']}")
+    out, src = shlex.quote(str(s.out)), shlex.quote(str(s.source))
+    click.echo(f"next: megamoe-convert verify {out} --against {src}   (the served layers against the source)")
+    click.echo(f"      transformers: import megamoe_runtime.integrations.transformers, then "
+               f"AutoModelForCausalLM.from_pretrained({str(s.out)!r})")
+    click.echo(f"      vLLM: vllm serve {out} --load-format megamoe")
 
 
 # --------------------------------------------------------------------------- inspect

@@ -409,13 +409,17 @@ def test_inspect_names_the_source_formats_own_global_scale_tensor():
         assert f"of 8 w1/w3 {name} pairs differ" in r.stdout, fixture
 
 
-def test_convert_summary_says_what_its_time_measures(synth_ckpt, tmp_path):
+def test_convert_summary_says_what_its_time_measures_and_what_comes_next(synth_ckpt, tmp_path):
     r = run_cli("convert", synth_ckpt("bf16"), tmp_path / "out")
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("time:"))
     m = re.search(r"time: ([\d.]+) s converting \(checks, reads, writes, rename\), ([\d.]+) s since the command "
                   r"started \(imports included\)   throughput: ", line)
     assert m and float(m[2]) >= float(m[1]), line
+    out, src = tmp_path / "out", synth_ckpt("bf16")
+    assert f"next: megamoe-convert verify {out} --against {src}" in r.stdout
+    assert f"import megamoe_runtime.integrations.transformers, then AutoModelForCausalLM.from_pretrained('{out}')" \
+        in r.stdout and f"vllm serve {out} --load-format megamoe" in r.stdout
 
 
 def test_verify_against_its_source_prints_the_layer_table_and_passes(ckpts):
