@@ -197,3 +197,24 @@ def test_ct_block_structure_other_than_128_refused(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match=r"weight blocks of \[64, 64\]"):
         detect_reader(open_source(str(src)))
+
+
+def test_ep2_ranks_hold_their_experts_and_build_layers(tmp_path):
+    import megamoe_runtime as mr
+
+    src = REAL / "llmcompressor-fp8-block-deepseekv3"
+    convert(src, tmp_path / "ep1")
+    convert(src, tmp_path / "ep2", ep_size=2)
+    one = _files(tmp_path / "ep1")
+    for r in range(2):
+        rank = {}
+        for f in sorted((tmp_path / "ep2").glob(f"megamoe-experts-rank{r:03d}-*.safetensors")):
+            rank.update(load_file(f))
+        assert rank
+        for k, t in rank.items():
+            bits = torch.uint8 if t.element_size() == 1 else torch.int32
+            assert torch.equal(t.view(bits), one[k][2 * r:2 * r + 2].view(bits)), (r, k)
+    ck = mr.open_checkpoint(tmp_path / "ep2")
+    layer = ck.build_layer(1, device="cpu", backend="reference", ep_rank=1, ep_size=2)
+    assert layer.spec.row == "fp8_block" and layer.l1_scale.dtype == torch.float32
+    assert list(layer.spec.local_experts) == [2, 3]
