@@ -21,7 +21,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+from test_transformers import _source_modules  # noqa: E402  (this folder's test module: its source reader)
 
 import megamoe_runtime.integrations.transformers  # noqa: E402,F401  (registers the quantizer)
 from megamoe_runtime import calc_diff  # noqa: E402
@@ -40,16 +40,6 @@ def _decode(t: dict) -> torch.Tensor:
     n, k = w.shape
     s = s.reshape(-(-n // 128), -(-k // 128)).repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     return w.double() * s
-
-
-def _modules(folder: Path) -> dict:
-    mods: dict = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                mod, suffix = k.rsplit(".", 1)
-                mods.setdefault(mod, {})[suffix] = h.get_tensor(k)
-    return mods
 
 
 def _fp8(x: torch.Tensor, group: int, divide: bool) -> torch.Tensor:
@@ -86,7 +76,7 @@ def _reference(fixture: str):
     cfg._experts_implementation = "megamoe_test_sm90_fp8"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    mods = _modules(folder)
+    mods = _source_modules(folder)
     with torch.no_grad():
         for name, p in model.state_dict(keep_vars=True).items():
             mod, suffix = name.rsplit(".", 1)
