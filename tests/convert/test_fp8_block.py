@@ -218,3 +218,24 @@ def test_ep2_ranks_hold_their_experts_and_build_layers(tmp_path):
     layer = ck.build_layer(1, device="cpu", backend="reference", ep_rank=1, ep_size=2)
     assert layer.spec.row == "fp8_block" and layer.l1_scale.dtype == torch.float32
     assert list(layer.spec.local_experts) == [2, 3]
+
+
+@pytest.mark.parametrize("name", ["finegrained-fp8-deepseekv3", "llmcompressor-fp8-block-deepseekv3"])
+def test_raw_load_of_the_source_equals_the_converted_layer(tmp_path, name):
+    """The runtime's raw (vLLM-style) load of the producer's own tensors writes the converter's bytes
+    (transformers' squeezed scale grids and CT's bf16 scales included)."""
+    import megamoe_runtime as mr
+    from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+    from megamoe_runtime.load.raw_load import load_raw_checkpoint
+
+    convert(REAL / name, tmp_path / "out")
+    ck = mr.open_checkpoint(tmp_path / "out")
+    layer = DeepGemmMegaMoEExperts(ck.layer_spec(1), backend="reference", prefix=ck.layer_entry(1).prefix,
+                                   layer_index=1)
+    rep = load_raw_checkpoint(layer, REAL / name)
+    assert len(rep.written) == 4 * 3 * 2 and not rep.skipped
+    conv = ck.build_layer(1, device="cpu", backend="reference")
+    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        a, b = getattr(layer, role), getattr(conv, role)
+        bits = torch.uint8 if a.element_size() == 1 else torch.int32
+        assert torch.equal(a.view(bits), b.view(bits)), role
