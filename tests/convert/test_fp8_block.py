@@ -239,3 +239,12 @@ def test_raw_load_of_the_source_equals_the_converted_layer(tmp_path, name):
         a, b = getattr(layer, role), getattr(conv, role)
         bits = torch.uint8 if a.element_size() == 1 else torch.int32
         assert torch.equal(a.view(bits), b.view(bits)), role
+
+
+def test_ct_source_nan_weight_byte_refused_through_direct_reads(tmp_path):
+    """Readers whose weights the converter reads in place (both block-FP8 readers) still check every byte."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-fp8-block", **SIZES, seed=3)
+    _edit(src, _set(f"{P}.down_proj.weight", _nan_byte))
+    with pytest.raises(Exception, match=r"expert 2 down weight .*down_proj\.weight.*E4M3 weight byte\(s\) are NaN"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
