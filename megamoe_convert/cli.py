@@ -225,7 +225,7 @@ def main() -> None:
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="Quantize an unquantized (BF16/FP16/FP32) checkpoint with the reference quantizers.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Write one set of expert shards per EP rank, each holding only that rank's experts.")
@@ -375,7 +375,7 @@ def _print_summary(s) -> None:
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
 @hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")

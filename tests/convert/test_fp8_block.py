@@ -248,3 +248,21 @@ def test_ct_source_nan_weight_byte_refused_through_direct_reads(tmp_path):
     with pytest.raises(Exception, match=r"expert 2 down weight .*down_proj\.weight.*E4M3 weight byte\(s\) are NaN"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_bf16_source_into_the_row(tmp_path):
+    """--quantize fp8_block: each 128x128 block gets scale amax/448 and RNE E4M3 codes of w/scale (the
+    DeepSeek-V3 / FineGrainedFP8 convention, written out here); the served layer passes the self-check."""
+    from megamoe_convert.selfcheck import compare_with_source
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
+    out = tmp_path / "out"
+    assert convert(src, out, quantize="fp8_block").row == "fp8_block"
+    w = load_file(next(src.glob("*.safetensors")))["model.layers.1.mlp.experts.3.down_proj.weight"].float()
+    blocks = w.reshape(2, 128, 1, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(256, 128)
+    got = _files(out)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_scale"][3], scale)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_weight"][3].view(torch.uint8), codes.view(torch.uint8))
+    assert all(r.ok for r in compare_with_source(src, out, quantize="fp8_block"))
