@@ -94,6 +94,46 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+def _signal_name_code(signum: int) -> tuple[str, int]:
+    return ("SIGINT (Ctrl-C)", EXIT_SIGINT) if signum == signal.SIGINT else ("SIGTERM", EXIT_SIGTERM)
+
+
+class _Interrupts:
+    """The SIGINT/SIGTERM handlers of a guarded command. The first signal unwinds the run (KeyboardInterrupt /
+    `_Terminated`: writers stopped, lock released, the resume command printed). A second one ends the process
+    at once with its exit code (`os._exit`): waiting for writer threads on a slow disk is what the user
+    refuses by signalling again. That is safe at any point, as a ``kill -9`` is: the temp folder is resumable
+    and the kernel drops the locks; the renames of the final swap hold signals until they are done
+    (`output_dir.signals_deferred`)."""
+
+    def __init__(self, message=None):
+        self.first: int | None = None
+        self.message = message  # signal name -> (message, extra): what is left and how to continue
+
+    def install(self) -> dict:
+        return {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if self.first is None:
+            self.first = signum
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise _Terminated()
+        self.hard_exit(signum)
+
+    def hard_exit(self, signum: int) -> None:
+        import os
+
+        name, code = _signal_name_code(signum)
+        try:
+            msg = self.message(name)[0] if self.message else f"interrupted by {name}"
+            sys.stderr.write(f"error: a second signal: stopping now without waiting for the writers; {msg}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+
+
 def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     """The stderr progress display of `convert` / `verify`: a bar redrawn in place on a terminal, one
     plain line every few seconds otherwise (CI and k8s logs; ``MEGAMOE_PROGRESS_INTERVAL``), none with
@@ -106,9 +146,9 @@ def _run_guarded(fn, interrupted=None):
     130, SIGTERM -> 143, with `interrupted(signal name)` -> (message, extra
     JSON fields) saying what is left and how to continue."""
     main_thread = threading.current_thread() is threading.main_thread()
+    guard = _Interrupts(interrupted)
     if main_thread:
-        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
-               signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+        old = guard.install()
     try:
         return fn()
     except MegaMoEError as e:
@@ -116,12 +156,14 @@ def _run_guarded(fn, interrupted=None):
     except OSError as e:
         _fail(f"{type(e).__name__}: {e}")
     except (KeyboardInterrupt, _Terminated) as e:
-        name, code = ("SIGINT (Ctrl-C)", EXIT_SIGINT) if isinstance(e, KeyboardInterrupt) else \
-            ("SIGTERM", EXIT_SIGTERM)
+        name, code = _signal_name_code(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+        guard.first = guard.first or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         msg, extra = interrupted(name) if interrupted else (f"interrupted by {name}", {})
         _fail(msg, code, **extra)
     finally:
-        if main_thread:
+        # after an interruption the handlers stay: a signal while Python joins the writer threads at exit
+        # ends the process at once (`_Interrupts.hard_exit`)
+        if main_thread and guard.first is None:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
@@ -175,20 +217,38 @@ def _convert_interrupted(ctx: click.Context, out: Path):
 
 class _Group(click.Group):
     """Usage errors (unknown option, bad value) answer in JSON on stdout too
-    when the command line asks for --json."""
+    when the command line asks for --json. Ctrl-C before a command's own
+    handling starts (parsing, importing torch) exits 130 with one line, as
+    every interruption does, not click's ``Aborted!`` with 1."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
-        if "--json" not in argv or not standalone_mode:
+        if not standalone_mode:
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        as_json = "--json" in argv
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             e.show()
-            click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()}, indent=2))
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()},
+                                      indent=2))
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("Aborted!", err=True)
+        except (click.exceptions.Abort, KeyboardInterrupt) as e:
+            if not isinstance(e, KeyboardInterrupt) and not isinstance(e.__cause__, KeyboardInterrupt):
+                click.echo("Aborted!", err=True)
+                sys.exit(1)
+            msg = "interrupted by SIGINT (Ctrl-C) while starting; nothing was written"
+            click.echo(f"error: {msg}", err=True)
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": EXIT_SIGINT, "error": msg,
+                                       "interrupted": "SIGINT (Ctrl-C)"}, indent=2))
+            sys.exit(EXIT_SIGINT)
+        except OSError as e:  # click's own: a closed stdout (`| head`) ends quietly
+            import errno
+
+            if e.errno != errno.EPIPE:
+                raise
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
