@@ -141,10 +141,11 @@ def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     return ProgressDisplay(label, "off" if no_progress else "auto", stream=sys.stderr)
 
 
-def _run_guarded(fn, interrupted=None):
+def _run_guarded(fn, interrupted=None, io_failed=None):
     """Run fn(); MegaMoEError / OSError -> 'error: ...', exit 2; Ctrl-C -> exit
     130, SIGTERM -> 143, with `interrupted(signal name)` -> (message, extra
-    JSON fields) saying what is left and how to continue."""
+    JSON fields) saying what is left and how to continue; `io_failed(OSError)`
+    likewise for a failed read or write (a full disk, an I/O error)."""
     main_thread = threading.current_thread() is threading.main_thread()
     guard = _Interrupts(interrupted)
     if main_thread:
@@ -154,7 +155,8 @@ def _run_guarded(fn, interrupted=None):
     except MegaMoEError as e:
         _fail(str(e))
     except OSError as e:
-        _fail(f"{type(e).__name__}: {e}")
+        msg, extra = io_failed(e) if io_failed else (f"{type(e).__name__}: {e}", {})
+        _fail(msg, EXIT_BAD_INPUT, **extra)
     except (KeyboardInterrupt, _Terminated) as e:
         name, code = _signal_name_code(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         guard.first = guard.first or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
@@ -212,6 +214,33 @@ def _convert_interrupted(ctx: click.Context, out: Path):
                     {"interrupted": name, "out": str(o)})
         return (f"interrupted by {name} before anything was written; run the same command again",
                 {"interrupted": name})
+    return message
+
+
+def _convert_io_failed(ctx: click.Context, out: Path):
+    """What a `convert` stopped by an OSError prints: the error with the file it names (the shard writer
+    names the file a failed write was for), and, when the temp folder is there, that it stays and the
+    command that continues once the cause (a full disk: free space) is gone."""
+    def message(e: OSError):
+        import errno
+
+        from .output_dir import resolve_out, temp_dir_for
+
+        try:
+            o = resolve_out(out)
+        except MegaMoEError:
+            o = Path(out)
+        tmp = temp_dir_for(o)
+        what = f"{type(e).__name__}: {e}"
+        if e.filename is None:
+            what += f" (no file named; the run was writing into {tmp})"
+        if not tmp.is_dir():
+            return what, {}
+        cmd = _resume_command(ctx)
+        when = "once space is free" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "once that is fixed"
+        return (f"{what}. Nothing was written under {o}; {tmp} remains and keeps the finished files: {when}, "
+                f"continue with:\n  {cmd}", {"temp_folder": str(tmp), "resume_command": cmd,
+                                              **({"file": str(e.filename)} if e.filename else {})})
     return message
 
 
@@ -380,7 +409,8 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
         finally:
             bar.close(ok)
 
-    s = _run_guarded(run, _convert_interrupted(click.get_current_context(), out))
+    ctx = click.get_current_context()
+    s = _run_guarded(run, _convert_interrupted(ctx, out), _convert_io_failed(ctx, out))
     if as_json:
         click.echo(json.dumps(s.to_dict(), indent=2))
         return

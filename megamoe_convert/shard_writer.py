@@ -25,6 +25,7 @@ and journal are ``temp_folder``; verifying a finished folder is
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -272,7 +273,8 @@ class ShardWriter:
             piece = mv[i:i + step]
             pos = offset + i
             while piece:
-                n = os.pwrite(fd, piece, pos)
+                with self.naming_errors():
+                    n = os.pwrite(fd, piece, pos)
                 piece, pos = piece[n:], pos + n
         self._size = max(self._size, offset + len(mv))
         if len(mv) >= self._SLICE:
@@ -316,7 +318,7 @@ class ShardWriter:
                 k = os.pwrite(self._dfd, view[done:], pos + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise
+                    raise self.named(exc) from exc
                 self._direct_ok = False
                 break
             if k <= 0 or k % DIRECT_ALIGN:  # a short write off the alignment: finish it buffered
@@ -325,7 +327,25 @@ class ShardWriter:
             done += k
         fd = self._f.fileno()
         while done < n:
-            done += os.pwrite(fd, view[done:], pos + done)
+            with self.naming_errors():
+                done += os.pwrite(fd, view[done:], pos + done)
+
+    def named(self, exc: OSError) -> OSError:
+        """`exc` with this file's path as its filename (a failed ``pwrite`` names none): the user is told
+        which file could not be written (a full disk, an I/O error), not only ``[Errno 28]``."""
+        if exc.filename is not None:
+            return exc
+        return type(exc)(exc.errno, exc.strerror or str(exc), str(self.path))
+
+    @contextlib.contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            named = self.named(exc)
+            if named is exc:
+                raise
+            raise named from exc
 
     def _close_direct(self) -> None:
         """After the write thread stopped: wait for every device write, then

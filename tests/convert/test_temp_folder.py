@@ -289,3 +289,41 @@ def test_resume_summary_rates_only_the_bytes_it_processed(interrupted, monkeypat
                and f"over the {format_bytes(s.bytes_processed)} processed by this run" in m for m in lines), lines
     fresh = convert(src, out.parent / "fresh", **ARGS)
     assert fresh.bytes_kept == 0 and fresh.bytes_processed == fresh.bytes_in
+
+
+@pytest.mark.parametrize("err", ["ENOSPC", "EIO"])
+def test_a_failed_write_names_the_file_and_the_resume(tmp_path, synth_ckpt, monkeypatch, err):
+    """A full disk (ENOSPC) or an I/O error at a shard write: exit 2 with one error naming the shard file,
+    saying the temp folder remains and giving the --resume command (it used to print only
+    ``OSError: [Errno 28] No space left on device``); the printed command then completes the output."""
+    import errno
+    import shlex
+
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli import main
+    from megamoe_runtime.load.verify import verify_output
+
+    src = synth_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+    out = tmp_path / "out"
+    real, calls = os.pwrite, [0]
+
+    def failing(fd, data, pos):
+        calls[0] += 1
+        if calls[0] > 6:  # past the first file's header and first tensors
+            raise OSError(getattr(errno, err), os.strerror(getattr(errno, err)))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--max-shard-size", "60KB", "--no-progress"])
+    monkeypatch.setattr(os, "pwrite", real)
+    tmp = temp_dir_for(out)
+    assert r.exit_code == 2, r.output
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error:"))
+    assert os.strerror(getattr(errno, err)) in line and f"'{tmp}/" in line and ".safetensors'" in line
+    assert f"{tmp} remains" in line and ("once space is free" in line) == (err == "ENOSPC")
+    assert not out.exists() and tmp.is_dir()
+    cmd = r.stderr.split("continue with:\n  ", 1)[1].splitlines()[0]
+    assert cmd.endswith("--resume")
+    assert CliRunner().invoke(main, shlex.split(cmd)[1:]).exit_code == 0
+    assert verify_output(out).ok and not tmp.exists()
