@@ -734,6 +734,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         raise click.BadParameter(f"--top-k {top_k} is more than --experts {experts}", param_hint="--top-k")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         _fail(f"{out} exists and is not an empty folder; synth writes a new checkpoint (pick another OUT)")
+    try:
+        synth_mod.check_sizes(fmt, out, num_layers=layers, hidden=hidden, intermediate=intermediate,
+                              num_experts=experts, top_k=top_k, shared=shared)
+    except MegaMoEError as e:
+        _fail(str(e))
     click.echo(f"synth: building a {fmt} checkpoint ({layers} MoE layers x {experts} experts, hidden {hidden}, "
                f"intermediate {intermediate}) in {out} ...", err=True)
     t = time.perf_counter()
