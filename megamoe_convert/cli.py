@@ -674,9 +674,11 @@ def _print_verify(rep, reload: dict | None) -> None:
             click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
                        f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")
         return
-    click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
+    click.echo(f"FAILED: {rep.path}: {rep.problem_count} problem(s)")
     for p in rep.problems:
         click.echo(f"  - {p}")
+    if rep.unlisted:
+        click.echo(f"  ... and {rep.unlisted} more (the first {len(rep.problems)} are listed)")
 
 
 # --------------------------------------------------------------------------- synth
