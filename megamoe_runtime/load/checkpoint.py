@@ -35,7 +35,7 @@ from ..files.folder import inside_folder
 from ..files.safetensors_header import SafetensorsHeader
 from ..format.formats import LayerSpec, get_row
 from ..format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
-                               read_manifest)
+                               expert_range_problem, read_manifest)
 from ..format.roles import expected_roles
 from .load_checks import check_layer_load, check_verify_level, identity_problems
 
@@ -182,6 +182,16 @@ class Checkpoint:
             items.append(PlanItem(te, role, src, (ov_lo, ov_hi)))
         if strict:
             want = roles if roles is not None else self._expected_roles(spec)
+            for q in range(home, -(-hi // per_src)):  # the stored ranks this rank reads from: one rule each
+                q_lo, q_hi = q * per_src, (q + 1) * per_src
+                for role in want:
+                    if role not in EXPERT_ROLES:
+                        continue
+                    bad = expert_range_problem(role, [te for r, ro, _, te in entries if r == q and ro == role],
+                                               q_lo, q_hi)
+                    if bad is not None:
+                        raise CheckpointError(f"{self.root}: layer {layer_index} ({le.prefix}), stored rank {q} of "
+                                              f"{n_src}: {bad}")
             for role in want:
                 got = sorted(it.experts for it in items if it.role == role and it.experts is not None)
                 if role in SHARED_ROLES:

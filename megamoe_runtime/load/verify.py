@@ -195,7 +195,7 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
     every rank, each entry's dtype, per-expert kernel shape and strides those of the layer the spec builds (a
     meta layer: no memory), and no role the spec does not have. Catches a spec edited to another ``num_experts``
     or ``hidden`` that the manifest's own schema checks accept. (`megamoe-convert verify` runs it.)"""
-    from ..format.manifest import EXPERT_ROLES, dtype_name
+    from ..format.manifest import EXPERT_ROLES, dtype_name, expert_range_problem
     from ..layer.experts import DeepGemmMegaMoEExperts
 
     problems: list[str] = []
@@ -222,17 +222,10 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
                                 f"which a layer of its spec ({spec.row}, shared={spec.shared}) does not have")
             lo, hi = rank * spec.experts_per_rank, (rank + 1) * spec.experts_per_rank
             for role in sorted(set(got) & set(want) & set(EXPERT_ROLES)):
-                ranges = sorted(tuple(te.experts) if te.experts is not None else (lo, lo + te.kernel_shape[0])
-                                for te in got[role] if te.kernel_shape)
-                pos = lo
-                for a, b in ranges:
-                    if a != pos:
-                        break
-                    pos = b
-                if pos != hi or len(ranges) != len(got[role]) or (ranges and ranges[-1][1] != hi):
-                    problems.append(f"{w}, rank {rank}: {role} holds experts {ranges}, but its spec "
-                                    f"(num_experts={spec.num_experts}, ep_size={manifest.ep_size}) gives the rank "
-                                    f"experts [{lo}, {hi}) exactly once")
+                bad = expert_range_problem(role, got[role], lo, hi)
+                if bad is not None:
+                    problems.append(f"{w}, rank {rank}: {bad} (but its spec has num_experts={spec.num_experts}, "
+                                    f"ep_size={manifest.ep_size})")
             for role in sorted(set(got) & set(want)):
                 p = want[role]
                 for te in got[role]:
