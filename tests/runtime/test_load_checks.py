@@ -353,3 +353,42 @@ def test_a_widened_or_shifted_expert_range_is_refused_by_verify_and_every_load(c
         mr.open_checkpoint(out).load_layer(layer)
     rep = mr.verify_reload(layer, out)
     assert not rep.ok and rule in rep.summary()
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_checksums_hash_the_bytes_the_load_copies(ckpts, tmp_path, monkeypatch, ep_size):
+    """verify="checksums" with a file rewritten between the up-front check and the copy (a writer racing
+    the reload, made deterministic: the hook flips a byte of l1_weight right after the up-front hash): the
+    load raises instead of returning with other weights (it hashed one read and copied another), and the
+    layer refuses to run until a load succeeds. ep_size 2: rank 0 of 2 takes a slice of each stored tensor,
+    and the whole tensor is still hashed from the bytes read. Control: untouched, the load matches a clean
+    build byte for byte."""
+    from megamoe_runtime.load import load_checks
+
+    _, out = ckpts.fresh_converted("bf16", tmp_path / "out")
+    ck = mr.open_checkpoint(out, verify="checksums")
+    layer = ck.build_layer(0, backend="reference", ep_rank=0, ep_size=ep_size)
+    clean = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert ck.load_layer(layer) > 0  # control: no race, same bytes
+    assert all(torch.equal(clean[k], v) for k, v in layer.state_dict().items())
+
+    te = ck.manifest.tensors["model.layers.0.mlp.megamoe.l1_weight"]
+    h = parse_safetensors_header(out / te.file)
+    at = h.data_start + h.tensors[te.name].begin + 7  # in expert 0, which rank 0 of 2 loads too
+    real = load_checks.check_checksums
+
+    def racing(items, headers):
+        found = real(items, headers)
+        with open(out / te.file, "r+b") as f:  # the writer strikes after the check
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x40]))
+        return found
+
+    monkeypatch.setattr(load_checks, "check_checksums", racing)
+    with pytest.raises(LayerUnusableError, match="the bytes loaded have .* the manifest says"):
+        ck.load_layer(layer)
+    x, w, ids = _inputs(layer.spec)
+    with pytest.raises(LayerUnusableError):
+        layer(x, w, ids)
