@@ -750,8 +750,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         import shutil
 
         tmp = out.parent / f".{out.name}.synth-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists() or tmp.is_symlink():  # not made by this run: never removed by it
+            raise MegaMoEError(f"{tmp} exists (left by an interrupted synth, or someone's): synth builds there; "
+                               "remove it yourself, or pick another OUT")
         out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         try:
             synth_mod.build_synthetic_checkpoint(
                 tmp, fmt, num_layers=layers, hidden=hidden, intermediate=intermediate, num_experts=experts,

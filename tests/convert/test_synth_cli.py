@@ -62,3 +62,14 @@ def test_synth_refuses_absurd_sizes_up_front(tmp_path, monkeypatch):
         errors = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(errors) == 1 and errors[0].startswith("error: synth:") and needle in errors[0], errors
         assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_never_removes_a_temp_name_it_did_not_make(tmp_path):
+    """``.OUT.synth-tmp`` already there (an interrupted build, or a user's folder): refused, nothing removed
+    (the build used to ``rmtree`` it first)."""
+    tmp = tmp_path / ".src.synth-tmp"
+    tmp.mkdir()
+    (tmp / "mine.txt").write_text("keep")
+    r = _cli("synth", tmp_path / "src")
+    assert r.exit_code == 2 and f"{tmp} exists" in r.stderr, r.output
+    assert (tmp / "mine.txt").read_text() == "keep" and not (tmp_path / "src").exists()
