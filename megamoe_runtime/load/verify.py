@@ -59,7 +59,8 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            "path": self.path, "ok": self.ok, "problems": self.problems, "problems_unlisted": self.unlisted,
+            "path": self.path, "ok": self.ok, "problems": self.problems,
+            **({"problems_unlisted": self.unlisted} if self.unlisted else {}),  # only when the listing is cut
             "warnings": self.warnings,
             "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
             "bytes_checked": self.bytes_checked, "format_version": self.format_version,
