@@ -186,7 +186,10 @@ def expert_bytes(row: str, H: int, I: int) -> int:
     from megamoe_runtime.format.formats import get_row
 
     w = get_row(row).weight
-    per = lambda n, k: n * (w.stored_cols(k) * (2 if w.element == "bf16" else 1) + 4 * w.scale_ints(k))
+    if w.scale_encoding == "fp32":  # block-FP8: one byte per element, one fp32 per 128x128 block
+        per = lambda n, k: n * k + 4 * (n // 128) * (k // 128)
+    else:
+        per = lambda n, k: n * (w.stored_cols(k) * (2 if w.element == "bf16" else 1) + 4 * w.scale_ints(k))
     return per(2 * I, H) + per(H, I)
 
 
@@ -325,13 +328,14 @@ def bench_peer(path, H, I, E, K, tokens, weights="mxfp4", profiles=None):
 
 
 def bench_staging(tokens, H, bw):
-    from megamoe_runtime.backends.triton import staging
+    from megamoe_runtime.backends.triton import block8, staging
 
     rows = []
     for T in tokens:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         for name, fn, out_b in (
                 ("mxfp8", lambda: staging.quantize_mxfp8(x), T * H + T * H // 32),
+                ("fp8 per 1x128", lambda: block8.quantize_b128(x), T * H + T * H // 128 * 4),
                 ("nvfp4", lambda: staging.quantize_nvfp4_per_token(x), T * H // 2 + T * H // 16 + 4 * T),
                 ("bf16 copy", lambda: staging.bf16_passthrough(x), 2 * T * H)):
             ms = _bench(fn, graph=True)
@@ -375,6 +379,9 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
     variants = []  # (row, label, mma, k order, frag decode variant)
     decodes = args.decode.split(",") if args.decode else [None]
     for row in rows:
+        if configs.ROW_W_KIND[row] == configs.W_E4M3_B128:  # block-FP8: its one path, FP8 wgmma (block8)
+            variants.append((row, "fp8", "fp8", None, None))
+            continue
         for mma in (args.mma.split(",") if get_row(row).dispatch == "mxfp8" else ["bf16"]):
             if mma == "bf16" and get_row(row).weight.element in ("e2m1", "e4m3"):
                 for ko in args.korder.split(","):  # K order of the E2M1 bf16 GEMMs
@@ -425,7 +432,12 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
                                         k_order=korder, **dvk)]
             if tail_max is not None:
                 cfgs = [dataclasses.replace(cfgs[0], tail_max=tail_max)]
-            if args.tune and mma == "fp8":
+            if configs.ROW_W_KIND[row] == configs.W_E4M3_B128:
+                from megamoe_runtime.backends.triton import block8
+
+                cfgs = ([configs.KernelConfig(fp8=f) for f in block8.candidate_configs(pairs, E)] if args.tune
+                        else [configs.KernelConfig()])
+            elif args.tune and mma == "fp8":
                 from megamoe_runtime.backends.triton import mma8
 
                 cfgs = [configs.KernelConfig(mma=mma, fp8=f) for f in mma8.candidate_fp8_configs(pairs, E)]

@@ -142,7 +142,7 @@ def plan_files(plans: list[LayerPlan], source: CheckpointSource, consumed: set[s
             info, E_l = lp.info, lp.spec.experts_per_rank
             lo = r * E_l
             for role, t in rank_roles(row, E_l, info.hidden, info.intermediate, lp.spec.shared):
-                stored, storage = to_stored(t, storage_of_role(role))
+                stored, storage = to_stored(t, storage_of_role(role, row if not is_shared_role(role) else None))
                 name = f"{info.prefix}.megamoe.{role}"
                 pt = PlannedTensor(name, dtype_name(t.dtype), tuple(stored.shape))
                 is_shared = is_shared_role(role)

@@ -159,7 +159,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         source=SourceInfo(id=str(source.id), kind=source.kind, revision=source.commit or source.revision,
                           format=reader.format_name, content_hash=source.content_hash(), recipe=recipe),
         row=row.name, ep_size=ep_size, layers=layer_entries, tensors=tensors, files=file_entries,
-        model=model_record(facts), checksum=checksum,
+        model=model_record(facts), checksum=checksum, layout=row.layout,
     )
     write_manifest(tmp, manifest)
     written[MANIFEST_NAME] = file_stat(tmp / MANIFEST_NAME)

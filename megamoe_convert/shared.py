@@ -12,7 +12,7 @@ import torch
 from megamoe_runtime.errors import FormatError, LayerSpecError, MegaMoEError
 from megamoe_runtime.format import codecs
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
-from megamoe_runtime.format.formats import ROWS, Row, SharedSpec, get_row
+from megamoe_runtime.format.formats import ROWS, SHARED_PRECISIONS, Row, SharedSpec, get_row
 
 from . import checks
 from .plan import LayerPlan, layer_ranges
@@ -62,7 +62,7 @@ def shared_to_precision(experts: list[ExpertTensors], encoding: str,
     return out, {"conversion": f"{encoding}->{precision} (dequantize, re-encode)", "max_abs_change": worst}
 
 
-SHARED_PRECISION_CHOICES = ("auto", "mxfp8", "bf16")
+SHARED_PRECISION_CHOICES = ("auto", *SHARED_PRECISIONS)
 
 
 #: row -> DeepGEMM API flavour -> the shared precisions that flavour fuses (`Row.shared_by_flavour`,

@@ -188,6 +188,12 @@ class CheckpointReader(abc.ABC):
 
         return UNDECLARED
 
+    @classmethod
+    def global_scale_name(cls) -> str:
+        """The source format's own name of the per-projection global scale, for messages about it
+        (ModelOpt and Quark ``weight_scale_2``, the default; compressed-tensors ``weight_global_scale``)."""
+        return "weight_scale_2"
+
     # -- the other direction: synthetic checkpoints ---------------------------
     @classmethod
     def encode_expert(cls, variant: str, gate: "torch.Tensor", up: "torch.Tensor", down: "torch.Tensor", *,

@@ -25,7 +25,7 @@ import torch
 from megamoe_runtime.errors import CheckpointError, FormatError, ScaleError
 from megamoe_runtime.files.safetensors_header import DTYPES
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
-from megamoe_runtime.format.formats import get_row
+from megamoe_runtime.format.formats import Element, get_row
 from megamoe_runtime.format.source_formats import SUFFIXES
 
 from . import naming
@@ -198,6 +198,11 @@ class SchemeReader(CheckpointReader):
     direct_weight_bytes: ClassVar[bool] = False
 
     @classmethod
+    def global_scale_name(cls) -> str:
+        """The scheme's ``global`` parameter's stored name."""
+        return next((p.suffixes[0] for p in cls.scheme.params if p.key == "global"), "weight_scale_2")
+
+    @classmethod
     def synthetic_row(cls, variant: str) -> str:
         """The encoding of ``scheme``, which `encode_expert` writes (DeepSeek-V4: the FP4 experts)."""
         return cls.scheme.encoding
@@ -273,7 +278,7 @@ class SchemeReader(CheckpointReader):
         block: tuple[int, int] | None = None
         row = get_row(scheme.encoding)
         wshape = (out, row.weight.stored_cols(k))
-        sshape = (out, row.weight.scale_groups(k)) if row.has_scales else None
+        sshape = row.weight.scale_shape(out, k)
         for p in scheme.params:
             hit = [s for s in p.suffixes if s in tensors]
             if not hit:
@@ -304,6 +309,14 @@ class SchemeReader(CheckpointReader):
                     )
             elif p.key == "scale":
                 assert sshape is not None
+                if row.weight.block_scaled and shape == tuple(d for d in sshape if d != 1):
+                    shape = sshape  # transformers <= 5.17 squeezes size-1 block dims when it splits fused experts
+                if shape != sshape and row.weight.block_scaled:
+                    b = row.weight.scale_block_rows
+                    raise CheckpointError(
+                        f"{where}: {self._where(name)} has shape {list(shape)}, expected {list(sshape)} "
+                        f"(one scale per {b}x{row.weight.scale_group} block of the [{out}, {k}] weight)"
+                    )
                 if shape != sshape:
                     block = self._blocked(scheme, shape, out, k, row.weight.scale_group)
                     if block is None:
@@ -715,7 +728,7 @@ class SchemeReader(CheckpointReader):
         # weights=False: a meta tensor with the dtype and shape a real read gives, put through the same
         # reinterpretation below, so validate() checks it the same way (the caller reads the bytes itself)
         w = self.source.get_tensor(r.names["weight"]) if weights else self.source.meta_tensor(r.names["weight"])
-        if row.weight.element == "bf16":
+        if row.weight.element == Element.BF16:
             w = w.to(torch.bfloat16)
         elif row.weight.element == "e2m1":
             w = w.view(torch.uint8)
@@ -724,7 +737,10 @@ class SchemeReader(CheckpointReader):
         scale = None
         if "scale" in r.names:
             s = self.source.get_tensor(r.names["scale"])
-            if row.weight.scale_encoding == "ue8m0":
+            if row.weight.block_scaled:
+                # fp32 as stored (a bf16 scale widens exactly); a squeezed grid gets its size-1 dims back
+                s = s.float().reshape(row.weight.scale_shape(r.out, r.k))
+            elif row.weight.scale_encoding == "ue8m0":
                 s = s.view(torch.uint8)
                 if r.scale_block is not None:
                     R, C = r.scale_block

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamoe_runtime.format.formats import ROWS, get_row
+from megamoe_runtime.format.formats import DISPATCH_DESCRIPTIONS, ROWS, get_row
 
 #: the CLI flag (and API keyword) that accepts a coarser activation recipe
 ACCEPT_FLAG = "--accept-activation-change"
@@ -34,18 +34,14 @@ ACCEPT_FLAG = "--accept-activation-change"
 _PRECISION = {
     "bf16": (16, 2),
     "fp8": (8, 0),  # one scale per tensor (or per token when dynamic per-token)
+    "fp8_128": (8, 2),  # dynamic, one fp32 scale per 1x128 group of a token
     "mxfp8": (8, 2),
     "mxfp4": (4, 2),
     "nvfp4": (4, 2),
 }
 
-_DISPATCH_DESCRIPTION = {
-    "mxfp8": "MXFP8 (E4M3, one UE8M0 scale per 32 elements)",
-    "nvfp4": "NVFP4 (E2M1, one E4M3 scale per 16 elements)",
-    "bf16": "BF16 (not quantized)",
-}
 #: what each row's kernels feed the first GEMM (`Row.dispatch`, docs/NUMERICS.md)
-KERNEL_ACTIVATIONS = {name: (r.dispatch, _DISPATCH_DESCRIPTION[r.dispatch]) for name, r in ROWS.items()}
+KERNEL_ACTIVATIONS = {name: (r.dispatch, DISPATCH_DESCRIPTIONS[r.dispatch]) for name, r in ROWS.items()}
 
 
 @dataclass(frozen=True)
@@ -138,13 +134,8 @@ class ActivationChange:
                 f"({_KEEPS[self.row]}).{extra}")
 
 
-#: per row, producer recipes whose activations that row's kernel keeps or refines
-_KEEPS = {
-    "nvfp4": "NVFP4 W4A4: ModelOpt NVFP4, llm-compressor NVFP4, Quark nvfp4",
-    "mxfp4": "ModelOpt MXFP4 or W4A8_MXFP4_FP8, llm-compressor MXFP4, Quark mxfp4 or mxfp4_fp8",
-    "mxfp8": "ModelOpt MXFP8, llm-compressor MXFP8",
-    "bf16": "an unquantized export",
-}
+#: per row, producer recipes whose activations that row's kernel keeps or refines (`Row.source_recipes`)
+_KEEPS = {name: r.source_recipes for name, r in ROWS.items()}
 
 
 def _bits(kind: str) -> int:

@@ -30,13 +30,12 @@ import torch
 
 from megamoe_runtime.errors import FormatError
 from megamoe_runtime.format.canonical import ExpertTensors
-from megamoe_runtime.format.formats import get_row
+from megamoe_runtime.format.formats import QUANTIZE_ROWS, get_row
 
 from . import naming
 from .base import ExpertScalars, register_reader
 from .common import BF16_SCHEME, SchemeReader, quant_config_of
 
-QUANTIZE_ROWS = ("mxfp4", "mxfp8", "nvfp4")
 
 
 def _no_quant(source) -> bool:

@@ -23,6 +23,16 @@ mxfp4 / mxfp8 (``fp8_fp4_mega_moe``)
 bf16 (``bf16_mega_moe``)
     as above without the two quantizations and with ``a = bf16(act * w)``.
 
+fp8_block (SM90 ``fp8_mega_moe``, docs/NUMERICS.md#fp8-block; w13 / w2 E4M3 with
+fp32 128x128 block scales)
+    (xq, sx) = quantize_fp8_act(x, 128)               per token, s = max(amax,1e-10)/448
+    acc = sum over 128-blocks k of (sx[k] * sw13[n/128, k]) * (xq_k @ w13q_k^T)   fp32
+    g,u = fp32 acc (no bf16 rounding); g = min(g, c); u = clamp(u, -c, c), c fp32
+    h   = ((g * (1 / (1 + exp(-g)))) * u) * (w * rsf)
+    (hq, sh) = quantize_fp8_act(h, 64), s = max(amax,1e-10) * fp32(1/448)
+    slot_k = bf16(sum over 64-chunks j of (sh[j] * sw2[n/128, j/2]) * (hq_j @ w2q_j^T))
+    out = bf16(sum of valid slots, ascending k, fp32); no fused shared expert.
+
 nvfp4 (newer DG ``fp4_fp4_mega_moe`` / DGv ``nvfp4_mega_moe``; the dispatch
 quantization follows the entry point, ``nvfp4_entry_point``, see
 `NVFP4_DISPATCH_BY_ENTRY`)
@@ -77,7 +87,7 @@ from torch import Tensor
 
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
 from megamoe_runtime.format import codecs, layout
-from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, LayerSpec, Row, get_row
+from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, Element, LayerSpec, Row, get_row
 from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX
 
 
@@ -148,6 +158,7 @@ __all__ = [
     "ReferenceSlots",
     "activation_fp32",
     "apply_clamp",
+    "block_scaled_mm",
     "combine_slots",
     "nvfp4_dispatch_convention",
     "quantize_dispatch_nvfp4",
@@ -375,6 +386,52 @@ def shared_slot(spec: LayerSpec, shared: Any, hidden_states: Tensor,
     return (a @ w2.t()).to(torch.bfloat16)
 
 
+#: per-token group of the block-FP8 row's dispatch quantization, and of its intermediate's requantization
+FP8_DISPATCH_GROUP = 128
+FP8_INTERMEDIATE_GROUP = 64
+
+
+def _check_plain_swiglu(spec: LayerSpec) -> None:
+    if not spec.activation.is_plain_swiglu:
+        raise LayerSpecError(f"row {spec.row} runs plain SwiGLU (with an optional clamp) only; got "
+                             f"{spec.activation.to_dict()}")
+
+
+def block_scaled_mm(a_q: Tensor, a_s: Tensor, w_q: Tensor, w_s: Tensor, block: int = 128) -> Tensor:
+    """fp32 ``[n, N]`` of a block-scaled FP8 GEMM as the SM90 kernel sums it: for each group j of K (width
+    ``K / a_s.shape[1]``, 128 or 64), the group's product of the E4M3 values ``a_q [n, K] @ w_q[N, K]^T``,
+    scaled by ``a_s[:, j] * w_s[N/block, (j * width) / block]`` and added in ascending j, all fp32."""
+    n, K = a_q.shape
+    width = K // a_s.shape[1]
+    w_rows = w_s.repeat_interleave(block, 0)  # [N, K/block]: each output row's block scales
+    acc = torch.zeros(n, w_q.shape[0], dtype=torch.float32, device=a_q.device)
+    for j in range(a_s.shape[1]):
+        k0 = j * width
+        part = a_q[:, k0:k0 + width] @ w_q[:, k0:k0 + width].t()
+        acc = acc + (a_s[:, j, None] * w_rows[None, :, k0 // block]) * part
+    return acc
+
+
+def _block_fp8_expert(spec: LayerSpec, kt: Any, e_l: int, x_q: Tensor, x_s: Tensor, w: Tensor) -> Tensor:
+    """bf16 slot outputs of one block-FP8 expert (docs/NUMERICS.md#fp8-block): x_q decoded E4M3 values,
+    x_s their per-128 scales, w the top-k weights with rsf folded in."""
+    I = spec.intermediate
+    ex = layout.read_expert(spec.row_spec, kt, e_l, where=f"expert {e_l}")
+    w13_q = codecs.e4m3_decode(torch.cat((ex.gate.weight, ex.up.weight), 0))
+    w13_s = torch.cat((ex.gate.scale, ex.up.scale), 0)
+    acc = block_scaled_mm(x_q, x_s, w13_q, w13_s)
+    g, u = acc[:, :I], acc[:, I:]
+    if spec.activation.clamp is not None:
+        c = _f32(spec.activation.clamp, g.device)
+        g = torch.minimum(g, c)
+        u = torch.maximum(torch.minimum(u, c), -c)
+    one = _f32(1.0, g.device)
+    h = ((g * (one / (one + torch.exp(-g)))) * u) * w[:, None]
+    h_q, h_s = codecs.quantize_fp8_act(h, FP8_INTERMEDIATE_GROUP, reciprocal_scale=True)
+    y = block_scaled_mm(codecs.e4m3_decode(h_q), h_s, codecs.e4m3_decode(ex.down.weight), ex.down.scale)
+    return y.to(torch.bfloat16)
+
+
 def _check_routed(spec: LayerSpec, kt: Any, scalars: Optional[NvScalars]) -> None:
     layout.check_kernel_tensors(spec.row_spec, _as_kernel_tensors(kt), spec.experts_per_rank,
                                 spec.hidden, spec.intermediate, "routed kernel tensors")
@@ -409,8 +466,12 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
         a2 = _f32(scalars.l2_activation_scale, dev).reshape(())
         l1_alpha = _f32(scalars.l1_alpha, dev)
         l2_gs = _f32(scalars.l2_global_scale, dev)
-    elif element == "bf16":
+    elif element == Element.BF16:
         x_l1 = rows.to(torch.float32)
+    elif row.weight.block_scaled:
+        _check_plain_swiglu(spec)
+        x_q, x_s = codecs.quantize_fp8_act(rows, FP8_DISPATCH_GROUP, reciprocal_scale=False)
+        x_q = codecs.e4m3_decode(x_q)
     else:
         x_l1 = _mxfp8_qdq(rows)
     if row.topk_weight_stage == "l1":
@@ -422,10 +483,13 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
         sel = (ids == lo + e_l).nonzero().squeeze(1)
         if sel.numel() == 0:
             continue
+        w = w_all[sel]
+        if row.weight.block_scaled:
+            out[sel] = _block_fp8_expert(spec, kt, e_l, x_q[sel], x_s[sel], w)
+            continue
         w13, w2 = _decode_expert(row, kt, e_l)
         acc = x_l1[sel] @ w13.t()  # [n, 2I] fp32, gate | up
         acc_g, acc_u = acc[:, :I], acc[:, I:]
-        w = w_all[sel]
         if is_nv:
             # fp32: s = token_scale[t] * l1_alpha[e, half] first, then acc * s
             acc_g = acc_g * (tok_scale[sel] * l1_alpha[e_l, 0])[:, None]
@@ -436,7 +500,7 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
             a = _nvfp4_qdq_no_global(a, a2)  # unweighted, global a2 (inv = 1/a2 in fp32)
             p = ((a @ w2.t()) * (l2_gs[e_l] * a2)).to(torch.bfloat16)  # fp32 scalar product first
             y = (p.to(torch.float32) * w[:, None]).to(torch.bfloat16)  # weight after L2
-        elif element == "bf16":
+        elif element == Element.BF16:
             a = (a * w[:, None]).to(torch.bfloat16).to(torch.float32)
             y = (a @ w2.t()).to(torch.bfloat16)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, MegaMoEError, ScaleError
-from .formats import Row, get_row
+from .formats import Element, Row, get_row
 from .scales import is_valid_scale
 
 __all__ = ["ProjectionTensors", "ExpertTensors", "ROLES", "expected_shapes"]
@@ -33,8 +33,7 @@ def expected_shapes(row: "Row | str", hidden: int, intermediate: int, role: str)
     else:
         raise CheckpointError(f"unknown projection role {role!r}; valid: {', '.join(ROLES)}")
     w = (out, row.weight.stored_cols(k))
-    s = (out, row.weight.scale_groups(k)) if row.has_scales else None
-    return w, s
+    return w, row.weight.scale_shape(out, k)
 
 
 _finite_pos = is_valid_scale
@@ -46,7 +45,8 @@ class ProjectionTensors:
 
     weight: mxfp4/nvfp4 uint8 packed [out, in/2] (element 2j in the low
     nibble); mxfp8 float8_e4m3fn [out, in]; bf16 bfloat16 [out, in].
-    scale: mx uint8 UE8M0 [out, in/32]; nvfp4 float8_e4m3fn [out, in/16]; bf16 None.
+    scale: mx uint8 UE8M0 [out, in/32]; nvfp4 float8_e4m3fn [out, in/16];
+    fp8_block float32 [out/128, in/128] (the multiplier); bf16 None.
     global_scale: nvfp4 dequant multiplier (ModelOpt weight_scale_2; CT's
     reciprocal already inverted). input_scale: nvfp4 activation scale multiplier.
     """
@@ -95,7 +95,9 @@ class ProjectionTensors:
             if tuple(self.scale.shape) != sshape:
                 raise error(
                     f"{where}: scale shape {list(self.scale.shape)} != expected {list(sshape)} "
-                    f"for {role} of row {row.name} (group {row.weight.scale_group} along K)"
+                    f"for {role} of row {row.name} ("
+                    + (f"one per {row.weight.scale_block_rows}x{row.weight.scale_group} block)"
+                       if row.weight.block_scaled else f"group {row.weight.scale_group} along K)")
                 )
         if row.has_alphas:
             for label in ("global_scale", "input_scale"):
@@ -117,8 +119,10 @@ class ProjectionTensors:
         from . import codecs
 
         spec = get_row(row).weight
-        if spec.element == "bf16":
+        if spec.element == Element.BF16:
             return cls(w.to(torch.bfloat16).contiguous())
+        if spec.block_scaled:
+            return cls(*codecs.quantize_fp8_block(w, spec.scale_group))
         if spec.scale_encoding == "ue8m0":
             quant = codecs.quantize_mxfp4 if spec.element == "e2m1" else codecs.quantize_mxfp8
             return cls(*quant(w))
@@ -134,10 +138,12 @@ class ProjectionTensors:
 
         row = get_row(row)
         w = row.weight
-        if w.element == "bf16":
+        if w.element == Element.BF16:
             return self.weight.float()
         if w.scale_encoding == "ue8m0":
             return codecs.dequantize_mx(self.weight, self.scale, w.element)
+        if w.block_scaled:
+            return codecs.dequantize_fp8_block(self.weight, self.scale, w.scale_group)
         g = 1.0 if self.global_scale is None else float(self.global_scale)
         return codecs.dequantize_nvfp4(self.weight, self.scale, g)
 

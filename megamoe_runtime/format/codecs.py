@@ -55,6 +55,11 @@ __all__ = [
     "nvfp4_to_mxfp8",
     "dequantize_mx",
     "dequantize_nvfp4",
+    "FP8_BLOCK",
+    "FP8_ACT_AMAX_FLOOR",
+    "dequantize_fp8_block",
+    "quantize_fp8_block",
+    "quantize_fp8_act",
 ]
 
 ScaleLike = Union[float, torch.Tensor]
@@ -739,3 +744,61 @@ def nvfp4_to_mxfp8(
         back.mul_(ue8m0_decode(ec, check=False).unsqueeze(-1))
         worst = torch.maximum(worst, back.sub_(g).abs_().amax())
     return q.view(*lead, K), e.view(*lead, K // MX_GROUP), worst
+
+
+# --------------------------------------------------------------------------
+# Block FP8 (E4M3 with fp32 scales per 128x128 weight block / per 128 or 64 activations)
+# --------------------------------------------------------------------------
+
+#: rows and columns of one weight scale block of the block-FP8 row
+FP8_BLOCK = 128
+#: the SM90 kernel floors an activation group's amax here before dividing (docs/NUMERICS.md#fp8-block)
+FP8_ACT_AMAX_FLOOR = 1e-10
+
+
+def dequantize_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """float32 ``e4m3 * scale`` of a block-FP8 weight: ``w`` E4M3 ``[..., N, K]``
+    (float8_e4m3fn or its bytes), ``scale`` fp32 ``[..., N/block, K/block]`` (the
+    multiplier: DeepSeek's ``weight_scale_inv``, compressed-tensors' ``weight_scale``)."""
+    vals = e4m3_decode(w)
+    n, k = vals.shape[-2:]
+    want = (*vals.shape[:-2], -(-n // block), -(-k // block))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+        raise LayoutError(f"dequantize_fp8_block: weight {tuple(vals.shape)} needs fp32 scales {want} at one per "
+                          f"{block}x{block} block; got {scale.dtype} {tuple(scale.shape)}")
+    s = scale.repeat_interleave(block, -2)[..., :n, :].repeat_interleave(block, -1)[..., :k]
+    return vals * s
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 encoding of a float weight ``[N, K]`` (N, K multiples of ``block``):
+    ``(e4m3 [N, K], fp32 scale [N/block, K/block])`` with ``scale = amax / 448`` per
+    block (1.0 for an all-zero block) and ``e4m3 = RNE-satfinite(w / scale)``, the
+    DeepSeek-V3 / transformers FineGrainedFP8 convention (docs/FORMATS.md#fp8-block)."""
+    x = _float_input(w, "quantize_fp8_block")
+    n, k = x.shape[-2:]
+    if n % block or k % block:
+        raise FormatError(f"quantize_fp8_block: shape {tuple(x.shape)} is not a multiple of {block}x{block}")
+    blocks = x.unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))  # [.., nb, b, kb, b]
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = e4m3_encode(blocks / scale[..., :, None, :, None])
+    return q.reshape(x.shape), scale
+
+
+def quantize_fp8_act(x: torch.Tensor, group: int, *, reciprocal_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 activation quantization of the SM90 block-FP8 kernel, ``(e4m3 [.., K],
+    fp32 scale [.., K/group])``: ``amax`` per group floored at 1e-10, then
+    ``scale = amax / 448`` (``reciprocal_scale=False``: the dispatch, a division) or
+    ``scale = amax * fp32(1/448)`` (``True``: the intermediate after SwiGLU, a multiply by
+    the rounded constant); ``e4m3 = RNE-satfinite(x * (1 / scale))`` (docs/NUMERICS.md#fp8-block)."""
+    x32 = _float_input(x, "quantize_fp8_act")
+    g = _grouped(x32, group, "quantize_fp8_act")
+    amax = g.abs().amax(dim=-1).clamp_min(FP8_ACT_AMAX_FLOOR)
+    if reciprocal_scale:
+        scale = amax * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32, device=x32.device)
+    else:
+        scale = amax / E4M3_MAX
+    inv = 1.0 / scale
+    q = e4m3_encode(g * inv.unsqueeze(-1))
+    return q.reshape(x32.shape), scale

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Mapping
 
 import torch
@@ -18,9 +19,14 @@ from ..errors import FormatError, LayerSpecError
 from ..files.limits import check_limit
 
 __all__ = [
+    "RowName",
+    "Element",
+    "Dispatch",
+    "DISPATCH_DESCRIPTIONS",
     "WeightSpec",
     "Row",
     "ROWS",
+    "QUANTIZE_ROWS",
     "get_row",
     "SHARED_PRECISIONS",
     "ACTIVATION_KINDS",
@@ -39,6 +45,42 @@ MAX_TOPK_SLOTS = 32
 ACTIVATION_KINDS = ("swiglu", "situ")
 #: Shared-expert precisions the kernels can fuse (2-D tensors, docs/KERNELS.md#feature-matrix).
 SHARED_PRECISIONS = ("mxfp8", "bf16")
+
+
+class RowName(StrEnum):
+    """The rows of the feature matrix; members compare and hash equal to their names."""
+
+    MXFP4 = "mxfp4"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+    BF16 = "bf16"
+    FP8_BLOCK = "fp8_block"
+
+
+class Element(StrEnum):
+    """Weight element encodings."""
+
+    E2M1 = "e2m1"
+    E4M3 = "e4m3"
+    BF16 = "bf16"
+
+
+class Dispatch(StrEnum):
+    """How a row's kernel quantizes the tokens it feeds the first GEMM (docs/NUMERICS.md)."""
+
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+    BF16 = "bf16"
+    FP8_128 = "fp8_128"
+
+
+#: what each dispatch feeds the first GEMM, in words (messages, ``inspect``)
+DISPATCH_DESCRIPTIONS = {
+    Dispatch.MXFP8: "MXFP8 (E4M3, one UE8M0 scale per 32 elements)",
+    Dispatch.NVFP4: "NVFP4 (E2M1, one E4M3 scale per 16 elements)",
+    Dispatch.BF16: "BF16 (not quantized)",
+    Dispatch.FP8_128: "FP8 (E4M3, one fp32 scale per 128 elements: amax / 448)",
+}
 
 
 def nearest_multiples(value: int, multiple: int) -> str:
@@ -67,49 +109,69 @@ class WeightSpec:
 
     elements_per_byte: 2 for packed E2M1, 1 for E4M3, 0 for bf16 (2 bytes per
     element). scale_group: elements along K sharing one scale byte (32 for
-    UE8M0, 16 for NVFP4's E4M3), None without scales.
+    UE8M0, 16 for NVFP4's E4M3, 128 for a 128x128 block), None without
+    scales. scale_block_rows: rows (N) sharing one scale: 1 for the per-row
+    groups of the MX / NVFP4 rows, 128 for 128x128 block scales, which are
+    fp32 multipliers kept unpacked ``[N/128, K/128]`` (docs/LAYOUT.md#sm90-block-fp8).
     """
 
-    element: str  # "e2m1" | "e4m3" | "bf16"
+    element: Element
     elements_per_byte: int
     kernel_dtype: torch.dtype
     scale_group: int | None
-    scale_encoding: str | None  # "ue8m0" | "e4m3" | None
+    scale_encoding: str | None  # "ue8m0" | "e4m3" | "fp32" | None
     has_global_scale: bool
+    scale_block_rows: int = 1
 
     def __post_init__(self) -> None:
-        if self.element not in ("e2m1", "e4m3", "bf16"):
-            raise FormatError(f"WeightSpec.element={self.element!r}; valid: 'e2m1', 'e4m3', 'bf16'")
-        expected = {"e2m1": 2, "e4m3": 1, "bf16": 0}[self.element]
+        if self.element not in tuple(Element):
+            raise FormatError(f"WeightSpec.element={self.element!r}; valid: {', '.join(Element)}")
+        object.__setattr__(self, "element", str.__str__(self.element))
+        expected = {Element.E2M1: 2, Element.E4M3: 1, Element.BF16: 0}[self.element]
         if self.elements_per_byte != expected:
             raise FormatError(
                 f"WeightSpec({self.element}).elements_per_byte={self.elements_per_byte}; must be {expected}"
             )
         if (self.scale_group is None) != (self.scale_encoding is None):
             raise FormatError("WeightSpec: scale_group and scale_encoding must both be set or both be None")
-        if self.scale_encoding not in (None, "ue8m0", "e4m3"):
-            raise FormatError(f"WeightSpec.scale_encoding={self.scale_encoding!r}; valid: 'ue8m0', 'e4m3', None")
+        if self.scale_encoding not in (None, "ue8m0", "e4m3", "fp32"):
+            raise FormatError(f"WeightSpec.scale_encoding={self.scale_encoding!r}; "
+                              "valid: 'ue8m0', 'e4m3', 'fp32', None")
+        if self.block_scaled != (self.scale_encoding == "fp32"):
+            raise FormatError("WeightSpec: fp32 scales are 128x128 block scales (scale_block_rows=128) and only they")
 
     @property
     def has_scales(self) -> bool:
         return self.scale_group is not None
 
     @property
+    def block_scaled(self) -> bool:
+        """One unpacked fp32 scale per block of rows x K (not per-row byte groups)."""
+        return self.scale_block_rows > 1
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, int] | None:
+        """Canonical scale shape of an ``[n, k]`` weight: ``[n, k/group]`` per-row groups,
+        ``[n/128, k/128]`` block scales, None without scales."""
+        if self.scale_group is None:
+            return None
+        return (n // self.scale_block_rows, k // self.scale_group)
+
+    @property
     def scale_k_per_int32(self) -> int | None:
-        """Elements of K covered by one packed int32 (4 scale bytes): 128 MX, 64 NVFP4."""
-        return None if self.scale_group is None else 4 * self.scale_group
+        """Elements of K covered by one packed int32 (4 scale bytes): 128 MX, 64 NVFP4; None unpacked."""
+        return None if self.scale_group is None or self.block_scaled else 4 * self.scale_group
 
     @property
     def checkpoint_dtype(self) -> torch.dtype:
         """dtype of the weight in checkpoint (canonical) encoding."""
-        return {"e2m1": torch.uint8, "e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}[self.element]
+        return {Element.E2M1: torch.uint8, Element.E4M3: torch.float8_e4m3fn, Element.BF16: torch.bfloat16}[self.element]
 
     @property
     def scale_checkpoint_dtype(self) -> torch.dtype | None:
-        """dtype of the scale in canonical encoding: uint8 (UE8M0) or float8_e4m3fn."""
+        """dtype of the scale in canonical encoding: uint8 (UE8M0), float8_e4m3fn or float32 (block)."""
         if self.scale_encoding is None:
             return None
-        return torch.uint8 if self.scale_encoding == "ue8m0" else torch.float8_e4m3fn
+        return {"ue8m0": torch.uint8, "e4m3": torch.float8_e4m3fn, "fp32": torch.float32}[self.scale_encoding]
 
     def stored_cols(self, k: int) -> int:
         """Columns of a weight row holding k elements (k/2 for packed E2M1)."""
@@ -120,16 +182,18 @@ class WeightSpec:
         return 0 if self.scale_group is None else k // self.scale_group
 
     def scale_ints(self, k: int) -> int:
-        """P: packed int32 columns per row, ceil(k / (4 * group)) (0 without scales)."""
-        if self.scale_group is None:
+        """P: packed int32 columns per row, ceil(k / (4 * group)) (0 without scales or unpacked)."""
+        if self.scale_group is None or self.block_scaled:
             return 0
         return -(-k // (4 * self.scale_group))
 
 
-E2M1_UE8M0 = WeightSpec("e2m1", 2, torch.int8, 32, "ue8m0", False)
-E4M3_UE8M0 = WeightSpec("e4m3", 1, torch.float8_e4m3fn, 32, "ue8m0", False)
-E2M1_E4M3 = WeightSpec("e2m1", 2, torch.int8, 16, "e4m3", True)
-BF16 = WeightSpec("bf16", 0, torch.bfloat16, None, None, False)
+E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
+E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
+E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
+BF16 = WeightSpec(Element.BF16, 0, torch.bfloat16, None, None, False)
+#: E4M3 weights, one fp32 multiplier per 128x128 block (DeepSeek-V3's ``weight_scale_inv``)
+E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
 
 
 @dataclass(frozen=True)
@@ -147,27 +211,54 @@ class Row:
     entry point fuses (their union is fusable_shared). A row with more than
     one needs the one its server's DeepGEMM takes; the converter cannot know
     which, so it records its choice and the alternative.
+    entry_preference: the entry points in the order a backend tries them
+    (the first one the installed DeepGEMM has and can run wins);
+    no_kernel_hint: what to install when none is there.
+    selfcheck_tolerance: the converter's self-check bound on calc_diff
+    between the converted layer and the source computed in fp32 (the row's
+    quantization noise, with a wrong layout landing far above).
+    quantize_target: the converter can quantize a BF16 source into this row.
+    source_recipes: producer recipes whose activations this row's kernel
+    keeps or refines (named when a coarser recipe is refused).
     """
 
-    name: str
+    name: RowName
     mma_type: str
     entry_points: tuple[str, ...]
     weight: WeightSpec
-    dispatch: str  # "mxfp8" | "nvfp4" | "bf16"
+    dispatch: Dispatch
     fusable_shared: tuple[str, ...]
     activations: frozenset
     hidden_multiple: int
     intermediate_multiple: int
     topk_weight_stage: str  # "l1" | "l2"
+    entry_preference: tuple[str, ...]
+    no_kernel_hint: str
+    selfcheck_tolerance: float
+    quantize_target: bool
+    source_recipes: str
     api_flavours: tuple[tuple[str, str], ...] = field(default=())
     shared_by_flavour: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     notes: str = ""
+    #: the kernel layout's name and version, recorded in megamoe.json for rows whose
+    #: layout is versioned; a folder of another layout of the row is refused (docs/LAYOUT.md)
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.mma_type not in ("fp8xfp4", "fp8xfp8", "fp4xfp4", "bf16xbf16"):
             raise FormatError(f"Row {self.name}: unknown mma_type {self.mma_type!r}")
-        if self.dispatch not in ("mxfp8", "nvfp4", "bf16"):
+        if self.name not in tuple(RowName):
+            raise FormatError(f"Row {self.name!r}: not a RowName; valid: {', '.join(RowName)}")
+        if self.dispatch not in tuple(Dispatch):
             raise FormatError(f"Row {self.name}: unknown dispatch {self.dispatch!r}")
+        # plain strings from here on: names go into JSON, messages and dict keys unchanged
+        object.__setattr__(self, "name", str.__str__(self.name))
+        object.__setattr__(self, "dispatch", str.__str__(self.dispatch))
+        if set(self.entry_preference) != set(self.entry_points):
+            raise FormatError(f"Row {self.name}: entry_preference {self.entry_preference} must order exactly "
+                              f"the entry_points {self.entry_points}")
+        if not (self.selfcheck_tolerance > 0):
+            raise FormatError(f"Row {self.name}: selfcheck_tolerance must be > 0")
         if self.topk_weight_stage not in ("l1", "l2"):
             raise FormatError(f"Row {self.name}: topk_weight_stage must be 'l1' or 'l2'")
         bad = [p for p in self.fusable_shared if p not in SHARED_PRECISIONS]
@@ -201,7 +292,7 @@ class Row:
     @property
     def packed_e2m1(self) -> bool:
         """Weights are two E2M1 codes per byte (``[.., N, D/2]`` int8)."""
-        return self.weight.element == "e2m1"
+        return self.weight.element == Element.E2M1
 
     @property
     def rsf_in_combine(self) -> bool:
@@ -220,7 +311,8 @@ class Row:
         if o.name == self.name:
             return True
         w, ow = self.weight, o.weight
-        return (w.element == "e2m1" and ow.element == "e4m3" and w.scale_encoding == ow.scale_encoding == "ue8m0"
+        return (w.element == Element.E2M1 and ow.element == Element.E4M3
+                and w.scale_encoding == ow.scale_encoding == "ue8m0"
                 and w.scale_group == ow.scale_group)
 
     def entry_point(self, flavour: str) -> str:
@@ -263,43 +355,58 @@ class Row:
                 )
 
 
-ROWS: dict[str, Row] = {
-    "mxfp4": Row(
-        name="mxfp4",
+def _rows(*rows: Row) -> dict[str, Row]:
+    return {r.name: r for r in rows}
+
+
+ROWS: dict[str, Row] = _rows(
+    Row(
+        name=RowName.MXFP4,
         mma_type="fp8xfp4",
         entry_points=("fp8_fp4_mega_moe",),
         weight=E2M1_UE8M0,
-        dispatch="mxfp8",
+        dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
         hidden_multiple=128,
         intermediate_multiple=128,
         topk_weight_stage="l1",
+        entry_preference=("fp8_fp4_mega_moe",),
+        no_kernel_hint="deep_gemm has no fp8_fp4_mega_moe (the MXFP4-weight mega kernel)",
+        selfcheck_tolerance=2e-3,
+        quantize_target=True,
+        source_recipes="ModelOpt MXFP4 or W4A8_MXFP4_FP8, llm-compressor MXFP4, Quark mxfp4 or mxfp4_fp8",
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgv", "fp8_fp4_mega_moe")),
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgv", ("mxfp8",))),
         notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
     ),
-    "mxfp8": Row(
-        name="mxfp8",
+    Row(
+        name=RowName.MXFP8,
         mma_type="fp8xfp8",
         entry_points=("fp8_fp4_mega_moe", "fp8_fp8_mega_moe"),
         weight=E4M3_UE8M0,
-        dispatch="mxfp8",
+        dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
         hidden_multiple=128,
         intermediate_multiple=128,
         topk_weight_stage="l1",
+        entry_preference=("fp8_fp8_mega_moe", "fp8_fp4_mega_moe"),
+        no_kernel_hint=("this DeepGEMM has no MXFP8-weight mega kernel: needs newer deepseek-ai/DeepGEMM "
+                        "(fp8_fp4_mega_moe with e4m3 weights) or zyongye/DeepGEMM's fp8_fp8_mega_moe"),
+        selfcheck_tolerance=2e-3,
+        quantize_target=True,
+        source_recipes="ModelOpt MXFP8, llm-compressor MXFP8",
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgz", "fp8_fp8_mega_moe")),
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgz", ())),
         notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
     ),
-    "nvfp4": Row(
-        name="nvfp4",
+    Row(
+        name=RowName.NVFP4,
         mma_type="fp4xfp4",
         entry_points=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
         weight=E2M1_E4M3,
-        dispatch="nvfp4",
+        dispatch=Dispatch.NVFP4,
         fusable_shared=("mxfp8", "bf16"),
         activations=frozenset({"swiglu"}),
         # DGv's nvfp4_mega_moe needs H, I % 128. Newer DG's fp4_fp4_mega_moe
@@ -309,16 +416,22 @@ ROWS: dict[str, Row] = {
         hidden_multiple=128,
         intermediate_multiple=128,
         topk_weight_stage="l2",
+        entry_preference=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
+        no_kernel_hint=("this DeepGEMM has no NVFP4 mega kernel: needs newer deepseek-ai/DeepGEMM "
+                        "(fp4_fp4_mega_moe) or vllm-project/DeepGEMM (nvfp4_mega_moe)"),
+        selfcheck_tolerance=2e-2,
+        quantize_target=True,
+        source_recipes="NVFP4 W4A4: ModelOpt NVFP4, llm-compressor NVFP4, Quark nvfp4",
         api_flavours=(("dg", "fp4_fp4_mega_moe"), ("dgv", "nvfp4_mega_moe")),
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("mxfp8", "bf16"))),
         notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
     ),
-    "bf16": Row(
-        name="bf16",
+    Row(
+        name=RowName.BF16,
         mma_type="bf16xbf16",
         entry_points=("bf16_mega_moe",),
         weight=BF16,
-        dispatch="bf16",
+        dispatch=Dispatch.BF16,
         fusable_shared=("bf16",),
         activations=frozenset({"swiglu"}),
         # The layout alone needs I % 8 (interleave). We pick H, I % 128 as
@@ -327,11 +440,44 @@ ROWS: dict[str, Row] = {
         hidden_multiple=128,
         intermediate_multiple=128,
         topk_weight_stage="l1",
+        entry_preference=("bf16_mega_moe",),
+        no_kernel_hint="this DeepGEMM has no bf16_mega_moe (added in deepseek-ai/DeepGEMM main, June 2026)",
+        selfcheck_tolerance=1e-4,
+        quantize_target=False,
+        source_recipes="an unquantized export",
         api_flavours=(("dg", "bf16_mega_moe"), ("dgv", "bf16_mega_moe")),
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
     ),
-}
+    Row(
+        name=RowName.FP8_BLOCK,
+        mma_type="fp8xfp8",
+        entry_points=("fp8_mega_moe",),
+        weight=E4M3_F32_BLOCK128,
+        dispatch=Dispatch.FP8_128,
+        # the SM90 kernel has no shared-expert slot: shared experts stay in the
+        # pass-through files and run outside it (docs/FORMATS.md#fp8-block)
+        fusable_shared=(),
+        activations=frozenset({"swiglu"}),
+        hidden_multiple=128,
+        intermediate_multiple=128,
+        topk_weight_stage="l1",
+        entry_preference=("fp8_mega_moe",),
+        no_kernel_hint=("deep_gemm has no fp8_mega_moe (the SM90 block-FP8 mega kernel of SGLang's DeepGEMM build): "
+                        "pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11, built for torch 2.11"),
+        selfcheck_tolerance=2e-3,
+        quantize_target=False,
+        source_recipes=("dynamic FP8 per 1x128 activations: DeepSeek-V3/R1 native FP8, transformers FineGrainedFP8 "
+                        "(Qwen3-FP8, GLM-4.5-FP8), llm-compressor FP8_BLOCK"),
+        api_flavours=(("sgl", "fp8_mega_moe"),),
+        shared_by_flavour=(("sgl", ()),),
+        notes="SGLang's DeepGEMM (sgl-deep-gemm) SM90 fp8_mega_moe, recipe (128, 128, 128); Hopper only",
+        layout="sm90-block-fp8/1",
+    ),
+)
+
+#: rows a BF16 source can be quantized into (``--quantize``)
+QUANTIZE_ROWS: tuple[str, ...] = tuple(n for n, r in ROWS.items() if r.quantize_target)
 
 
 def get_row(name: "str | Row") -> Row:

@@ -34,6 +34,15 @@ the physical ``[P, H]`` viewed ``[P, H/128, 32, 4]`` = (p, b, i, j) permuted to
 (b, j, i, p) lines up with the source ``[H, P]`` viewed ``[H/128, 4, 32, P]``.
 L1 weight: ``dst.view(2I/16, 2, 8, Dw)[:, h]`` lines up with ``src.view(I/8, 8, Dw)``.
 
+Block-FP8 row (docs/LAYOUT.md#sm90-block-fp8): the scales are fp32 multipliers,
+one per 128x128 weight block, kept unpacked and contiguous: ``l1_scale [.., 2I/128,
+H/128]`` holds the gate blocks then the up blocks (NOT interleaved: the kernel
+finds a gate row's block at ``n/128`` and its up block at ``I/128 + n/128``) and
+``l2_scale [.., H/128, I/128]``; only the L1 weight rows are interleaved by 8, as
+above. The scale primitives tell the two kinds apart by the destination's dtype
+(int32 packed bytes vs float32 blocks); `block_fp8_kernel_layout` is the whole
+transform as one pure function.
+
 All primitives act on the last two dims and accept matching leading dims, so
 the same call writes one expert (``kt.l1_weight[e]``), a 2-D shared expert,
 or a whole stack at once.
@@ -80,6 +89,8 @@ __all__ = [
     "unpack_shared",
     "fold_shared",
     "split_shared",
+    "block_fp8_kernel_layout",
+    "block_fp8_canonical",
 ]
 
 UTCCP_BLOCK = 128
@@ -203,7 +214,11 @@ def kernel_shapes(row: "Row | str", num_experts: int | None, hidden: int, interm
         "l1_weight": (*lead, 2 * intermediate, w.stored_cols(hidden)),
         "l2_weight": (*lead, hidden, w.stored_cols(intermediate)),
     }
-    if w.has_scales:
+    if w.block_scaled:
+        b = w.scale_block_rows
+        out["l1_scale"] = (*lead, 2 * intermediate // b, hidden // w.scale_group)
+        out["l2_scale"] = (*lead, hidden // b, intermediate // w.scale_group)
+    elif w.has_scales:
         out["l1_scale"] = (*lead, 2 * intermediate, w.scale_ints(hidden))
         out["l2_scale"] = (*lead, hidden, w.scale_ints(intermediate))
     return out
@@ -219,7 +234,15 @@ def _check_layout_sizes(row: Row, hidden: int, intermediate: int, where: str) ->
             f"{where}: intermediate={intermediate} must be a multiple of 8 for the gate/up interleave; "
             f"nearest valid: {nearest_multiples(intermediate, 8)}"
         )
-    if w.has_scales:
+    if w.block_scaled:
+        b = w.scale_block_rows
+        if hidden % b or intermediate % b:
+            raise LayoutError(
+                f"{where}: hidden={hidden} and intermediate={intermediate} must be multiples of the "
+                f"{b}x{b} scale block of row {row.name}; nearest valid: hidden {nearest_multiples(hidden, b)}, "
+                f"intermediate {nearest_multiples(intermediate, b)}"
+            )
+    elif w.has_scales:
         if (2 * intermediate) % UTCCP_BLOCK:
             raise LayoutError(
                 f"{where}: UTCCP needs 2*intermediate to be a multiple of 128 (got intermediate={intermediate}; "
@@ -257,7 +280,10 @@ def allocate_kernel_tensors(
     l1w = torch.zeros(shapes["l1_weight"], dtype=dt, device=device)
     l2w = torch.zeros(shapes["l2_weight"], dtype=dt, device=device)
     l1s = l2s = None
-    if row.has_scales:
+    if row.weight.block_scaled:
+        l1s = torch.zeros(shapes["l1_scale"], dtype=torch.float32, device=device)
+        l2s = torch.zeros(shapes["l2_scale"], dtype=torch.float32, device=device)
+    elif row.has_scales:
         l1s = allocate_scale(lead, 2 * I, shapes["l1_scale"][-1], device)
         l2s = allocate_scale(lead, H, shapes["l2_scale"][-1], device)
     return KernelTensors(l1w, l1s, l2w, l2s)
@@ -324,7 +350,11 @@ def check_kernel_tensors(
             raise LayoutError(f"{where}.{role}: missing (row {row.name} needs {list(shapes[role])})")
         if tuple(t.shape) != shapes[role]:
             raise LayoutError(f"{where}.{role}: shape {list(t.shape)} != expected {list(shapes[role])}")
-        if role.endswith("scale"):
+        if role.endswith("scale") and row.weight.block_scaled:
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise LayoutError(f"{where}.{role}: block scales must be contiguous float32, got {t.dtype} "
+                                  f"strides {list(t.stride())}")
+        elif role.endswith("scale"):
             check_kernel_strides(t, f"{where}.{role}")
         elif t.dtype != row.weight.kernel_dtype:
             raise LayoutError(f"{where}.{role}: dtype {t.dtype} != {row.weight.kernel_dtype} for row {row.name}")
@@ -411,6 +441,24 @@ def _l2_scale_view(kv: torch.Tensor) -> torch.Tensor:
     return v.permute(*lead, nd - 3, nd - 1, nd - 2, nd - 4)  # (.., b, j, i, p)
 
 
+def _block_scale_src(src: torch.Tensor, where: str) -> torch.Tensor:
+    """fp32 block scales as they are; bf16 / fp16 widen exactly; anything else is refused."""
+    if src.dtype == torch.float32:
+        return src
+    if src.dtype in (torch.bfloat16, torch.float16):
+        return src.to(torch.float32)
+    raise LayoutError(f"{where}: block scale source dtype {src.dtype}; expected float32 (or bf16 / fp16, widened "
+                      "exactly)")
+
+
+def _l1_block_half(l1_scale_e: torch.Tensor, half: int, where: str) -> torch.Tensor:
+    """The gate (half 0) or up (1) rows of an fp32 L1 block-scale tensor [.., 2I/128, H/128]."""
+    nb2 = l1_scale_e.shape[-2]
+    if l1_scale_e.dim() < 2 or nb2 % 2:
+        raise LayoutError(f"{where}: block scale {list(l1_scale_e.shape)} needs an even number of row blocks")
+    return l1_scale_e.narrow(-2, half * (nb2 // 2), nb2 // 2)
+
+
 # --------------------------------------------------------------------------- write primitives
 
 
@@ -429,6 +477,11 @@ def write_l1_scale(l1_scale_e: torch.Tensor, src_bytes: torch.Tensor, half: int,
     """Copy gate/up scale bytes [.., I, G] (or packed int32 [.., I, P]) into the
     L1 scale kernel view [.., 2I, P]: pack, interleave, UTCCP in one copy_."""
     _check_half(half, where)
+    if l1_scale_e.dtype == torch.float32:
+        dst, src = _l1_block_half(l1_scale_e, half, where), _block_scale_src(src_bytes, where)
+        _expect_shape(src, tuple(dst.shape), where, "block scale source")
+        dst.copy_(src)
+        return
     _check_scale_dst(l1_scale_e, where)
     n2, p = l1_scale_e.shape[-2:]
     if n2 % 128:
@@ -446,7 +499,13 @@ def write_l2_weight(l2_weight_e: torch.Tensor, src: torch.Tensor, *, where: str 
 
 
 def write_l2_scale(l2_scale_e: torch.Tensor, src_bytes: torch.Tensor, *, where: str = "l2_scale") -> None:
-    """Copy down scale bytes [.., H, G] into the L2 scale kernel view [.., H, P]: pack + UTCCP."""
+    """Copy down scale bytes [.., H, G] into the L2 scale kernel view [.., H, P]: pack + UTCCP
+    (block-FP8: fp32 [.., H/128, I/128] copied unchanged)."""
+    if l2_scale_e.dtype == torch.float32:
+        src = _block_scale_src(src_bytes, where)
+        _expect_shape(src, tuple(l2_scale_e.shape), where, "block scale source")
+        l2_scale_e.copy_(src)
+        return
     _check_scale_dst(l2_scale_e, where)
     h, p = l2_scale_e.shape[-2:]
     if h % 128:
@@ -471,8 +530,11 @@ def read_l1_weight(l1_weight_e: torch.Tensor, half: int, *, where: str = "l1_wei
 
 
 def read_l1_scale_packed(l1_scale_e: torch.Tensor, half: int, *, where: str = "l1_scale") -> torch.Tensor:
-    """Gate/up packed int32 [.., I, P], row-major, in checkpoint row order."""
+    """Gate/up packed int32 [.., I, P], row-major, in checkpoint row order
+    (block-FP8: the fp32 block scales [.., I/128, H/128], a copy)."""
     _check_half(half, where)
+    if l1_scale_e.dtype == torch.float32:
+        return _l1_block_half(l1_scale_e, half, where).clone(memory_format=torch.contiguous_format)
     _check_scale_dst(l1_scale_e, where)
     n2, p = l1_scale_e.shape[-2:]
     if n2 % 128:
@@ -487,6 +549,8 @@ def read_l1_scale(
 ) -> torch.Tensor:
     """Gate/up scale bytes uint8 [.., I, num_groups] (default 4*P)."""
     packed = read_l1_scale_packed(l1_scale_e, half, where=where)
+    if packed.dtype == torch.float32:
+        return packed
     return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
 
 
@@ -496,7 +560,9 @@ def read_l2_weight(l2_weight_e: torch.Tensor, *, where: str = "l2_weight") -> to
 
 
 def read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -> torch.Tensor:
-    """Down packed int32 [.., H, P], row-major, in checkpoint row order."""
+    """Down packed int32 [.., H, P], row-major, in checkpoint row order (block-FP8: fp32, a copy)."""
+    if l2_scale_e.dtype == torch.float32:
+        return l2_scale_e.clone(memory_format=torch.contiguous_format)
     _check_scale_dst(l2_scale_e, where)
     h, p = l2_scale_e.shape[-2:]
     if h % 128:
@@ -509,6 +575,8 @@ def read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -
 def read_l2_scale(l2_scale_e: torch.Tensor, num_groups: int | None = None, *, where: str = "l2_scale") -> torch.Tensor:
     """Down scale bytes uint8 [.., H, num_groups] (default 4*P)."""
     packed = read_l2_scale_packed(l2_scale_e, where=where)
+    if packed.dtype == torch.float32:
+        return packed
     return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
 
 
@@ -694,3 +762,35 @@ def unpack_shared(row_or_precision: "Row | str", kt: KernelTensors, num_shared: 
         raise LayoutError("unpack_shared: expected 2-D shared tensors; use unpack_expert_stack for 3-D")
     check_kernel_tensors(row, kt, None, kt.hidden, kt.intermediate, "unpack_shared")
     return split_shared(row, read_expert(row, kt, None, where="shared expert"), num_shared)
+
+
+# --------------------------------------------------------------------------- block FP8, whole stacks
+
+
+def block_fp8_kernel_layout(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor]
+                            ) -> KernelTensors:
+    """The SM90 block-FP8 kernel layout of canonical stacks, as a new `KernelTensors`.
+
+    ``l1 = (w13, s13)``: E4M3 ``[.., 2I, H]`` with gate rows then up rows, fp32 block
+    scales ``[.., 2I/128, H/128]`` in the same order; ``l2 = (w2, s2)``: ``[.., H, I]``,
+    ``[.., H/128, I/128]``. Only the L1 weight changes: gate and up rows interleaved
+    in runs of 8 (`interleave_row`); the scales and L2 are copied as they are. This
+    is what sgl-deep-gemm's ``transform_weights_for_mega_moe_sm90`` makes from the same
+    tensors (docs/LAYOUT.md#sm90-block-fp8), and what the converter writes to disk.
+    """
+    (w13, s13), (w2, s2) = l1, l2
+    n2 = w13.shape[-2]
+    if n2 % 16 or s13.shape[-2] % 2:
+        raise LayoutError(f"block_fp8_kernel_layout: w13 {list(w13.shape)} / s13 {list(s13.shape)} need gate and up "
+                          "halves of whole 8-row runs and whole scale blocks")
+    l1w = torch.empty_like(w13, memory_format=torch.contiguous_format)
+    write_l1_weight(l1w, w13[..., : n2 // 2, :], 0, where="block_fp8_kernel_layout.w13 gate")
+    write_l1_weight(l1w, w13[..., n2 // 2:, :], 1, where="block_fp8_kernel_layout.w13 up")
+    return KernelTensors(l1w, s13.contiguous().clone(), w2.contiguous().clone(), s2.contiguous().clone())
+
+
+def block_fp8_canonical(kt: KernelTensors) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Exact inverse of `block_fp8_kernel_layout`: ``((w13, s13), (w2, s2))`` with gate then up rows."""
+    gate = read_l1_weight(kt.l1_weight, 0, where="block_fp8_canonical.l1_weight")
+    up = read_l1_weight(kt.l1_weight, 1, where="block_fp8_canonical.l1_weight")
+    return (torch.cat((gate, up), dim=-2), kt.l1_scale.clone()), (kt.l2_weight.clone(), kt.l2_scale.clone())

@@ -37,6 +37,7 @@ from ..errors import LayoutError, ManifestError, MegaMoEError
 from ..files.folder import inside_folder
 from ..files.json_io import parse_json, read_json
 from ..files.limits import check_limit
+from .formats import ROWS, get_row
 from .roles import (  # the role table and storage orders (re-exported: the manifest names them)
     EXPERT_ROLES,
     MN_MAJOR_ROLES,
@@ -126,10 +127,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def storage_of_role(role: str) -> str:
-    """Storage order of a role. Decided by role, not by inspecting strides:
-    with a size-1 dim (e.g. P = 1 for H = 128) an MN-major view also counts
-    as contiguous, and the on-disk order must not depend on that accident."""
+def storage_of_role(role: str, row: Any = None) -> str:
+    """Storage order of a role of ``row`` (a name or Row; None: a packed-scale row). Decided by role, not by
+    inspecting strides: with a size-1 dim (e.g. P = 1 for H = 128) an MN-major view also counts as
+    contiguous, and the on-disk order must not depend on that accident. Block scales (fp32, one per
+    128x128 block) are plain contiguous tensors (docs/LAYOUT.md#sm90-block-fp8)."""
+    if row is not None and get_row(row).weight.block_scaled:
+        return STORAGE_CONTIGUOUS
     return STORAGE_MN_MAJOR if role in MN_MAJOR_ROLES else STORAGE_CONTIGUOUS
 
 
@@ -418,6 +422,8 @@ class Manifest:
     checksum: str = SHA256
     #: the manifest's digest of itself as read (None for one built in memory): the folder's identity
     self_digest: str | None = field(default=None, compare=False)
+    #: the row's kernel layout and its version (`Row.layout`); absent for rows whose layout is unversioned
+    layout: str | None = None
 
     # ---- lookups
     def tensor_key(self, name: str, ep_rank: int | None) -> str:
@@ -456,6 +462,8 @@ class Manifest:
             "row": self.row,
             "ep_size": self.ep_size,
         }
+        if self.layout is not None:
+            d["layout"] = self.layout
         if self.checksum != SHA256:  # absent means sha256: sha256 manifests read (and hash) as before
             d["checksum"] = self.checksum
         d.update({
@@ -578,6 +586,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     output), not JSON, of a newer format version, or malformed.
     """
     path = Path(directory) / MANIFEST_NAME
+    if not Path(directory).is_dir():
+        what = "does not exist" if not os.path.lexists(directory) else "is not a folder"
+        raise ManifestError(f"{directory} {what}: a megamoe output is the folder `megamoe-convert convert SRC "
+                            f"OUT` writes (OUT)")
     if not path.is_file():
         raise ManifestError(
             f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "
@@ -619,6 +631,19 @@ def _int_list(v: Any, where: str, n: int | None = None) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _check_layout(d: dict, row: str, where: str) -> str | None:
+    """The manifest's ``layout``: exactly the row's versioned layout (`Row.layout`), absent for a row without
+    one. A layout this megamoe does not write for the row (an older or newer one) is refused naming both."""
+    layout = _need(d, "layout", (str, _NONE), where) if "layout" in d else None
+    want = ROWS[row].layout if row in ROWS else layout
+    if layout != want:
+        raise ManifestError(
+            f"{where}.layout: the folder holds row {row!r} in layout {layout!r}, but this megamoe reads that row "
+            f"only in layout {want!r}; convert the source again with this megamoe (or install the megamoe that "
+            f"wrote it)")
+    return layout
+
+
 def _parse_manifest(d: Any, where: str) -> Manifest:
     if not isinstance(d, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(d).__name__}")
@@ -639,6 +664,7 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
     if source.kind not in ("local", "hub"):
         raise ManifestError(f"{where}.source.kind: {source.kind!r}, expected 'local' or 'hub'")
     row = _need(d, "row", str, where)
+    layout = _check_layout(d, row, where)
     ep_size = _need(d, "ep_size", int, where)
     if ep_size < 1:
         raise ManifestError(f"{where}.ep_size: {ep_size}, must be >= 1")
@@ -706,7 +732,7 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
         tensors[key] = t
 
     return Manifest(converter_version=converter_version, source=source, row=row, ep_size=ep_size,
-                    layers=layers, tensors=tensors, files=files, model=model, format_version=version,
+                    layers=layers, tensors=tensors, files=files, model=model, format_version=version, layout=layout,
                     checksum=checksum)
 
 

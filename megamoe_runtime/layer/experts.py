@@ -45,13 +45,13 @@ the shared expert twice.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from .. import knobs
 from ..backends import get_backend
 from ..errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from ..files.limits import MAX_LAYER_BYTES
@@ -60,7 +60,7 @@ from ..format.formats import LayerSpec, SharedSpec, get_row, spec_differences
 from ..format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 from . import compiled, loaders
 
-__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
+__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert"]
 
 
 _MADV_HUGEPAGE = 14
@@ -82,7 +82,7 @@ def _advise_hugepages(t: torch.Tensor) -> None:
     global _libc
     nbytes = t.untyped_storage().nbytes()
     if (t.device.type != "cpu" or nbytes < 2 * _HUGE or not sys.platform.startswith("linux")
-            or os.environ.get("MEGAMOE_THP", "0") != "1"):
+            or knobs.value("MEGAMOE_THP") != "1"):
         return
     try:
         if _libc is None:
@@ -148,7 +148,7 @@ def _find_proj(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]
     return None
 
 
-def describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
+def _describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
     """(SharedSpec or None, canonical tensors, reason) for an engine's shared MLP.
 
     Recognises ``gate_proj``/``up_proj``/``down_proj``, ``w1``/``w3``/``w2``
@@ -297,7 +297,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
                 "module was given too; use one source of shared experts"
             )
         if spec.shared is None and shared_experts is not None and fuse_shared is not False:
-            sspec, tensors, module_reason = describe_shared_module(shared_experts, spec.hidden)
+            sspec, tensors, module_reason = _describe_shared_module(shared_experts, spec.hidden)
             if sspec is not None:
                 ok, module_reason = spec.row_spec.can_fuse_shared(sspec.precision)
                 if ok:

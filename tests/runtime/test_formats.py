@@ -29,7 +29,7 @@ def spec(**kw) -> LayerSpec:
 
 
 def test_rows_match_feature_matrix():
-    assert set(ROWS) == {"mxfp4", "mxfp8", "nvfp4", "bf16"}
+    assert set(ROWS) == {"mxfp4", "mxfp8", "nvfp4", "bf16", "fp8_block"}
     expect = {
         # name: (mma, entry points, dispatch, fusable shared, activations, stage, element, scale group, encoding)
         "mxfp4": ("fp8xfp4", ("fp8_fp4_mega_moe",), "mxfp8", ("mxfp8",), {"swiglu", "situ"}, "l1", "e2m1", 32, "ue8m0"),
@@ -38,6 +38,7 @@ def test_rows_match_feature_matrix():
         "nvfp4": ("fp4xfp4", ("fp4_fp4_mega_moe", "nvfp4_mega_moe"), "nvfp4", ("mxfp8", "bf16"), {"swiglu"}, "l2",
                   "e2m1", 16, "e4m3"),
         "bf16": ("bf16xbf16", ("bf16_mega_moe",), "bf16", ("bf16",), {"swiglu"}, "l1", "bf16", None, None),
+        "fp8_block": ("fp8xfp8", ("fp8_mega_moe",), "fp8_128", (), {"swiglu"}, "l1", "e4m3", 128, "fp32"),
     }
     for name, (mma, eps, disp, shared, acts, stage, el, grp, enc) in expect.items():
         r = ROWS[name]
@@ -59,6 +60,23 @@ def test_rows_match_feature_matrix():
         ROWS["mxfp4"].entry_point("dgz")
 
 
+def test_row_table_is_the_one_description():
+    """Every per-row table elsewhere is derived from ROWS: a row added to the table appears in each."""
+    from megamoe_convert.readers import recipe
+    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_runtime.format.formats import QUANTIZE_ROWS, Dispatch, Element, RowName
+
+    assert set(RowName) == set(ROWS) and all(type(n) is str for n in ROWS)
+    assert {r.dispatch for r in ROWS.values()} <= set(Dispatch)
+    assert {r.weight.element for r in ROWS.values()} <= set(Element)
+    assert set(THRESHOLDS) == set(recipe.KERNEL_ACTIVATIONS) == set(recipe._KEEPS) == set(ROWS)
+    assert QUANTIZE_ROWS == tuple(n for n, r in ROWS.items() if r.quantize_target)
+    for r in ROWS.values():
+        assert set(r.entry_preference) == set(r.entry_points) and r.no_kernel_hint
+    with pytest.raises(FormatError, match="entry_preference"):
+        dataclasses.replace(ROWS["mxfp4"], entry_preference=("nope",))
+
+
 def test_weight_spec_size_helpers():
     w = ROWS["mxfp4"].weight
     assert (w.stored_cols(256), w.scale_groups(256), w.scale_ints(256), w.scale_k_per_int32) == (128, 8, 2, 128)
@@ -66,13 +84,16 @@ def test_weight_spec_size_helpers():
     assert (n.stored_cols(256), n.scale_groups(256), n.scale_ints(256), n.scale_k_per_int32) == (128, 16, 4, 64)
     assert ROWS["mxfp8"].weight.stored_cols(256) == 256
     assert ROWS["bf16"].weight.scale_ints(256) == 0
+    b = ROWS["fp8_block"].weight
+    assert (b.block_scaled, b.scale_shape(256, 384), b.scale_ints(256), b.scale_k_per_int32) == (True, (2, 3), 0, None)
+    assert b.scale_checkpoint_dtype == torch.float32 and not ROWS["mxfp8"].weight.block_scaled
     assert w.scale_ints(64) == 1  # partial word: missing groups are zero
 
 
 def test_get_row():
     assert get_row("nvfp4") is ROWS["nvfp4"]
     assert get_row(ROWS["bf16"]) is ROWS["bf16"]
-    with pytest.raises(FormatError, match="unknown row 'fp4'; valid rows: mxfp4, mxfp8, nvfp4, bf16"):
+    with pytest.raises(FormatError, match="unknown row 'fp4'; valid rows: mxfp4, mxfp8, nvfp4, bf16, fp8_block"):
         get_row("fp4")
     assert issubclass(FormatError, MegaMoEError) and issubclass(FormatError, ValueError)
 
@@ -227,10 +248,12 @@ def test_row_properties_are_the_only_row_branches():
         "mxfp8": (True, False, False, False),
         "nvfp4": (True, True, True, True),
         "bf16": (False, False, False, False),
+        "fp8_block": (True, False, False, False),
     }
     exact = {n: [o for o in ROWS if r.embeds_exactly_in(o)] for n, r in ROWS.items()}
     # E2M1 under UE8M0 groups is exact in MXFP8; NVFP4's E4M3 block scales are not (negative control)
-    assert exact == {"mxfp4": ["mxfp4", "mxfp8"], "mxfp8": ["mxfp8"], "nvfp4": ["nvfp4"], "bf16": ["bf16"]}
+    assert exact == {"mxfp4": ["mxfp4", "mxfp8"], "mxfp8": ["mxfp8"], "nvfp4": ["nvfp4"], "bf16": ["bf16"],
+                     "fp8_block": ["fp8_block"]}
 
 
 def test_shared_by_flavour_covers_exactly_the_fusable_precisions():

@@ -39,7 +39,8 @@ from typing import Any, Optional
 import torch
 
 from .configs import (
-    KernelConfig, REQ_BF16, REQ_MX8, REQ_NV4, ROW_W_KIND, W_BF16, W_E2M1_MX, W_E2M1_NV, W_E4M3_MX, default_config,
+    KernelConfig, REQ_BF16, REQ_MX8, REQ_NV4, ROW_W_KIND, W_BF16, W_E2M1_MX, W_E2M1_NV, W_E4M3_B128, W_E4M3_MX,
+    default_config,
     fp8_selected, resolve_decode, resolve_k_order, resolve_l2_fold, tail_config,
 )
 from .decode_check import asm_decode_ok
@@ -105,6 +106,15 @@ def moe_forward(spec, kt: Any, hidden_states: torch.Tensor, topk_weights: torch.
     w_kind = ROW_W_KIND[row]
     e2m1 = w_kind in (W_E2M1_MX, W_E2M1_NV)
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
+    if w_kind == W_E4M3_B128:  # block-FP8: E4M3 x E4M3 wgmma with block-128 fp32 scales (block8)
+        from . import block8
+
+        if w_tile or has_shared:
+            from megamoe_runtime.errors import MegaMoEError
+
+            raise MegaMoEError(f"row {row} runs routed experts only, from the converted layout; got "
+                               f"weight tiles {w_tile}, a fused shared expert: {has_shared}")
+        return block8.forward(spec, kt, config or KernelConfig(), x_bf16, tw, ids, out, nslot, rsf, hw, return_slots)
 
     cfg = config or default_config(T * K, E_l, resolve_k_order(KernelConfig(), ROW_W_KIND[row], H, I),
                                    w_kind=ROW_W_KIND[row], H=H, I=I)

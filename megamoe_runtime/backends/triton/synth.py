@@ -45,10 +45,37 @@ def _proj(row: str, w: torch.Tensor) -> ProjectionTensors:
 
 def _expert(row: str, H: int, I: int, gen: torch.Generator, std: float, device: Any = "cpu") -> ExpertTensors:
     # drawn on the CPU (reproducible), quantized where the layer lives (fast on a GPU)
-    g = (torch.randn(I, H, generator=gen) * std).to(device)
-    u = (torch.randn(I, H, generator=gen) * std).to(device)
-    d = (torch.randn(H, I, generator=gen) * std).to(device)
+    g, u, d = _expert_fp32(H, I, gen, std, device)
     return ExpertTensors(_proj(row, g), _proj(row, u), _proj(row, d))
+
+
+def _block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (E4M3 ``[N, K]``, fp32 scales ``[N/128, K/128]``): one multiplier per
+    128x128 block, ``amax / 448``, as DeepSeek-V3's FP8 export stores ``weight_scale_inv``."""
+    N, K = w.shape
+    b = w.reshape(N // 128, 128, K // 128, 128)
+    s = b.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448.0
+    q = (b / s[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(N, K), s
+
+
+def _block_fp8_layer(spec: LayerSpec, gen: torch.Generator, std: float, device: Any) -> SynthLayer:
+    """The block-FP8 row: random experts quantized per 128x128 block, in the SM90 kernel layout
+    (``layout.block_fp8_kernel_layout``: gate/up rows interleaved by 8, scales as they are)."""
+    H, I = spec.hidden, spec.intermediate
+    l1, l2 = [], []
+    for _ in range(spec.experts_per_rank):
+        e = _expert_fp32(H, I, gen, std, device)
+        l1.append(_block_fp8(torch.cat(e[:2], dim=0)))
+        l2.append(_block_fp8(e[2]))
+    kt = layout.block_fp8_kernel_layout(tuple(torch.stack(t) for t in zip(*l1)),
+                                        tuple(torch.stack(t) for t in zip(*l2)))
+    return SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
+
+
+def _expert_fp32(H: int, I: int, gen: torch.Generator, std: float, device: Any) -> tuple[torch.Tensor, ...]:
+    # drawn on the CPU (reproducible), moved where the layer lives
+    return tuple((torch.randn(*shape, generator=gen) * std).to(device) for shape in ((I, H), (I, H), (H, I)))
 
 
 def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Optional[float] = None) -> SynthLayer:
@@ -56,6 +83,8 @@ def random_layer(spec: LayerSpec, device: Any = "cpu", seed: int = 0, a2: Option
     gen = torch.Generator().manual_seed(seed)
     H, I, E_l, row = spec.hidden, spec.intermediate, spec.experts_per_rank, spec.row
     std = H ** -0.5
+    if spec.row_spec.weight.scale_encoding == "fp32":  # block-FP8 (no fused shared expert)
+        return _block_fp8_layer(spec, gen, std, device)
     experts = [_expert(row, H, I, gen, std, device) for _ in range(E_l)]
     kt = layout.pack_expert_stack(row, experts, device=device)
     lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
@@ -85,8 +114,14 @@ def random_kernel_bytes(spec: LayerSpec, device: Any, seed: int = 0) -> SynthLay
     """
     g = torch.Generator(device=device).manual_seed(seed)
     H, I, E_l, row = spec.hidden, spec.intermediate, spec.experts_per_rank, spec.row
-    shapes = layout.kernel_shapes(row, E_l, H, I)
-    kt = layout.allocate_kernel_tensors(row, E_l, H, I, device)
+    if spec.row_spec.weight.scale_encoding == "fp32":  # block-FP8: fp32 block scales in [2^-12, 2^-8)
+        kt = layout.KernelTensors(*(torch.empty(shape, dtype=dt, device=device) for shape, dt in (
+            ((E_l, 2 * I, H), torch.float8_e4m3fn), ((E_l, 2 * I // 128, H // 128), torch.float32),
+            ((E_l, H, I), torch.float8_e4m3fn), ((E_l, H // 128, I // 128), torch.float32))))
+        for t in (kt.l1_scale, kt.l2_scale):
+            t.uniform_(-12.0, -8.0, generator=g).exp2_()
+    else:
+        kt = layout.allocate_kernel_tensors(row, E_l, H, I, device)
 
     def fill_w(t: torch.Tensor) -> None:
         if t.dtype == torch.bfloat16:
@@ -109,9 +144,9 @@ def random_kernel_bytes(spec: LayerSpec, device: Any, seed: int = 0) -> SynthLay
 
     for t in (kt.l1_weight, kt.l2_weight):
         fill_w(t)
-    fill_s(kt.l1_scale)
-    fill_s(kt.l2_scale)
-    del shapes
+    if kt.l1_scale is not None and kt.l1_scale.dtype != torch.float32:
+        fill_s(kt.l1_scale)
+        fill_s(kt.l2_scale)
     lay = SynthLayer(spec, kt.l1_weight, kt.l1_scale, kt.l2_weight, kt.l2_scale)
     if spec.row_spec.has_alphas:
         lay.l1_alpha = torch.full((E_l, 2), 1e-3, dtype=torch.float32, device=device)

@@ -90,8 +90,10 @@ class MegaMoEHfQuantizer(HfQuantizer):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         cfg = config.to_dict()
         cfg["quantization_config"] = self.quantization_config.to_dict()
-        with torch.device("cpu"):  # transformers builds the model under a meta-device context; the checks' own
-            ckpt = check_folder_for_model(folder, cfg)  # small tensors (the dry run's bookkeeping) are real
+        # transformers builds the model under a meta-device context; the checks' own small tensors (the dry
+        # run's bookkeeping) are real
+        with torch.device("cpu"):
+            ckpt = check_folder_for_model(folder, cfg, verify=self.quantization_config.verify)
         self.checkpoint = ckpt
         ignore: set[str] = set()
         for li in ckpt.layers:
