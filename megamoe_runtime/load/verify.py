@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..errors import CheckpointError, ManifestError, MegaMoEError, OutputError
 from ..files.digests import SHA256, hash_file, is_composite, new_hasher, safetensors_digests
 from ..files.folder import inside_folder
-from ..files.safetensors_header import parse_safetensors_header
+from ..files.safetensors_header import file_kind, parse_safetensors_header
 from ..format.manifest import MANIFEST_NAME, read_manifest
 
 
@@ -126,6 +126,10 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
             rep.add(str(e))
             continue
         if not path.is_file():
+            if path.exists():  # a FIFO, a device, a folder: named, never opened (a FIFO's read would block)
+                rep.add(f"{path}: {file_kind(path.stat().st_mode)}, not a regular file (the manifest lists a "
+                        f"file of {fe.size} bytes)")
+                continue
             rep.add(f"{path}: missing (manifest lists it with {fe.size} bytes"
                                 + (f" and {len(tensors)} tensor(s)" if tensors else "") + ")")
             continue

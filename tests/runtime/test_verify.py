@@ -75,3 +75,16 @@ def test_verify_lists_a_bounded_number_of_problems(ckpts, tmp_path, monkeypatch)
     rep = verify_output(out)
     assert [p for p in rep.problems if "tensors listed in its safetensors header" in p] == [rep.problems[-1]]
     assert rep.problem_count < 10
+
+
+def test_verify_names_a_fifo_shard_for_what_it_is(ckpts, tmp_path):
+    """A shard replaced by a FIFO: verify says it is a FIFO (it said "missing" though the name exists) and
+    never opens it (a read would block: this test would hang)."""
+    import os
+
+    _, out = ckpts.fresh_converted("quark-mxfp4", tmp_path / "out")
+    shard = sorted(out.glob("megamoe-experts-*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    rep = verify_output(out)
+    assert f"{shard}: is a FIFO (named pipe), not a regular file" in "\n".join(rep.problems), rep.problems
