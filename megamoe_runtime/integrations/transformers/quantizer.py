@@ -27,7 +27,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from ...errors import CheckpointError
 from ..dense import decode_linear_weight, is_quantized_linear
-from ..folder import check_folder_for_model
+from ..folder import check_folder_for_model, weights_folder
 from .blocks import MOE_BLOCKS, MegaMoEBlock, adapt_router, is_moe_block
 
 __all__ = ["MegaMoEHfQuantizer", "PendingLinear"]
@@ -85,7 +85,7 @@ class MegaMoEHfQuantizer(HfQuantizer):
                                              **kwargs: Any) -> nn.Module:
         if not checkpoint_files:
             raise CheckpointError("megamoe: from_pretrained found no weight files to load the folder from")
-        folder = Path(checkpoint_files[0]).parent
+        folder = weights_folder(checkpoint_files, getattr(model.config, "name_or_path", None))
         _fetch_manifest_from_hub(folder, getattr(model.config, "name_or_path", None))
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         cfg = config.to_dict()
