@@ -98,6 +98,46 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+def _signal_name_code(signum: int) -> tuple[str, int]:
+    return ("SIGINT (Ctrl-C)", EXIT_SIGINT) if signum == signal.SIGINT else ("SIGTERM", EXIT_SIGTERM)
+
+
+class _Interrupts:
+    """The SIGINT/SIGTERM handlers of a guarded command. The first signal unwinds the run (KeyboardInterrupt /
+    `_Terminated`: writers stopped, lock released, the resume command printed). A second one ends the process
+    at once with its exit code (`os._exit`): waiting for writer threads on a slow disk is what the user
+    refuses by signalling again. That is safe at any point, as a ``kill -9`` is: the temp folder is resumable
+    and the kernel drops the locks; the renames of the final swap hold signals until they are done
+    (`output_dir.signals_deferred`)."""
+
+    def __init__(self, message=None):
+        self.first: int | None = None
+        self.message = message  # signal name -> (message, extra): what is left and how to continue
+
+    def install(self) -> dict:
+        return {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if self.first is None:
+            self.first = signum
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise _Terminated()
+        self.hard_exit(signum)
+
+    def hard_exit(self, signum: int) -> None:
+        import os
+
+        name, code = _signal_name_code(signum)
+        try:
+            msg = self.message(name)[0] if self.message else f"interrupted by {name}"
+            sys.stderr.write(f"error: a second signal: stopping now without waiting for the writers; {msg}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+
+
 def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     """The stderr progress display of `convert` / `verify`: a bar redrawn in place on a terminal, one
     plain line every few seconds otherwise (CI and k8s logs; ``MEGAMOE_PROGRESS_INTERVAL``), none with
@@ -105,27 +145,31 @@ def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     return ProgressDisplay(label, "off" if no_progress else "auto", stream=sys.stderr)
 
 
-def _run_guarded(fn, interrupted=None):
+def _run_guarded(fn, interrupted=None, io_failed=None):
     """Run fn(); MegaMoEError / OSError -> 'error: ...', exit 2; Ctrl-C -> exit
     130, SIGTERM -> 143, with `interrupted(signal name)` -> (message, extra
-    JSON fields) saying what is left and how to continue."""
+    JSON fields) saying what is left and how to continue; `io_failed(OSError)`
+    likewise for a failed read or write (a full disk, an I/O error)."""
     main_thread = threading.current_thread() is threading.main_thread()
+    guard = _Interrupts(interrupted)
     if main_thread:
-        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
-               signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+        old = guard.install()
     try:
         return fn()
     except MegaMoEError as e:
         _fail(str(e))
     except OSError as e:
-        _fail(f"{type(e).__name__}: {e}")
+        msg, extra = io_failed(e) if io_failed else (f"{type(e).__name__}: {e}", {})
+        _fail(msg, EXIT_BAD_INPUT, **extra)
     except (KeyboardInterrupt, _Terminated) as e:
-        name, code = ("SIGINT (Ctrl-C)", EXIT_SIGINT) if isinstance(e, KeyboardInterrupt) else \
-            ("SIGTERM", EXIT_SIGTERM)
+        name, code = _signal_name_code(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+        guard.first = guard.first or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         msg, extra = interrupted(name) if interrupted else (f"interrupted by {name}", {})
         _fail(msg, code, **extra)
     finally:
-        if main_thread:
+        # after an interruption the handlers stay: a signal while Python joins the writer threads at exit
+        # ends the process at once (`_Interrupts.hard_exit`)
+        if main_thread and guard.first is None:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
@@ -177,22 +221,67 @@ def _convert_interrupted(ctx: click.Context, out: Path):
     return message
 
 
+def _convert_io_failed(ctx: click.Context, out: Path):
+    """What a `convert` stopped by an OSError prints: the error with the file it names (the shard writer
+    names the file a failed write was for), and, when the temp folder is there, that it stays and the
+    command that continues once the cause (a full disk: free space) is gone."""
+    def message(e: OSError):
+        import errno
+
+        from .output_dir import resolve_out, temp_dir_for
+
+        try:
+            o = resolve_out(out)
+        except MegaMoEError:
+            o = Path(out)
+        tmp = temp_dir_for(o)
+        what = f"{type(e).__name__}: {e}"
+        if e.filename is None:
+            what += f" (no file named; the run was writing into {tmp})"
+        if not tmp.is_dir():
+            return what, {}
+        cmd = _resume_command(ctx)
+        when = "once space is free" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "once that is fixed"
+        return (f"{what}. Nothing was written under {o}; {tmp} remains and keeps the finished files: {when}, "
+                f"continue with:\n  {cmd}", {"temp_folder": str(tmp), "resume_command": cmd,
+                                              **({"file": str(e.filename)} if e.filename else {})})
+    return message
+
+
 class _Group(click.Group):
     """Usage errors (unknown option, bad value) answer in JSON on stdout too
-    when the command line asks for --json."""
+    when the command line asks for --json. Ctrl-C before a command's own
+    handling starts (parsing, importing torch) exits 130 with one line, as
+    every interruption does, not click's ``Aborted!`` with 1."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
-        if "--json" not in argv or not standalone_mode:
+        if not standalone_mode:
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        as_json = "--json" in argv
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             e.show()
-            click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()}, indent=2))
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()},
+                                      indent=2))
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("Aborted!", err=True)
+        except (click.exceptions.Abort, KeyboardInterrupt) as e:
+            if not isinstance(e, KeyboardInterrupt) and not isinstance(e.__cause__, KeyboardInterrupt):
+                click.echo("Aborted!", err=True)
+                sys.exit(1)
+            msg = "interrupted by SIGINT (Ctrl-C) while starting; nothing was written"
+            click.echo(f"error: {msg}", err=True)
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": EXIT_SIGINT, "error": msg,
+                                       "interrupted": "SIGINT (Ctrl-C)"}, indent=2))
+            sys.exit(EXIT_SIGINT)
+        except OSError as e:  # click's own: a closed stdout (`| head`) ends quietly
+            import errno
+
+            if e.errno != errno.EPIPE:
+                raise
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -225,7 +314,7 @@ def main() -> None:
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="Quantize an unquantized (BF16/FP16/FP32) checkpoint with the reference quantizers.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Write one set of expert shards per EP rank, each holding only that rank's experts.")
@@ -324,7 +413,8 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
         finally:
             bar.close(ok)
 
-    s = _run_guarded(run, _convert_interrupted(click.get_current_context(), out))
+    ctx = click.get_current_context()
+    s = _run_guarded(run, _convert_interrupted(ctx, out), _convert_io_failed(ctx, out))
     if as_json:
         click.echo(json.dumps(s.to_dict(), indent=2))
         return
@@ -375,7 +465,7 @@ def _print_summary(s) -> None:
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
 @hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
@@ -629,9 +719,11 @@ def _print_verify(rep, reload: dict | None, against: dict | None = None) -> None
             click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
                        f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")
         return
-    click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
+    click.echo(f"FAILED: {rep.path}: {rep.problem_count} problem(s)")
     for p in rep.problems:
         click.echo(f"  - {p}")
+    if rep.unlisted:
+        click.echo(f"  ... and {rep.unlisted} more (the first {len(rep.problems)} are listed)")
 
 
 # --------------------------------------------------------------------------- synth
@@ -689,6 +781,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         raise click.BadParameter(f"--top-k {top_k} is more than --experts {experts}", param_hint="--top-k")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         _fail(f"{out} exists and is not an empty folder; synth writes a new checkpoint (pick another OUT)")
+    try:
+        synth_mod.check_sizes(fmt, out, num_layers=layers, hidden=hidden, intermediate=intermediate,
+                              num_experts=experts, top_k=top_k, shared=shared)
+    except MegaMoEError as e:
+        _fail(str(e))
     click.echo(f"synth: building a {fmt} checkpoint ({layers} MoE layers x {experts} experts, hidden {hidden}, "
                f"intermediate {intermediate}) in {out} ...", err=True)
     t = time.perf_counter()
@@ -698,8 +795,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         import shutil
 
         tmp = out.parent / f".{out.name}.synth-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists() or tmp.is_symlink():  # not made by this run: never removed by it
+            raise MegaMoEError(f"{tmp} exists (left by an interrupted synth, or someone's): synth builds there; "
+                               "remove it yourself, or pick another OUT")
         out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         try:
             synth_mod.build_synthetic_checkpoint(
                 tmp, fmt, num_layers=layers, hidden=hidden, intermediate=intermediate, num_experts=experts,

@@ -4,9 +4,9 @@
 checkpoint: from ``format`` when given (a registered name or an alias), else
 from ``hf_quant_config.json`` / ``config.json`` ``quantization_config``
 (each reader's ``detect``), in ``DETECTION_ORDER``: ModelOpt, Quark,
-compressed-tensors, DeepSeek-V4, unquantized. ``ALIASES`` collects each
-reader's ``aliases``. Known-but-unsupported variants
-(ModelOpt W4A8, CT float-quantized, DeepSeek-V3 FP8, ...) get a FormatError
+compressed-tensors, DeepSeek-V4, block FP8 (DeepSeek-V3 / FineGrainedFP8),
+unquantized. ``ALIASES`` collects each reader's ``aliases``. Known-but-unsupported
+variants (ModelOpt W4A8, CT per-tensor FP8, block sizes other than 128x128, ...) get a FormatError
 saying what was found, why it cannot be read, and what can.
 
 Decisions shared by every reader:

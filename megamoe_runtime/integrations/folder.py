@@ -21,7 +21,10 @@ from ..load.checkpoint import Checkpoint, open_checkpoint
 from ..load.load_checks import DEFAULT_VERIFY, VERIFY_LEVELS
 
 __all__ = ["QUANT_METHOD", "VERIFY_ENV", "config_value", "check_folder_for_model", "megamoe_quantization_config",
-           "verify_level"]
+           "verify_level", "weights_folder"]
+
+#: the weight index an engine resolves shard names through
+INDEX_NAME = "model.safetensors.index.json"
 
 #: the ``quantization_config.quant_method`` a converted folder's config.json names
 QUANT_METHOD = "megamoe"
@@ -53,6 +56,41 @@ def megamoe_quantization_config(config: Mapping[str, Any]) -> Optional[dict]:
     if isinstance(qc, Mapping) and qc.get("quant_method") == QUANT_METHOD:
         return dict(qc)
     return None
+
+
+def weights_folder(files: list, model_path: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """The folder an engine's weight `files` come from: `model_path` when it is a local folder (what the user
+    passed), else the folder most of the files are in (a hub snapshot). Every file must resolve inside it:
+    an index entry such as ``../model-00001-of-00001.safetensors`` (or a link leaving the folder) is refused
+    naming the entry and the tensors the index maps to it. Without this the folder was taken from the first
+    file's parent, so such an entry was refused as "OUT/.. is not a megamoe output folder", naming neither
+    the entry nor the index; and a file of the output must never be read from elsewhere."""
+    from collections import Counter
+
+    paths = [Path(f) for f in files]
+    if model_path is not None and Path(model_path).is_dir():
+        root = Path(model_path)
+    else:
+        root = Counter(p.parent for p in paths).most_common(1)[0][0]
+    real_root = os.path.realpath(root)
+    for p in paths:
+        real = os.path.realpath(p)
+        if os.path.commonpath([real_root, real]) == real_root:
+            continue
+        entry = os.path.relpath(p, root)
+        index = root / INDEX_NAME
+        mapped = []
+        if index.is_file():
+            from ..files.json_io import read_json
+
+            wm = read_json(index, error=CheckpointError).get("weight_map")
+            mapped = sorted(k for k, v in wm.items() if v == entry) if isinstance(wm, dict) else []
+        raise CheckpointError(
+            f"{index if index.is_file() else root}: the weight file {entry!r}"
+            + (f" (weight_map of {mapped[0]!r}" + (f" and {len(mapped) - 1} more" if len(mapped) > 1 else "")
+               + ")" if mapped else "")
+            + f" resolves to {real}, outside the folder {root}; a megamoe output's files are all inside it")
+    return root
 
 
 def verify_level(quantization_config: Optional[Mapping[str, Any]] = None) -> str:

@@ -339,6 +339,64 @@ def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, c
     assert {f.name: f.read_bytes() for f in Path(src).iterdir()} == src_bytes  # the source never written
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_second_signal_during_slow_writes_ends_the_run_at_once(tmp_path, synth_ckpt, crashing_run, sig, code):
+    """Two SIGINTs (SIGTERMs) 0.2 s apart while the writer threads are stuck on a slow disk (each write sleeps 3 s, so
+    a layer's queued pieces take far longer than the bound): the process ends within seconds with 130 (143) (it
+    used to drain the whole queue, or hang in the interpreter's exit joining a writer thread that waited
+    for a staging buffer nobody would free), and the temp folder it leaves resumes to a verified output."""
+    from megamoe_convert.output_dir import lock_path_for, temp_dir_for
+    from megamoe_runtime.load.verify import verify_output
+
+    src = synth_ckpt("quark-mxfp4", **SMALL)
+    out = tmp_path / "out"
+    args = ["convert", src, out, "--max-shard-size", "60KB", "--no-progress"]
+    p = crashing_run("tensor", "1:0.01", *args, wait=False, env={"CRASHING_CLI_WRITE_DELAY": "3"})
+    err = ""
+    try:
+        deadline = time.time() + 120
+        while "pausing" not in err and time.time() < deadline:
+            err += p.stderr.readline()
+        time.sleep(1.5)  # the writer threads now have a queue of slowed writes
+        p.send_signal(sig)
+        time.sleep(0.2)
+        if p.poll() is None:
+            p.send_signal(sig)
+        t0 = time.time()
+        _, rest = p.communicate(timeout=30)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err += rest
+    assert p.returncode == code, err
+    assert took < 2.5, f"the run took {took:.1f} s to end after the second signal"
+    tmp = temp_dir_for(out)
+    assert not out.exists() and tmp.is_dir()
+    cmd = err.split("continue it with:\n  ", 1)[1].splitlines()[0]
+    r = run_cli(*shlex.split(cmd)[1:])
+    assert r.exit_code == 0, r.output
+    assert verify_output(out).ok and not tmp.exists() and not lock_path_for(out).exists()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_while_starting_exits_130_in_one_line(tmp_path, monkeypatch, as_json):
+    """Ctrl-C before the command's own handling starts (here: while the converter is imported to read
+    --max-shard-size) exits 130 with one line, not click's "Aborted!" with 1."""
+    import megamoe_convert.cli as cli
+
+    def interrupted(text):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "parse_size", interrupted)
+    r = run_cli("convert", tmp_path, tmp_path / "out", *(["--json"] if as_json else []))
+    assert r.exit_code == 130, r.output
+    assert "Aborted!" not in r.output and "interrupted by SIGINT (Ctrl-C) while starting" in r.stderr
+    assert not (tmp_path / "out").exists()
+    if as_json:
+        assert json.loads(r.stdout)["exit_code"] == 130
+
+
 def test_json_errors_for_every_command(tmp_path):
     cases = [
         (["convert", tmp_path / "absent", tmp_path / "o", "--json"], "neither an existing folder"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -414,6 +415,24 @@ def test_missing_shard_refused_before_any_allocation(converted_tiny, tmp_path, m
     with pytest.raises(CheckpointError, match=shard.name):
         _load(bad)
     assert not built
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_index_entry_leaving_the_folder_is_named(converted_tiny, tmp_path, which):
+    """An index entry pointing outside OUT (``../model-...safetensors``, the file put there): refused naming
+    the entry and a tensor the index maps to it, whichever place that file has among the shards (it was
+    refused as "OUT/.. is not a megamoe output folder")."""
+    _, out = converted_tiny("qwen3_moe")
+    bad = _copy(out, tmp_path)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = sorted(set(index["weight_map"].values()))[which]
+    (bad / name).rename(tmp_path / name)
+    index["weight_map"] = {k: (f"../{name}" if v == name else v) for k, v in index["weight_map"].items()}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensor = sorted(k for k, v in index["weight_map"].items() if v == f"../{name}")[0]
+    with pytest.raises(CheckpointError, match=rf"the weight file '\.\./{re.escape(name)}' \(weight_map of "
+                                              rf"'{re.escape(tensor)}'.* outside the folder {re.escape(str(bad))}"):
+        _load(bad)
 
 
 def test_unknown_architecture(converted_tiny, tmp_path, monkeypatch):
