@@ -801,5 +801,9 @@ def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
             "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}
 
 
+from .warm_cli import warm as warm_command  # noqa: E402  (`megamoe-convert warm`: the kernel cache)
+
+main.add_command(warm_command)
+
 if __name__ == "__main__":  # pragma: no cover
     main()
