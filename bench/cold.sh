@@ -32,7 +32,11 @@ for j in 0 1 2 3 4 5; do
     >/tmp/build$j.log 2>&1 &
   bps+=($!)
 done
-wait $sp; for p in "${bps[@]}"; do wait $p; done
+( timeout "${PREP_S:-150}" python -m pytest -q -m gpu tests/runtime/integrations/test_warm.py >"$OUT/gpu_test.log" 2>&1;
+  echo "rc=$?" >>"$OUT/gpu_test.log" ) &
+tp=$!
+wait $sp; wait $tp; for p in "${bps[@]}"; do wait $p; done
+echo "# gpu test: $(tail -2 "$OUT/gpu_test.log" | tr '\n' ' ')"
 tail -2 "$OUT/serve_prepare.log"; cat /tmp/build*.log | grep -i "error\|Traceback\|unavailable" | head -5
 el "serve measure"
 timeout "${SERVE_S:-110}" python bench/serve.py --stage measure --work $W --no-static --no-restart \

@@ -162,3 +162,31 @@ def test_worker_module_runs(tmp_path, ckpts):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert list(json.loads(r.stdout.strip().splitlines()[-1])["layers_s"]) == ["1"]
+
+
+@pytest.mark.gpu
+def test_shipped_cache_leaves_nothing_to_compile(tmp_path, ckpts):
+    """On the GPU: a process whose empty triton cache was seeded from a cache built for the same token counts
+    compiles no kernel (its triton cache holds exactly the shipped entries afterwards); negative control: a
+    token count the cache was not built for does compile."""
+    import os
+    import subprocess
+    import sys
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    cache = tmp_path / "kc"
+    res = warm.build_cache(out, cache, tokens=[1, 5], jobs=2)
+    assert res["entries"] > 0
+    shipped = {p.name for p in (cache / kc.ENTRIES_DIR).iterdir()}
+
+    def fresh_run(tokens: str, tcache) -> set:
+        code = (f"import os; from megamoe_runtime.integrations import warm; from megamoe_runtime.backends import "
+                f"kernel_cache as kc; kc.seed({str(cache)!r}); "
+                f"warm.run_layers({str(out)!r}, [{res['layers'][0]}], [{tokens}])")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TRITON_CACHE_DIR": str(tcache)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {p.name for p in tcache.iterdir() if p.is_dir()}
+
+    assert fresh_run("1, 5", tmp_path / "t1") == shipped
+    assert fresh_run("64", tmp_path / "t2") - shipped  # not in the cache: compiled at first use
