@@ -26,9 +26,9 @@ el "prepare + build pass"
   echo "rc=$?" >>"$OUT/serve_prepare.log" ) &
 sp=$!
 bps=()
-for j in 0 1 2 3 4 5; do
+for j in 0 1 2 3; do
   TRITON_CACHE_DIR=$KC timeout "${PREP_S:-150}" python bench/kernel.py --shapes new --rows "$ROWS" --tokens "$TOKENS" \
-    --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --compile-only --job $j/6 --out "" \
+    --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --compile-only --job $j/4 --out "" \
     >/tmp/build$j.log 2>&1 &
   bps+=($!)
 done

@@ -39,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's packages, whatever the environment installed
+
 PROMPT, NEW_TOKENS = 32, 32
 #: also time generate(cache_implementation="static") (compiled, CUDA graphs); --no-static turns it off
 STATIC = os.environ.get("MEGAMOE_SERVE_STATIC", "1") != "0"
@@ -259,7 +262,8 @@ def _warm(out: Path, tokens, jobs: int, env: dict) -> dict:
         cmd += ["--tokens", tokens]
     shutil.rmtree(out / "kernel-cache", ignore_errors=True)
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                       env=dict(env, PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])))
     if r.returncode:  # the other runs still count: say why and go on
         return {"ok": False, "error": f"{' '.join(cmd)}: rc {r.returncode}: {r.stdout[-1500:]} {r.stderr[-3000:]}"}
     d = json.loads(r.stdout)
