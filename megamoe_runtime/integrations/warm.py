@@ -142,24 +142,33 @@ def build_cache(folder: Union[str, os.PathLike], cache: Union[str, os.PathLike, 
     entries = str((target / kc.ENTRIES_DIR).resolve())
     t0 = time.perf_counter()
     log(f"warm: {len(layers)} distinct layer(s) x {len(tokens)} token counts in {n} worker(s) -> {cache}")
-    procs = []
-    for part in parts:
-        ls = sorted({li for li, _ in part})
-        ts = sorted({t for _, t in part})
-        cmd = [sys.executable, "-m", "megamoe_runtime.integrations.warm", "--worker", str(folder),
-               "--layers", ",".join(map(str, ls)), "--tokens", ",".join(map(str, ts)), "--backend", backend,
-               "--device", device, "--triton-cache", entries]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    failed = []
-    for p in procs:
-        out, err = p.communicate()
-        if p.returncode:
-            failed.append(err.strip().splitlines()[-1] if err.strip() else f"exit code {p.returncode}")
-    if failed:
+    procs: list = []
+    try:
+        for part in parts:
+            ls = sorted({li for li, _ in part})
+            ts = sorted({t for _, t in part})
+            cmd = [sys.executable, "-m", "megamoe_runtime.integrations.warm", "--worker", str(folder),
+                   "--layers", ",".join(map(str, ls)), "--tokens", ",".join(map(str, ts)), "--backend", backend,
+                   "--device", device, "--triton-cache", entries]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        failed = []
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode:
+                failed.append(err.strip().splitlines()[-1] if err.strip() else f"exit code {p.returncode}")
+        if failed:
+            raise kc.KernelCacheError(f"warm worker failed: {failed[0]}")
+    except BaseException:  # a failed worker, Ctrl-C, SIGTERM: stop our workers, drop the folder this call made
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         if fresh:
-            shutil.rmtree(target, ignore_errors=True)  # the hidden folder this call made, nothing else
-        raise kc.KernelCacheError(f"warm worker failed: {failed[0]}")
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     specs = [ckpt.layer_spec(i) for i in layers]
+    if not fresh:  # the counts an existing cache was built for stay listed
+        tokens = sorted(set(tokens) | set(kc.read_manifest(target).get("tokens") or []))
     m = kc.write_manifest(target, env, tokens=tokens,
                           layers=[dict(index=i, row=s.row, hidden=s.hidden, intermediate=s.intermediate,
                                        experts=s.num_experts, top_k=s.top_k, ep_size=ckpt.ep_size)

@@ -84,7 +84,7 @@ def test_build_cache_workers_and_new_folder(tmp_path, ckpts, gpu_env):
     assert not list(tmp_path.glob(".kc.partial-*"))  # built beside, renamed into place
     # again into the same (compatible) cache: adds, keeps the folder
     res2 = warm.build_cache(out, cache, tokens=[2], jobs=1, backend="reference", device="cpu")
-    assert res2["cache"] == str(cache) and kc.read_manifest(cache)["tokens"] == [2]
+    assert res2["cache"] == str(cache) and kc.read_manifest(cache)["tokens"] == [1, 2, 3]
 
 
 def test_build_cache_worker_failure_leaves_nothing(tmp_path, ckpts, gpu_env):
