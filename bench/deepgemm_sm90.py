@@ -102,6 +102,9 @@ def main() -> int:
     p.add_argument("--rsf", type=float, default=2.5)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--triton-budget-s", type=float, default=150.0,
+                   help="stop timing the triton layer (it compiles per configuration) after this many seconds")
+    p.add_argument("--layer", action="store_true", help="also time megamoe's layer (deepgemm backend) on the same bytes")
     args = p.parse_args()
     results: dict = {"args": vars(args)}
 
@@ -317,6 +320,38 @@ def main() -> int:
         y.index_add_(0, order // K, o.float())
         return y.bfloat16()
 
+    layer = tri_layer = None
+    if args.layer:
+        # the same bytes through megamoe's layer and deepgemm backend (what a server runs)
+        from megamoe_runtime.format.formats import LayerSpec
+        from megamoe_runtime.format.layout import block_fp8_kernel_layout
+        from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+
+        spec = LayerSpec(row="fp8_block", hidden=H, intermediate=I, num_experts=E, top_k=K,
+                         routed_scaling_factor=args.rsf)
+        kt = block_fp8_kernel_layout((w1, s1), (w2, s2))
+
+        def make_layer(backend, kwargs):
+            lay = DeepGemmMegaMoEExperts(spec, device=dev, backend=backend, backend_kwargs=kwargs)
+            lay.begin_load("stored")
+            for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+                lay.load_stored(role, getattr(kt, role), experts=(0, E))
+            lay.finish_load()
+            return lay
+
+        layer = make_layer("auto", {"max_num_tokens": max_tokens})
+        results["layer_backend"] = layer.backend.name
+        log(f"layer backend (auto): {layer.backend.name}")
+        try:
+            tri_layer = make_layer("triton", None)
+        except Exception as exc:  # the comparison is optional; its failure is reported
+            tri_layer = None
+            results["triton_error"] = str(exc)[:500]
+            log(f"triton layer failed: {exc!r}"[:500])
+        del kt
+        torch.cuda.empty_cache()
+
+    deadline = time.time() + args.triton_budget_s
     bench = []
     for t in [int(s) for s in args.bench_tokens.split(",")]:
         x, idx, w = route(t)
@@ -337,6 +372,27 @@ def main() -> int:
             row["deepgemm_graph_ms"] = do_bench(gg.replay, warmup=25, rep=200, return_mode="median")
         except Exception as exc:
             row["deepgemm_graph_ms"] = f"error: {str(exc)[:200]}"
+        if layer is not None:
+            yl = layer(x, w, idx)
+            row["layer_equal_direct"] = bool(torch.equal(yl, y))
+            row["layer_ms"] = do_bench(lambda: layer(x, w, idx), warmup=25, rep=200, return_mode="median")
+            gl = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gl):
+                layer(x, w, idx)
+            row["layer_graph_ms"] = do_bench(gl.replay, warmup=25, rep=200, return_mode="median")
+        if tri_layer is not None and time.time() < deadline:
+            try:
+                t0 = time.time()
+                yt = tri_layer(x, w, idx)
+                torch.cuda.synchronize()
+                row["triton_first_call_s"] = round(time.time() - t0, 1)
+                gt = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gt):
+                    tri_layer(x, w, idx)
+                row["triton_graph_ms"] = do_bench(gt.replay, warmup=25, rep=200, return_mode="median")
+                row["triton_vs_deepgemm_rel"] = rel_err(yt, y)
+            except Exception as exc:
+                row["triton_error"] = str(exc)[:300]
         yb = grouped_bf16(x, idx, w)
         row["bf16_grouped_mm_ms"] = do_bench(lambda: grouped_bf16(x, idx, w), warmup=25, rep=200,
                                              return_mode="median")
@@ -353,13 +409,16 @@ def main() -> int:
         log(json.dumps(row))
         results["bench"] = bench
         save()
-    log("\n| tokens | fp8_mega_moe ms | graph ms | bf16 grouped_mm ms | speedup | TFLOP/s | rel err |")
-    log("|---|---|---|---|---|---|---|")
+    def ms(v):
+        return f"{v:.3f}" if isinstance(v, float) else "-"
+
+    log("\n| tokens | fp8_mega_moe ms | graph ms | layer ms | layer graph ms | triton layer graph ms | "
+        "bf16 grouped_mm ms | TFLOP/s | rel err |")
+    log("|---|---|---|---|---|---|---|---|---|")
     for r in bench:
-        gms = r["deepgemm_graph_ms"]
-        gms = f"{gms:.3f}" if isinstance(gms, float) else "-"
-        log(f"| {r['tokens']} | {r['deepgemm_ms']:.3f} | {gms} | {r['bf16_grouped_mm_ms']:.3f} | "
-            f"{r['bf16_grouped_mm_ms'] / r['deepgemm_ms']:.2f}x | {r['tflops']:.0f} | {r['rel_vs_ref']} |")
+        log(f"| {r['tokens']} | {r['deepgemm_ms']:.3f} | {ms(r['deepgemm_graph_ms'])} | {ms(r.get('layer_ms'))} | "
+            f"{ms(r.get('layer_graph_ms'))} | {ms(r.get('triton_graph_ms'))} | {r['bf16_grouped_mm_ms']:.3f} | "
+            f"{r['tflops']:.0f} | {r['rel_vs_ref']} |")
     return 0
 
 

@@ -15,13 +15,17 @@ errors included: ``{"ok": false, "exit_code": 2, "error": "..."}``.
 """
 from __future__ import annotations
 
-import json
-import shlex
-import signal
-import sys
-import threading
-import tempfile
 import time
+
+#: when this command started (before torch and the converter are imported): the summary's "since start"
+_STARTED = time.perf_counter()
+
+import json  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import tempfile  # noqa: E402
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +98,46 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+def _signal_name_code(signum: int) -> tuple[str, int]:
+    return ("SIGINT (Ctrl-C)", EXIT_SIGINT) if signum == signal.SIGINT else ("SIGTERM", EXIT_SIGTERM)
+
+
+class _Interrupts:
+    """The SIGINT/SIGTERM handlers of a guarded command. The first signal unwinds the run (KeyboardInterrupt /
+    `_Terminated`: writers stopped, lock released, the resume command printed). A second one ends the process
+    at once with its exit code (`os._exit`): waiting for writer threads on a slow disk is what the user
+    refuses by signalling again. That is safe at any point, as a ``kill -9`` is: the temp folder is resumable
+    and the kernel drops the locks; the renames of the final swap hold signals until they are done
+    (`output_dir.signals_deferred`)."""
+
+    def __init__(self, message=None):
+        self.first: int | None = None
+        self.message = message  # signal name -> (message, extra): what is left and how to continue
+
+    def install(self) -> dict:
+        return {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if self.first is None:
+            self.first = signum
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise _Terminated()
+        self.hard_exit(signum)
+
+    def hard_exit(self, signum: int) -> None:
+        import os
+
+        name, code = _signal_name_code(signum)
+        try:
+            msg = self.message(name)[0] if self.message else f"interrupted by {name}"
+            sys.stderr.write(f"error: a second signal: stopping now without waiting for the writers; {msg}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+
+
 def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     """The stderr progress display of `convert` / `verify`: a bar redrawn in place on a terminal, one
     plain line every few seconds otherwise (CI and k8s logs; ``MEGAMOE_PROGRESS_INTERVAL``), none with
@@ -101,27 +145,31 @@ def _progress(label: str, no_progress: bool) -> ProgressDisplay:
     return ProgressDisplay(label, "off" if no_progress else "auto", stream=sys.stderr)
 
 
-def _run_guarded(fn, interrupted=None):
+def _run_guarded(fn, interrupted=None, io_failed=None):
     """Run fn(); MegaMoEError / OSError -> 'error: ...', exit 2; Ctrl-C -> exit
     130, SIGTERM -> 143, with `interrupted(signal name)` -> (message, extra
-    JSON fields) saying what is left and how to continue."""
+    JSON fields) saying what is left and how to continue; `io_failed(OSError)`
+    likewise for a failed read or write (a full disk, an I/O error)."""
     main_thread = threading.current_thread() is threading.main_thread()
+    guard = _Interrupts(interrupted)
     if main_thread:
-        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated),
-               signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+        old = guard.install()
     try:
         return fn()
     except MegaMoEError as e:
         _fail(str(e))
     except OSError as e:
-        _fail(f"{type(e).__name__}: {e}")
+        msg, extra = io_failed(e) if io_failed else (f"{type(e).__name__}: {e}", {})
+        _fail(msg, EXIT_BAD_INPUT, **extra)
     except (KeyboardInterrupt, _Terminated) as e:
-        name, code = ("SIGINT (Ctrl-C)", EXIT_SIGINT) if isinstance(e, KeyboardInterrupt) else \
-            ("SIGTERM", EXIT_SIGTERM)
+        name, code = _signal_name_code(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+        guard.first = guard.first or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         msg, extra = interrupted(name) if interrupted else (f"interrupted by {name}", {})
         _fail(msg, code, **extra)
     finally:
-        if main_thread:
+        # after an interruption the handlers stay: a signal while Python joins the writer threads at exit
+        # ends the process at once (`_Interrupts.hard_exit`)
+        if main_thread and guard.first is None:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
@@ -173,22 +221,67 @@ def _convert_interrupted(ctx: click.Context, out: Path):
     return message
 
 
+def _convert_io_failed(ctx: click.Context, out: Path):
+    """What a `convert` stopped by an OSError prints: the error with the file it names (the shard writer
+    names the file a failed write was for), and, when the temp folder is there, that it stays and the
+    command that continues once the cause (a full disk: free space) is gone."""
+    def message(e: OSError):
+        import errno
+
+        from .output_dir import resolve_out, temp_dir_for
+
+        try:
+            o = resolve_out(out)
+        except MegaMoEError:
+            o = Path(out)
+        tmp = temp_dir_for(o)
+        what = f"{type(e).__name__}: {e}"
+        if e.filename is None:
+            what += f" (no file named; the run was writing into {tmp})"
+        if not tmp.is_dir():
+            return what, {}
+        cmd = _resume_command(ctx)
+        when = "once space is free" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "once that is fixed"
+        return (f"{what}. Nothing was written under {o}; {tmp} remains and keeps the finished files: {when}, "
+                f"continue with:\n  {cmd}", {"temp_folder": str(tmp), "resume_command": cmd,
+                                              **({"file": str(e.filename)} if e.filename else {})})
+    return message
+
+
 class _Group(click.Group):
     """Usage errors (unknown option, bad value) answer in JSON on stdout too
-    when the command line asks for --json."""
+    when the command line asks for --json. Ctrl-C before a command's own
+    handling starts (parsing, importing torch) exits 130 with one line, as
+    every interruption does, not click's ``Aborted!`` with 1."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
-        if "--json" not in argv or not standalone_mode:
+        if not standalone_mode:
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        as_json = "--json" in argv
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             e.show()
-            click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()}, indent=2))
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": e.exit_code, "error": e.format_message()},
+                                      indent=2))
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("Aborted!", err=True)
+        except (click.exceptions.Abort, KeyboardInterrupt) as e:
+            if not isinstance(e, KeyboardInterrupt) and not isinstance(e.__cause__, KeyboardInterrupt):
+                click.echo("Aborted!", err=True)
+                sys.exit(1)
+            msg = "interrupted by SIGINT (Ctrl-C) while starting; nothing was written"
+            click.echo(f"error: {msg}", err=True)
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": EXIT_SIGINT, "error": msg,
+                                       "interrupted": "SIGINT (Ctrl-C)"}, indent=2))
+            sys.exit(EXIT_SIGINT)
+        except OSError as e:  # click's own: a closed stdout (`| head`) ends quietly
+            import errno
+
+            if e.errno != errno.EPIPE:
+                raise
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -221,7 +314,7 @@ def main() -> None:
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="Quantize an unquantized (BF16/FP16/FP32) checkpoint with the reference quantizers.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Write one set of expert shards per EP rank, each holding only that rank's experts.")
@@ -320,7 +413,8 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
         finally:
             bar.close(ok)
 
-    s = _run_guarded(run, _convert_interrupted(click.get_current_context(), out))
+    ctx = click.get_current_context()
+    s = _run_guarded(run, _convert_interrupted(ctx, out), _convert_io_failed(ctx, out))
     if as_json:
         click.echo(json.dumps(s.to_dict(), indent=2))
         return
@@ -335,7 +429,9 @@ def _print_summary(s) -> None:
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
     kept = getattr(s, "bytes_kept", 0)
-    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s"
+    click.echo(f"  time: {s.seconds:.2f} s converting (checks, reads, writes, rename), "
+               f"{time.perf_counter() - _STARTED:.2f} s since the command started (imports included)   "
+               f"throughput: {s.gb_per_s:.2f} GB/s"
                + (f" (over the {format_bytes(s.bytes_in - kept)} processed by this run; {format_bytes(kept)} "
                   "kept from the earlier run)" if kept else ""))
     act = (s.recipe or {}).get("activations")
@@ -354,6 +450,11 @@ def _print_summary(s) -> None:
         click.echo(f"  shared experts (layers {d['layers']}): fused as {d['precision']} ({d['reason']})")
         if d["note"]:
             click.echo(f"    {d['note']}")
+    out, src = shlex.quote(str(s.out)), shlex.quote(str(s.source))
+    click.echo(f"next: megamoe-convert verify {out} --against {src}   (the served layers against the source)")
+    click.echo(f"      transformers: import megamoe_runtime.integrations.transformers, then "
+               f"AutoModelForCausalLM.from_pretrained({str(s.out)!r})")
+    click.echo(f"      vLLM: vllm serve {out} --load-format megamoe")
 
 
 # --------------------------------------------------------------------------- inspect
@@ -364,7 +465,7 @@ def _print_summary(s) -> None:
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
 @hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
@@ -442,7 +543,7 @@ def _print_inspect(rep: "InspectReport") -> None:
         sc = rep.scales
         bad = sc.get("unchecked_layers") or []
         if sc["pairs"]:
-            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
+            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 {sc['tensor']} pairs differ "
                        f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})"
                        + (f"; layers {layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
                           if bad else ""))
@@ -500,20 +601,27 @@ def _shared_line(sh: dict) -> str:
                    "written exactly once.")
 @click.option("--no-progress", is_flag=True,
               help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr).")
-def verify(out, as_json, reload_dry_run, no_progress):
-    """Check converted folder OUT against its manifest.
+@click.option("--against", "against", default=None, metavar="SRC",
+              help="Also serve every MoE layer (reference backend, CPU) and compare it with an fp32 MoE computed "
+                   "from source checkpoint SRC (a folder or hub repo id, read as the conversion read it): one "
+                   "calc_diff per layer, each below its row's threshold (bf16 1e-4, mxfp8/mxfp4 2e-3, nvfp4 2e-2).")
+@click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
+              help="With --against: tokens per layer in the comparison.")
+def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
+    """Check converted folder OUT against its manifest (and, with --against, its source).
 
     Manifest schema, version and self-digest, every file present with its size and
     digest, every safetensors header consistent with the manifest, every
     tensor's checksum (sha256 or blake3, as the manifest says; a blake3 folder
     needs the blake3 package). Exit 1 with a report on any mismatch, missing
-    file or flipped byte.
+    file or flipped byte, or (--against) a layer above its threshold.
 
     \b
     Examples:
       megamoe-convert verify ./qwen3-megamoe
       megamoe-convert verify ./qwen3-megamoe --json
       megamoe-convert verify ./qwen3-megamoe --reload-dry-run
+      megamoe-convert verify ./qwen3-megamoe --against ./Qwen3-30B-A3B-NVFP4
 
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
     folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
@@ -548,13 +656,29 @@ def verify(out, as_json, reload_dry_run, no_progress):
         if not result["reload"]["ok"]:
             rep.problems.extend(result["reload"]["problems"])
             result["problems"], result["ok"] = rep.problems, False
+    if against is not None and rep.ok:
+        result["against"] = _verify_against(out, against, tokens, bar_off=no_progress)
+        if not result["against"]["ok"]:
+            bad = [le for le in result["against"]["layers"] if not le["ok"]]
+            rep.problems.extend(f"layer {le['index']} ({le['prefix']}): calc_diff {le['calc_diff']:.2e} against "
+                                f"{against} >= threshold {le['threshold']:.0e}" for le in bad)
+            result["problems"], result["ok"] = rep.problems, False
     result["exit_code"] = EXIT_OK if rep.ok else EXIT_VERIFY_FAILED
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        _print_verify(rep, result.get("reload"))
+        _print_verify(rep, result.get("reload"), result.get("against"))
     if not rep.ok:
         sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _verify_against(out: Path, src: str, tokens: int, bar_off: bool) -> dict:
+    """megamoe_convert.against: every layer of OUT served and compared with the fp32 MoE of SRC."""
+    from .against import compare_folder_with_source
+
+    if not bar_off:
+        click.echo(f"verify: comparing every MoE layer of {out} with {src} ({tokens} tokens) ...", err=True)
+    return _run_guarded(lambda: compare_folder_with_source(out, src, tokens=tokens))
 
 
 def _reload_dry_run(out: Path) -> dict:
@@ -573,20 +697,33 @@ def _reload_dry_run(out: Path) -> dict:
             "layer_loads": sum(len(rep.layers) for rep in reports), "problems": problems}
 
 
-def _print_verify(rep, reload: dict | None) -> None:
+def _print_verify(rep, reload: dict | None, against: dict | None = None) -> None:
     for w in rep.warnings:
         click.echo(f"warning: {w}", err=True)
+    if against is not None:
+        from .against import layer_lines
+
+        click.echo(f"served layers ({against['backend']} backend, {against['tokens']} tokens) vs fp32 MoE from "
+                   f"{against['source']} ({against['format']}"
+                   + (f", quantized to {against['quantize']}" if against["quantize"] else "") + "):")
+        for line in layer_lines(against["layers"]):
+            click.echo(f"  {line}")
     if rep.ok:
         click.echo(f"ok: {rep.path}: format_version {rep.format_version}, row {rep.row}, ep_size {rep.ep_size}, "
                    f"{rep.layers} MoE layers; {rep.files_checked} files, {rep.tensors_checked} tensors, "
                    f"{format_bytes(rep.bytes_checked)} checked")
+        if against is not None:
+            click.echo(f"ok: all {len(against['layers'])} MoE layers match {against['source']} within their row's "
+                       "threshold")
         if reload is not None:
             click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
                        f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")
         return
-    click.echo(f"FAILED: {rep.path}: {len(rep.problems)} problem(s)")
+    click.echo(f"FAILED: {rep.path}: {rep.problem_count} problem(s)")
     for p in rep.problems:
         click.echo(f"  - {p}")
+    if rep.unlisted:
+        click.echo(f"  ... and {rep.unlisted} more (the first {len(rep.problems)} are listed)")
 
 
 # --------------------------------------------------------------------------- synth
@@ -644,6 +781,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         raise click.BadParameter(f"--top-k {top_k} is more than --experts {experts}", param_hint="--top-k")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         _fail(f"{out} exists and is not an empty folder; synth writes a new checkpoint (pick another OUT)")
+    try:
+        synth_mod.check_sizes(fmt, out, num_layers=layers, hidden=hidden, intermediate=intermediate,
+                              num_experts=experts, top_k=top_k, shared=shared)
+    except MegaMoEError as e:
+        _fail(str(e))
     click.echo(f"synth: building a {fmt} checkpoint ({layers} MoE layers x {experts} experts, hidden {hidden}, "
                f"intermediate {intermediate}) in {out} ...", err=True)
     t = time.perf_counter()
@@ -653,8 +795,11 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
         import shutil
 
         tmp = out.parent / f".{out.name}.synth-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists() or tmp.is_symlink():  # not made by this run: never removed by it
+            raise MegaMoEError(f"{tmp} exists (left by an interrupted synth, or someone's): synth builds there; "
+                               "remove it yourself, or pick another OUT")
         out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         try:
             synth_mod.build_synthetic_checkpoint(
                 tmp, fmt, num_layers=layers, hidden=hidden, intermediate=intermediate, num_experts=experts,
@@ -692,7 +837,9 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
               help="Synthetic source format to build: any format megamoe_convert.synth supports (modelopt-nvfp4, "
                    "quark-mxfp4, ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Build in this folder and keep it (default: a temporary folder, removed afterwards).")
+              help="Build in this folder and keep it (default: a temporary folder, removed afterwards). Run "
+                   "again, it replaces what an earlier demo wrote there (its .megamoe-demo.json lists it) and "
+                   "refuses to touch anything else.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Convert into this many EP rank file sets (the check reads every rank's files).")
 @click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
@@ -726,12 +873,14 @@ def demo(fmt, keep, ep_size, tokens, as_json):
     if fmt not in synth.FORMATS:
         raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth.FORMATS)}",
                                  param_hint="--format")
+    from .demo import prepare_keep, run_demo
+
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        result = _run_guarded(lambda: _demo(keep, fmt, ep_size, tokens))
+        result = _run_guarded(lambda: (prepare_keep(keep), run_demo(keep, fmt, ep_size, tokens, log))[1])
     else:
         with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as d:
-            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size, tokens))
+            result = _run_guarded(lambda: run_demo(Path(d), fmt, ep_size, tokens, log))
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -760,45 +909,18 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
     n_ok = sum(r["ok"] for r in c["layers"])
     g = result["generate"]
     if "skipped" in g:
-        click.echo(f"demo: generate skipped: {g['skipped']}")
+        click.echo(f"demo: transformers step skipped: {g['skipped']}")
     else:
-        click.echo(f"demo: AutoModelForCausalLM.from_pretrained(converted {g['model']}) generated "
-                   f"{g['tokens']}; transformers on the source: {g['reference_tokens']} "
-                   f"{'(identical)' if g['ok'] else '(DIFFERENT)'}")
+        where = g["out"] if kept else "a temporary folder"
+        click.echo(f"demo: transformers: converted a tiny {g['model']} with random weights (a {g['source_dtype']} "
+                   f"source, so row {g['row']}) into {where}")
+        click.echo(f"demo: AutoModelForCausalLM.from_pretrained on it generated {g['tokens']}; transformers on "
+                   f"the source: {g['reference_tokens']} {'(identical)' if g['ok'] else '(DIFFERENT)'}")
     if result["ok"]:
         click.echo(f"demo: ok: {n_ok}/{len(c['layers'])} layers match the source")
     else:
         click.echo(f"demo: FAILED: {n_ok}/{len(c['layers'])} layers match the source"
                    + ("" if v["ok"] else ", verify failed"))
-
-
-DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
-
-
-def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
-    from . import synth
-    from .convert import convert as do_convert
-    from .selfcheck import compare_with_source
-    from megamoe_runtime.load.verify import verify_output
-
-    src, out = root / "source", root / "converted"
-    for p in (src, out, root / "hf-source", root / "hf-converted"):  # the last two: demo_generate's
-        if p.exists():
-            raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
-    synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
-    s = do_convert(src, out, ep_size=ep_size, log=lambda m: click.echo(m, err=True))
-    v = verify_output(out)
-    t = time.perf_counter()
-    layers = compare_with_source(src, out, tokens=tokens, seed=0)
-    compare = {"backend": "reference", "tokens": tokens, "seed": 0, "ok": all(r.ok for r in layers),
-               "layers": [r.to_dict() for r in layers], "seconds": round(time.perf_counter() - t, 3)}
-    from .demo_generate import demo_generate
-
-    generate = demo_generate(root, log=lambda m: None)
-    return {"ok": v.ok and compare["ok"] and generate["ok"], "format": fmt, "src": str(src), "out": str(out),
-            "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
-            "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
-            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}
 
 
 from .warm_cli import warm as warm_command  # noqa: E402  (`megamoe-convert warm`: the kernel cache)

@@ -241,6 +241,46 @@ def check_replaceable(out: Path) -> None:
         raise OutputError(
             f"{out} is a megamoe output but also holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
             f"its manifest does not list ({_list(foreign)}); --overwrite would delete them: move them away first")
+    changed = changed_listed_files(out)
+    if changed:
+        raise OutputError(
+            f"{out} is a megamoe output, but {len(changed)} file(s) it lists changed since megamoe-convert wrote "
+            f"them ({_list(changed)}: not the size or digest megamoe.json records); edited files are yours, and "
+            "--overwrite would delete them: move them away (or put the written ones back) first")
+
+
+#: listed files up to this size are re-hashed by `changed_listed_files` (the config, tokenizer and index
+#: files a user may edit); larger ones (the shards) are compared by size
+REHASH_MAX_BYTES = 64 << 20
+
+
+def changed_listed_files(folder: Path) -> list[str]:
+    """The files a megamoe output's manifest lists that are present but not as written: another size, or,
+    for files of at most `REHASH_MAX_BYTES` with a whole-file digest (config.json, tokenizer files, the
+    index), other bytes. A user who edited the config.json of an output owns that edit; `--overwrite`
+    replaced it silently before. Shards are checked by size only: hashing gigabytes on every --overwrite
+    would cost minutes, and a shard is not a file users edit."""
+    from megamoe_runtime.files.digests import hash_file, is_composite, kind_algorithm
+    from megamoe_runtime.format.manifest import DIGEST_SHA256
+
+    m = _read_json_object(Path(folder) / MANIFEST_NAME)
+    files = m.get("files") if isinstance(m, dict) else None
+    out = []
+    for name, fe in sorted(files.items()) if isinstance(files, dict) else []:
+        p = Path(folder) / str(name)
+        if not isinstance(fe, dict) or not p.is_file() or p.is_symlink():
+            continue  # absent: nothing to lose; not a plain file: `check_replaceable` names it as foreign
+        size = p.stat().st_size
+        if isinstance(fe.get("size"), int) and size != fe["size"]:
+            out.append(name)
+            continue
+        kind = fe.get("digest", DIGEST_SHA256)
+        if not isinstance(kind, str) or is_composite(kind) or size > REHASH_MAX_BYTES:
+            continue
+        alg = kind_algorithm(kind)
+        if isinstance(fe.get(alg), str) and hash_file(p, alg) != fe[alg]:
+            out.append(name)
+    return out
 
 
 def is_our_temp(tmp: Path) -> bool:
@@ -980,7 +1020,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
 __all__ = [
     "OutputError", "fsync_dir", "busy_temp_error", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
     "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "describe_marker", "new_run_id", "this_command",
-    "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "is_megamoe_output",
+    "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "changed_listed_files", "is_megamoe_output",
     "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",
     "temp_own_names", "foreign_temp_entries", "remove_own_entries",
     "swap_into_place", "recover", "signals_deferred", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",

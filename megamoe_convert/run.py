@@ -18,6 +18,7 @@ from megamoe_runtime.format.formats import Row
 from megamoe_runtime.format.manifest import (
     DIGEST_SHA256,
     FORMAT_VERSION,
+    MANIFEST_NAME,
     PASSTHROUGH_ROLE,
     FileEntry,
     LayerEntry,
@@ -36,6 +37,7 @@ from .summary import ConvertSummary
 from .temp_folder import (
     Journal,
     check_kept_files,
+    file_stat,
     finalize_output,
     journal_options,
     other_options_error,
@@ -123,6 +125,10 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         raise MegaMoEError(f"internal error: files {missing} were planned but not written")
 
     journal.confirm("writing the config files, the index and the manifest")
+    # what the swap proves is still there, as written (`temp_folder.check_written`); a file journaled
+    # without a status (an older journal) is checked by its size
+    written: dict[str, list[int]] = {n: r.get("stat") or [None, None, r["size"], None, None]
+                                     for n, r in done_files.items()}
     extra = source.extra_files()
     for w in source.warnings:
         log(f"warning: {w}")
@@ -136,6 +142,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
             write_bytes_atomic(dst, json_bytes({**source.hf_quant_config, "megamoe": note}))
         else:
             shutil.copyfile(p, dst)
+        written[p.name] = file_stat(dst)
         file_entries[p.name] = FileEntry(dst.stat().st_size, digests.hash_file(dst, checksum),
                                          digests.whole_kind(checksum))
     weight_map = {t.name: t.file for t in tensors.values() if t.ep_rank is None or ep_size == 1}
@@ -143,6 +150,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
                                             if tensors[k].ep_rank is None or ep_size == 1)},
              "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(tmp / INDEX_NAME, json_bytes(index))
+    written[INDEX_NAME] = file_stat(tmp / INDEX_NAME)
     file_entries[INDEX_NAME] = FileEntry((tmp / INDEX_NAME).stat().st_size,
                                          digests.hash_file(tmp / INDEX_NAME, checksum), digests.whole_kind(checksum))
 
@@ -154,7 +162,8 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
         model=model_record(facts), checksum=checksum, layout=row.layout,
     )
     write_manifest(tmp, manifest)
-    finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step, guard=guard)
+    written[MANIFEST_NAME] = file_stat(tmp / MANIFEST_NAME)
+    finalize_output(tmp, out, mark_complete=journal.mark_complete, on_step=on_step, guard=guard, written=written)
     return ConvertSummary(
         out=str(out), source=str(source.id), format=reader.format_name, row=row.name, ep_size=ep_size,
         layers=len(plans), experts=sum(lp.info.num_experts for lp in plans), bytes_in=total,

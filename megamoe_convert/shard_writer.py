@@ -25,6 +25,7 @@ and journal are ``temp_folder``; verifying a finished folder is
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -258,6 +259,7 @@ class ShardWriter:
         self._own_io = self._dfd is not None and direct_io is None
         self._direct_io = (direct_io or DirectIO()) if self._dfd is not None else None
         self._io: list = []  # futures of the device writes (`DirectIO.submit`)
+        self.stopped = False  # set by `abort`: queued writes are dropped, not done (the file is redone on resume)
 
     def _write_all(self, mv: memoryview, offset: int) -> None:
         """Write `mv` at file position `offset` (runs on the write thread), and
@@ -271,7 +273,8 @@ class ShardWriter:
             piece = mv[i:i + step]
             pos = offset + i
             while piece:
-                n = os.pwrite(fd, piece, pos)
+                with self.naming_errors():
+                    n = os.pwrite(fd, piece, pos)
                 piece, pos = piece[n:], pos + n
         self._size = max(self._size, offset + len(mv))
         if len(mv) >= self._SLICE:
@@ -293,7 +296,7 @@ class ShardWriter:
         for part in parts:
             while part:
                 if buf is None:
-                    buf = io.buffer()
+                    buf = io.buffer(self)
                 k = min(len(part), len(buf) - fill)
                 _copy_into(buf[fill:fill + k], part[:k])
                 fill, part = fill + k, part[k:]
@@ -315,7 +318,7 @@ class ShardWriter:
                 k = os.pwrite(self._dfd, view[done:], pos + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise
+                    raise self.named(exc) from exc
                 self._direct_ok = False
                 break
             if k <= 0 or k % DIRECT_ALIGN:  # a short write off the alignment: finish it buffered
@@ -324,7 +327,25 @@ class ShardWriter:
             done += k
         fd = self._f.fileno()
         while done < n:
-            done += os.pwrite(fd, view[done:], pos + done)
+            with self.naming_errors():
+                done += os.pwrite(fd, view[done:], pos + done)
+
+    def named(self, exc: OSError) -> OSError:
+        """`exc` with this file's path as its filename (a failed ``pwrite`` names none): the user is told
+        which file could not be written (a full disk, an I/O error), not only ``[Errno 28]``."""
+        if exc.filename is not None:
+            return exc
+        return type(exc)(exc.errno, exc.strerror or str(exc), str(self.path))
+
+    @contextlib.contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            named = self.named(exc)
+            if named is exc:
+                raise
+            raise named from exc
 
     def _close_direct(self) -> None:
         """After the write thread stopped: wait for every device write, then
@@ -513,10 +534,18 @@ class ShardWriter:
         self._hash_pools, self._write_pool = [], None
 
     def abort(self) -> None:
-        """Stop without finishing (the partial file stays for --resume to redo)."""
+        """Stop without finishing (the partial file stays for --resume to redo). Queued writes and hashes
+        are dropped, not run: on a slow disk a writer may hold a whole layer's pieces in its queue, and an
+        interrupted run must end in moments, not once they are all written (``stopped`` makes the ones
+        already started return at their next piece)."""
+        self.stopped = True
+        for fut in self._pending:
+            fut.cancel()
+        for fut in self._io:
+            fut.cancel()
         try:
             self.flush()
-        except Exception:
+        except BaseException:  # noqa: BLE001 - cancelled or failed writes of a file that is redone anyway
             pass
         self._shutdown()
         try:
@@ -598,6 +627,10 @@ def _copy_into(dst: memoryview, src: memoryview) -> None:
         dst[:n] = src
 
 
+class WriterStopped(MegaMoEError):
+    """A write of an aborted `ShardWriter` (its file is incomplete; a resume redoes it)."""
+
+
 class DirectIO:
     """Page-aligned staging buffers and the one thread that writes them with
     ``O_DIRECT``, shared by the shard writers of a run (their write threads
@@ -616,14 +649,24 @@ class DirectIO:
         self._lock = threading.Lock()
         self._pool = None
 
-    def buffer(self) -> memoryview:
+    def buffer(self, writer: ShardWriter | None = None) -> memoryview:
         """A free staging buffer (made on first use, up to `buffers`; then
-        waits for the I/O thread to free one)."""
+        waits for the I/O thread to free one). Gives up with `WriterStopped`
+        once `writer` is aborted: the I/O thread may never free one then (its
+        pool refuses new work at interpreter exit), and a writer thread waiting
+        here forever kept an interrupted run from exiting."""
+        import queue
+
         with self._lock:
             if self._made < self._max:
                 self._made += 1
                 return memoryview(mmap.mmap(-1, self.size))  # anonymous mappings are page-aligned
-        return self._free.get()
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                if writer is not None and writer.stopped:
+                    raise WriterStopped(f"{writer.path.name}: writing stopped (the run was interrupted)") from None
 
     def submit(self, writer: ShardWriter, buf: memoryview, n: int, pos: int):
         with self._lock:
@@ -631,11 +674,16 @@ class DirectIO:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="megamoe-direct")
-        return self._pool.submit(self._write, writer, buf, n, pos)
+        try:
+            return self._pool.submit(self._write, writer, buf, n, pos)
+        except BaseException:  # a pool shut down (interpreter exit): the buffer is free again
+            self._free.put(buf)
+            raise
 
     def _write(self, writer: ShardWriter, buf: memoryview, n: int, pos: int) -> None:
         try:
-            writer._pwrite_direct(buf[:n], pos)
+            if not writer.stopped:
+                writer._pwrite_direct(buf[:n], pos)
         finally:
             self._free.put(buf)
 
@@ -682,6 +730,8 @@ class _Region:
 
     def put(self, mv: memoryview) -> None:
         w = self._w
+        if w.stopped:  # aborted: the file is redone on resume
+            return
         if not w._direct_ok:  # page-cache writes: nothing to align
             if self._carry:
                 w._write_all(memoryview(self._carry), self._pos)
@@ -711,7 +761,7 @@ class _Region:
 
     def finish(self, _=None) -> None:
         """Write what is still carried (the tail, through the page cache)."""
-        if self._carry:
+        if self._carry and not self._w.stopped:
             self._w._write_all(memoryview(self._carry), self._pos)
             self._pos += len(self._carry)
             self._carry = bytearray()

@@ -39,6 +39,20 @@ from megamoe_runtime.files.tensor_bytes import byte_view
 
 INDEX_NAME = "model.safetensors.index.json"
 
+
+def _check_regular(path: Path, why: str) -> None:
+    """Refuse a weight file that is not a regular file (a FIFO, a device, a socket, a folder), saying what
+    it is, without opening it: opening a FIFO for reading blocks until a writer comes. Without this a FIFO
+    named ``model.safetensors`` read as "no *.safetensors files", and one an index names as "missing"."""
+    import stat as stat_mod
+
+    from megamoe_runtime.files.safetensors_header import file_kind
+
+    mode = path.stat().st_mode
+    if not stat_mod.S_ISREG(mode):
+        raise CheckpointError(f"{path} {file_kind(mode)}, not a regular file ({why}); replace it with the "
+                              "safetensors file itself")
+
 #: what a hub snapshot needs for conversion besides the weights: configs, tokenizer files
 HUB_META_PATTERNS = [
     "*.json",
@@ -136,13 +150,15 @@ class CheckpointSource:
                 raise CheckpointError(f"{self.root / INDEX_NAME}: no 'weight_map' (tensor -> file) in the index")
             check_shard_names(list(wm.values()), str(self.root / INDEX_NAME))
             files = sorted(set(wm.values()))
-            missing = [f for f in files if not (self.root / f).is_file()]
+            missing = [f for f in files if not (self.root / f).exists()]
             if missing:
                 raise CheckpointError(
                     f"{self.root / INDEX_NAME} names shard(s) missing from {self.root}: {missing}"
                     + (" (incomplete download?)" if self.kind == "hub" else "")
                 )
             paths = {f: self.root / f for f in files}  # one Path per shard, not one per tensor (thousands)
+            for path in paths.values():
+                _check_regular(path, f"{self.root / INDEX_NAME} names it")
             for f, path in paths.items():
                 self._check_inside(path)
                 self._headers[path] = read_safetensors_header(path)
@@ -162,7 +178,11 @@ class CheckpointSource:
                         + (f" ... ({len(extra) - 5} more)" if len(extra) > 5 else "")
                     )
             return
-        files = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
+        found = sorted(self.root.glob("*.safetensors"))
+        for p in found:
+            if p.exists():  # a dangling link is no file: skipped, as before
+                _check_regular(p, "the source's weights are its *.safetensors files")
+        files = [p for p in found if p.is_file()]
         if not files:
             raise CheckpointError(
                 f"{self.id}: no *.safetensors files and no {INDEX_NAME} in {self.root}"

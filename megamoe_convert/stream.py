@@ -157,7 +157,7 @@ class Run:
             del self.writers[slot.file]
             rec = {"name": slot.file, "size": size, "sha256": fsha, "digest": w.digest_kind,
                    "tensors": self.entries.pop(slot.file)}
-            self.journal.record_file(slot.file, size, fsha, rec["tensors"], w.digest_kind)
+            rec["stat"] = self.journal.record_file(slot.file, size, fsha, rec["tensors"], w.digest_kind)
             self.done_files[slot.file] = rec
 
     def write(self, slot: Slot, tensor: torch.Tensor, buffer_set: int = -1) -> None:

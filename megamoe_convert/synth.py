@@ -157,6 +157,64 @@ def _encode_expert(
     return ENCODER_OF[fmt].encode_expert(fmt, gate, up, down, input_scales=input_scales, shared_global=shared_global)
 
 
+#: bytes per routed-expert parameter of a synthetic source, by the row its format converts to (weights;
+#: block scales add a few percent, `estimate_bytes` counts them as 1/16 more)
+_BYTES_PER_PARAM = {"nvfp4": 0.5, "mxfp4": 0.5, "mxfp8": 1.0, "bf16": 2.0}
+
+
+def estimate_bytes(fmt: str, num_layers: int, hidden: int, intermediate: int, num_experts: int,
+                   shared: int = 0) -> int:
+    """About how many bytes a synthetic source of these sizes holds (its experts dominate)."""
+    per = _BYTES_PER_PARAM.get(ROW_OF.get(fmt, "bf16"), 2.0) * (1 + 1 / 16)
+    return int(num_layers * (num_experts + shared) * 3 * hidden * intermediate * per)
+
+
+def check_sizes(fmt: str, out: Path, *, num_layers: int, hidden: int, intermediate: int, num_experts: int,
+                top_k: int, shared: int = 0) -> None:
+    """Refuse, before anything is allocated or written, sizes beyond megamoe's stated limits
+    (``megamoe_runtime.files.limits``: no converter or server takes such a model) and a source that would
+    not fit the free disk space beside `out` or the memory available (the build holds about the source's
+    size in memory). Raises LimitError naming the option and the values: an ``--experts 1000000000`` ended
+    in an allocator traceback, a ``--layers 1000000`` grew without end."""
+    import shutil
+
+    from megamoe_runtime.files.limits import MAX_INTERMEDIATE, LimitError, check_limit
+
+    for name, value, flag in (("num_layers", num_layers, "--layers"), ("num_experts", num_experts, "--experts"),
+                              ("hidden", hidden, "--hidden"), ("intermediate", intermediate, "--intermediate"),
+                              ("top_k", top_k, "--top-k")):
+        check_limit(name, value, "synth", LimitError, label=flag)
+    if shared * intermediate > MAX_INTERMEDIATE:
+        raise LimitError(f"synth: --shared {shared} x --intermediate {intermediate} = {shared * intermediate} "
+                         f"(the fused shared expert's width) exceeds megamoe's limit of {MAX_INTERMEDIATE} for "
+                         "intermediate (megamoe_runtime.files.limits)")
+    need = estimate_bytes(fmt, num_layers, hidden, intermediate, num_experts, shared)
+    base = Path(out).absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    mem = _available_memory()
+    for what, have in (("free disk space in " + str(base), free), ("available memory", mem)):
+        if have is not None and need > have:
+            from .progress import format_bytes
+
+            raise LimitError(f"synth: a {fmt} source of {num_layers} layer(s) x {num_experts} expert(s) "
+                             f"(+{shared} shared), hidden {hidden}, intermediate {intermediate} is about "
+                             f"{format_bytes(need)}, more than the {format_bytes(have)} of {what}; pick smaller "
+                             "sizes")
+
+
+def _available_memory() -> int | None:
+    """MemAvailable (Linux), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def build_synthetic_checkpoint(
     path: str | Path,
     fmt: str,
@@ -379,12 +437,30 @@ def _build(
     if hf is not None:
         (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n")
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}) + "\n")
-    (path / "tokenizer.json").write_text(
-        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<s>": 0, "</s>": 1}}}) + "\n"
-    )
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG) + "\n")
+    (path / "tokenizer.json").write_text(tokenizer_json(vocab_size) + "\n")
     _save(b.tensors, path, max_shard_bytes)
     return path
+
+
+#: tokenizer_config.json of a synthetic checkpoint: the generic fast tokenizer over tokenizer.json
+TOKENIZER_CONFIG = {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                    "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def tokenizer_json(vocab_size: int) -> str:
+    """A word-level tokenizer.json over the model's whole vocabulary (``<s>``, ``</s>``, ``<unk>``, then ``w3``
+    ...), in exactly the form the ``tokenizers`` library writes (tests compare it with
+    ``Tokenizer.from_str(...).to_str()``), so transformers' AutoTokenizer and vLLM load it as a real one.
+    Written without importing ``tokenizers``, which the base install does not need."""
+    specials = ["<s>", "</s>", "<unk>"][:vocab_size]
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in enumerate(specials)]
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{f"w{i}": i for i in range(len(specials), vocab_size)}}
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+           "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def _of_kind(d: dict[str, torch.Tensor], kind: str) -> str | None:

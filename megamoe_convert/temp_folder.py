@@ -250,7 +250,7 @@ def check_kept_files(tmp: Path, jfiles: dict[str, dict], planned: set[str], run_
                 ok = False
             done += rec["size"]
             if ok:
-                kept[name] = rec
+                kept[name] = {**rec, "stat": file_stat(p)}  # its bytes are proven: this status is theirs
             else:
                 log(f"resume: {name} failed its checksum re-check; rewriting it")
     return kept
@@ -326,11 +326,49 @@ def other_options_error(tmp: Path, fp: str | None, fingerprint: str, before: dic
         + "Resume it with the same options, or pass --overwrite to discard it")
 
 
+def check_written(tmp: Path, out: Path, written: dict[str, list[int] | None]) -> None:
+    """Every file the manifest lists is still the one this run wrote (or kept, proven): a plain file at its
+    name with the `file_stat` taken when it was closed (device, inode, size, mtime, ctime), or, where none
+    was taken, at least the size (`[None, None, size, ...]`). Run right before the temp folder is marked
+    complete and swapped in: a shard deleted, moved, truncated or rewritten in the temp folder while the
+    run went on would otherwise be renamed into OUT, and the run would end 0 with a broken output.
+    Raises OutputError naming the file; the temp folder stays, and ``--resume`` rewrites what changed."""
+    import stat as stat_mod
+
+    for name, want in sorted(written.items()):
+        p = tmp / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            got = "is gone"
+        else:
+            have = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+            if not stat_mod.S_ISREG(st.st_mode):
+                got = "is no longer a regular file"
+            elif want is None:
+                continue
+            elif have[2] != want[2]:
+                got = f"is {have[2]} bytes, {want[2]} were written"
+            elif want[0] is not None and have[:2] != want[:2]:
+                got = "was replaced by another file (another inode)"
+            elif want[3] is not None and have[3:] != want[3:]:
+                got = "was modified (its mtime/ctime changed)"
+            else:
+                continue
+        raise OutputError(
+            f"{p} {got} since this run wrote it: nothing was moved into {out}. The temp folder stays; "
+            f"run the same command with --resume to rewrite what changed (leave {tmp.name} alone while a "
+            "run writes it)")
+
+
 def finalize_output(tmp: Path, out: Path, mark_complete: Callable[[], None] | None = None,
-                    on_step: StepHook | None = None, guard: OutputLock | None = None) -> None:
+                    on_step: StepHook | None = None, guard: OutputLock | None = None,
+                    written: dict[str, list[int] | None] | None = None) -> None:
     """fsync every file, mark the journal complete, then swap the temp folder
     into place (``output_dir.swap_into_place``: an old OUT is replaced only
-    now), so OUT never names unwritten data.
+    now), so OUT never names unwritten data. `written`: name -> `file_stat` of
+    every file the manifest lists (and the manifest), each proven unchanged
+    (`check_written`) before the journal says complete.
 
     `mark_complete` runs after the sync: the converter appends the journal's
     ``complete`` record there. A kill before it leaves a temp folder that
@@ -346,6 +384,8 @@ def finalize_output(tmp: Path, out: Path, mark_complete: Callable[[], None] | No
     fsync_dir(tmp)
     if on_step is not None:
         on_step(STEP_SYNCED)
+    if written is not None:
+        check_written(tmp, out, written)
     if mark_complete is not None:
         mark_complete()
         if on_step is not None:
@@ -406,16 +446,18 @@ class Journal:
         return fingerprint, files, layers
 
     def record_file(self, name: str, size: int, sha256: str, tensors: dict[str, dict],
-                    digest: str = DIGEST_SHA256) -> None:
+                    digest: str = DIGEST_SHA256) -> list[int] | None:
         """A finished file (closed: no byte of it is written after this); `digest` is the kind of
-        `sha256` (manifest DIGEST_KINDS). Its `file_stat` goes with it: a resume on the same boot keeps
-        a file whose status is unchanged without re-reading it (`check_kept_files`)."""
+        `sha256` (manifest DIGEST_KINDS). Its `file_stat` goes with it, and is returned: a resume on the
+        same boot keeps a file whose status is unchanged without re-reading it (`check_kept_files`), and
+        the swap proves the file is still the one written (`check_written`)."""
         try:
             st = file_stat(self.path.parent / name)
         except OSError:
             st = None
         self._append({"kind": "file", "name": name, "size": size, "sha256": sha256, "digest": digest,
                       "tensors": tensors, **({"stat": st} if st else {})})
+        return st
 
     def record_layer(self, index: int, record: dict) -> None:
         self._append({"kind": "layer", "index": index, **record})
@@ -444,6 +486,7 @@ class Journal:
         self.path.unlink(missing_ok=True)
 
 
-__all__ = ["check_output_target", "prepare_temp_dir", "remove_temp", "finalize_output", "Journal", "RACY_NS",
+__all__ = ["check_output_target", "prepare_temp_dir", "remove_temp", "finalize_output", "check_written",
+           "Journal", "RACY_NS",
            "boot_id", "file_stat", "source_stats", "source_unverified", "check_kept_files", "journal_options",
            "option_changes", "started_command", "other_options_error"]

@@ -198,6 +198,11 @@ class SchemeReader(CheckpointReader):
     direct_weight_bytes: ClassVar[bool] = False
 
     @classmethod
+    def global_scale_name(cls) -> str:
+        """The scheme's ``global`` parameter's stored name."""
+        return next((p.suffixes[0] for p in cls.scheme.params if p.key == "global"), "weight_scale_2")
+
+    @classmethod
     def synthetic_row(cls, variant: str) -> str:
         """The encoding of ``scheme``, which `encode_expert` writes (DeepSeek-V4: the FP4 experts)."""
         return cls.scheme.encoding

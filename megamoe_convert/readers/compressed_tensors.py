@@ -15,6 +15,8 @@ Per expert projection module:
   within 1 ulp of the ModelOpt value, not bit-identical).
 * mxfp4: ``weight_packed`` U8 + ``weight_scale`` U8 ``[out, in/32]``.
 * mxfp8: ``weight`` F8_E4M3 + ``weight_scale`` U8 ``[out, in/32]``.
+* float-quantized with weights strategy ``block`` [128, 128] (llm-compressor FP8_BLOCK) -> the fp8_block
+  row: ``weight`` F8_E4M3 + ``weight_scale`` ``[out/128, in/128]`` (a multiplier, BF16 or F32).
 
 ``weight_shape`` (kept by some packed compressors) is consumed and ignored.
 
@@ -23,7 +25,7 @@ The experts' config group ``input_activations`` is the activation recipe
 no ``input_global_scale``) means BF16 activations, which every quantized row
 makes coarser, so they need ``--accept-activation-change`` (NVFP4A16 also
 ``--l2-activation-scale``: it has no w2 input scale).
-Refused with the reason: float-quantized (FP8 per-tensor/channel/block),
+Refused with the reason: float-quantized FP8 per tensor or channel, or blocks other than 128x128,
 pack-quantized / int-quantized (INT4/INT8, e.g. Kimi-K2-Thinking),
 naive-quantized, sparse formats, and mixed-precision whose groups use
 different formats for the experts.

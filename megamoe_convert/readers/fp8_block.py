@@ -68,6 +68,7 @@ class FP8BlockReader(SchemeReader):
     synthetic_formats = ("fp8-block",)
     description = "block FP8: weight E4M3 + weight_scale_inv F32 per 128x128 (DeepSeek-V3/R1, FineGrainedFP8)"
     scheme = SCHEME
+    direct_weight_bytes = True  # weights are the stored bytes (convert reads them in place)
 
     @classmethod
     def detect(cls, source) -> bool:

@@ -9,7 +9,8 @@ layout, allocated once); none re-lays-out weights at load or per call.
 * ``deepgemm`` (`backends.deepgemm`): marshalling to DeepGEMM's mega kernels.
   SM100 kernels are contract-tested against recording stand-ins (never run
   here); on SM90 the fp8_block row runs on SGLang's ``fp8_mega_moe``
-  (sgl-deep-gemm), tested on the H200.
+  (sgl-deep-gemm); the kernel ran on an H200 (bench/deepgemm_sm90.py), the
+  backend's GPU tests are written but have not run on a GPU yet.
 * ``triton`` (`backends.triton`, GPU): registered lazily by name; the module
   is imported only when asked for.
 

@@ -29,8 +29,8 @@ from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_sa
 from .tensor_bytes import byte_view
 from .work_queue import SharedQueue
 
-__all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "FileSlice", "read_safetensors_header", "read_file_into",
-           "read_workers", "copy_into", "deferred_gpu_reads"]
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "FileSlice", "HashedFileSlice", "read_safetensors_header",
+           "read_file_into", "read_workers", "copy_into", "deferred_gpu_reads"]
 
 #: safetensors dtype name -> torch dtype. The dry run needs at least BF16, F16,
 #: F32, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32 and I64 (docs/RELOAD.md#dry-run).
@@ -143,6 +143,71 @@ class FileSlice:
 
     def read_into(self, dst: torch.Tensor) -> None:
         read_file_into(self.path, self.offset, self.nbytes, dst)
+
+
+@dataclass(frozen=True)
+class HashedFileSlice:
+    """A stored tensor read for a load that proves what it wrote (``verify="checksums"``): the whole stored
+    tensor (``offset``, ``total`` bytes) is hashed from the very bytes the load copies, and the part the
+    destination takes (bytes ``part`` of it) is copied from them; `read_into` raises CheckpointError when
+    the digest is not ``checksum`` (of ``algorithm``).
+
+    Why: a check that hashes the file in one read and a load that copies it in another cannot tell whether
+    the file changed between them; a writer rewriting a shard during reloads got wrong weights loaded
+    without an error, the checksums level notwithstanding. Here the digest is of the copied bytes: the
+    destination itself when it takes the whole tensor on the CPU (hashed after the read), else a host buffer
+    each chunk is read into, hashed, and copied from. A mismatch is found after bytes were written: the
+    caller (`Checkpoint.load_layer`) marks the layer unusable then."""
+
+    path: Path
+    offset: int
+    total: int
+    part: tuple[int, int]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    algorithm: str
+    checksum: str
+    name: str = ""
+
+    is_meta = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.part[1] - self.part[0]
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        from .digests import new_hasher
+
+        a, b = self.part
+        if not dst.is_contiguous() or dst.numel() * dst.element_size() != b - a:
+            raise LayoutError(f"{self.path}: cannot read {b - a} bytes into a destination of {list(dst.shape)} "
+                              f"{dst.dtype} (contiguous={dst.is_contiguous()})")
+        flat = dst.detach().reshape(-1).view(torch.uint8)
+        h = new_hasher(self.algorithm)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if flat.device.type == "cpu" and (a, b) == (0, self.total):
+                _cpu_chunks(fd, flat, self.offset, self.total, self.path)
+                h.update(byte_view(flat))  # the bytes the layer now holds
+            else:
+                buf = torch.empty(min(_READ_CHUNK, max(self.total, 1)), dtype=torch.uint8)
+                mv = byte_view(buf)
+                for c in range(0, self.total, len(buf)):
+                    m = min(len(buf), self.total - c)
+                    _pread_exact(fd, mv[:m], self.offset + c, self.path)
+                    h.update(mv[:m])
+                    lo, hi = max(a, c), min(b, c + m)
+                    if lo < hi:  # the destination's part of this chunk, copied from the hashed buffer
+                        flat[lo - a:hi - a].copy_(buf[lo - c:hi - c])
+                if flat.device.type != "cpu":
+                    torch.cuda.current_stream(flat.device).synchronize()
+        finally:
+            os.close(fd)
+        got = h.hexdigest()
+        if got != self.checksum:
+            raise CheckpointError(
+                f"{self.path}: {self.name}: the bytes loaded have {self.algorithm} {got}, the manifest says "
+                f"{self.checksum}: the file changed while it was loaded, or its bytes are damaged")
 
 
 # Pinned staging for host -> GPU copies of large mmap-backed sources: pageable

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_TOP_K",
     "MAX_HEADER_BYTES",
+    "MAX_HEADER_TENSORS",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_INT_DIGITS",
@@ -40,6 +41,9 @@ MAX_LAYERS = 1_024
 MAX_TOP_K = 256
 #: the safetensors format's own limit on the JSON header's length
 MAX_HEADER_BYTES = 100_000_000
+#: tensors one safetensors header may list (a whole Kimi-K2-sized NVFP4 model in one file lists about 280,000);
+#: counted in the raw header bytes before it is parsed, since parsing 1.3 M entries took 6-10 GB
+MAX_HEADER_TENSORS = 1 << 19
 #: any JSON file megamoe reads (config.json, the index, megamoe.json, hf_quant_config.json)
 MAX_JSON_BYTES = 64 * 1024 * 1024
 #: nesting depth of objects/arrays in any JSON text megamoe reads
@@ -57,6 +61,7 @@ LIMITS: dict[str, int] = {
     "num_layers": MAX_LAYERS,
     "top_k": MAX_TOP_K,
     "header_bytes": MAX_HEADER_BYTES,
+    "header_tensors": MAX_HEADER_TENSORS,
     "json_bytes": MAX_JSON_BYTES,
     "json_depth": MAX_JSON_DEPTH,
     "int_digits": MAX_INT_DIGITS,

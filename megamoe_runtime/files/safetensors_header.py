@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import stat as stat_mod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -24,7 +25,7 @@ import torch
 
 from ..errors import CheckpointError
 from .json_io import parse_json
-from .limits import MAX_HEADER_BYTES
+from .limits import MAX_HEADER_BYTES, check_limit
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -34,6 +35,7 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsHeader",
     "parse_safetensors_header",
+    "file_kind",
 ]
 
 #: safetensors dtype name -> (bits per element as a header counts them, torch dtype or None where this torch
@@ -117,6 +119,16 @@ class SafetensorsHeader:
         return 8 + self.header_len
 
 
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (errors name it: "is a FIFO (named pipe)")."""
+    for test, what in ((stat_mod.S_ISFIFO, "is a FIFO (named pipe)"), (stat_mod.S_ISCHR, "is a character device"),
+                       (stat_mod.S_ISBLK, "is a block device"), (stat_mod.S_ISSOCK, "is a socket"),
+                       (stat_mod.S_ISDIR, "is a folder"), (stat_mod.S_ISREG, "is a regular file")):
+        if test(mode):
+            return what
+    return "is not a regular file"
+
+
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -126,7 +138,11 @@ def parse_safetensors_header(path: Union[str, os.PathLike]) -> SafetensorsHeader
     CheckpointError naming the file, and the tensor where one is at fault, on any defect."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
+        if not stat_mod.S_ISREG(st.st_mode):  # never open a FIFO or a device: a read could block or never end
+            raise CheckpointError(f"{path}: {file_kind(st.st_mode)}, not a regular file; a safetensors file is "
+                                  "a regular file")
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -147,6 +163,10 @@ def parse_safetensors_header(path: Union[str, os.PathLike]) -> SafetensorsHeader
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
+    # every entry has one "data_offsets" key: a count in the raw bytes bounds the entries before the parse
+    # (1.3 M entries took gigabytes to parse, and then failed later, naming no file)
+    check_limit("header_tensors", raw.count(b'"data_offsets"'), str(path), CheckpointError,
+                label="tensors listed in its safetensors header")
     header = parse_json(raw, str(path), error=CheckpointError, max_bytes=MAX_HEADER_BYTES,
                         what="safetensors header", key_name="tensor name")
     if not isinstance(header, dict):

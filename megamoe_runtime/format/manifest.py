@@ -479,6 +479,35 @@ class Manifest:
         return _parse_manifest(d, where)
 
 
+def expert_range_problem(role: str, entries: Iterable["TensorEntry"], lo: int, hi: int) -> str | None:
+    """The one rule for the tensors of one expert role that one stored rank holds, whose experts are
+    ``[lo, hi)``: their expert ranges (an entry without one covers the whole rank) tile ``[lo, hi)``
+    exactly once, and each entry holds as many experts (its kernel shape's first dim) as its range says.
+    None when they do; else what is wrong. `verify` and every load (`Checkpoint.plan`, strict) apply this,
+    so a manifest one refuses the others refuse too (a range widened to ``[0, 9)`` on 8 experts failed
+    verify while the loaders read the first 8 and served them)."""
+    entries = list(entries)
+    ranges = sorted((tuple(te.experts) if te.experts is not None else (lo, hi), te.name) for te in entries)
+    names = ", ".join(n for _, n in ranges)
+    pos = lo
+    for (a, b), name in ranges:
+        if b <= a or a < lo or b > hi:
+            return (f"{role} {name} holds experts [{a}, {b}), which is not inside the rank's experts [{lo}, {hi}) "
+                    "(each exactly once)")
+        if a < pos:
+            return f"{role} for experts [{a}, {min(b, pos)}) is stored more than once ({names})"
+        if a > pos:
+            return f"no {role} for experts [{pos}, {a}) (the rank's experts are [{lo}, {hi}))"
+        pos = b
+    if pos != hi:
+        return f"no {role} for experts [{pos}, {hi}) (the rank's experts are [{lo}, {hi}))"
+    for te in entries:
+        a, b = te.experts if te.experts is not None else (lo, hi)
+        if te.kernel_shape and te.kernel_shape[0] != b - a:
+            return f"{role} {te.name} holds {te.kernel_shape[0]} experts but its range [{a}, {b}) says {b - a}"
+    return None
+
+
 def tensor_key(name: str, ep_rank: int | None, ep_size: int) -> str:
     if ep_rank is None or ep_size == 1:
         return name
@@ -557,6 +586,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     output), not JSON, of a newer format version, or malformed.
     """
     path = Path(directory) / MANIFEST_NAME
+    if not Path(directory).is_dir():
+        what = "does not exist" if not os.path.lexists(directory) else "is not a folder"
+        raise ManifestError(f"{directory} {what}: a megamoe output is the folder `megamoe-convert convert SRC "
+                            f"OUT` writes (OUT)")
     if not path.is_file():
         raise ManifestError(
             f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "

@@ -14,14 +14,23 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from .. import knobs
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..load.checkpoint import Checkpoint, open_checkpoint
+from ..load.load_checks import DEFAULT_VERIFY, VERIFY_LEVELS
 
-__all__ = ["QUANT_METHOD", "config_value", "check_folder_for_model", "megamoe_quantization_config"]
+__all__ = ["QUANT_METHOD", "VERIFY_ENV", "config_value", "check_folder_for_model", "megamoe_quantization_config",
+           "verify_level", "weights_folder"]
+
+#: the weight index an engine resolves shard names through
+INDEX_NAME = "model.safetensors.index.json"
 
 #: the ``quantization_config.quant_method`` a converted folder's config.json names
 QUANT_METHOD = "megamoe"
+
+#: the environment variable naming the load check level when the quantization config names none
+VERIFY_ENV = "MEGAMOE_VERIFY"
 
 #: model-config fact -> the keys model families spell it with (first present wins)
 _CONFIG_KEYS = {
@@ -49,21 +58,68 @@ def megamoe_quantization_config(config: Mapping[str, Any]) -> Optional[dict]:
     return None
 
 
+def weights_folder(files: list, model_path: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """The folder an engine's weight `files` come from: `model_path` when it is a local folder (what the user
+    passed), else the folder most of the files are in (a hub snapshot). Every file must resolve inside it:
+    an index entry such as ``../model-00001-of-00001.safetensors`` (or a link leaving the folder) is refused
+    naming the entry and the tensors the index maps to it. Without this the folder was taken from the first
+    file's parent, so such an entry was refused as "OUT/.. is not a megamoe output folder", naming neither
+    the entry nor the index; and a file of the output must never be read from elsewhere."""
+    from collections import Counter
+
+    paths = [Path(f) for f in files]
+    if model_path is not None and Path(model_path).is_dir():
+        root = Path(model_path)
+    else:
+        root = Counter(p.parent for p in paths).most_common(1)[0][0]
+    real_root = os.path.realpath(root)
+    for p in paths:
+        real = os.path.realpath(p)
+        if os.path.commonpath([real_root, real]) == real_root:
+            continue
+        entry = os.path.relpath(p, root)
+        index = root / INDEX_NAME
+        mapped = []
+        if index.is_file():
+            from ..files.json_io import read_json
+
+            wm = read_json(index, error=CheckpointError).get("weight_map")
+            mapped = sorted(k for k, v in wm.items() if v == entry) if isinstance(wm, dict) else []
+        raise CheckpointError(
+            f"{index if index.is_file() else root}: the weight file {entry!r}"
+            + (f" (weight_map of {mapped[0]!r}" + (f" and {len(mapped) - 1} more" if len(mapped) > 1 else "")
+               + ")" if mapped else "")
+            + f" resolves to {real}, outside the folder {root}; a megamoe output's files are all inside it")
+    return root
+
+
+def verify_level(quantization_config: Optional[Mapping[str, Any]] = None) -> str:
+    """The load check level an engine opens a folder with: ``quantization_config["verify"]`` (a user's
+    ``MegaMoEConfig(verify=...)``, an edited config.json, vLLM's ``--hf-overrides``), else ``MEGAMOE_VERIFY``,
+    else the loader's default; ValueError naming the valid levels otherwise. ``"checksums"`` hashes every
+    loaded tensor against the manifest, so a flipped byte in a shard is refused instead of served."""
+    level = (quantization_config or {}).get("verify") or knobs.get(VERIFY_ENV) or DEFAULT_VERIFY
+    if level not in VERIFY_LEVELS:
+        raise ValueError(f"megamoe verify level {level!r} is unknown; valid: {', '.join(VERIFY_LEVELS)}")
+    return level
+
+
 def check_folder_for_model(folder: Union[str, os.PathLike], config: Mapping[str, Any], *,
-                           dry_run: bool = True) -> Checkpoint:
+                           dry_run: bool = True, verify: Optional[str] = None) -> Checkpoint:
     """The opened checkpoint of ``folder`` after checking it belongs to ``config``; CheckpointError otherwise.
 
     Checks, in order: the folder holds ``megamoe.json`` (a manifest that reads and validates); the config
     names the megamoe method; the manifest's model (type, experts, top-k) and every MoE layer's sizes match
     the config; every layer index exists in the model; and (``dry_run``) a meta-tensor reload of every layer
     from the files' headers covers every parameter byte exactly once -- which finds a missing, truncated or
-    mismatched shard by name without reading a weight."""
+    mismatched shard by name without reading a weight. ``verify``: the level every later load of the returned
+    checkpoint checks at (`verify_level`; default the loader's own)."""
     root = Path(folder)
     if not (root / MANIFEST_NAME).is_file():
         raise CheckpointError(
             f"{root} is not a megamoe output folder (no {MANIFEST_NAME}); convert the checkpoint first: "
             f"megamoe-convert convert SRC {root}")
-    ckpt = open_checkpoint(root)
+    ckpt = open_checkpoint(root) if verify is None else open_checkpoint(root, verify=verify)
     qc = megamoe_quantization_config(config)
     if qc is None:
         got = config.get("quantization_config")

@@ -17,7 +17,8 @@ Attributes (= manifest roles, `megamoe_runtime.format.manifest`):
 * ``l1_weight [E_l, 2I, Dw]``, ``l2_weight [E_l, H, Iw]``: kernel dtype of the row.
 * ``l1_scale [E_l, 2I, P1]`` / ``l2_scale [E_l, H, P2]``: int32 kernel views with
   strides ``(P*N, 1, N)``; ``layout.physical(p)`` (= ``p.transpose(-1, -2)``)
-  is the contiguous storage a file tensor copies into. None for bf16.
+  is the contiguous storage a file tensor copies into. None for bf16; fp8_block: contiguous fp32
+  ``[E_l, 2I/128, H/128]`` / ``[E_l, H/128, I/128]`` block scales (docs/LAYOUT.md#sm90-block-fp8).
 * nvfp4: ``l1_alpha [E_l, 2]`` (gate, up ``weight_scale_2``) and
   ``l2_global_scale [E_l]`` (w2 ``weight_scale_2``) parameters, the buffer
   ``l2_activation_scale`` (0-d, a2 = max w2 input scale over ALL experts), and

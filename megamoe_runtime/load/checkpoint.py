@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 
 from ..errors import CheckpointError, LayerUnusableError, LayoutError, MegaMoEError
-from ..files.file_io import FileSlice, SafetensorsFile, deferred_gpu_reads
+from ..files.file_io import FileSlice, HashedFileSlice, SafetensorsFile, deferred_gpu_reads
 from ..files.folder import inside_folder
 from ..files.safetensors_header import SafetensorsHeader
 from ..format.formats import LayerSpec, get_row
 from ..format.manifest import (EXPERT_ROLES, MANIFEST_NAME, SHARED_ROLES, LayerEntry, Manifest, TensorEntry,
-                               read_manifest)
+                               expert_range_problem, read_manifest)
 from ..format.roles import expected_roles
 from .load_checks import check_layer_load, check_verify_level, identity_problems
 
@@ -182,6 +182,16 @@ class Checkpoint:
             items.append(PlanItem(te, role, src, (ov_lo, ov_hi)))
         if strict:
             want = roles if roles is not None else self._expected_roles(spec)
+            for q in range(home, -(-hi // per_src)):  # the stored ranks this rank reads from: one rule each
+                q_lo, q_hi = q * per_src, (q + 1) * per_src
+                for role in want:
+                    if role not in EXPERT_ROLES:
+                        continue
+                    bad = expert_range_problem(role, [te for r, ro, _, te in entries if r == q and ro == role],
+                                               q_lo, q_hi)
+                    if bad is not None:
+                        raise CheckpointError(f"{self.root}: layer {layer_index} ({le.prefix}), stored rank {q} of "
+                                              f"{n_src}: {bad}")
             for role in want:
                 got = sorted(it.experts for it in items if it.role == role and it.experts is not None)
                 if role in SHARED_ROLES:
@@ -216,10 +226,13 @@ class Checkpoint:
     # ------------------------------------------------------------------ sources
 
     def iter_sources(self, items: list[PlanItem], *, meta: bool = False, direct: bool = False,
-                     headers: Optional[dict[str, SafetensorsHeader]] = None) -> Iterator[tuple[PlanItem, Any]]:
+                     headers: Optional[dict[str, SafetensorsHeader]] = None,
+                     hashed: bool = False) -> Iterator[tuple[PlanItem, Any]]:
         """(item, source) per plan item, file by file: zero-copy views of the
         mmap'ed file, `FileSlice` byte ranges to read straight into the
         destination (``direct``), or meta stand-ins from the header (``meta``).
+        ``hashed`` (with ``direct``): `HashedFileSlice` sources, whose reads hash the bytes they copy and
+        refuse a digest other than the manifest's (``verify="checksums"``).
         The file tensor's header must agree with the manifest entry; ``headers`` (file -> header already
         validated by `load_checks`) are used instead of parsing the file again."""
         by_file: dict[str, list[PlanItem]] = {}
@@ -243,11 +256,18 @@ class Checkpoint:
                                           f"{te.dtype} {list(te.stored_shape)} in {MANIFEST_NAME}")
                     if direct and not meta:
                         shape, offset, nbytes = en.shape, f.data_start + en.begin, en.end - en.begin
+                        part = (0, nbytes)
                         if it.src_range is not None:
                             row = nbytes // max(en.shape[0], 1)
                             a, b = it.src_range
-                            shape, offset, nbytes = (b - a,) + en.shape[1:], offset + a * row, (b - a) * row
-                        yield it, FileSlice(path, offset, nbytes, f._dtype(te.name), tuple(shape))
+                            part = (a * row, b * row)
+                            shape = (b - a,) + en.shape[1:]
+                        if hashed:
+                            yield it, HashedFileSlice(path, offset, nbytes, part, f._dtype(te.name), tuple(shape),
+                                                      te.checksum_kind, te.checksum, te.name)
+                        else:
+                            yield it, FileSlice(path, offset + part[0], part[1] - part[0], f._dtype(te.name),
+                                                tuple(shape))
                         continue
                     src = f.meta(te.name) if meta else f.tensor(te.name)
                     if it.src_range is not None:
@@ -318,7 +338,8 @@ class Checkpoint:
         copied, current = 0, None
         try:
             with deferred_gpu_reads():  # a GPU layer's reads go together at the block's end (file_io)
-                for it, src in self.iter_sources(items, direct=True, headers=chk.headers):
+                for it, src in self.iter_sources(items, direct=True, headers=chk.headers,
+                                                 hashed=chk.verify == "checksums"):
                     current = f"{it.entry.name} ({it.entry.file})"
                     layer.load_stored(it.role, src, storage=it.entry.storage, experts=it.experts,
                                       name=it.entry.name)

@@ -16,16 +16,23 @@ from typing import Any, Callable
 from ..errors import CheckpointError, ManifestError, MegaMoEError, OutputError
 from ..files.digests import SHA256, hash_file, is_composite, new_hasher, safetensors_digests
 from ..files.folder import inside_folder
-from ..files.safetensors_header import parse_safetensors_header
+from ..files.safetensors_header import file_kind, parse_safetensors_header
 from ..format.manifest import MANIFEST_NAME, read_manifest
+
+
+#: problems a `VerifyReport` lists one by one; beyond them it only counts (`VerifyReport.unlisted`): a header
+#: with a million stray entries printed a million lines (148 MB) and took gigabytes to hold them
+MAX_LISTED_PROBLEMS = 100
 
 
 @dataclass
 class VerifyReport:
-    """What `verify_output` found. `ok` is False when any problem was found."""
+    """What `verify_output` found. `ok` is False when any problem was found. The first
+    `MAX_LISTED_PROBLEMS` problems are listed (`add`); the rest only counted in `unlisted`."""
 
     path: str
     problems: list[str] = field(default_factory=list)
+    unlisted: int = 0
     warnings: list[str] = field(default_factory=list)
     files_checked: int = 0
     tensors_checked: int = 0
@@ -37,11 +44,24 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unlisted
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.problems) + self.unlisted
+
+    def add(self, problem: str) -> None:
+        """Record a problem: listed while fewer than `MAX_LISTED_PROBLEMS` are, else counted."""
+        if len(self.problems) < MAX_LISTED_PROBLEMS:
+            self.problems.append(problem)
+        else:
+            self.unlisted += 1
 
     def to_dict(self) -> dict:
         return {
-            "path": self.path, "ok": self.ok, "problems": self.problems, "warnings": self.warnings,
+            "path": self.path, "ok": self.ok, "problems": self.problems,
+            **({"problems_unlisted": self.unlisted} if self.unlisted else {}),  # only when the listing is cut
+            "warnings": self.warnings,
             "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
             "bytes_checked": self.bytes_checked, "format_version": self.format_version,
             "row": self.row, "ep_size": self.ep_size, "layers": self.layers,
@@ -69,13 +89,14 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
     try:
         m = read_manifest(out)
     except ManifestError as e:
-        rep.problems.append(str(e))
+        rep.add(str(e))
         return rep
     rep.format_version, rep.row, rep.ep_size, rep.layers = m.format_version, m.row, m.ep_size, len(m.layers)
     rep.files_checked = 1  # the manifest itself (schema, version, self-digest): files count as convert counts them
     for alg in sorted({m.checksum} | {fe.algorithm for fe in m.files.values()}):
         new_hasher(alg)  # DigestUnavailableError (blake3 not installed) before reading anything: not a mismatch
-    rep.problems += spec_tensor_problems(m, str(out / MANIFEST_NAME))
+    for p in spec_tensor_problems(m, str(out / MANIFEST_NAME)):
+        rep.add(p)
 
     by_file: dict[str, dict[str, tuple[str, object]]] = {}
     for key, t in m.tensors.items():
@@ -90,8 +111,11 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
             user_progress(min(rep.bytes_checked, total), total)
 
     on_disk = {p.name for p in out.iterdir() if p.is_file()} - {MANIFEST_NAME}
-    for extra in sorted(on_disk - set(m.files)):
+    extras = sorted(on_disk - set(m.files))
+    for extra in extras[:MAX_LISTED_PROBLEMS]:
         rep.warnings.append(f"{out / extra}: file not listed in the manifest (ignored)")
+    if len(extras) > MAX_LISTED_PROBLEMS:
+        rep.warnings.append(f"{len(extras) - MAX_LISTED_PROBLEMS} more file(s) not listed in the manifest (ignored)")
 
     for fname in sorted(m.files):
         fe = m.files[fname]
@@ -99,25 +123,29 @@ def verify_output(out: str | os.PathLike, progress: Callable[[int, int], None] |
         try:
             path = inside_folder(out, fname)
         except CheckpointError as e:
-            rep.problems.append(str(e))
+            rep.add(str(e))
             continue
         if not path.is_file():
-            rep.problems.append(f"{path}: missing (manifest lists it with {fe.size} bytes"
+            if path.exists():  # a FIFO, a device, a folder: named, never opened (a FIFO's read would block)
+                rep.add(f"{path}: {file_kind(path.stat().st_mode)}, not a regular file (the manifest lists a "
+                        f"file of {fe.size} bytes)")
+                continue
+            rep.add(f"{path}: missing (manifest lists it with {fe.size} bytes"
                                 + (f" and {len(tensors)} tensor(s)" if tensors else "") + ")")
             continue
         size = path.stat().st_size
         if size != fe.size:
-            rep.problems.append(f"{path}: size {size} bytes, manifest says {fe.size}")
+            rep.add(f"{path}: size {size} bytes, manifest says {fe.size}")
         if fname.endswith(".safetensors"):
             _verify_safetensors(path, fe, tensors, rep, progress, m.checksum)
         else:  # read_manifest allows the header-and-tensors kinds for safetensors files only
             digest = hash_file(path, fe.algorithm)
             progress(size)
             if digest != fe.checksum:
-                rep.problems.append(f"{path}: {fe.algorithm} {digest} does not match the manifest's {fe.checksum}")
+                rep.add(f"{path}: {fe.algorithm} {digest} does not match the manifest's {fe.checksum}")
         rep.files_checked += 1
     for fname, tensors in by_file.items():  # pragma: no cover - read_manifest refuses this
-        rep.problems.append(f"tensors {sorted(tensors)[:3]} name file {fname!r}, which the manifest does not list")
+        rep.add(f"tensors {sorted(tensors)[:3]} name file {fname!r}, which the manifest does not list")
     return rep
 
 
@@ -130,20 +158,20 @@ def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
     try:
         fh = parse_safetensors_header(path)
     except CheckpointError as e:
-        rep.problems.append(f"{e} (cannot check its {fe.digest} digest)")
+        rep.add(f"{e} (cannot check its {fe.digest} digest)")
         progress(path.stat().st_size)
         return
     names = set(fh.tensors)
     for name in sorted(names - set(tensors)):
-        rep.problems.append(f"{path}: tensor {name!r} is in the file but not in the manifest")
+        rep.add(f"{path}: tensor {name!r} is in the file but not in the manifest")
     checks = []
     for name, (key, t) in sorted(tensors.items()):
         th = fh.tensors.get(name)
         if th is None:
-            rep.problems.append(f"{path}: manifest tensor {key!r} is missing from the file")
+            rep.add(f"{path}: manifest tensor {key!r} is missing from the file")
             continue
         if th.dtype != t.dtype or tuple(th.shape) != tuple(t.stored_shape):
-            rep.problems.append(
+            rep.add(
                 f"{path}: tensor {name!r} is {th.dtype} {list(th.shape)} in the header, manifest says "
                 f"{t.dtype} {list(t.stored_shape)}")
             continue
@@ -153,15 +181,15 @@ def _verify_safetensors(path: Path, fe, tensors: dict, rep: VerifyReport,
         composite, got, whole_sha = safetensors_digests(path, fh, algorithm=checksum, whole=whole,
                                                         whole_algorithm=fe.algorithm, progress=progress)
     except (OSError, CheckpointError) as e:
-        rep.problems.append(f"{path}: cannot read it to check its digests: {e}")
+        rep.add(f"{path}: cannot read it to check its digests: {e}")
         return
     digest = whole_sha if whole else composite
     if digest != fe.checksum:
-        rep.problems.append(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.checksum}")
+        rep.add(f"{path}: {fe.digest} digest {digest} does not match the manifest's {fe.checksum}")
     for name, key, want in checks:
         rep.tensors_checked += 1
         if got[name] != want:
-            rep.problems.append(f"{path}: tensor {key!r} {checksum} {got[name]} does not match the manifest's {want}")
+            rep.add(f"{path}: tensor {key!r} {checksum} {got[name]} does not match the manifest's {want}")
 
 
 # --------------------------------------------------------------------------- the spec against the stored tensors
@@ -172,7 +200,7 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
     every rank, each entry's dtype, per-expert kernel shape and strides those of the layer the spec builds (a
     meta layer: no memory), and no role the spec does not have. Catches a spec edited to another ``num_experts``
     or ``hidden`` that the manifest's own schema checks accept. (`megamoe-convert verify` runs it.)"""
-    from ..format.manifest import EXPERT_ROLES, dtype_name
+    from ..format.manifest import EXPERT_ROLES, dtype_name, expert_range_problem
     from ..layer.experts import DeepGemmMegaMoEExperts
 
     problems: list[str] = []
@@ -199,17 +227,10 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
                                 f"which a layer of its spec ({spec.row}, shared={spec.shared}) does not have")
             lo, hi = rank * spec.experts_per_rank, (rank + 1) * spec.experts_per_rank
             for role in sorted(set(got) & set(want) & set(EXPERT_ROLES)):
-                ranges = sorted(tuple(te.experts) if te.experts is not None else (lo, lo + te.kernel_shape[0])
-                                for te in got[role] if te.kernel_shape)
-                pos = lo
-                for a, b in ranges:
-                    if a != pos:
-                        break
-                    pos = b
-                if pos != hi or len(ranges) != len(got[role]) or (ranges and ranges[-1][1] != hi):
-                    problems.append(f"{w}, rank {rank}: {role} holds experts {ranges}, but its spec "
-                                    f"(num_experts={spec.num_experts}, ep_size={manifest.ep_size}) gives the rank "
-                                    f"experts [{lo}, {hi}) exactly once")
+                bad = expert_range_problem(role, got[role], lo, hi)
+                if bad is not None:
+                    problems.append(f"{w}, rank {rank}: {bad} (but its spec has num_experts={spec.num_experts}, "
+                                    f"ep_size={manifest.ep_size})")
             for role in sorted(set(got) & set(want)):
                 p = want[role]
                 for te in got[role]:
@@ -229,4 +250,4 @@ def spec_tensor_problems(manifest: Any, where: str = MANIFEST_NAME) -> list[str]
     return problems
 
 
-__all__ = ["VerifyReport", "verify_output", "spec_tensor_problems"]
+__all__ = ["VerifyReport", "verify_output", "spec_tensor_problems", "MAX_LISTED_PROBLEMS"]

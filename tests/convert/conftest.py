@@ -28,15 +28,18 @@ def crashing_run():
     """run(step, n, *cli_args, wait=True): `megamoe-convert *cli_args` in a real
     subprocess that dies (os._exit, like kill -9) at the n-th `step`
     (``output_dir.STEP_*``), or with n = "N:SECONDS" pauses there. With
-    wait=False returns the Popen (stderr piped)."""
+    wait=False returns the Popen (stderr piped). `env`: variables added to the
+    process's environment (``CRASHING_CLI_WRITE_DELAY``: slow writes)."""
+    import os
     import subprocess
     import sys
 
-    def run(step: str, n, *args, wait: bool = True):
+    def run(step: str, n, *args, wait: bool = True, env: dict | None = None):
         cmd = [sys.executable, str(CRASHING_CLI), step, str(n), *map(str, args)]
+        full_env = {**os.environ, **env} if env else None
         if not wait:
-            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
 
     return run
 

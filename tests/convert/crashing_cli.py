@@ -8,6 +8,11 @@ named STEP (``output_dir.STEP_*``: ``tensor``, ``synced``, ``complete``,
 ``os._exit(CRASH_EXIT_CODE)``: no cleanup, no finally blocks, like ``kill -9``.
 With ``:SECONDS`` it sleeps there that long instead and carries on (a run
 that is still going while a test starts a second one or sends a signal).
+
+``CRASHING_CLI_WRITE_DELAY=SECONDS`` slows the shard writer threads down
+(each tensor piece they write sleeps that long first; the header, written by
+the caller, is not slowed): a run whose writer threads are busy when a signal
+comes, as on a slow disk.
 """
 import os
 import sys
@@ -18,6 +23,20 @@ CRASH_EXIT_CODE = 99
 def main() -> None:
     import megamoe_convert.convert as conv
     from megamoe_convert.cli import main as cli
+
+    delay = float(os.environ.get("CRASHING_CLI_WRITE_DELAY", "0") or 0)
+    if delay:
+        import time
+
+        from megamoe_convert import shard_writer
+
+        def slowed(real):
+            def write(*a, **k):
+                time.sleep(delay)
+                return real(*a, **k)
+            return write
+
+        shard_writer._Region.put = slowed(shard_writer._Region.put)
 
     step, spec = sys.argv[1], sys.argv[2]
     n, _, sleep = spec.partition(":")

@@ -197,3 +197,72 @@ def test_ct_block_structure_other_than_128_refused(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match=r"weight blocks of \[64, 64\]"):
         detect_reader(open_source(str(src)))
+
+
+def test_ep2_ranks_hold_their_experts_and_build_layers(tmp_path):
+    import megamoe_runtime as mr
+
+    src = REAL / "llmcompressor-fp8-block-deepseekv3"
+    convert(src, tmp_path / "ep1")
+    convert(src, tmp_path / "ep2", ep_size=2)
+    one = _files(tmp_path / "ep1")
+    for r in range(2):
+        rank = {}
+        for f in sorted((tmp_path / "ep2").glob(f"megamoe-experts-rank{r:03d}-*.safetensors")):
+            rank.update(load_file(f))
+        assert rank
+        for k, t in rank.items():
+            bits = torch.uint8 if t.element_size() == 1 else torch.int32
+            assert torch.equal(t.view(bits), one[k][2 * r:2 * r + 2].view(bits)), (r, k)
+    ck = mr.open_checkpoint(tmp_path / "ep2")
+    layer = ck.build_layer(1, device="cpu", backend="reference", ep_rank=1, ep_size=2)
+    assert layer.spec.row == "fp8_block" and layer.l1_scale.dtype == torch.float32
+    assert list(layer.spec.local_experts) == [2, 3]
+
+
+@pytest.mark.parametrize("name", ["finegrained-fp8-deepseekv3", "llmcompressor-fp8-block-deepseekv3"])
+def test_raw_load_of_the_source_equals_the_converted_layer(tmp_path, name):
+    """The runtime's raw (vLLM-style) load of the producer's own tensors writes the converter's bytes
+    (transformers' squeezed scale grids and CT's bf16 scales included)."""
+    import megamoe_runtime as mr
+    from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+    from megamoe_runtime.load.raw_load import load_raw_checkpoint
+
+    convert(REAL / name, tmp_path / "out")
+    ck = mr.open_checkpoint(tmp_path / "out")
+    layer = DeepGemmMegaMoEExperts(ck.layer_spec(1), backend="reference", prefix=ck.layer_entry(1).prefix,
+                                   layer_index=1)
+    rep = load_raw_checkpoint(layer, REAL / name)
+    assert len(rep.written) == 4 * 3 * 2 and not rep.skipped
+    conv = ck.build_layer(1, device="cpu", backend="reference")
+    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        a, b = getattr(layer, role), getattr(conv, role)
+        bits = torch.uint8 if a.element_size() == 1 else torch.int32
+        assert torch.equal(a.view(bits), b.view(bits)), role
+
+
+def test_ct_source_nan_weight_byte_refused_through_direct_reads(tmp_path):
+    """Readers whose weights the converter reads in place (both block-FP8 readers) still check every byte."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-fp8-block", **SIZES, seed=3)
+    _edit(src, _set(f"{P}.down_proj.weight", _nan_byte))
+    with pytest.raises(Exception, match=r"expert 2 down weight .*down_proj\.weight.*E4M3 weight byte\(s\) are NaN"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_bf16_source_into_the_row(tmp_path):
+    """--quantize fp8_block: each 128x128 block gets scale amax/448 and RNE E4M3 codes of w/scale (the
+    DeepSeek-V3 / FineGrainedFP8 convention, written out here); the served layer passes the self-check."""
+    from megamoe_convert.selfcheck import compare_with_source
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
+    out = tmp_path / "out"
+    assert convert(src, out, quantize="fp8_block").row == "fp8_block"
+    w = load_file(next(src.glob("*.safetensors")))["model.layers.1.mlp.experts.3.down_proj.weight"].float()
+    blocks = w.reshape(2, 128, 1, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(256, 128)
+    got = _files(out)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_scale"][3], scale)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_weight"][3].view(torch.uint8), codes.view(torch.uint8))
+    assert all(r.ok for r in compare_with_source(src, out, quantize="fp8_block"))

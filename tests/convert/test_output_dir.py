@@ -134,6 +134,29 @@ def test_megamoe_output_with_foreign_files_is_not_overwritten(tmp_path, synth_ck
         check_replaceable(out)
 
 
+@pytest.mark.parametrize("edit", ["appended", "same size"])
+def test_a_listed_file_the_user_edited_is_not_overwritten(tmp_path, synth_ckpt, edit):
+    """A config.json the user edited inside an earlier megamoe output is theirs now: --overwrite refuses
+    naming it and changes no byte (it used to replace it silently); put back as written, the overwrite
+    goes ahead."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    cfg = out / "config.json"
+    written = cfg.read_bytes()
+    assert written.endswith(b"\n")
+    cfg.write_bytes(written.replace(b"}", b', "my_note": 1}', 1) if edit == "appended" else
+                    written[:-1] + b" ")  # same size: only the digest tells
+    assert cfg.read_bytes() != written and (edit == "appended") == (len(cfg.read_bytes()) != len(written))
+    before = tree_digest(tmp_path)
+    r = run_cli("convert", src, out, "--overwrite")
+    assert r.exit_code == 2, r.output
+    assert "1 file(s) it lists changed since megamoe-convert wrote them (config.json" in r.stderr
+    assert tree_digest(tmp_path) == before and siblings(out) == []
+    cfg.write_bytes(written)
+    assert run_cli("convert", src, out, "--overwrite").exit_code == 0 and verify_output(out).ok
+
+
 def test_out_is_the_working_directory_or_above_it(tmp_path, synth_ckpt, monkeypatch):
     src = synth_ckpt("ct-mxfp8")
     work = _user_tree(tmp_path / "proj")

@@ -675,3 +675,57 @@ def test_read_into_past_the_end_fails(synth_ckpt):
     size = path.stat().st_size
     with pytest.raises(CheckpointError, match="unexpected end of file"):
         src.read_into(path, size - 10, [memoryview(bytearray(8)), memoryview(bytearray(8))])
+
+
+# ------------------------------------------------------------------ non-regular files, oversized headers
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_fifo_shard_is_named_for_what_it_is_and_never_opened(make_ckpt, indexed):
+    """A FIFO where a shard should be: refused saying it is a FIFO (it read as "no *.safetensors files", or
+    with an index as "names shard(s) missing" though it exists), and never opened (a read would block:
+    nobody writes to it, so this test would hang)."""
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli import main
+
+    p = make_ckpt("bf16", **({"max_shard_bytes": 150_000} if indexed else {}))
+    victim = sorted(p.glob("model*.safetensors"))[-1]
+    victim.unlink()
+    os.mkfifo(victim)
+    with pytest.raises(CheckpointError, match=rf"{victim} is a FIFO \(named pipe\), not a regular file"):
+        open_source(p)
+    with pytest.raises(CheckpointError, match=r"is a FIFO \(named pipe\), not a regular file"):
+        read_safetensors_header(victim)
+    for args in (["inspect", p], ["convert", p, p.parent / "out"]):
+        r = CliRunner().invoke(main, [str(a) for a in args])
+        assert r.exit_code == 2 and "is a FIFO (named pipe)" in r.stderr, r.output
+    assert not (p.parent / "out").exists()
+
+
+def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(make_ckpt, monkeypatch):
+    """A source header listing more tensors than megamoe's limit (a 91 MB header of 1.3 M entries ran convert
+    4 min at 10 GB before failing on the manifest's size, naming no file): refused at the header, naming the
+    file, from a count of the raw bytes, before the JSON is parsed (with the limit lowered here, so the
+    header stays small)."""
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli import main
+    from megamoe_runtime.files import limits, safetensors_header
+
+    p = make_ckpt("bf16")
+    shard = p / "model.safetensors"
+    n = len(read_safetensors_header(shard).tensors)
+    monkeypatch.setitem(limits.LIMITS, "header_tensors", n - 1)
+    parsed = []
+    real = safetensors_header.parse_json
+    monkeypatch.setattr(safetensors_header, "parse_json", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensors listed in its safetensors header = {n} "
+                                              rf"exceeds megamoe's limit of {n - 1}"):
+        read_safetensors_header(shard)
+    for args in (["inspect", p], ["convert", p, p.parent / "out"]):
+        r = CliRunner().invoke(main, [str(a) for a in args])
+        assert r.exit_code == 2 and f"{shard}: tensors listed in its safetensors header" in r.stderr, r.output
+    assert not parsed and not (p.parent / "out").exists()
+    monkeypatch.setitem(limits.LIMITS, "header_tensors", n)  # at the limit: read
+    assert len(read_safetensors_header(shard).tensors) == n and parsed

@@ -93,3 +93,20 @@ def test_a_format_without_an_encoder_says_so():
     assert cls.synthetic_formats == ()
     with pytest.raises(NotImplementedError, match="converts on read"):
         cls.encode_expert("x", *[torch.zeros(32, 64)] * 2, torch.zeros(64, 32), input_scales=dict.fromkeys(("gate", "up", "down"), 0.01))
+
+
+def test_synthetic_tokenizer_loads_in_transformers_and_round_trips(ckpts):
+    """The tokenizer files travel into OUT; transformers' AutoTokenizer (what vLLM also uses) loads them from
+    the converted folder and round-trips text over the model's vocabulary. The JSON is exactly what the
+    tokenizers library writes for that tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from megamoe_convert.synth import tokenizer_json
+
+    _, out = ckpts.converted("modelopt-nvfp4")
+    text = (out / "tokenizer.json").read_text().strip()
+    assert tokenizers.Tokenizer.from_str(text).to_str() == text == tokenizer_json(64)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok("w5 w17 w63")["input_ids"]
+    assert ids == [5, 17, 63] and tok.decode(ids) == "w5 w17 w63"
+    assert tok.convert_tokens_to_ids(["<s>", "</s>", "<unk>"]) == [0, 1, 2] and len(tok) == 64

@@ -289,3 +289,97 @@ def test_resume_summary_rates_only_the_bytes_it_processed(interrupted, monkeypat
                and f"over the {format_bytes(s.bytes_processed)} processed by this run" in m for m in lines), lines
     fresh = convert(src, out.parent / "fresh", **ARGS)
     assert fresh.bytes_kept == 0 and fresh.bytes_processed == fresh.bytes_in
+
+
+@pytest.mark.parametrize("err", ["ENOSPC", "EIO"])
+def test_a_failed_write_names_the_file_and_the_resume(tmp_path, synth_ckpt, monkeypatch, err):
+    """A full disk (ENOSPC) or an I/O error at a shard write: exit 2 with one error naming the shard file,
+    saying the temp folder remains and giving the --resume command (it used to print only
+    ``OSError: [Errno 28] No space left on device``); the printed command then completes the output."""
+    import errno
+    import shlex
+
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli import main
+    from megamoe_runtime.load.verify import verify_output
+
+    src = synth_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+    out = tmp_path / "out"
+    real, calls = os.pwrite, [0]
+
+    def failing(fd, data, pos):
+        calls[0] += 1
+        if calls[0] > 6:  # past the first file's header and first tensors
+            raise OSError(getattr(errno, err), os.strerror(getattr(errno, err)))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--max-shard-size", "60KB", "--no-progress"])
+    monkeypatch.setattr(os, "pwrite", real)
+    tmp = temp_dir_for(out)
+    assert r.exit_code == 2, r.output
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error:"))
+    assert os.strerror(getattr(errno, err)) in line and f"'{tmp}/" in line and ".safetensors'" in line
+    assert f"{tmp} remains" in line and ("once space is free" in line) == (err == "ENOSPC")
+    assert not out.exists() and tmp.is_dir()
+    cmd = r.stderr.split("continue with:\n  ", 1)[1].splitlines()[0]
+    assert cmd.endswith("--resume")
+    assert CliRunner().invoke(main, shlex.split(cmd)[1:]).exit_code == 0
+    assert verify_output(out).ok and not tmp.exists()
+
+
+def _damage(how: str, p):
+    """Change a finished shard the way a user (or a cleanup job) could while the run goes on."""
+    if how == "deleted":
+        p.unlink()
+    elif how == "moved":
+        p.rename(p.with_name("elsewhere.bin"))
+    elif how == "truncated":
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 2)
+    elif how == "replaced":  # same bytes count, another file
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.unlink()
+        p.write_bytes(bytes(data))
+    elif how == "rewritten":  # same file, same size, mtime put back: only ctime tells
+        st = p.stat()
+        with open(p, "r+b") as f:
+            f.seek(st.st_size - 1)
+            b = f.read(1)
+            f.seek(st.st_size - 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved", "truncated", "replaced", "rewritten"])
+def test_a_shard_changed_in_the_temp_folder_is_never_swapped_in(tmp_path, synth_ckpt, how):
+    """A finished shard deleted, moved, truncated or rewritten inside ``.OUT.megamoe-tmp`` while the run goes
+    on (here: after the final fsync, right before the journal says complete): the run refuses naming the
+    file and what happened, nothing is moved into OUT (it used to swap in and exit 0, and verify then
+    failed), and ``--resume`` rewrites the shard into a verified output."""
+    from megamoe_convert.convert import convert
+    from megamoe_runtime.load.verify import verify_output
+
+    src = synth_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+    out = tmp_path / "out"
+    tmp = temp_dir_for(out)
+    victim = []
+
+    def on_step(name):
+        if name == "synced":
+            p = sorted(tmp.glob("megamoe-experts-*.safetensors"))[0]
+            victim.append(p)
+            _damage(how, p)
+
+    with pytest.raises(OutputError) as e:
+        convert(str(src), out, max_shard_size=60_000, on_step=on_step)
+    what = {"deleted": ["is gone"], "moved": ["is gone"], "truncated": ["is"], "rewritten": ["was modified"],
+            "replaced": ["was replaced", "was modified"]}[how]  # a freed inode number may be reused at once
+    assert any(f"{victim[0]} {w} " in str(e.value) for w in what) and "nothing was moved into" in str(e.value)
+    assert how != "truncated" or "bytes, " in str(e.value)
+    assert not out.exists() and tmp.is_dir()
+    (tmp / "elsewhere.bin").unlink(missing_ok=True)  # the user's move; the resume would refuse a stranger
+    convert(str(src), out, max_shard_size=60_000, resume=True)
+    assert verify_output(out).ok and not tmp.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -308,3 +309,86 @@ def test_verify_checks_each_layer_spec_against_its_tensors(ckpts, tmp_path, fiel
     probs = json.loads(r.stdout)["problems"]
     assert any("layer 1" in p and "but its spec" in p and f"{field}={value}" in p for p in probs), probs
     assert not any("layer 0" in p for p in probs)
+
+
+@pytest.mark.parametrize("experts, keep", [((0, 9), 9), ((0, 8), 9), ((1, 9), 8)])
+def test_a_widened_or_shifted_expert_range_is_refused_by_verify_and_every_load(ckpts, tmp_path, experts, keep):
+    """A layer whose manifest gives a routed tensor another expert range than the rank's (``[0, 9)`` on 8
+    experts, the tensor holding 9), or a tensor holding more experts than its range says: verify, a build,
+    a reload and the reload dry run refuse it by one rule (`manifest.expert_range_problem`); the loaders
+    used to read the first 8 and serve them while verify failed."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from megamoe_runtime.errors import MegaMoEError
+    from megamoe_runtime.files.file_io import SafetensorsFile
+    from megamoe_runtime.load.verify import verify_output
+
+    _, out = ckpts.fresh_converted("bf16", tmp_path / "out")
+    layer = mr.open_checkpoint(out).build_layer(0, backend="reference")
+    name = "model.layers.0.mlp.megamoe.l2_weight"
+    d = json.loads((out / MANIFEST_NAME).read_text())
+    te = d["tensors"][name]
+    with SafetensorsFile(out / te["file"]) as f:
+        data = {k: f.tensor(k).clone() for k in f.keys()}
+    t = data[name]
+    data[name] = torch.cat([t, t[:1]])[:keep].contiguous()
+    save_file(data, str(out / te["file"]), metadata=parse_safetensors_header(out / te["file"]).metadata)
+
+    def edit(d):
+        e = d["tensors"][name]
+        e.update(experts=list(experts), stored_shape=list(data[name].shape), kernel_shape=list(data[name].shape))
+        body = (out / e["file"]).read_bytes()
+        d["files"][e["file"]] = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+    _edit_manifest(out, edit)
+    rule = {(0, 9): "which is not inside the rank's experts", (0, 8): "holds 9 experts but its range [0, 8) says 8",
+            (1, 9): "which is not inside the rank's experts"}[experts]
+    rep = verify_output(out)
+    assert any(rule in p for p in rep.problems), rep.problems
+    with pytest.raises(MegaMoEError, match=re.escape(rule)):
+        mr.open_checkpoint(out).build_layer(0, backend="reference")
+    with pytest.raises(MegaMoEError, match=re.escape(rule)):
+        mr.open_checkpoint(out).load_layer(layer)
+    rep = mr.verify_reload(layer, out)
+    assert not rep.ok and rule in rep.summary()
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_checksums_hash_the_bytes_the_load_copies(ckpts, tmp_path, monkeypatch, ep_size):
+    """verify="checksums" with a file rewritten between the up-front check and the copy (a writer racing
+    the reload, made deterministic: the hook flips a byte of l1_weight right after the up-front hash): the
+    load raises instead of returning with other weights (it hashed one read and copied another), and the
+    layer refuses to run until a load succeeds. ep_size 2: rank 0 of 2 takes a slice of each stored tensor,
+    and the whole tensor is still hashed from the bytes read. Control: untouched, the load matches a clean
+    build byte for byte."""
+    from megamoe_runtime.load import load_checks
+
+    _, out = ckpts.fresh_converted("bf16", tmp_path / "out")
+    ck = mr.open_checkpoint(out, verify="checksums")
+    layer = ck.build_layer(0, backend="reference", ep_rank=0, ep_size=ep_size)
+    clean = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert ck.load_layer(layer) > 0  # control: no race, same bytes
+    assert all(torch.equal(clean[k], v) for k, v in layer.state_dict().items())
+
+    te = ck.manifest.tensors["model.layers.0.mlp.megamoe.l1_weight"]
+    h = parse_safetensors_header(out / te.file)
+    at = h.data_start + h.tensors[te.name].begin + 7  # in expert 0, which rank 0 of 2 loads too
+    real = load_checks._check_checksums
+
+    def racing(items, headers):
+        found = real(items, headers)
+        with open(out / te.file, "r+b") as f:  # the writer strikes after the check
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x40]))
+        return found
+
+    monkeypatch.setattr(load_checks, "_check_checksums", racing)
+    with pytest.raises(LayerUnusableError, match="the bytes loaded have .* the manifest says"):
+        ck.load_layer(layer)
+    x, w, ids = _inputs(layer.spec)
+    with pytest.raises(LayerUnusableError):
+        layer(x, w, ids)

@@ -27,7 +27,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from ...errors import CheckpointError
 from ..dense import decode_linear_weight, is_quantized_linear
-from ..folder import check_folder_for_model
+from ..folder import check_folder_for_model, weights_folder
 from ..warm import seed_for_folder
 from .blocks import MOE_BLOCKS, MegaMoEBlock, adapt_router, is_moe_block
 
@@ -86,13 +86,15 @@ class MegaMoEHfQuantizer(HfQuantizer):
                                              **kwargs: Any) -> nn.Module:
         if not checkpoint_files:
             raise CheckpointError("megamoe: from_pretrained found no weight files to load the folder from")
-        folder = Path(checkpoint_files[0]).parent
+        folder = weights_folder(checkpoint_files, getattr(model.config, "name_or_path", None))
         _fetch_manifest_from_hub(folder, getattr(model.config, "name_or_path", None))
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         cfg = config.to_dict()
         cfg["quantization_config"] = self.quantization_config.to_dict()
-        with torch.device("cpu"):  # transformers builds the model under a meta-device context; the checks' own
-            ckpt = check_folder_for_model(folder, cfg)  # small tensors (the dry run's bookkeeping) are real
+        # transformers builds the model under a meta-device context; the checks' own small tensors (the dry
+        # run's bookkeeping) are real
+        with torch.device("cpu"):
+            ckpt = check_folder_for_model(folder, cfg, verify=self.quantization_config.verify)
         self.checkpoint = ckpt
         seed_for_folder(folder)  # a shipped kernel cache into triton's, before any kernel compiles (integrations/warm.py)
         ignore: set[str] = set()
@@ -108,12 +110,15 @@ class MegaMoEHfQuantizer(HfQuantizer):
                     f"{folder}: {li.prefix} is a {name} in {type(model).__name__}, not a MoE block the megamoe "
                     f"integration knows ({', '.join(sorted(MOE_BLOCKS))})")
             has_shared = MOE_BLOCKS[name]
-            if has_shared != (li.spec.shared is not None):
+            outside = None
+            if has_shared and li.spec.shared is None and ckpt.manifest.layer(li.index).shared.get("present"):
+                outside = block.shared_experts  # not fused (e.g. the fp8_block row): runs as transformers' MLP
+            elif has_shared != (li.spec.shared is not None):
                 raise CheckpointError(
                     f"{folder}: layer {li.index}: transformers' {name} {'adds' if has_shared else 'has no'} a shared "
                     f"expert but megamoe.json's layer {'has none' if has_shared else 'has one'}")
             adapt_router(block.gate, f"{folder}: layer {li.index} ({li.prefix})", li.spec.routed_scaling_factor)
-            new = MegaMoEBlock(block.gate, li.index, name)
+            new = MegaMoEBlock(block.gate, li.index, name, shared_experts=outside)
             model.set_submodule(path, new)
             self.blocks[path] = new
             ignore |= {"^" + re.escape(p + ".megamoe.") for p in (li.prefix, path)}
