@@ -4,6 +4,7 @@
     python bench/kernel.py                      # full table (the shape set, SHAPE_SET)
     python bench/kernel.py --shapes qwen3-30b,4096,1536,128,8   # names and/or H,I,E,K
     python bench/kernel.py --shapes dsv3 --rows mxfp4 --tokens 1,8 --tune
+    python bench/kernel.py --shapes new --rows mxfp4,nvfp4,mxfp8 --mma bf16 --korder frag --peer-path DIR
     python bench/kernel.py --peer-path DIR   # DIR holds OpenAI triton_kernels (unmodified, from triton 3.6.0): + a peer column
 
 What it measures, per (shape, row, tokens):
@@ -62,20 +63,28 @@ SHAPES = {
     "mixtral": dict(H=4096, I=14336, E=8, K=2),  # Mixtral-8x7B: top-2 of 8
     "dbrx": dict(H=6144, I=10752, E=16, K=4),  # DBRX: few large experts, top-4 of 16
     "glm": dict(H=6144, I=2048, E=256, K=8),  # the "GLM-like" shape of the earlier passes
+    # few large experts, top-1 (Llama-4 style)
+    "llama4-scout": dict(H=5120, I=8192, E=16, K=1),  # Llama-4-Scout: top-1 of 16
+    "llama4-maverick": dict(H=5120, I=8192, E=128, K=1),  # Llama-4-Maverick: top-1 of 128
+    # many small experts, top-6..10
+    "qwen3-next": dict(H=2048, I=512, E=512, K=10),  # Qwen3-Next-80B-A3B: top-10 of 512
+    "dsv2-lite": dict(H=2048, I=1408, E=64, K=6),  # DeepSeek-V2-Lite / Moonlight: top-6 of 64
 }
 #: the whole set (``--shapes set``)
 SHAPE_SET = ("dsv3", "kimi-k2", "qwen3-235b", "qwen3-30b", "glm45", "mixtral", "dbrx")
+#: the families added after the set (``--shapes new``): few large top-1 experts, many small top-6..10 experts
+NEW_SET = ("llama4-scout", "llama4-maverick", "qwen3-next", "dsv2-lite")
 
 
 def parse_shapes(text: str) -> list[tuple[str, dict]]:
-    """``--shapes``: a comma list of names (``SHAPES``; ``set`` = ``SHAPE_SET``) and of custom shapes written as
+    """``--shapes``: a comma list of names (``SHAPES``; ``set`` = ``SHAPE_SET``, ``new`` = ``NEW_SET``) and of custom shapes written as
     four integers ``H,I,E,K`` in a row, e.g. ``dsv3,4096,1536,128,8,mixtral``. Returns [(label, dict)]."""
     toks = [t.strip() for t in text.split(",") if t.strip()]
     out, i = [], 0
     while i < len(toks):
         t = toks[i]
-        if t == "set":
-            out += [(n, SHAPES[n]) for n in SHAPE_SET]
+        if t in ("set", "new"):
+            out += [(n, SHAPES[n]) for n in (SHAPE_SET if t == "set" else NEW_SET)]
             i += 1
         elif t in SHAPES:
             out.append((t, SHAPES[t]))
@@ -88,7 +97,7 @@ def parse_shapes(text: str) -> list[tuple[str, dict]]:
             out.append((f"{H}x{I}x{E}x{K}", dict(H=H, I=I, E=E, K=K)))
             i += 4
         else:
-            raise SystemExit(f"--shapes: unknown shape {t!r}; names: {', '.join(SHAPES)}, set, or H,I,E,K")
+            raise SystemExit(f"--shapes: unknown shape {t!r}; names: {', '.join(SHAPES)}, set, new, or H,I,E,K")
     return out
 
 
@@ -491,7 +500,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="set",
                     help="comma list of shape names (" + ", ".join(SHAPES) + "; set = " + ",".join(SHAPE_SET)
-                         + ") and custom shapes as H,I,E,K")
+                         + "; new = " + ",".join(NEW_SET) + ") and custom shapes as H,I,E,K")
     ap.add_argument("--rows", default="mxfp4,mxfp8,nvfp4,bf16")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--tune", action="store_true", help="time candidate tile configs per point, keep the best")
@@ -544,10 +553,20 @@ def main() -> None:
     if args.compile_only:
         _COMPILE_ONLY.append(True)
         jobs = [(s, sh, r) for s, sh in parse_shapes(args.shapes) for r in args.rows.split(",")]
+        # the peer's kernels too, one job per (shape, weights), so the timed pass finds them compiled
+        peer = args.peer_path
+        if peer:
+            jobs += [(s, sh, "peer:mxfp4") for s, sh in parse_shapes(args.shapes)]
+            if "mxfp8" in args.rows.split(",") and not args.no_peer8:
+                jobs += [(s, sh, "peer:mxfp8") for s, sh in parse_shapes(args.shapes)]
         j, n = (int(v) for v in args.job.split("/"))
         args.no_baseline, args.peer_path, args.profile = True, None, False
+        toks = [int(t) for t in args.tokens.split(",")]
         for s, sh, r in jobs[j::n]:
-            bench_moe(s, [r], [int(t) for t in args.tokens.split(",")], 1.0, args, [], sh)
+            if r.startswith("peer:"):
+                bench_peer(peer, sh["H"], sh["I"], sh["E"], sh["K"], toks, r.split(":")[1])
+            else:
+                bench_moe(s, [r], toks, 1.0, args, [], sh)
         return
 
     tokens = [int(t) for t in args.tokens.split(",")]

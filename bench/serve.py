@@ -7,8 +7,15 @@ that the bf16 source fits the machine's disk), each measured in its own fresh pr
 * ``source``: what a user does today -- ``from_pretrained(SRC bf16, device_map="cuda")`` with transformers'
   own experts implementation;
 * ``megamoe``: ``from_pretrained(OUT, device_map="cuda")`` on the folder ``megamoe-convert convert SRC OUT
-  --quantize mxfp4`` wrote, experts on the project's triton kernels (run twice: the first with an empty
-  Triton cache, so its first token includes compiling the kernels; the second as a restarted server sees it).
+  --quantize mxfp4`` wrote, experts on the project's triton kernels, run three times, each with the cold
+  start it stands for (docs/KERNELS.md#cold-start):
+
+  - ``megamoe_cold_jit``: an empty Triton cache and no kernel cache: the first token includes compiling
+    every kernel it needs (a fresh machine without a shipped cache);
+  - ``megamoe_shipped``: an empty Triton cache, and the kernel cache ``megamoe-convert warm OUT`` built
+    (timed as ``warm``, in worker processes of its own) in ``OUT/kernel-cache``, which the load copies into
+    Triton's cache (a fresh machine with the model's shipped cache);
+  - ``megamoe``: the Triton cache the cold run filled (a restarted server on the same machine).
 
 Per run: seconds from ``from_pretrained`` to the first generated token (a 32-token prompt), peak host RSS,
 peak device memory, and greedy decode tokens/s at batch 1 over 32 new tokens after one warm-up generation,
@@ -17,6 +24,7 @@ transformers compiles with CUDA graphs; the static run's tokens are compared wit
 The page cache is warm for both (the files were just written); DeepGEMM is not installed on the H200.
 
     python bench/serve.py --work /tmp/serve --json serve.json            # H200
+    python bench/serve.py --stage prepare --work /tmp/serve && python bench/serve.py --stage measure --work /tmp/serve
     python bench/serve.py --tiny --work /tmp/serve-tiny                  # CPU smoke run, tiny shapes
 """
 from __future__ import annotations
@@ -30,6 +38,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's packages, whatever the environment installed
 
 PROMPT, NEW_TOKENS = 32, 32
 #: also time generate(cache_implementation="static") (compiled, CUDA graphs); --no-static turns it off
@@ -163,35 +174,101 @@ def main() -> None:
     ap.add_argument("--no-static", action="store_true",
                     help="skip the static-cache (compiled, CUDA-graph) decode of each run")
     ap.add_argument("--no-cold", action="store_true", help="skip the run with an empty Triton cache")
+    ap.add_argument("--no-shipped", action="store_true",
+                    help="skip building the kernel cache (megamoe-convert warm) and the run seeded from it")
+    ap.add_argument("--no-restart", action="store_true", help="skip the run on the cold run's Triton cache")
+    ap.add_argument("--warm-tokens", default=None, help="token counts of the kernel cache (default: warm's own)")
+    ap.add_argument("--warm-jobs", type=int, default=8, help="worker processes of megamoe-convert warm")
+    ap.add_argument("--stage", choices=("all", "prepare", "measure"), default="all",
+                    help="prepare: build and convert only; measure: the runs on a --work folder prepared before")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--megamoe", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure:
         print(json.dumps(measure(a.measure, a.megamoe)))
         return
-    from megamoe_convert.convert import convert
+    work = a.work
+    src, out = work / "source-bf16", work / "out-mxfp4"
+    prep = work / "prepared.json"
+    if a.stage in ("all", "prepare"):
+        from megamoe_convert.convert import convert
 
-    shutil.rmtree(a.work, ignore_errors=True)
-    a.work.mkdir(parents=True)
-    src, out = a.work / "source-bf16", a.work / "out-mxfp4"
-    t = time.perf_counter()
-    res = {"model": build_source(src, a.tiny, a.layers, a.experts)}
-    res["build_s"] = round(time.perf_counter() - t, 1)
-    t = time.perf_counter()
-    convert(src, out, quantize="mxfp4")
-    res["convert_s"] = round(time.perf_counter() - t, 1)
-    res["out_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    env = dict(os.environ, TRITON_CACHE_DIR=str(a.work / "triton-cache"),
-               MEGAMOE_SERVE_STATIC="0" if a.no_static else "1")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        t = time.perf_counter()
+        res = {"model": build_source(src, a.tiny, a.layers, a.experts)}
+        res["build_s"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        convert(src, out, quantize="mxfp4")
+        res["convert_s"] = round(time.perf_counter() - t, 1)
+        res["out_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        prep.write_text(json.dumps(res))
+        print(json.dumps(res), flush=True)
+        if a.stage == "prepare":
+            return
+    if not prep.is_file():
+        raise SystemExit(f"{work} was not prepared: run with --stage prepare (or all) first")
+    res = json.loads(prep.read_text())
+    static = "0" if a.no_static else "1"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(work / "triton-cache"), MEGAMOE_SERVE_STATIC=static,
+               MEGAMOE_KERNEL_CACHE="off")
+    shutil.rmtree(work / "triton-cache", ignore_errors=True)
     res["source"] = _child(src, False, env)
     print(json.dumps({"source": res["source"]}), flush=True)
     if not a.no_cold:
         res["megamoe_cold_jit"] = _child(out, True, dict(env, MEGAMOE_SERVE_STATIC="0"))
-    res["megamoe"] = _child(out, True, env)
+        res["cold_jit_kernels"] = _compiled_kernels(work / "triton-cache")
+        print(json.dumps({"megamoe_cold_jit": res["megamoe_cold_jit"], "kernels": res["cold_jit_kernels"]}),
+              flush=True)
+    import torch
+
+    if not a.no_shipped and torch.cuda.is_available():  # a kernel cache is compiled on the GPU it serves
+        res["warm"] = _warm(out, a.warm_tokens, a.warm_jobs, env)
+        print(json.dumps({"warm": res["warm"]}), flush=True)
+    if "warm" in res and res["warm"].get("ok"):
+        fresh = work / "triton-cache-fresh"
+        shutil.rmtree(fresh, ignore_errors=True)
+        res["megamoe_shipped"] = _child(out, True, dict(env, TRITON_CACHE_DIR=str(fresh), MEGAMOE_SERVE_STATIC="0",
+                                                        MEGAMOE_KERNEL_CACHE=""))
+        shipped = {p.name for p in (out / "kernel-cache" / "triton").iterdir()}
+        # kernels the seeded run still compiled: in its Triton cache but not in the shipped one
+        res["shipped_compiled_anyway"] = _compiled_kernels(fresh, skip=shipped)
+        print(json.dumps({"megamoe_shipped": res["megamoe_shipped"],
+                          "compiled_anyway": res["shipped_compiled_anyway"]}), flush=True)
+    if not a.no_restart:
+        res["megamoe"] = _child(out, True, env)
+    src_t = res["source"]["first_token_s"]
+    res["first_token_vs_source"] = {k: round(res[k]["first_token_s"] / src_t, 2)
+                                    for k in ("megamoe_cold_jit", "megamoe_shipped", "megamoe") if k in res}
     print(json.dumps(res, indent=1))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
 
+
+def _compiled_kernels(cache: Path, skip: frozenset = frozenset()) -> dict:
+    """{kernel name: compiled specializations} in a Triton cache folder (one ``*.cubin`` per compilation),
+    leaving out the entries named in ``skip``."""
+    names: dict = {}
+    for f in sorted(cache.glob("*/*.cubin")):
+        if f.parent.name not in skip:
+            names[f.stem] = names.get(f.stem, 0) + 1
+    return names
+
+
+def _warm(out: Path, tokens, jobs: int, env: dict) -> dict:
+    """``megamoe-convert warm OUT`` (OUT/kernel-cache) in a process of its own, timed from its start."""
+    cmd = [sys.executable, "-m", "megamoe_convert.cli", "warm", str(out), "--jobs", str(jobs), "--json"]
+    if tokens:
+        cmd += ["--tokens", tokens]
+    shutil.rmtree(out / "kernel-cache", ignore_errors=True)
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                       env=dict(env, PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])))
+    if r.returncode:  # the other runs still count: say why and go on
+        return {"ok": False, "error": f"{' '.join(cmd)}: rc {r.returncode}: {r.stdout[-1500:]} {r.stderr[-3000:]}"}
+    d = json.loads(r.stdout)
+    d["wall_s"] = round(time.perf_counter() - t, 1)
+    return d
 
 if __name__ == "__main__":
     main()

@@ -923,5 +923,9 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
                    + ("" if v["ok"] else ", verify failed"))
 
 
+from .warm_cli import warm as warm_command  # noqa: E402  (`megamoe-convert warm`: the kernel cache)
+
+main.add_command(warm_command)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

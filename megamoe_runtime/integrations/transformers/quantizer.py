@@ -28,6 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from ...errors import CheckpointError
 from ..dense import decode_linear_weight, is_quantized_linear
 from ..folder import check_folder_for_model, weights_folder
+from ..warm import seed_for_folder
 from .blocks import MOE_BLOCKS, MegaMoEBlock, adapt_router, is_moe_block
 
 __all__ = ["MegaMoEHfQuantizer", "PendingLinear"]
@@ -95,6 +96,7 @@ class MegaMoEHfQuantizer(HfQuantizer):
         with torch.device("cpu"):
             ckpt = check_folder_for_model(folder, cfg, verify=self.quantization_config.verify)
         self.checkpoint = ckpt
+        seed_for_folder(folder)  # a shipped kernel cache into triton's, before any kernel compiles (integrations/warm.py)
         ignore: set[str] = set()
         for li in ckpt.layers:
             path = _module_path(model, li.prefix)

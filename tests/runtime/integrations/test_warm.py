@@ -1,0 +1,192 @@
+"""megamoe_runtime/integrations/warm.py: building a folder's kernel cache (its refusals, the worker processes,
+the new folder appearing only when complete) and finding / seeding the shipped cache. On the CPU the workers
+run the reference backend, which compiles nothing: what is checked is the orchestration and the folder
+contract; the triton entries themselves are built and timed on the GPU (bench/cold.sh, BENCHMARKS.md)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from megamoe_runtime.backends import kernel_cache as kc
+from megamoe_runtime.errors import ManifestError
+from megamoe_runtime.integrations import warm
+
+ENV = {"triton": "3.6.0", "torch": "2.11.0", "cuda": "13.0", "python": "3.12", "machine": "x86_64",
+       "capability": "sm_90", "gpu": "NVIDIA H100 80GB HBM3"}
+
+
+@pytest.fixture
+def gpu_env(monkeypatch):
+    """This process as if it had triton and an sm_90 GPU (what build_cache and seed check)."""
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(ENV))
+    return ENV
+
+
+def test_parse_tokens():
+    assert warm.parse_tokens("64, 1,8,8") == [1, 8, 64]
+    for bad in ("", "0", "1,x", "-4", str(warm.MAX_TOKENS + 1)):
+        with pytest.raises(kc.KernelCacheError):
+            warm.parse_tokens(bad)
+    assert warm.parse_tokens(",".join(map(str, warm.DEFAULT_TOKENS))) == list(warm.DEFAULT_TOKENS)
+
+
+def test_distinct_layers(ckpts):
+    from megamoe_runtime.load.checkpoint import open_checkpoint
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    ck = open_checkpoint(out)
+    idx = warm.distinct_layers(ck)
+    assert len(ck.layers) >= 2 and idx == [ck.layers[0].index]  # the synthetic layers share one spec
+    specs = {li.index: li.spec for li in ck.layers}
+    assert all(specs[i] == specs[idx[0]] for i in specs)
+
+
+def test_build_cache_refusals(tmp_path, ckpts, monkeypatch):
+    with pytest.raises(ManifestError):
+        warm.build_cache(tmp_path / "not-converted", tmp_path / "c")
+    _, out = ckpts.converted("modelopt-mxfp4")
+    monkeypatch.setattr(kc, "environment", lambda device=None: {**ENV, "capability": None})
+    with pytest.raises(kc.KernelCacheError, match="no CUDA device"):
+        warm.build_cache(out, tmp_path / "c")
+    monkeypatch.setattr(kc, "environment", lambda device=None: {**ENV, "triton": None})
+    with pytest.raises(kc.KernelCacheError, match="triton is not installed"):
+        warm.build_cache(out, tmp_path / "c")
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(ENV))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(kc.KernelCacheError, match="not a megamoe kernel cache"):
+        warm.build_cache(out, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # a folder it did not make is left alone
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / kc.ENTRIES_DIR).mkdir()
+    kc.write_manifest(other, {**ENV, "triton": "3.5.0"})
+    before = (other / kc.MANIFEST_NAME).read_bytes()
+    with pytest.raises(kc.KernelCacheError, match="3.5.0"):
+        warm.build_cache(out, other)
+    assert (other / kc.MANIFEST_NAME).read_bytes() == before
+    with pytest.raises(kc.KernelCacheError, match="jobs=0"):
+        warm.build_cache(out, tmp_path / "c", jobs=0)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.partial-*"))
+
+
+def test_build_cache_workers_and_new_folder(tmp_path, ckpts, gpu_env):
+    _, out = ckpts.converted("modelopt-mxfp4")
+    cache = tmp_path / "kc"
+    res = warm.build_cache(out, cache, tokens=[1, 3], jobs=2, backend="reference", device="cpu")
+    assert res["ok"] and res["cache"] == str(cache) and res["jobs"] == 2 and res["tokens"] == [1, 3]
+    m = kc.read_manifest(cache)
+    assert {k: m[k] for k in kc.MATCH_KEYS} == {k: ENV[k] for k in kc.MATCH_KEYS}
+    assert m["tokens"] == [1, 3] and [d["index"] for d in m["layers"]] == res["layers"]
+    assert not list(tmp_path.glob(".kc.partial-*"))  # built beside, renamed into place
+    # again into the same (compatible) cache: adds, keeps the folder
+    res2 = warm.build_cache(out, cache, tokens=[2], jobs=1, backend="reference", device="cpu")
+    assert res2["cache"] == str(cache) and kc.read_manifest(cache)["tokens"] == [1, 2, 3]
+
+
+def test_build_cache_worker_failure_leaves_nothing(tmp_path, ckpts, gpu_env):
+    _, out = ckpts.converted("modelopt-mxfp4")
+    with pytest.raises(kc.KernelCacheError, match="warm worker failed"):
+        warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="no-such-backend", device="cpu")
+    assert not list(tmp_path.iterdir())
+
+
+def test_shipped_cache_lookup(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGAMOE_KERNEL_CACHE", raising=False)
+    assert warm.shipped_cache(tmp_path) is None  # no kernel-cache folder
+    (tmp_path / warm.CACHE_SUBDIR).mkdir()
+    assert warm.shipped_cache(tmp_path) is None  # a folder without a manifest is no cache
+    (tmp_path / warm.CACHE_SUBDIR / kc.MANIFEST_NAME).write_text("{}")
+    assert warm.shipped_cache(tmp_path) == tmp_path / warm.CACHE_SUBDIR
+    monkeypatch.setenv("MEGAMOE_KERNEL_CACHE", "off")
+    assert warm.shipped_cache(tmp_path) is None
+    monkeypatch.setenv("MEGAMOE_KERNEL_CACHE", str(tmp_path / "elsewhere"))
+    assert warm.shipped_cache(tmp_path) == tmp_path / "elsewhere"
+    monkeypatch.setenv("MEGAMOE_KERNEL_CACHE", "")
+    assert warm.shipped_cache(tmp_path) == tmp_path / warm.CACHE_SUBDIR
+
+
+def _cache_with_entry(root, env):
+    (root / kc.ENTRIES_DIR / "key1").mkdir(parents=True)
+    (root / kc.ENTRIES_DIR / "key1" / "k.cubin").write_bytes(b"x")
+    kc.write_manifest(root, env)
+    return root
+
+
+def test_seed_for_folder(tmp_path, monkeypatch, gpu_env):
+    import torch
+
+    folder = tmp_path / "model"
+    _cache_with_entry(folder / warm.CACHE_SUBDIR, ENV)
+    triton_dir = tmp_path / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_dir))
+    monkeypatch.setattr(kc, "triton_cache_dir", lambda: triton_dir)
+    monkeypatch.delenv("MEGAMOE_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert warm.seed_for_folder(folder) is None and not triton_dir.exists()  # no GPU: nothing to seed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rep = warm.seed_for_folder(folder)
+    assert rep.new_entries == 1 and (triton_dir / "key1" / "k.cubin").read_bytes() == b"x"
+
+
+def test_seed_for_folder_never_stops_a_load(tmp_path, monkeypatch, gpu_env):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    triton_dir = tmp_path / "triton-cache"
+    monkeypatch.setattr(kc, "triton_cache_dir", lambda: triton_dir)
+    folder = tmp_path / "model"
+    _cache_with_entry(folder / warm.CACHE_SUBDIR, {**ENV, "capability": "sm_100"})
+    with pytest.warns(UserWarning, match="sm_100.*compile at first use"):
+        rep = warm.seed_for_folder(folder)
+    assert rep.skipped and not triton_dir.exists()
+    monkeypatch.setenv("MEGAMOE_KERNEL_CACHE", str(tmp_path / "not-a-cache"))
+    with pytest.warns(UserWarning, match="kernel cache not used"):
+        assert warm.seed_for_folder(folder) is None
+    monkeypatch.setenv("MEGAMOE_KERNEL_CACHE", "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warm.seed_for_folder(folder) is None
+
+
+def test_worker_module_runs(tmp_path, ckpts):
+    import subprocess
+    import sys
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    r = subprocess.run([sys.executable, "-m", "megamoe_runtime.integrations.warm", "--worker", str(out), "--layers",
+                        "1", "--tokens", "2", "--backend", "reference", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(json.loads(r.stdout.strip().splitlines()[-1])["layers_s"]) == ["1"]
+
+
+@pytest.mark.gpu
+def test_shipped_cache_leaves_nothing_to_compile(tmp_path, ckpts):
+    """On the GPU: a process whose empty triton cache was seeded from a cache built for the same token counts
+    compiles no kernel (its triton cache holds exactly the shipped entries afterwards); negative control: a
+    token count the cache was not built for does compile."""
+    import os
+    import subprocess
+    import sys
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    cache = tmp_path / "kc"
+    res = warm.build_cache(out, cache, tokens=[1, 5], jobs=2)
+    assert res["entries"] > 0
+    shipped = {p.name for p in (cache / kc.ENTRIES_DIR).iterdir()}
+
+    def fresh_run(tokens: str, tcache) -> set:
+        code = (f"import os; from megamoe_runtime.integrations import warm; from megamoe_runtime.backends import "
+                f"kernel_cache as kc; kc.seed({str(cache)!r}); "
+                f"warm.run_layers({str(out)!r}, [{res['layers'][0]}], [{tokens}])")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TRITON_CACHE_DIR": str(tcache)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {p.name for p in tcache.iterdir() if p.is_dir()}
+
+    assert fresh_run("1, 5", tmp_path / "t1") == shipped
+    assert fresh_run("64", tmp_path / "t2") - shipped  # not in the cache: compiled at first use
