@@ -5,7 +5,9 @@ forward, and compare it with an independent fp32 computation from the SOURCE.
     python examples/convert_and_serve.py --format modelopt-mxfp4 --shared 1
     python examples/convert_and_serve.py --src tests/fixtures/real/quark-nvfp4-qwen3moe
 
-The independent computation reads the source checkpoint through the
+The comparison is the package's (``megamoe_convert.against``), the one
+``megamoe-convert verify OUT --against SRC`` runs on a folder you converted:
+the independent computation reads the source checkpoint through the
 converter's readers (checkpoint encoding, no kernel layout), dequantizes every
 expert to fp32 and evaluates the MoE directly: for each token,
 ``sum_k w_k * down(act(gate x, up x))`` (x rsf) plus the shared expert. The
@@ -22,27 +24,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The independent computation lives in the package (``megamoe-convert demo`` runs it too);
-# re-exported here: THRESHOLDS, LayerResult, source_forward, routing.
-from megamoe_convert.selfcheck import THRESHOLDS, LayerResult, compare_with_source, routing, source_forward  # noqa: F401
+from megamoe_convert.against import compare_folder_with_source, layer_lines
+# the pieces of the independent computation, for a caller that wants to run them itself
+from megamoe_convert.selfcheck import THRESHOLDS, routing, source_forward  # noqa: F401
 
 
 def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool = True,
-        **convert_kwargs) -> list[LayerResult]:
+        **convert_kwargs) -> list[dict]:
     """Convert ``src`` into ``out`` (``convert_kwargs``: e.g. accept_activation_change,
-    l2_activation_scale), serve every layer, compare with the source."""
+    l2_activation_scale), serve every layer, compare with the source: one record per layer
+    (index, prefix, row, calc_diff, threshold, shared_fused, ok)."""
     from megamoe_convert.convert import convert
 
     summary = convert(src, out, **convert_kwargs)
     if verbose:
         print(f"converted {src} -> {out} ({getattr(summary, 'row', '?')})")
-    results = compare_with_source(src, out, tokens=tokens, seed=seed)
+    layers = compare_folder_with_source(out, src, tokens=tokens, seed=seed)["layers"]
     if verbose:
-        for res in results:
-            print(f"layer {res.index} ({res.prefix}, {res.row}, shared fused={res.shared_fused}): "
-                  f"calc_diff vs source fp32 = {res.diff:.2e} (threshold {res.threshold:.0e}) "
-                  f"{'OK' if res.ok else 'FAIL'}")
-    return results
+        print("\n".join(layer_lines(layers)))
+    return layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                                              shared_format="bf16" if args.format.endswith("nvfp4") else None)
         out = args.out or Path(tmp) / "out"
         results = run(src, out, tokens=args.tokens)
-    bad = [r for r in results if not r.ok]
+    bad = [r for r in results if not r["ok"]]
     print(f"{len(results) - len(bad)}/{len(results)} layers match the source")
     return 1 if bad else 0
 

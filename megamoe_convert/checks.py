@@ -311,6 +311,9 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
     """
     if p.scale is None:
         return
+    if row.weight.block_scaled:
+        _check_fp32_block_scales(p, row, where, name_hint, weight)
+        return
     b = p.scale.view(torch.uint8)
     if b.numel() == 0:
         return
@@ -337,6 +340,38 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
         if bool(bad.any()):
             _raise_first(bad, b, full, "block scale(s) are zero while their block has nonzero elements "
                                        "(the elements would be erased); block scales must be > 0")
+
+
+def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
+                             name_hint: Callable[[], str] | None,
+                             weight: Callable[[], torch.Tensor] | None) -> None:
+    """fp32 block scales finite and > 0 (zero only over an all-zero block), E4M3 weights free of NaN bytes."""
+    s = p.scale
+    w = (p.weight if weight is None else weight()).view(torch.uint8)
+    full = lambda: f"{where}{name_hint() if name_hint else ''}"  # noqa: E731
+    bad = ~torch.isfinite(s) | (s < 0)
+    b = row.weight.scale_block_rows
+    zero = s == 0
+    if bool(zero.any()):
+        live = ((w & 0x7F) != 0).unflatten(-1, (-1, row.weight.scale_group)).any(-1)
+        live = live.unflatten(-2, (-1, b)).any(-2)
+        bad |= zero & live
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ScaleError(
+            f"{full()}: {int(bad.sum())} of {bad.numel()} fp32 block scale(s) are not finite and > 0 (a zero "
+            f"scale only over an all-zero block); first at [row block, col block] = {list(first)} = "
+            f"{float(s[first])!r}, scale shape {list(s.shape)}")
+
+
+def _check_e4m3_weight(weight: torch.Tensor, where: str, name_hint: Callable[[], str]) -> None:
+    """No E4M3 NaN byte (S.1111.111: 0x7F / 0xFF) in a weight."""
+    w = weight.view(torch.uint8)
+    nan_w = (w & 0x7F) == 0x7F
+    if bool(nan_w.any()):
+        count, first = int(nan_w.sum()), [int(i) for i in nan_w.nonzero()[0].tolist()]
+        raise ScaleError(f"{where}{name_hint()}: {count} E4M3 weight byte(s) are NaN (0x7F / 0xFF); first at "
+                         f"[row, col] = {first} (byte 0x{int(w[tuple(first)]):02X})")
 
 
 def _live_blocks(weight: torch.Tensor, row: Row) -> torch.Tensor:
@@ -366,6 +401,10 @@ def check_expert(et: ExpertTensors, row: Row, info: MoELayerInfo, expert: int, s
     where = f"MoE layer {info.index} ({info.prefix}) expert {expert}"
     et.validate(row, info.hidden, info.intermediate, where)
     for role, p in et.projections():
+        if row.weight.block_scaled:  # E4M3 NaN bytes would reach the kernel as NaN
+            w = (weights or {}).get(role)
+            _check_e4m3_weight(p.weight if w is None else w(), f"{where} {role} weight",
+                               lambda role=role: _named(info, expert, role, "weight", source))
         check_block_scales(p, row, f"{where} {role} scale",
                            lambda role=role: _named(info, expert, role, "scale", source),
                            (weights or {}).get(role))

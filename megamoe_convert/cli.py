@@ -15,13 +15,17 @@ errors included: ``{"ok": false, "exit_code": 2, "error": "..."}``.
 """
 from __future__ import annotations
 
-import json
-import shlex
-import signal
-import sys
-import threading
-import tempfile
 import time
+
+#: when this command started (before torch and the converter are imported): the summary's "since start"
+_STARTED = time.perf_counter()
+
+import json  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import tempfile  # noqa: E402
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -221,7 +225,7 @@ def main() -> None:
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="Quantize an unquantized (BF16/FP16/FP32) checkpoint with the reference quantizers.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Write one set of expert shards per EP rank, each holding only that rank's experts.")
@@ -335,7 +339,9 @@ def _print_summary(s) -> None:
                + (f"   resumed files: {s.resumed_files}" if s.resumed_files else ""))
     click.echo(f"  bytes in: {format_bytes(s.bytes_in)}   bytes out: {format_bytes(s.bytes_out)}")
     kept = getattr(s, "bytes_kept", 0)
-    click.echo(f"  time: {s.seconds:.2f} s   throughput: {s.gb_per_s:.2f} GB/s"
+    click.echo(f"  time: {s.seconds:.2f} s converting (checks, reads, writes, rename), "
+               f"{time.perf_counter() - _STARTED:.2f} s since the command started (imports included)   "
+               f"throughput: {s.gb_per_s:.2f} GB/s"
                + (f" (over the {format_bytes(s.bytes_in - kept)} processed by this run; {format_bytes(kept)} "
                   "kept from the earlier run)" if kept else ""))
     act = (s.recipe or {}).get("activations")
@@ -354,6 +360,11 @@ def _print_summary(s) -> None:
         click.echo(f"  shared experts (layers {d['layers']}): fused as {d['precision']} ({d['reason']})")
         if d["note"]:
             click.echo(f"    {d['note']}")
+    out, src = shlex.quote(str(s.out)), shlex.quote(str(s.source))
+    click.echo(f"next: megamoe-convert verify {out} --against {src}   (the served layers against the source)")
+    click.echo(f"      transformers: import megamoe_runtime.integrations.transformers, then "
+               f"AutoModelForCausalLM.from_pretrained({str(s.out)!r})")
+    click.echo(f"      vLLM: vllm serve {out} --load-format megamoe")
 
 
 # --------------------------------------------------------------------------- inspect
@@ -364,7 +375,7 @@ def _print_summary(s) -> None:
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
 @hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
-@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4"]), default=None,
+@click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="EP size to check divisibility and size the output for.")
@@ -442,7 +453,7 @@ def _print_inspect(rep: "InspectReport") -> None:
         sc = rep.scales
         bad = sc.get("unchecked_layers") or []
         if sc["pairs"]:
-            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 weight_scale_2 pairs differ "
+            click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 {sc['tensor']} pairs differ "
                        f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})"
                        + (f"; layers {layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
                           if bad else ""))
@@ -500,20 +511,27 @@ def _shared_line(sh: dict) -> str:
                    "written exactly once.")
 @click.option("--no-progress", is_flag=True,
               help="No progress display (default: a bar on a terminal, else one line every 10 s on stderr).")
-def verify(out, as_json, reload_dry_run, no_progress):
-    """Check converted folder OUT against its manifest.
+@click.option("--against", "against", default=None, metavar="SRC",
+              help="Also serve every MoE layer (reference backend, CPU) and compare it with an fp32 MoE computed "
+                   "from source checkpoint SRC (a folder or hub repo id, read as the conversion read it): one "
+                   "calc_diff per layer, each below its row's threshold (bf16 1e-4, mxfp8/mxfp4 2e-3, nvfp4 2e-2).")
+@click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
+              help="With --against: tokens per layer in the comparison.")
+def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
+    """Check converted folder OUT against its manifest (and, with --against, its source).
 
     Manifest schema, version and self-digest, every file present with its size and
     digest, every safetensors header consistent with the manifest, every
     tensor's checksum (sha256 or blake3, as the manifest says; a blake3 folder
     needs the blake3 package). Exit 1 with a report on any mismatch, missing
-    file or flipped byte.
+    file or flipped byte, or (--against) a layer above its threshold.
 
     \b
     Examples:
       megamoe-convert verify ./qwen3-megamoe
       megamoe-convert verify ./qwen3-megamoe --json
       megamoe-convert verify ./qwen3-megamoe --reload-dry-run
+      megamoe-convert verify ./qwen3-megamoe --against ./Qwen3-30B-A3B-NVFP4
 
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
     folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
@@ -548,13 +566,29 @@ def verify(out, as_json, reload_dry_run, no_progress):
         if not result["reload"]["ok"]:
             rep.problems.extend(result["reload"]["problems"])
             result["problems"], result["ok"] = rep.problems, False
+    if against is not None and rep.ok:
+        result["against"] = _verify_against(out, against, tokens, bar_off=no_progress)
+        if not result["against"]["ok"]:
+            bad = [le for le in result["against"]["layers"] if not le["ok"]]
+            rep.problems.extend(f"layer {le['index']} ({le['prefix']}): calc_diff {le['calc_diff']:.2e} against "
+                                f"{against} >= threshold {le['threshold']:.0e}" for le in bad)
+            result["problems"], result["ok"] = rep.problems, False
     result["exit_code"] = EXIT_OK if rep.ok else EXIT_VERIFY_FAILED
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        _print_verify(rep, result.get("reload"))
+        _print_verify(rep, result.get("reload"), result.get("against"))
     if not rep.ok:
         sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _verify_against(out: Path, src: str, tokens: int, bar_off: bool) -> dict:
+    """megamoe_convert.against: every layer of OUT served and compared with the fp32 MoE of SRC."""
+    from .against import compare_folder_with_source
+
+    if not bar_off:
+        click.echo(f"verify: comparing every MoE layer of {out} with {src} ({tokens} tokens) ...", err=True)
+    return _run_guarded(lambda: compare_folder_with_source(out, src, tokens=tokens))
 
 
 def _reload_dry_run(out: Path) -> dict:
@@ -573,13 +607,24 @@ def _reload_dry_run(out: Path) -> dict:
             "layer_loads": sum(len(rep.layers) for rep in reports), "problems": problems}
 
 
-def _print_verify(rep, reload: dict | None) -> None:
+def _print_verify(rep, reload: dict | None, against: dict | None = None) -> None:
     for w in rep.warnings:
         click.echo(f"warning: {w}", err=True)
+    if against is not None:
+        from .against import layer_lines
+
+        click.echo(f"served layers ({against['backend']} backend, {against['tokens']} tokens) vs fp32 MoE from "
+                   f"{against['source']} ({against['format']}"
+                   + (f", quantized to {against['quantize']}" if against["quantize"] else "") + "):")
+        for line in layer_lines(against["layers"]):
+            click.echo(f"  {line}")
     if rep.ok:
         click.echo(f"ok: {rep.path}: format_version {rep.format_version}, row {rep.row}, ep_size {rep.ep_size}, "
                    f"{rep.layers} MoE layers; {rep.files_checked} files, {rep.tensors_checked} tensors, "
                    f"{format_bytes(rep.bytes_checked)} checked")
+        if against is not None:
+            click.echo(f"ok: all {len(against['layers'])} MoE layers match {against['source']} within their row's "
+                       "threshold")
         if reload is not None:
             click.echo(f"ok: reload dry run of {reload['layers']} MoE layer(s) on each of {reload['ranks']} EP "
                        f"rank(s) ({reload['layer_loads']} layer loads): every parameter byte written exactly once")
@@ -692,7 +737,9 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
               help="Synthetic source format to build: any format megamoe_convert.synth supports (modelopt-nvfp4, "
                    "quark-mxfp4, ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Build in this folder and keep it (default: a temporary folder, removed afterwards).")
+              help="Build in this folder and keep it (default: a temporary folder, removed afterwards). Run "
+                   "again, it replaces what an earlier demo wrote there (its .megamoe-demo.json lists it) and "
+                   "refuses to touch anything else.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Convert into this many EP rank file sets (the check reads every rank's files).")
 @click.option("--tokens", type=click.IntRange(min=1, max=4096), default=16, show_default=True,
@@ -726,12 +773,14 @@ def demo(fmt, keep, ep_size, tokens, as_json):
     if fmt not in synth.FORMATS:
         raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth.FORMATS)}",
                                  param_hint="--format")
+    from .demo import prepare_keep, run_demo
+
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        result = _run_guarded(lambda: _demo(keep, fmt, ep_size, tokens))
+        result = _run_guarded(lambda: (prepare_keep(keep), run_demo(keep, fmt, ep_size, tokens, log))[1])
     else:
         with tempfile.TemporaryDirectory(prefix="megamoe-demo-") as d:
-            result = _run_guarded(lambda: _demo(Path(d), fmt, ep_size, tokens))
+            result = _run_guarded(lambda: run_demo(Path(d), fmt, ep_size, tokens, log))
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -760,45 +809,18 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
     n_ok = sum(r["ok"] for r in c["layers"])
     g = result["generate"]
     if "skipped" in g:
-        click.echo(f"demo: generate skipped: {g['skipped']}")
+        click.echo(f"demo: transformers step skipped: {g['skipped']}")
     else:
-        click.echo(f"demo: AutoModelForCausalLM.from_pretrained(converted {g['model']}) generated "
-                   f"{g['tokens']}; transformers on the source: {g['reference_tokens']} "
-                   f"{'(identical)' if g['ok'] else '(DIFFERENT)'}")
+        where = g["out"] if kept else "a temporary folder"
+        click.echo(f"demo: transformers: converted a tiny {g['model']} with random weights (a {g['source_dtype']} "
+                   f"source, so row {g['row']}) into {where}")
+        click.echo(f"demo: AutoModelForCausalLM.from_pretrained on it generated {g['tokens']}; transformers on "
+                   f"the source: {g['reference_tokens']} {'(identical)' if g['ok'] else '(DIFFERENT)'}")
     if result["ok"]:
         click.echo(f"demo: ok: {n_ok}/{len(c['layers'])} layers match the source")
     else:
         click.echo(f"demo: FAILED: {n_ok}/{len(c['layers'])} layers match the source"
                    + ("" if v["ok"] else ", verify failed"))
-
-
-DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
-
-
-def _demo(root: Path, fmt: str, ep_size: int, tokens: int = 16) -> dict:
-    from . import synth
-    from .convert import convert as do_convert
-    from .selfcheck import compare_with_source
-    from megamoe_runtime.load.verify import verify_output
-
-    src, out = root / "source", root / "converted"
-    for p in (src, out, root / "hf-source", root / "hf-converted"):  # the last two: demo_generate's
-        if p.exists():
-            raise MegaMoEError(f"{p} exists; --keep needs an empty folder (or remove {p})")
-    synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
-    s = do_convert(src, out, ep_size=ep_size, log=lambda m: click.echo(m, err=True))
-    v = verify_output(out)
-    t = time.perf_counter()
-    layers = compare_with_source(src, out, tokens=tokens, seed=0)
-    compare = {"backend": "reference", "tokens": tokens, "seed": 0, "ok": all(r.ok for r in layers),
-               "layers": [r.to_dict() for r in layers], "seconds": round(time.perf_counter() - t, 3)}
-    from .demo_generate import demo_generate
-
-    generate = demo_generate(root, log=lambda m: None)
-    return {"ok": v.ok and compare["ok"] and generate["ok"], "format": fmt, "src": str(src), "out": str(out),
-            "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
-            "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
-            "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}
 
 
 if __name__ == "__main__":  # pragma: no cover

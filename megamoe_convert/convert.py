@@ -199,9 +199,9 @@ def _heap_frozen():
     hundred thousand after ``import torch``) out of the garbage collector's
     passes, and give them back afterwards (``gc.freeze`` / ``gc.unfreeze``).
     Reading the source's headers and planning make many small objects, and
-    each oldest-generation pass walked the whole heap: 0.06 of the 0.16 s
-    before the first layer on a 1 GiB source (BENCHMARKS.md, issue 13, third
-    pass; `_convert_locked` disables the collector for the streaming pass
+    each oldest-generation pass walks the whole heap: 0.06 of the 0.16 s
+    before the first layer on a 1 GiB source (docs/bench-log/convert.md;
+    `_convert_locked` disables the collector for the streaming pass
     itself). Garbage made meanwhile is still collected. Left alone if the
     caller froze objects itself (its freeze is not ours to undo)."""
     if gc.get_freeze_count():
@@ -292,9 +292,8 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
         gc.disable()
         # The hash, write and device-write threads each take the GIL for a moment per piece, between
         # system calls that release it; with the reader threads' Python holding it, each such moment
-        # waited up to the 5 ms switch interval: 0.5 ms cut a 1 GiB conversion from 1.41 to 1.30 s
-        # (medians, 2 cores; a simulated writer with one busy Python thread beside it: 0.61 -> 1.08 GB/s;
-        # BENCHMARKS.md, issue 13, third pass).
+        # would wait up to the default 5 ms switch interval, and the writers with it
+        # (docs/bench-log/convert.md).
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, SWITCH_INTERVAL))
         try:

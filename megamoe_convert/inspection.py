@@ -177,6 +177,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         shared_notes = {}
         lplans: list[LayerPlan] = []
         check_shared_precision(row, shared_precision)
+        global_name = reader.global_scale_name()
         for info in infos:
             shared, shared_rec, spec = layer_decisions(info, row, facts, ep_size, shared_precision, problems)
             if info.shared is not None and shared is None:
@@ -197,7 +198,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                     if rep.mismatches:
                         e, g, u = rep.mismatches[0]
                         what = (f"MoE layer {info.index}: {len(rep.mismatches)} expert(s) with w1/w3 "
-                                f"weight_scale_2 mismatch (first: expert {e}, {g!r} vs {u!r})")
+                                f"{global_name} mismatch (first: expert {e}, {g!r} vs {u!r})")
                         if on_scale_mismatch == "requantize":
                             repairs.append(f"{what}: requantized onto the larger scale (--on-scale-mismatch "
                                            "requantize; block scales rescaled, nibbles unchanged)")
@@ -251,7 +252,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
             layer_groups=[{"layers": layer_ranges(g["layers"]), "hidden": g["key"][0], "intermediate": g["key"][1],
                            "num_experts": g["key"][2]} for g in groups],
             shapes=shapes, shared=shared_summary,
-            scales=({"pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
+            scales=({"tensor": global_name, "pairs": pairs, "mismatched_pairs": mismatched, "max_rel_diff": max_rel,
                      "tolerance": checks.GATE_UP_RTOL, "missing_input_scales": missing_input,
                      "unchecked_layers": sorted(unchecked)}
                     if row.weight.has_global_scale else None),

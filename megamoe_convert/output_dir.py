@@ -12,7 +12,7 @@ siblings, which all live beside OUT (same filesystem, so renames are atomic):
   holds the holder's pid, host, start time and run id for the refusal message.
 
 The one-writer guarantee does not rest on that path alone (a user or a tmp
-reaper may delete or replace it under a live run; issue 30). Three locks,
+reaper may delete or replace it under a live run). Three locks,
 all ``flock`` (dropped by the kernel on any death):
 
 * the lock file: the early, named refusal of a second run;

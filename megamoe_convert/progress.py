@@ -26,17 +26,18 @@ first line before torch is imported.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import threading
 import time
 from typing import Callable, TextIO
 
+from megamoe_runtime import knobs
+
 #: seconds between two lines when stderr is not a terminal (``MEGAMOE_PROGRESS_INTERVAL`` overrides)
 DEFAULT_INTERVAL = 10.0
 #: seconds between two redraws on a terminal
-TTY_REFRESH = 0.1
+_TTY_REFRESH = 0.1
 
 
 def format_bytes(n: float) -> str:
@@ -48,7 +49,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TB"  # pragma: no cover
 
 
-def format_duration(s: float) -> str:
+def _format_duration(s: float) -> str:
     s = max(0, int(round(s)))
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
@@ -56,7 +57,7 @@ def format_duration(s: float) -> str:
 
 
 def interval_from_env(default: float = DEFAULT_INTERVAL) -> float:
-    v = os.environ.get("MEGAMOE_PROGRESS_INTERVAL")
+    v = knobs.get("MEGAMOE_PROGRESS_INTERVAL")
     try:
         return max(0.0, float(v)) if v else default
     except ValueError:
@@ -166,7 +167,7 @@ class ProgressDisplay:
     # ---------------------------------------------------------------- rendering
     def _maybe_show(self, now: float) -> None:
         if self.mode == "tty":
-            if now - self._last_draw >= TTY_REFRESH:
+            if now - self._last_draw >= _TTY_REFRESH:
                 self._show(now)
         elif now - self._last_line >= self.interval:
             self._show(now)
@@ -186,19 +187,19 @@ class ProgressDisplay:
     def text(self, now: float, final: bool = False) -> str:
         """The status as one line of plain text (what a log line says)."""
         if self.phase is not None and self.t_bytes is None:
-            return f"{self.label}: {self.phase} ({format_duration(now - self.t_start)} elapsed)"
+            return f"{self.label}: {self.phase} ({_format_duration(now - self.t_start)} elapsed)"
         total = max(self.total, 1)
         pct = min(100, int(100 * self.done / total)) if self.done < self.total else 100
         parts = [f"{self.label}: {pct:3d}%", f"{format_bytes(self.done)} / {format_bytes(self.total)}"]
         r = self.rate(now)
         if final:
-            parts.append(f"in {format_duration(now - self.t_start)}")
+            parts.append(f"in {_format_duration(now - self.t_start)}")
             if r:
                 parts.append(f"{format_bytes(r)}/s")
             return ", ".join(parts[:1]) + " " + ", ".join(parts[1:])
         if r:
             parts.append(f"{format_bytes(r)}/s")
-            parts.append(f"ETA {format_duration(max(0, self.total - self.done) / r)}")
+            parts.append(f"ETA {_format_duration(max(0, self.total - self.done) / r)}")
         if self._here():
             parts.append(self._here())
         return parts[0] + " " + ", ".join(parts[1:])
@@ -214,7 +215,7 @@ class ProgressDisplay:
         if r:
             tail += f" {format_bytes(r)}/s"
             if self.done < self.total:
-                tail += f" ETA {format_duration((self.total - self.done) / r)}"
+                tail += f" ETA {_format_duration((self.total - self.done) / r)}"
         if self._here():
             tail += f" {self._here()}"
         head = f"{self.label} {pct:3d}% "
@@ -240,4 +241,4 @@ class ProgressDisplay:
             self._lines += 1
 
 
-__all__ = ["ProgressDisplay", "format_bytes", "format_duration", "DEFAULT_INTERVAL"]
+__all__ = ["ProgressDisplay", "format_bytes", "_format_duration", "DEFAULT_INTERVAL"]

@@ -113,6 +113,7 @@ def compare_with_source(src: str | Path, out: str | Path, tokens: int = 16, seed
     try:
         # the conversion already decided (and recorded) any activation change; this only reads the source
         reader = detect_reader(source, format=format, quantize=quantize, accept_activation_change=True)
+        _check_same_layers(ckpt, reader, str(src), str(out))
         for li in ckpt.layers:
             spec = li.spec
             x, w, ids = routing(tokens, spec.num_experts, spec.top_k, spec.hidden, seed + li.index)
@@ -125,6 +126,22 @@ def compare_with_source(src: str | Path, out: str | Path, tokens: int = 16, seed
     finally:
         source.close()
     return results
+
+
+def _check_same_layers(ckpt, reader, src: str, out: str) -> None:
+    """MegaMoEError naming the first difference when ``src`` does not have ``out``'s MoE layers (index,
+    experts, hidden, intermediate): a comparison with another model's checkpoint would fail meaninglessly."""
+    from megamoe_runtime.errors import MegaMoEError
+
+    have = {i.index: (i.num_experts, i.hidden, i.intermediate) for i in reader.moe_layers()}
+    for li in ckpt.layers:
+        want = (li.spec.num_experts, li.spec.hidden, li.spec.intermediate)
+        got = have.get(li.index)
+        if got != want:
+            what = "has no such MoE layer" if got is None else \
+                f"has experts/hidden/intermediate {got[0]}/{got[1]}/{got[2]}"
+            raise MegaMoEError(f"{src} is not the source of {out}: MoE layer {li.index} is {want[0]} experts, hidden "
+                               f"{want[1]}, intermediate {want[2]} in {out}, but {src} {what}")
 
 
 __all__ = ["THRESHOLDS", "LayerResult", "activation", "source_forward", "routing", "compare_with_source"]

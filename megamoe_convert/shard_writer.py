@@ -212,8 +212,8 @@ class ShardWriter:
     ``l2_weight`` of a rank, which stream side by side, be hashed on two cores
     (sha256 is sequential within a tensor: one thread caps the run at about
     1.1 GB/s on this VM's cores; on the 2-core VM itself, busy with the other
-    threads, two lanes measured the same as one: BENCHMARKS.md, issue 13,
-    third pass). Writes stay
+    threads, two lanes measured the same as one: docs/bench-log/convert.md).
+    Writes stay
     in order. The memory of a queued tensor must stay untouched until its
     digest is done (``flush()`` waits for everything; ``close()`` flushes).
     """
@@ -589,7 +589,7 @@ def _copy_into(dst: memoryview, src: memoryview) -> None:
     ``ctypes.memmove``, which releases the GIL (a memoryview slice assignment
     holds it): the staging copy of every shard byte would otherwise stall the
     device-write thread and the readers for a millisecond per 8 MiB
-    (BENCHMARKS.md, issue 13, third pass)."""
+    (docs/bench-log/convert.md)."""
     n = len(src)
     if n >= _NOGIL_COPY and not src.readonly:
         ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)),
@@ -670,8 +670,8 @@ class _Region:
     durable. Why: on the 2-core VM a page-cache write of fresh pages cost
     0.25-3 CPU-s per GB (page allocation; a VM faults in fresh guest memory),
     an ``O_DIRECT`` write from a reused buffer 0.17 CPU-s per GB, copy
-    included, with nothing left dirty for the final fsync (BENCHMARKS.md,
-    issue 13, third pass)."""
+    included, with nothing left dirty for the final fsync
+    (docs/bench-log/convert.md)."""
 
     __slots__ = ("_w", "_start", "_end", "_pos", "_carry")
 

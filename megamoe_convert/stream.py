@@ -9,9 +9,9 @@ offset, hashed in order on background threads) while the next chunk is read.
 The small per-expert tensors (NVFP4 alphas) and the shared expert are written
 whole once the layer is done. Why chunks rather than whole-layer buffers:
 fresh memory is expensive (each first-touched 4 KiB page costs a fault, about
-1-2.5 us on a VM), and a whole layer's buffers were 350 MB of it per run; a
-few 24 MiB chunks are touched once and reused for the rest of the run, and the
-peak RSS no longer grows with the layer. On ``--resume`` the finished files'
+1-2.5 us on a VM), and a whole layer's buffers would be 350 MB of it per run;
+a few 24 MiB chunks are touched once and reused for the rest of the run, and
+the peak RSS does not grow with the layer. On ``--resume`` the finished files'
 tensors are re-derived and compared instead of written (`Run.check`).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe_runtime import knobs
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.files import digests
 from megamoe_runtime.files.digests import SHA256
@@ -52,7 +53,7 @@ DIRECT_WRITES = True
 
 def direct_writes() -> bool:
     """`DIRECT_WRITES`, unless ``MEGAMOE_CONVERT_DIRECT=0`` turns it off for this process."""
-    return DIRECT_WRITES and os.environ.get("MEGAMOE_CONVERT_DIRECT", "1") not in ("0", "false", "no")
+    return DIRECT_WRITES and knobs.value("MEGAMOE_CONVERT_DIRECT") not in ("0", "false", "no")
 
 
 def read_threads() -> int:
@@ -519,11 +520,11 @@ class PassthroughCopy:
     start of the streaming pass on a thread of their own, beside the MoE
     layers, instead of after the last one.
 
-    Why: copied last, they were a 0.15-0.19 s tail of a 1.2 s conversion (1
-    GiB, 2 cores) in which one thread read, hashed and handed on 16 MiB at a
-    time and the disk was busy half the time, and the disk idled while the
-    plan was made; beside the layers the same work fills the cores' and the
-    disk's idle moments (BENCHMARKS.md, issue 13, fourth pass).
+    Why: copied last, they would be a tail of the conversion in which one
+    thread reads, hashes and hands on 16 MiB at a time and the disk is busy
+    half the time, and the disk would idle while the plan is made; beside the
+    layers the same work fills the cores' and the disk's idle moments
+    (docs/bench-log/convert.md).
 
     Only the bytes move early. Each tensor's ``tensor`` step, progress and
     manifest entry (and so the journal record of its file) are still made on

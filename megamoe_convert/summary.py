@@ -21,6 +21,8 @@ class ConvertSummary:
     experts: int  # routed experts summed over layers
     bytes_in: int
     bytes_out: int
+    #: the conversion itself (convert() called to OUT renamed into place): Python's and torch's start-up
+    #: and imports before it are not counted
     seconds: float
     files: int
     repaired_experts: int = 0

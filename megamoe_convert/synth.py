@@ -51,6 +51,8 @@ FORMATS = (
     "fp32",
     "bf16-fused",
     "deepseek-v4",
+    "fp8-block",
+    "ct-fp8-block",
 )
 
 
@@ -377,12 +379,30 @@ def _build(
     if hf is not None:
         (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n")
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}) + "\n")
-    (path / "tokenizer.json").write_text(
-        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<s>": 0, "</s>": 1}}}) + "\n"
-    )
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG) + "\n")
+    (path / "tokenizer.json").write_text(tokenizer_json(vocab_size) + "\n")
     _save(b.tensors, path, max_shard_bytes)
     return path
+
+
+#: tokenizer_config.json of a synthetic checkpoint: the generic fast tokenizer over tokenizer.json
+TOKENIZER_CONFIG = {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                    "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def tokenizer_json(vocab_size: int) -> str:
+    """A word-level tokenizer.json over the model's whole vocabulary (``<s>``, ``</s>``, ``<unk>``, then ``w3``
+    ...), in exactly the form the ``tokenizers`` library writes (tests compare it with
+    ``Tokenizer.from_str(...).to_str()``), so transformers' AutoTokenizer and vLLM load it as a real one.
+    Written without importing ``tokenizers``, which the base install does not need."""
+    specials = ["<s>", "</s>", "<unk>"][:vocab_size]
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in enumerate(specials)]
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{f"w{i}": i for i in range(len(specials), vocab_size)}}
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+           "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def _of_kind(d: dict[str, torch.Tensor], kind: str) -> str | None:

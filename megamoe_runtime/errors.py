@@ -66,3 +66,9 @@ class BackendUnavailableError(RuntimeError):
 
 class DigestUnavailableError(MegaMoEError):
     """A checksum of an algorithm this machine cannot compute (its package is not installed)."""
+
+
+def install_hint(extra: str) -> str:
+    """How to add one of megamoe's optional extras (``gpu``, ``transformers``, ``vllm``), the way README's
+    install section does it: megamoe is installed from its clone, not from a package index."""
+    return f"pip install -e '.[{extra}]' in the megamoe clone"

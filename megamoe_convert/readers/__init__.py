@@ -4,9 +4,9 @@
 checkpoint: from ``format`` when given (a registered name or an alias), else
 from ``hf_quant_config.json`` / ``config.json`` ``quantization_config``
 (each reader's ``detect``), in ``DETECTION_ORDER``: ModelOpt, Quark,
-compressed-tensors, DeepSeek-V4, unquantized. ``ALIASES`` collects each
-reader's ``aliases``. Known-but-unsupported variants
-(ModelOpt W4A8, CT float-quantized, DeepSeek-V3 FP8, ...) get a FormatError
+compressed-tensors, DeepSeek-V4, block FP8 (DeepSeek-V3 / FineGrainedFP8),
+unquantized. ``ALIASES`` collects each reader's ``aliases``. Known-but-unsupported
+variants (ModelOpt W4A8, CT per-tensor FP8, block sizes other than 128x128, ...) get a FormatError
 saying what was found, why it cannot be read, and what can.
 
 Decisions shared by every reader:
@@ -50,6 +50,7 @@ from . import modelopt as _modelopt  # noqa: F401,E402
 from . import quark as _quark  # noqa: F401,E402
 from . import compressed_tensors as _ct  # noqa: F401,E402
 from . import deepseek_v4 as _dsv4  # noqa: F401,E402
+from . import fp8_block as _fp8b  # noqa: F401,E402
 from . import unquantized as _unq  # noqa: F401,E402
 
 __all__ = [
@@ -71,8 +72,8 @@ __all__ = [
 DETECTION_ORDER = (
     "modelopt-nvfp4", "modelopt-mxfp4", "modelopt-mxfp8", "modelopt-w4a8-nvfp4-fp8",
     "quark-mxfp4", "quark-nvfp4", "quark-mxfp8",
-    "ct-nvfp4", "ct-mxfp4", "ct-mxfp8",
-    "deepseek-v4",
+    "ct-nvfp4", "ct-mxfp4", "ct-mxfp8", "ct-fp8-block",
+    "deepseek-v4", "fp8-block",
     "unquantized",
 )
 if set(DETECTION_ORDER) != set(registered_readers()) or len(set(DETECTION_ORDER)) != len(DETECTION_ORDER):
@@ -144,6 +145,7 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
     kernel quantizes more coarsely than the producer did (FormatError naming
     ``--accept-activation-change`` otherwise).
     """
+    refuse_megamoe_output(source)
     reader = _detect(source, format, quantize)
     change = _recipe.compare(_recipe_reader(source, reader, format).activation_recipe(source), reader.row,
                              accepted=bool(accept_activation_change) or quantize is not None,
@@ -152,6 +154,17 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
         raise FormatError(change.refusal(str(source.id), reader.format_name))
     reader.activation_change = change
     return reader
+
+
+def refuse_megamoe_output(source) -> None:
+    """FormatError when ``source`` is already a megamoe output (its megamoe.json, or config.json naming the
+    megamoe method): its experts are in kernel layout, which no reader reads; it is served as it is."""
+    qc = (source.config or {}).get("quantization_config")
+    has_manifest = (source.root / "megamoe.json").is_file()
+    if has_manifest or (isinstance(qc, dict) and qc.get("quant_method") == "megamoe"):
+        why = "megamoe.json is there" if has_manifest else "config.json names quant_method 'megamoe'"
+        raise FormatError(f"{source.id}: already a megamoe output ({why}): serve it as it is (megamoe-convert "
+                          f"verify {source.id} checks it), or convert the checkpoint it was converted from")
 
 
 def accepted_by(accept_activation_change: bool, quantize: str | None) -> str | None:

@@ -49,7 +49,7 @@ class SharedInfo:
     folded into one MLP of width S*I_s, so ``num_modules == 1`` there).
 
     ``encoding`` names the row whose canonical encoding the shared tensors are
-    in (``"nvfp4" | "mxfp4" | "mxfp8" | "bf16"``), so the writer can
+    in (``"nvfp4" | "mxfp4" | "mxfp8" | "bf16" | "fp8_block"``), so the writer can
     ``ExpertTensors.dequantize(get_row(encoding))`` or copy them unchanged.
     It can differ from the routed row (e.g. experts quantized, shared experts
     excluded and BF16).
@@ -150,7 +150,7 @@ class CheckpointReader(abc.ABC):
     """Base class of every source-format reader.
 
     Subclasses set ``format_name`` (e.g. ``"modelopt-nvfp4"``) and ``row``
-    (``"nvfp4" | "mxfp4" | "mxfp8" | "bf16"``: the feature-matrix row the
+    (``"nvfp4" | "mxfp4" | "mxfp8" | "bf16" | "fp8_block"``: the feature-matrix row the
     routed experts map onto), and implement the abstract methods ``detect``,
     ``moe_layers``, ``model_facts`` and ``read_expert``.
     ``row`` may be overridden per instance (the unquantized reader's
@@ -187,6 +187,12 @@ class CheckpointReader(abc.ABC):
         from .recipe import UNDECLARED
 
         return UNDECLARED
+
+    @classmethod
+    def global_scale_name(cls) -> str:
+        """The source format's own name of the per-projection global scale, for messages about it
+        (ModelOpt and Quark ``weight_scale_2``, the default; compressed-tensors ``weight_global_scale``)."""
+        return "weight_scale_2"
 
     # -- the other direction: synthetic checkpoints ---------------------------
     @classmethod

@@ -198,6 +198,11 @@ class SchemeReader(CheckpointReader):
     direct_weight_bytes: ClassVar[bool] = False
 
     @classmethod
+    def global_scale_name(cls) -> str:
+        """The scheme's ``global`` parameter's stored name."""
+        return next((p.suffixes[0] for p in cls.scheme.params if p.key == "global"), "weight_scale_2")
+
+    @classmethod
     def synthetic_row(cls, variant: str) -> str:
         """The encoding of ``scheme``, which `encode_expert` writes (DeepSeek-V4: the FP4 experts)."""
         return cls.scheme.encoding
@@ -273,7 +278,7 @@ class SchemeReader(CheckpointReader):
         block: tuple[int, int] | None = None
         row = get_row(scheme.encoding)
         wshape = (out, row.weight.stored_cols(k))
-        sshape = (out, row.weight.scale_groups(k)) if row.has_scales else None
+        sshape = row.weight.scale_shape(out, k)
         for p in scheme.params:
             hit = [s for s in p.suffixes if s in tensors]
             if not hit:
@@ -304,6 +309,14 @@ class SchemeReader(CheckpointReader):
                     )
             elif p.key == "scale":
                 assert sshape is not None
+                if row.weight.block_scaled and shape == tuple(d for d in sshape if d != 1):
+                    shape = sshape  # transformers <= 5.17 squeezes size-1 block dims when it splits fused experts
+                if shape != sshape and row.weight.block_scaled:
+                    b = row.weight.scale_block_rows
+                    raise CheckpointError(
+                        f"{where}: {self._where(name)} has shape {list(shape)}, expected {list(sshape)} "
+                        f"(one scale per {b}x{row.weight.scale_group} block of the [{out}, {k}] weight)"
+                    )
                 if shape != sshape:
                     block = self._blocked(scheme, shape, out, k, row.weight.scale_group)
                     if block is None:
@@ -724,7 +737,10 @@ class SchemeReader(CheckpointReader):
         scale = None
         if "scale" in r.names:
             s = self.source.get_tensor(r.names["scale"])
-            if row.weight.scale_encoding == "ue8m0":
+            if row.weight.block_scaled:
+                # fp32 as stored (a bf16 scale widens exactly); a squeezed grid gets its size-1 dims back
+                s = s.float().reshape(row.weight.scale_shape(r.out, r.k))
+            elif row.weight.scale_encoding == "ue8m0":
                 s = s.view(torch.uint8)
                 if r.scale_block is not None:
                     R, C = r.scale_block

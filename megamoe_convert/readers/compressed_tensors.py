@@ -15,6 +15,8 @@ Per expert projection module:
   within 1 ulp of the ModelOpt value, not bit-identical).
 * mxfp4: ``weight_packed`` U8 + ``weight_scale`` U8 ``[out, in/32]``.
 * mxfp8: ``weight`` F8_E4M3 + ``weight_scale`` U8 ``[out, in/32]``.
+* float-quantized with weights strategy ``block`` [128, 128] (llm-compressor FP8_BLOCK) -> the fp8_block
+  row: ``weight`` F8_E4M3 + ``weight_scale`` ``[out/128, in/128]`` (a multiplier, BF16 or F32).
 
 ``weight_shape`` (kept by some packed compressors) is consumed and ignored.
 
@@ -23,7 +25,7 @@ The experts' config group ``input_activations`` is the activation recipe
 no ``input_global_scale``) means BF16 activations, which every quantized row
 makes coarser, so they need ``--accept-activation-change`` (NVFP4A16 also
 ``--l2-activation-scale``: it has no w2 input scale).
-Refused with the reason: float-quantized (FP8 per-tensor/channel/block),
+Refused with the reason: float-quantized FP8 per tensor or channel, or blocks other than 128x128,
 pack-quantized / int-quantized (INT4/INT8, e.g. Kimi-K2-Thinking),
 naive-quantized, sparse formats, and mixed-precision whose groups use
 different formats for the experts.
@@ -37,10 +39,11 @@ from .base import register_reader
 from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
 from .recipe import UNDECLARED, ActivationRecipe, unknown
 
-SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}
+SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
+             "float-quantized": "fp8_block"}
 WHY_NOT = {
-    "float-quantized": "FP8 (per-tensor, per-channel or 128x128 block with float scales) is not one of the "
-    "MegaMoE rows; re-quantizing to MXFP8 would be lossy",
+    "float-quantized": "FP8 per tensor or per channel is not one of the MegaMoE rows (128x128 blocks are: "
+    "llm-compressor scheme FP8_BLOCK); re-quantizing would be lossy",
     "pack-quantized": "INT4/INT8 packed weights are not one of the MegaMoE rows",
     "int-quantized": "INT8 weights are not one of the MegaMoE rows",
     "naive-quantized": "naive (unpacked integer) quantization is not one of the MegaMoE rows",
@@ -59,7 +62,9 @@ def ct_format(source) -> str | None:
     if fmt in ("mixed-precision", ""):
         groups = qc.get("config_groups") or {}
         fmts = sorted({str(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")})
-        supported = [f for f in fmts if f in SUPPORTED]
+        # float-quantized (FP8) groups usually cover the attention next to other expert formats: a group of
+        # another supported format is the experts' one; float-quantized alone may be (FP8_BLOCK)
+        supported = [f for f in fmts if f in SUPPORTED and f != "float-quantized"]
         if len(supported) == 1:
             return supported[0]
         if len(fmts) == 1:
@@ -96,10 +101,39 @@ def ct_input_activations(source) -> ActivationRecipe:
         return ActivationRecipe("mxfp4", dyn is False, f"compressed-tensors MXFP4 per 32 ({how})")
     if typ == "float" and bits == 8 and gs == 32:
         return ActivationRecipe("mxfp8", dyn is False, f"compressed-tensors MXFP8 per 32 ({how})")
+    if typ == "float" and bits == 8 and strat == "group" and gs == 128:
+        return ActivationRecipe("fp8_128", dyn is False, f"compressed-tensors FP8 per 1x128 group ({how})")
     if typ == "float" and bits == 8 and strat in ("tensor", "token"):
         return ActivationRecipe("fp8", dyn is False, f"compressed-tensors FP8 per {strat} ({how})")
     return unknown(f"compressed-tensors input_activations num_bits={bits} type={typ} strategy={strat} "
                    f"group_size={gs}")
+
+
+def _expert_weights_args(source) -> dict:
+    """The ``weights`` quantization args of the config group in the experts' format."""
+    qc = quant_config_of(source)
+    fmt = ct_format(source)
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+    match = [g for g in groups if g.get("format") in (fmt, None)] or groups
+    w = match[0].get("weights") if match else None
+    return w if isinstance(w, dict) else {}
+
+
+def ct_fp8_block_reason(source) -> str | None:
+    """None for float-quantized FP8 with 128x128 block weights (the fp8_block row), else why not."""
+    w = _expert_weights_args(source)
+    strat = w.get("strategy")
+    if w.get("type") != "float" or w.get("num_bits") != 8 or strat != "block":
+        return (f"compressed-tensors format 'float-quantized' is not supported: {WHY_NOT['float-quantized']} "
+                f"(weights num_bits={w.get('num_bits')} type={w.get('type')!r} strategy={strat!r}). Supported "
+                f"compressed-tensors formats: {', '.join(SUPPORTED)} (float-quantized: strategy 'block' "
+                "[128, 128]). To convert this model: re-export it with llm-compressor scheme FP8_BLOCK, NVFP4, "
+                "MXFP4 or MXFP8, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
+    from .fp8_block import block_fp8_reason
+
+    bs = w.get("block_structure")
+    return block_fp8_reason("compressed-tensors weights (strategy 'block')", list(bs) if isinstance(bs, (list, tuple))
+                            else bs)
 
 
 class _CTReader(SchemeReader):
@@ -121,6 +155,8 @@ class _CTReader(SchemeReader):
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
         fmt = ct_format(source)
+        if fmt == "float-quantized":
+            return ct_fp8_block_reason(source)
         if fmt is None or fmt in SUPPORTED:
             return None
         if fmt.startswith("mixed-precision:"):
@@ -140,7 +176,12 @@ class _CTReader(SchemeReader):
     def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
         """An llm-compressor 0.14 export (compressed-tensors 0.20) of ``ct_format``
         with dynamic activations of the weights' kind."""
-        if cls.row == "nvfp4":
+        if cls.row == "fp8_block":
+            w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                 "symmetric": True, "dynamic": False}
+            a = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
+                 "dynamic": True}
+        elif cls.row == "nvfp4":
             w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
                  "dynamic": False, "scale_dtype": "float8_e4m3fn"}
             a = dict(w, dynamic="local")
@@ -214,6 +255,25 @@ class CTMXFP8Reader(_CTReader):
         params=(
             Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
             Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
+        ),
+        ignored=("weight_shape",),
+    )
+
+
+@register_reader
+class CTFP8BlockReader(_CTReader):
+    format_name = "ct-fp8-block"
+    row = "fp8_block"
+    ct_format = "float-quantized"
+    aliases = ("compressed-tensors-fp8-block", "fp8-block-quantized")
+    synthetic_formats = ("ct-fp8-block",)
+    description = "compressed-tensors float-quantized FP8_BLOCK (weight E4M3, weight_scale F32 per 128x128)"
+    scheme = Scheme(
+        name="compressed-tensors FP8_BLOCK",
+        encoding="fp8_block",
+        params=(
+            Param("weight", ("weight",), ("F8_E4M3",)),
+            Param("scale", ("weight_scale",), ("F32", "BF16")),
         ),
         ignored=("weight_shape",),
     )

@@ -125,15 +125,15 @@ class DeepSeekV4Reader(SchemeReader):
         qc = quant_config_of(source)
         if str(qc.get("quant_method", "")).lower() != "fp8" or looks_v4(source) is not None:
             return None
+        if qc.get("weight_block_size") is not None:
+            return None  # block FP8 (DeepSeek-V3/R1, FineGrainedFP8): the fp8-block reader's, reasons included
         sf = qc.get("scale_fmt")
         return (
-            f"quant_method 'fp8' with weight_block_size {qc.get('weight_block_size')} "
-            f"{'and scale_fmt ' + repr(sf) + ' ' if sf else ''}is DeepSeek-V3-style block FP8 (float "
-            "weight_scale_inv per 128x128 block). No MegaMoE row holds it exactly (MX scales are powers of two "
-            "per 32 along K); supported native DeepSeek format: V4 FP4 experts (expert_dtype 'fp4', "
-            "scale_fmt 'ue8m0'). To convert this model: dequantize it to BF16 (e.g. DeepSeek's fp8_cast_bf16.py) "
-            "and convert that with --quantize mxfp4|mxfp8|nvfp4, or use a ModelOpt / llm-compressor / Quark "
-            "NVFP4 or MXFP4 export of it"
+            f"quant_method 'fp8' without weight_block_size "
+            f"{'(scale_fmt ' + repr(sf) + ') ' if sf else ''}is per-tensor or per-channel FP8, which no MegaMoE "
+            "row holds; supported FP8: 128x128 block FP8 (weight_block_size [128, 128], the fp8_block row) and "
+            "DeepSeek-V4 native experts. To convert this model: re-export it with 128x128 blocks, or convert the "
+            "unquantized model with --quantize mxfp4|mxfp8|nvfp4"
         )
 
     @classmethod

@@ -2,12 +2,14 @@
 
 Without ``quantize`` the experts map onto the ``bf16`` row: BF16 is copied,
 FP16 / FP32 are cast to BF16 (round-to-nearest-even, what any BF16 serving
-path does). With ``quantize="mxfp4" | "mxfp8" | "nvfp4"`` the experts are
+path does). With ``quantize="mxfp4" | "mxfp8" | "nvfp4" | "fp8_block"`` the experts are
 quantized from their stored precision (FP32 is not rounded to BF16 first)
 with the reference quantizers of ``megamoe_runtime.format.codecs``:
 
 * mxfp4: ``quantize_mxfp4`` (RCEIL UE8M0 scale, E2M1 ties to even);
 * mxfp8: ``quantize_mxfp8`` (DeepGEMM's UE8M0 cast, bit-exact);
+* fp8_block: ``quantize_fp8_block`` (one fp32 ``amax / 448`` per 128x128
+  block, E4M3 RNE, as DeepSeek-V3 and transformers' FineGrainedFP8 do);
 * nvfp4: ``quantize_nvfp4_weight`` (ModelOpt's convention, global =
   amax/2688), with **gate and up quantized together** so they share one
   ``weight_scale_2`` as ModelOpt >= 0.47 exports do (the w1/w3 agreement
@@ -55,7 +57,8 @@ def _no_quant(source) -> bool:
 class UnquantizedReader(SchemeReader):
     format_name = "unquantized"
     row = "bf16"
-    description = "BF16/FP16/FP32 experts -> bf16 row, or quantize= mxfp4|mxfp8|nvfp4 with the reference quantizers"
+    description = ("BF16/FP16/FP32 experts -> bf16 row, or quantize= mxfp4|mxfp8|nvfp4|fp8_block with the reference "
+                   "quantizers")
     scheme = BF16_SCHEME
     aliases = ("bf16", "fp16", "fp32")
     #: synthetic variants: stored dtype (``bf16-fused``: transformers >= 5 fused 3-D experts)

@@ -7,8 +7,9 @@ layout, allocated once); none re-lays-out weights at load or per call.
 * ``reference`` (`backends.reference`): the fp32 torch definition of the
   numerics, any device. Every other backend is tested against it.
 * ``deepgemm`` (`backends.deepgemm`): marshalling to DeepGEMM's mega kernels.
-  SM100 only, so on this project's machines it is contract-tested against
-  recording stand-ins, never run.
+  SM100 kernels are contract-tested against recording stand-ins (never run
+  here); on SM90 the fp8_block row runs on SGLang's ``fp8_mega_moe``
+  (sgl-deep-gemm), tested on the H200.
 * ``triton`` (`backends.triton`, GPU): registered lazily by name; the module
   is imported only when asked for.
 

@@ -1,10 +1,10 @@
 """DeepGEMM MegaMoE backend: marshalling the layer's kernel-layout tensors to DeepGEMM's mega API.
 
-CONTRACT-TESTED ONLY. DeepGEMM's mega kernels (``fp8_fp4_mega_moe``,
+The SM100 path is CONTRACT-TESTED ONLY. DeepGEMM's SM100 mega kernels (``fp8_fp4_mega_moe``,
 ``fp4_fp4_mega_moe``, ``nvfp4_mega_moe``, ``bf16_mega_moe``) run on SM100-family
 GPUs only (B200 / GB200 / B300); every other architecture, the H200 this
 project tests on included, raises "Unsupported architecture" inside DeepGEMM.
-So this module has never launched a kernel: its argument marshalling (which
+So that path has never launched a kernel: its argument marshalling (which
 entry point, which keyword names, which tensors with which shapes, dtypes and
 strides, what is staged into the symmetric buffer) is tested against recording
 stand-ins of every documented API version (``tests/runtime/backends/test_deepgemm.py``).
@@ -51,6 +51,14 @@ the first forward (every rank runs every layer's forward in lockstep) or by
 model must not rendezvous), and shared by every layer with the same
 configuration.
 
+SM90 (Hopper): SGLang's DeepGEMM build (PyPI ``sgl-deep-gemm``) adds ``fp8_mega_moe``, which runs
+the block-FP8 row (``fp8_block``) on sm_90 (docs/KERNELS.md#sm90-fp8-mega). Its buffer
+(``get_symm_buffer_for_sm90_mega_moe``) always rendezvouses torch symmetric memory over a process
+group, so one rank without torch.distributed gets a world-size-1 NCCL group (an in-process store, no
+port); EP ranks pass theirs. Each forward is ``mega_moe_pre_dispatch_sm90`` (quantizes x per 128,
+stages ids and weights times the routed scaling factor) then ``fp8_mega_moe`` on the layer's own
+tensors: nothing is copied or transformed per call, so a reload is visible to a captured graph.
+
 CUDA-graph caveat: DGv's ``l2_activation_scale`` and newer DG's
 ``routed_scaling_factor`` are host floats passed by value; a graph captured
 before a reload that changes them keeps the old values. Re-capture after a
@@ -66,14 +74,20 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import BackendUnavailableError, LayerSpecError, MegaMoEError
+from ..errors import BackendUnavailableError, LayerSpecError, LayoutError, MegaMoEError
 from ..format.formats import get_row
 from ..format.roles import SHARED_ROLES
 from ..format.scales import W13_RTOL, gate_up_disagreeing
 from .reference import quantize_dispatch_nvfp4
 
-__all__ = ["DeepGemmBackend", "MegaAPI", "detect_api", "import_deep_gemm", "shared_sf_rows"]
+__all__ = ["DeepGemmBackend", "MegaAPI", "SM90_ENTRY", "SM90_ROW", "detect_api", "import_deep_gemm",
+           "import_failure_message", "shared_sf_rows", "sm90_weights", "stage_sm90_inputs"]
 
+#: the block-FP8 row and the SM90 kernel that runs it (docs/KERNELS.md#sm90-fp8-mega)
+SM90_ROW = "fp8_block"
+SM90_ENTRY = "fp8_mega_moe"
+#: fp8_mega_moe's recipe: weights per 128x128 block, activations per 1x128
+SM90_RECIPE = (128, 128, 128)
 _ENTRY_NAMES = ("fp8_fp4_mega_moe", "fp8_fp8_mega_moe", "fp4_fp4_mega_moe", "nvfp4_mega_moe", "bf16_mega_moe")
 _SITU_NAMES = (("situ_beta", "situ_linear_beta"), ("activation_beta", "activation_linear_beta"))
 
@@ -85,11 +99,30 @@ def import_deep_gemm() -> Any:
         return mod
     try:
         return importlib.import_module("deep_gemm")
-    except ImportError as e:
-        raise BackendUnavailableError(
-            f"the deepgemm backend needs the deep_gemm package (DeepGEMM with its mega kernels, "
-            f"github.com/deepseek-ai/DeepGEMM, built for SM100); importing it failed: {e}"
-        ) from e
+    except (ImportError, OSError) as e:
+        raise BackendUnavailableError(import_failure_message(e)) from e
+
+
+#: the sgl-deep-gemm build whose prebuilt extension links the libtorch symbols torch 2.11 exports
+#: (docs/KERNELS.md#sm90-fp8-mega); later builds need symbols only newer torch has
+SGL_DEEP_GEMM_FOR_TORCH_2_11 = "sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11"
+
+
+def import_failure_message(e: BaseException) -> str:
+    """One line: why ``import deep_gemm`` failed, the installed torch, what to install.
+
+    A prebuilt DeepGEMM extension linked against another torch fails with an undefined libtorch
+    symbol; a missing package with ModuleNotFoundError. Both need the user to install a build
+    for *their* torch, so the message names it."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = (f"for Hopper (the fp8_block row) with torch 2.11: pip install {SGL_DEEP_GEMM_FOR_TORCH_2_11}; "
+            f"for SM100: DeepGEMM (github.com/deepseek-ai/DeepGEMM) built against this torch")
+    if "undefined symbol" in first:
+        return (f"deep_gemm is built for another torch than the installed torch {torch.__version__} "
+                f"(its extension needs a libtorch symbol this torch lacks: {first}); {hint}")
+    if isinstance(e, ModuleNotFoundError) and getattr(e, "name", None) in ("deep_gemm", None):
+        return f"the deepgemm backend needs the deep_gemm package (not installed; torch {torch.__version__}); {hint}"
+    return f"importing deep_gemm failed with torch {torch.__version__}: {first}; {hint}"
 
 
 def _params(fn: Any) -> dict[str, inspect.Parameter]:
@@ -116,6 +149,11 @@ class MegaAPI:
     #: ``nvfp4_mega_moe`` uses (its shared SF row map follows it, not the upstream one)
     nvfp4_block_m_fn: Optional[Any] = None
     notes: tuple[str, ...] = field(default=())
+    #: SGLang's Hopper build (docs/KERNELS.md#sm90-fp8-mega): ``fp8_mega_moe``, its buffer factory and
+    #: its pre-dispatch (absent before 0.1.5: the backend then stages x itself), or None
+    sm90_entry: Optional[Any] = None
+    sm90_buffer: Optional[Any] = None
+    sm90_pre_dispatch: Optional[Any] = None
 
     def has(self, fn: str) -> bool:
         return fn in self.functions
@@ -141,6 +179,12 @@ class MegaAPI:
     def entry_for(self, row: str) -> tuple[Optional[str], str]:
         """(function name, '') for a row, or (None, what is missing): the first of the row's
         ``entry_preference`` this module has and can run (`_entry_blocked`)."""
+        if row == SM90_ROW:
+            if self.sm90_entry is not None and self.sm90_buffer is not None:
+                return SM90_ENTRY, ""
+            return None, (f"this deep_gemm has no {SM90_ENTRY} + get_symm_buffer_for_sm90_mega_moe (the SM90 "
+                          f"block-FP8 mega kernel of SGLang's DeepGEMM build); pip install "
+                          f"{SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
         try:
             r = get_row(row)
         except MegaMoEError:
@@ -195,8 +239,14 @@ def detect_api(module: Any) -> MegaAPI:
         flavour = "dg-2604"
     else:
         flavour = "none"
+    sm90 = [getattr(module, n, None) for n in (SM90_ENTRY, "get_symm_buffer_for_sm90_mega_moe",
+                                                "mega_moe_pre_dispatch_sm90")]
+    sm90 = [f if callable(f) else None for f in sm90]
+    if flavour == "none" and sm90[0] is not None:
+        flavour = "sgl-sm90"
     return MegaAPI(module, flavour, fns, params, factory, _params(factory) if factory else {},
-                   nv_buf, _params(nv_buf) if nv_buf else {}, block_m, nv_block_m)
+                   nv_buf, _params(nv_buf) if nv_buf else {}, block_m, nv_block_m,
+                   sm90_entry=sm90[0], sm90_buffer=sm90[1], sm90_pre_dispatch=sm90[2])
 
 
 class _LocalGroup:
@@ -264,7 +314,11 @@ class DeepGemmBackend:
                 raise BackendUnavailableError(ok)
         self.module = module if module is not None else import_deep_gemm()
         self.api = detect_api(self.module)
-        if not self.api.functions:
+        #: compute capability major of a CUDA device (9: only fp8_mega_moe, 10: the SM100 kernels);
+        #: None when the device check is off (stand-ins on CPU), where every entry is marshalled
+        self.arch = (torch.cuda.get_device_capability(self.device)[0]
+                     if check_device and self.device.type == "cuda" else None)
+        if not self.api.functions and self.api.sm90_entry is None:
             raise BackendUnavailableError(
                 f"deep_gemm ({getattr(self.module, '__file__', '?')}) has no mega MoE entry point "
                 f"({', '.join(_ENTRY_NAMES)}); it is too old or built without the mega kernels")
@@ -288,8 +342,15 @@ class DeepGemmBackend:
         except BackendUnavailableError as e:
             return str(e)
         if dev.type != "cuda" or not torch.cuda.is_available():
-            return f"DeepGEMM mega kernels run on CUDA SM100-family GPUs only; device is {dev}"
+            return f"DeepGEMM mega kernels run on CUDA SM90 / SM100-family GPUs only; device is {dev}"
         major, minor = torch.cuda.get_device_capability(dev)
+        if major == 9:
+            mod = import_deep_gemm()
+            if not callable(getattr(mod, SM90_ENTRY, None)):
+                return (f"on {torch.cuda.get_device_name(dev)} (sm_90) the deepgemm backend runs SGLang's "
+                        f"{SM90_ENTRY}, which this deep_gemm ({getattr(mod, '__file__', '?')}) lacks; "
+                        f"pip install {SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
+            return True
         if major != 10:
             return (f"DeepGEMM mega kernels need an SM100-family GPU (B200/GB200/B300, sm_100/sm_103); "
                     f"{torch.cuda.get_device_name(dev)} is sm_{major}{minor}")
@@ -303,6 +364,11 @@ class DeepGemmBackend:
         fn, why = api.entry_for(spec.row)
         if fn is None:
             return why
+        if self.arch is not None and (self.arch == 9) != (fn == SM90_ENTRY):
+            return (f"row {spec.row} runs on DeepGEMM's {fn}, an {'SM90' if fn == SM90_ENTRY else 'SM100'} "
+                    f"kernel; this GPU is sm_{self.arch}x (on SM90 only the {SM90_ROW} row has a mega kernel)")
+        if fn == SM90_ENTRY:
+            return self._sm90_supports(spec)
         act = spec.activation
         if act.kind == "situ":
             if spec.row_spec.mma_type != "fp8xfp4":
@@ -322,12 +388,30 @@ class DeepGemmBackend:
             return f"EP size {spec.ep_size} needs an initialised torch.distributed group"
         return True
 
+    @staticmethod
+    def _sm90_supports(spec: Any) -> Any:
+        """fp8_mega_moe's limits (docs/KERNELS.md#sm90-fp8-mega): plain SwiGLU (+ clamp), H and I
+        multiples of 128, H <= 8192 (pre-dispatch's one thread per 8 elements), top-k <= 32."""
+        act = spec.activation
+        if act.kind != "swiglu" or not act.is_plain_swiglu:
+            return f"{SM90_ENTRY} runs plain SwiGLU (optional clamp) only, not {act}"
+        if spec.hidden % 128 or spec.intermediate % 128:
+            return (f"{SM90_ENTRY} needs hidden and intermediate multiples of 128 "
+                    f"(got {spec.hidden}, {spec.intermediate})")
+        if spec.hidden > 8192:
+            return f"{SM90_ENTRY}'s pre-dispatch quantizes hidden <= 8192 (got {spec.hidden})"
+        if spec.top_k > 32:
+            return f"{SM90_ENTRY} combines at most 32 top-k slots (got top_k={spec.top_k})"
+        return True
+
     def _shared_ok(self, spec: Any) -> tuple[bool, str]:
         if spec.shared is None:
             return False, "no shared experts"
         fn, why = self.api.entry_for(spec.row)
         if fn is None:
             return False, why
+        if fn == SM90_ENTRY:
+            return False, f"{SM90_ENTRY} has no shared-expert input; the shared expert runs outside it"
         prec = spec.shared.precision
         width = spec.shared.folded_intermediate
         if width % spec.intermediate:
@@ -387,7 +471,35 @@ class DeepGemmBackend:
                                           "(or pass group= to the deepgemm backend)")
         return _LOCAL_GROUP
 
+    def _sm90_group(self, spec: Any) -> Any:
+        """A real process group: the SM90 buffer rendezvouses symmetric memory even for one rank."""
+        if self._group is not None:
+            return self._group
+        import torch.distributed as dist
+
+        if not _dist_ready():
+            if spec.ep_size > 1:
+                raise BackendUnavailableError(f"EP size {spec.ep_size} needs torch.distributed to be initialised "
+                                              "(or pass group= to the deepgemm backend)")
+            # one rank: a world-size-1 NCCL group over an in-process store (no port, no peer)
+            dev = self.device if self.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+        return dist.group.WORLD
+
+    def _sm90_buffer(self, layer: Any) -> Any:
+        spec = layer.spec
+        group = self._sm90_group(spec)
+        key = (id(group), str(self.device), SM90_ENTRY, spec.num_experts, self.max_num_tokens, spec.top_k,
+               spec.hidden, spec.intermediate)
+        buf = _BUFFERS.get(key)
+        if buf is None:
+            buf = _BUFFERS[key] = self.api.sm90_buffer(group, spec.num_experts, self.max_num_tokens, spec.top_k,
+                                                       spec.hidden, spec.intermediate)
+        return buf
+
     def _buffer(self, layer: Any, fn: str) -> Any:
+        if fn == SM90_ENTRY:
+            return self._sm90_buffer(layer)
         spec = layer.spec
         api = self.api
         group = self._group_of(spec)
@@ -448,6 +560,8 @@ class DeepGemmBackend:
         if T > self.max_num_tokens:
             raise MegaMoEError(f"{T} tokens exceed the deepgemm backend's max_num_tokens={self.max_num_tokens}; "
                                "build the backend with a larger max_num_tokens (backend_kwargs)")
+        if fn == SM90_ENTRY:
+            return self._forward_sm90(layer, hidden_states, topk_weights, topk_ids)
         buf = self._buffer(layer, fn)
         if T > buf.num_max_tokens_per_rank:
             raise MegaMoEError(f"{T} tokens exceed the symmetric buffer's {buf.num_max_tokens_per_rank} rows")
@@ -537,6 +651,36 @@ class DeepGemmBackend:
         api.functions[fn](y, l1, l2, buf, **kw)
         return y
 
+    def _forward_sm90(self, layer: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        """Pre-dispatch then ``fp8_mega_moe`` on the layer's own tensors (docs/KERNELS.md#sm90-fp8-mega)."""
+        spec = layer.spec
+        T, H = hidden_states.shape[0], spec.hidden
+        dev = hidden_states.device
+        l1, l2 = sm90_weights(layer)
+        y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        if T == 0:
+            return y
+        buf = self._sm90_buffer(layer)
+        x = hidden_states.to(torch.bfloat16).contiguous()
+        ids = topk_ids.to(device=dev, dtype=torch.int32).contiguous()
+        w = topk_weights.to(device=dev, dtype=torch.float32).masked_fill(ids < 0, 0.0).contiguous()
+        rsf = float(spec.routed_scaling_factor)
+        if self.api.sm90_pre_dispatch is not None:
+            self.api.sm90_pre_dispatch(x, ids, w, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, T, 128, rsf)
+        else:  # 0.1.3 has no pre-dispatch: stage the same values in torch
+            stage_sm90_inputs(buf, x, ids, w, rsf)
+        if not self._barrier_done:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self._sm90_group(spec).barrier()
+            self._barrier_done = True
+        clamp = spec.activation.clamp
+        self.api.sm90_entry(y, l1, l2, buf, cumulative_local_expert_recv_stats=layer.expert_recv_stats,
+                            recipe=SM90_RECIPE, activation="swiglu",
+                            activation_clamp=None if clamp is None else float(clamp), fast_math=self.fast_math)
+        return y
+
     def _dgv_a2(self, layer: Any) -> float:
         """DGv's host-side a2 (and the gate == up check its 1-D l1_alpha needs),
         read once per load generation (CUDA-graph caveat in the module doc)."""
@@ -592,6 +736,48 @@ class DeepGemmBackend:
         rows = shared_sf_rows(T, int(bm_fn(*bm_args)), device=x.device)
         buf.shared_l1_acts_sf[rows] = codecs.pack_bytes_int32(sf)
         return {"shared_l1_weights": (s1w, s1s), "shared_l2_weights": (s2w, s2s)}
+
+
+def sm90_weights(layer: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The layer's ``(l1_weight, l1_scale), (l2_weight, l2_scale)``, checked against what
+    ``fp8_mega_moe`` reads through raw pointers (docs/KERNELS.md#weight-layout): E4M3
+    ``[E_l, 2I, H]`` (gate/up interleaved by 8), fp32 ``[E_l, 2I/128, H/128]`` (gate blocks then
+    up blocks), E4M3 ``[E_l, H, I]``, fp32 ``[E_l, H/128, I/128]``, all contiguous. A wrong
+    shape, dtype or stride would be read as other bytes without any error, hence the check."""
+    spec = layer.spec
+    E, H, I = spec.experts_per_rank, spec.hidden, spec.intermediate
+    want = {
+        "l1_weight": ((E, 2 * I, H), torch.float8_e4m3fn),
+        "l1_scale": ((E, 2 * I // 128, H // 128), torch.float32),
+        "l2_weight": ((E, H, I), torch.float8_e4m3fn),
+        "l2_scale": ((E, H // 128, I // 128), torch.float32),
+    }
+    got = {}
+    for name, (shape, dtype) in want.items():
+        t = getattr(layer, name, None)
+        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                or not t.is_contiguous()):
+            desc = ("missing" if not isinstance(t, torch.Tensor) else
+                    f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
+            raise LayoutError(f"{getattr(layer, 'prefix', '') or 'layer'}.{name}: {SM90_ENTRY} reads "
+                              f"{dtype} {list(shape)} contiguous, the layer holds {desc}")
+        got[name] = t
+    return (got["l1_weight"], got["l1_scale"]), (got["l2_weight"], got["l2_scale"])
+
+
+def stage_sm90_inputs(buf: Any, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rsf: float) -> None:
+    """What ``mega_moe_pre_dispatch_sm90`` writes, in torch (for builds without it): per 128
+    elements ``s = max(amax, 1e-10) / 448``, ``x / s`` to E4M3; int64 ids; weights times the routed
+    scaling factor; id -1 and weight 0 in the padded rows (docs/KERNELS.md#numerics)."""
+    T, H = x.shape
+    g = x.float().view(T, H // 128, 128)
+    sf = g.abs().amax(-1).clamp_min(1e-10) / 448.0
+    buf.x[:T].copy_((g / sf[..., None]).clamp(-448.0, 448.0).view(T, H).to(torch.float8_e4m3fn))
+    buf.x_sf[:T].copy_(sf)
+    buf.topk_idx[:T].copy_(ids)
+    buf.topk_weights[:T].copy_(w * rsf)
+    buf.topk_idx[T:].fill_(-1)
+    buf.topk_weights[T:].fill_(0.0)
 
 
 def _dist_ready() -> bool:

@@ -47,8 +47,8 @@ BLAKE3 = "blake3"
 #: checksum algorithms, in the order the manifest schema lists them
 ALGORITHMS = (SHA256, BLAKE3)
 def _default_checksum() -> str:
-    """blake3 (a declared dependency: about 4x sha256 a core, which took the converter from 0.56x to
-    0.73x of ``cp -r`` + ``sync`` on 2 cores, BENCHMARKS.md issue 13), or sha256 where the package is
+    """blake3 (a declared dependency: about 4x sha256 a core, the difference between 0.56x and 0.73x
+    of ``cp -r`` + ``sync`` for the converter on 2 cores, BENCHMARKS.md), or sha256 where the package is
     absent (an install without dependencies): a conversion never fails for want of a hash."""
     import importlib.util
 

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
+from .. import knobs
 from ..errors import CheckpointError, LayoutError
 from . import page_cache_dma
 from .safetensors_header import DTYPES, HeaderEntry, SafetensorsHeader, parse_safetensors_header
@@ -180,7 +181,7 @@ _READ_CHUNK = 16 << 20
 
 def _gpu_chunk() -> int:
     """Bytes per pinned chunk of a GPU reader (``MEGAMOE_LOAD_GPU_CHUNK_MB``, default 16)."""
-    env = os.environ.get("MEGAMOE_LOAD_GPU_CHUNK_MB")
+    env = knobs.get("MEGAMOE_LOAD_GPU_CHUNK_MB")
     return max(4096, int(float(env) * (1 << 20)) // 4096 * 4096) if env else _READ_CHUNK
 
 _READ_MIN_PARALLEL = 32 << 20
@@ -192,7 +193,7 @@ def read_workers() -> int:
     """Reader threads for large tensors (``MEGAMOE_LOAD_THREADS`` overrides)."""
     import os
 
-    env = os.environ.get("MEGAMOE_LOAD_THREADS")
+    env = knobs.get("MEGAMOE_LOAD_THREADS")
     if env:
         return max(1, int(env))
     return max(1, min(8, os.cpu_count() or 1))
@@ -374,7 +375,7 @@ def _do_reads(reads: list[tuple[Any, int, int, torch.Tensor]]) -> None:
                 continue
             # the first `share` of the bytes by DMA, the rest copied at the same time: the kernel pins
             # pages at about 25-35 GB/s on the H200 host whatever the threads, below the link, so the
-            # copying readers carry the other part in parallel (BENCHMARKS.md, issue 13)
+            # copying readers carry the other part in parallel (docs/bench-log/load.md)
             cut = min(nbytes, -(-int(nbytes * share) // 4096) * 4096)
             if cut:
                 dma.append((path, offset, cut, flat[:cut]))

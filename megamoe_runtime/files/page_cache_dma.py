@@ -3,16 +3,16 @@
 Why: a copying loader moves every byte page cache -> pinned buffer on a CPU
 (read + write of host memory) and then the DMA reads it again, so on the H200
 host it tops out near 18 GB/s, a third of the 55 GB/s a pinned host-to-device
-copy reaches (BENCHMARKS.md, issue 13). Mapping the file read-only
+copy reaches (BENCHMARKS.md, "Load"). Mapping the file read-only
 (``PROT_READ``, ``MAP_SHARED``) and page-locking that mapping with
 ``cudaHostRegister(..., cudaHostRegisterReadOnly)`` lets the copy engine read
 the cached file pages themselves: measured there, the DMA from a registered
 page-cache mapping runs at the full pinned rate (54.7 GB/s).
 
-How the cost is kept down (a first version, one ``mmap(MAP_POPULATE)`` +
-register + unregister + ``munmap`` per 64 MiB piece of each tensor, reached
-only 12.4 GB/s: ``mmap``/``munmap`` take the process's address-space lock for
-writing, so the reader threads' page pinning waited on each other):
+How the cost is kept down (one ``mmap(MAP_POPULATE)`` + register +
+unregister + ``munmap`` per 64 MiB piece of each tensor reaches only 12.4
+GB/s: ``mmap``/``munmap`` take the process's address-space lock for
+writing, so the reader threads' page pinning would wait on each other):
 
 * a load's reads are gathered first (`dma_reads` takes them all) and each
   file is mapped once, over the span its reads cover, without populating:
@@ -25,7 +25,7 @@ writing, so the reader threads' page pinning waited on each other):
   every piece has.
 
 Still opt-in (``MEGAMOE_LOAD_DMA=1``): measured on the H200 host in a whole
-load (BENCHMARKS.md, "page-cache DMA, whole-layer batches"), the kernel pins
+load (docs/bench-log/load.md, "page-cache DMA, whole-layer batches"), the kernel pins
 page-cache pages at 25-35 GB/s whatever the number of threads, plus about
 8 ms/GB to unpin, and pinning slows the copying readers running beside it, so
 every mix of DMA and copying measured (14-17 GB/s) stayed below the copying
@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import knobs
 from .work_queue import SharedQueue
 
 __all__ = ["available", "disable", "dma_reads", "DmaRead", "piece_bytes", "dma_threads", "dma_share"]
@@ -66,20 +67,20 @@ _state: dict[Any, Any] = {}
 
 def piece_bytes() -> int:
     """Bytes pinned at a time (``MEGAMOE_LOAD_DMA_PIECE_MB``, default 64), rounded to pages."""
-    mb = float(os.environ.get("MEGAMOE_LOAD_DMA_PIECE_MB", "64"))
+    mb = knobs.value("MEGAMOE_LOAD_DMA_PIECE_MB")
     return max(_PAGE, int(mb * (1 << 20)) // _PAGE * _PAGE)
 
 
 def dma_share() -> float:
     """Fraction of each large read done by DMA (``MEGAMOE_LOAD_DMA_SHARE``, default 0.5); the
     copying readers do the rest at the same time."""
-    return min(1.0, max(0.0, float(os.environ.get("MEGAMOE_LOAD_DMA_SHARE", "0.5"))))
+    return min(1.0, max(0.0, knobs.value("MEGAMOE_LOAD_DMA_SHARE")))
 
 
 def dma_threads() -> int:
     """Threads pinning pieces (``MEGAMOE_LOAD_DMA_THREADS``, default 2: the pinning rate does not grow
     past two on the H200 host)."""
-    return max(1, min(8, int(os.environ.get("MEGAMOE_LOAD_DMA_THREADS", "2"))))
+    return max(1, min(8, knobs.value("MEGAMOE_LOAD_DMA_THREADS")))
 
 
 def _cudart() -> Optional[ctypes.CDLL]:
@@ -119,7 +120,7 @@ def available(device: torch.device) -> "bool | str":
         if device in _state:
             return _state[device]
         why: "bool | str" = True
-        if os.environ.get("MEGAMOE_LOAD_DMA", "0") != "1":
+        if knobs.value("MEGAMOE_LOAD_DMA") != "1":
             why = "off (opt-in: MEGAMOE_LOAD_DMA=1)"
         elif not sys.platform.startswith("linux"):
             why = "not Linux"

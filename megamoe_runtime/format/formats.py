@@ -466,7 +466,7 @@ ROWS: dict[str, Row] = _rows(
         no_kernel_hint=("deep_gemm has no fp8_mega_moe (the SM90 block-FP8 mega kernel of SGLang's DeepGEMM build): "
                         "pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11, built for torch 2.11"),
         selfcheck_tolerance=2e-3,
-        quantize_target=False,
+        quantize_target=True,
         source_recipes=("dynamic FP8 per 1x128 activations: DeepSeek-V3/R1 native FP8, transformers FineGrainedFP8 "
                         "(Qwen3-FP8, GLM-4.5-FP8), llm-compressor FP8_BLOCK"),
         api_flavours=(("sgl", "fp8_mega_moe"),),

@@ -451,6 +451,14 @@ def _block_scale_src(src: torch.Tensor, where: str) -> torch.Tensor:
                       "exactly)")
 
 
+def _block_scale_shaped(src: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``src`` viewed with ``shape`` when it is that grid with its size-1 dims dropped (transformers' saved
+    per-expert scales, docs/CHECKPOINTS.md#block-fp8); otherwise as it is, for the shape check to name."""
+    if tuple(src.shape) != tuple(shape) and tuple(src.shape) == tuple(d for d in shape if d != 1):
+        return src.reshape(shape)
+    return src
+
+
 def _l1_block_half(l1_scale_e: torch.Tensor, half: int, where: str) -> torch.Tensor:
     """The gate (half 0) or up (1) rows of an fp32 L1 block-scale tensor [.., 2I/128, H/128]."""
     nb2 = l1_scale_e.shape[-2]
@@ -478,7 +486,8 @@ def write_l1_scale(l1_scale_e: torch.Tensor, src_bytes: torch.Tensor, half: int,
     L1 scale kernel view [.., 2I, P]: pack, interleave, UTCCP in one copy_."""
     _check_half(half, where)
     if l1_scale_e.dtype == torch.float32:
-        dst, src = _l1_block_half(l1_scale_e, half, where), _block_scale_src(src_bytes, where)
+        dst = _l1_block_half(l1_scale_e, half, where)
+        src = _block_scale_shaped(_block_scale_src(src_bytes, where), tuple(dst.shape))
         _expect_shape(src, tuple(dst.shape), where, "block scale source")
         dst.copy_(src)
         return
@@ -502,7 +511,7 @@ def write_l2_scale(l2_scale_e: torch.Tensor, src_bytes: torch.Tensor, *, where: 
     """Copy down scale bytes [.., H, G] into the L2 scale kernel view [.., H, P]: pack + UTCCP
     (block-FP8: fp32 [.., H/128, I/128] copied unchanged)."""
     if l2_scale_e.dtype == torch.float32:
-        src = _block_scale_src(src_bytes, where)
+        src = _block_scale_shaped(_block_scale_src(src_bytes, where), tuple(l2_scale_e.shape))
         _expect_shape(src, tuple(l2_scale_e.shape), where, "block scale source")
         l2_scale_e.copy_(src)
         return

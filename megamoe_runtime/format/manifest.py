@@ -557,6 +557,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     output), not JSON, of a newer format version, or malformed.
     """
     path = Path(directory) / MANIFEST_NAME
+    if not Path(directory).is_dir():
+        what = "does not exist" if not os.path.lexists(directory) else "is not a folder"
+        raise ManifestError(f"{directory} {what}: a megamoe output is the folder `megamoe-convert convert SRC "
+                            f"OUT` writes (OUT)")
     if not path.is_file():
         raise ManifestError(
             f"{path}: no {MANIFEST_NAME}; {directory} is not a finished megamoe output "

@@ -92,14 +92,15 @@ DEEPSEEK_V4 = SourceFamily("deepseek-v4", (_w("weight"), _s("scale")))  # E8M0 p
 #: any MX export (ModelOpt, Quark, compressed-tensors ``mxfp8-quantized``)
 MX = SourceFamily("mx", (_s("weight_scale"), _w("weight")))
 BF16 = SourceFamily("bf16", (_w("weight"),))
+#: block FP8 (DeepSeek-V3 / transformers FineGrainedFP8): ``weight_scale_inv`` is the multiplier despite its name
+FP8_BLOCK = SourceFamily("fp8-block", (_w("weight"), _s("weight_scale_inv")))
 
 #: fmt of ``make_expert_params_mapping`` -> family
-FAMILIES: dict[str, SourceFamily] = {f.name: f for f in (MODELOPT, COMPRESSED_TENSORS, QUARK, DEEPSEEK_V4, MX, BF16)}
+FAMILIES: dict[str, SourceFamily] = {f.name: f for f in (MODELOPT, COMPRESSED_TENSORS, QUARK, DEEPSEEK_V4, MX, BF16,
+                                                           FP8_BLOCK)}
 
 #: suffixes recognised but not loadable into any MegaMoE row (reported, with the reason)
 UNSUPPORTED_SUFFIXES = {
-    "weight_scale_inv": "128x128 block FP8 scales (DeepSeek-V3 style) are not a MegaMoE row; convert with "
-                        "megamoe-convert (which re-quantizes) instead of raw-loading",
     "bias": "expert biases have no slot in any DeepGEMM mega entry point",
 }
 

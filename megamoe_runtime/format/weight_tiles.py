@@ -3,7 +3,7 @@
 Why it exists. In the converted (DeepGEMM) layout a weight row is contiguous, so a GEMM tile that reads one
 128-wide K block of many rows touches 64 bytes (E2M1) or 128 bytes (E4M3) per row, one row length apart. On
 the H200 the triton kernels read the same bytes 13-15% faster when each group of ``wt`` rows stores its K
-blocks one after another (BENCHMARKS.md, issue 11 fifth pass): a tile's reads become whole runs of memory.
+blocks one after another (docs/bench-log/kernels.md): a tile's reads become whole runs of memory.
 The file format does not change: the layer derives this arrangement in place after a load and restores the
 converted layout before the next load writes (`megamoe_runtime.layer.experts`), so loaders, the reload dry run and
 the checkpoint only ever see the converted layout.

@@ -11,6 +11,8 @@ states the consequence. Formats (docs/FORMATS.md, docs/CHECKPOINTS.md#source-for
   32-element block scale (ModelOpt W4A8_NVFP4_FP8) covers two 16-blocks.
 * NVFP4, divisor global (compressed-tensors): ``e2m1 * (e4m3(weight_scale) / weight_global_scale)``.
 * MXFP4 / MXFP8: ``value * 2^(weight_scale - 127)`` per 32.
+* Block FP8 (DeepSeek-V3, FineGrainedFP8, compressed-tensors FP8_BLOCK): ``e4m3 * scale`` per 128x128 block,
+  the scale being ``weight_scale_inv`` / ``weight_scale`` (a multiplier either way).
 """
 from __future__ import annotations
 
@@ -22,17 +24,17 @@ from ..errors import FormatError
 from ..format import codecs
 from ..format.source_formats import SUFFIXES
 
-__all__ = ["QUANTIZED_WEIGHT_DTYPES", "is_quantized_linear", "decode_linear_weight"]
+__all__ = ["is_quantized_linear", "decode_linear_weight"]
 
 #: safetensors dtypes of a weight that is stored quantized (packed E2M1 bytes or E4M3 elements)
-QUANTIZED_WEIGHT_DTYPES = ("U8", "I8", "F8_E4M3")
+_QUANTIZED_WEIGHT_DTYPES = ("U8", "I8", "F8_E4M3")
 #: the suffixes of the stored weight itself, by family (``weight_packed``: compressed-tensors)
 _WEIGHT_SUFFIXES = ("weight", "weight_packed")
 
 
 def is_quantized_linear(dtypes: Mapping[str, str]) -> bool:
     """Whether a linear's stored tensors (suffix -> safetensors dtype) hold a quantized weight."""
-    return "weight_packed" in dtypes or dtypes.get("weight") in QUANTIZED_WEIGHT_DTYPES
+    return "weight_packed" in dtypes or dtypes.get("weight") in _QUANTIZED_WEIGHT_DTYPES
 
 
 def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
@@ -44,7 +46,7 @@ def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_feat
         raise FormatError(f"{name}: stored tensors {unknown} are not a weight format megamoe can decode for a "
                           f"non-expert linear (has {sorted(tensors)})")
     w = next((tensors[s] for s in _WEIGHT_SUFFIXES if s in tensors), None)
-    scale = tensors.get("weight_scale")
+    scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     if w is None or scale is None:
         raise FormatError(f"{name}: a quantized weight needs its weight and weight_scale; has {sorted(tensors)}")
     desc = ", ".join(f"{k} {str(v.dtype).replace('torch.', '')} {list(v.shape)}" for k, v in sorted(tensors.items()))
@@ -53,6 +55,18 @@ def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_feat
     if elems != in_features:
         raise FormatError(f"{name}: the weight holds {elems} input features, the model's linear "
                           f"{in_features} ({desc})")
+    if w.dtype == torch.float8_e4m3fn and scale.dtype in (torch.float32, torch.bfloat16):
+        # block FP8: one multiplier per 128x128 block (a squeezed grid gets its size-1 dims back)
+        grid = (-(-w.shape[0] // codecs.FP8_BLOCK), -(-elems // codecs.FP8_BLOCK))
+        if scale.numel() != grid[0] * grid[1]:
+            raise FormatError(f"{name}: block FP8 weight needs {grid[0]}x{grid[1]} fp32 block scales ({desc})")
+        s = scale.float()
+        bad = ~torch.isfinite(s) | (s <= 0)
+        if bool(bad.any()):
+            raise FormatError(f"{name}: {int(bad.sum())} of {s.numel()} block scale(s) are not finite and > 0 "
+                              f"(first {float(s[bad][0])!r}; {desc}); the checkpoint's producer wrote a broken "
+                              "scale for this linear")
+        return codecs.dequantize_fp8_block(w, scale.float().reshape(grid))
     sf_per_row = scale.shape[-1]
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu) and sf_per_row * codecs.MX_GROUP == elems:
         return codecs.dequantize_mx(w, scale, "e2m1" if packed else "e4m3")

@@ -14,14 +14,20 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from .. import knobs
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..load.checkpoint import Checkpoint, open_checkpoint
+from ..load.load_checks import DEFAULT_VERIFY, VERIFY_LEVELS
 
-__all__ = ["QUANT_METHOD", "config_value", "check_folder_for_model", "megamoe_quantization_config"]
+__all__ = ["QUANT_METHOD", "VERIFY_ENV", "config_value", "check_folder_for_model", "megamoe_quantization_config",
+           "verify_level"]
 
 #: the ``quantization_config.quant_method`` a converted folder's config.json names
 QUANT_METHOD = "megamoe"
+
+#: the environment variable naming the load check level when the quantization config names none
+VERIFY_ENV = "MEGAMOE_VERIFY"
 
 #: model-config fact -> the keys model families spell it with (first present wins)
 _CONFIG_KEYS = {
@@ -49,21 +55,33 @@ def megamoe_quantization_config(config: Mapping[str, Any]) -> Optional[dict]:
     return None
 
 
+def verify_level(quantization_config: Optional[Mapping[str, Any]] = None) -> str:
+    """The load check level an engine opens a folder with: ``quantization_config["verify"]`` (a user's
+    ``MegaMoEConfig(verify=...)``, an edited config.json, vLLM's ``--hf-overrides``), else ``MEGAMOE_VERIFY``,
+    else the loader's default; ValueError naming the valid levels otherwise. ``"checksums"`` hashes every
+    loaded tensor against the manifest, so a flipped byte in a shard is refused instead of served."""
+    level = (quantization_config or {}).get("verify") or knobs.get(VERIFY_ENV) or DEFAULT_VERIFY
+    if level not in VERIFY_LEVELS:
+        raise ValueError(f"megamoe verify level {level!r} is unknown; valid: {', '.join(VERIFY_LEVELS)}")
+    return level
+
+
 def check_folder_for_model(folder: Union[str, os.PathLike], config: Mapping[str, Any], *,
-                           dry_run: bool = True) -> Checkpoint:
+                           dry_run: bool = True, verify: Optional[str] = None) -> Checkpoint:
     """The opened checkpoint of ``folder`` after checking it belongs to ``config``; CheckpointError otherwise.
 
     Checks, in order: the folder holds ``megamoe.json`` (a manifest that reads and validates); the config
     names the megamoe method; the manifest's model (type, experts, top-k) and every MoE layer's sizes match
     the config; every layer index exists in the model; and (``dry_run``) a meta-tensor reload of every layer
     from the files' headers covers every parameter byte exactly once -- which finds a missing, truncated or
-    mismatched shard by name without reading a weight."""
+    mismatched shard by name without reading a weight. ``verify``: the level every later load of the returned
+    checkpoint checks at (`verify_level`; default the loader's own)."""
     root = Path(folder)
     if not (root / MANIFEST_NAME).is_file():
         raise CheckpointError(
             f"{root} is not a megamoe output folder (no {MANIFEST_NAME}); convert the checkpoint first: "
             f"megamoe-convert convert SRC {root}")
-    ckpt = open_checkpoint(root)
+    ckpt = open_checkpoint(root) if verify is None else open_checkpoint(root, verify=verify)
     qc = megamoe_quantization_config(config)
     if qc is None:
         got = config.get("quantization_config")

@@ -91,7 +91,7 @@ def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[in
     return out.to(device)
 
 
-def ep_slots(
+def _ep_slots(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -186,7 +186,7 @@ def ep_forward(
     def compute(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return backend.pairs(layer, rows, weights, ids)
 
-    slots, valid = ep_slots(
+    slots, valid = _ep_slots(
         hidden_states, topk_weights, topk_ids,
         experts_per_rank=spec.experts_per_rank, compute=compute, group=group, recv_stats=recv_stats,
     )

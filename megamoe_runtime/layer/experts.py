@@ -17,7 +17,8 @@ Attributes (= manifest roles, `megamoe_runtime.format.manifest`):
 * ``l1_weight [E_l, 2I, Dw]``, ``l2_weight [E_l, H, Iw]``: kernel dtype of the row.
 * ``l1_scale [E_l, 2I, P1]`` / ``l2_scale [E_l, H, P2]``: int32 kernel views with
   strides ``(P*N, 1, N)``; ``layout.physical(p)`` (= ``p.transpose(-1, -2)``)
-  is the contiguous storage a file tensor copies into. None for bf16.
+  is the contiguous storage a file tensor copies into. None for bf16; fp8_block: contiguous fp32
+  ``[E_l, 2I/128, H/128]`` / ``[E_l, H/128, I/128]`` block scales (docs/LAYOUT.md#sm90-block-fp8).
 * nvfp4: ``l1_alpha [E_l, 2]`` (gate, up ``weight_scale_2``) and
   ``l2_global_scale [E_l]`` (w2 ``weight_scale_2``) parameters, the buffer
   ``l2_activation_scale`` (0-d, a2 = max w2 input scale over ALL experts), and
@@ -45,13 +46,13 @@ the shared expert twice.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from .. import knobs
 from ..backends import get_backend
 from ..errors import LayerSpecError, LayerUnusableError, LayoutError, MegaMoEError, ScaleError
 from ..files.limits import MAX_LAYER_BYTES
@@ -60,7 +61,7 @@ from ..format.formats import LayerSpec, SharedSpec, get_row, spec_differences
 from ..format.roles import KERNEL_ROLES, SCALAR_ROLES, SHARED_ROLES, STORAGE_CONTIGUOUS, is_shared_role, shared_role
 from . import compiled, loaders
 
-__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert", "describe_shared_module"]
+__all__ = ["DeepGemmMegaMoEExperts", "MegaMoESharedExpert"]
 
 
 _MADV_HUGEPAGE = 14
@@ -82,7 +83,7 @@ def _advise_hugepages(t: torch.Tensor) -> None:
     global _libc
     nbytes = t.untyped_storage().nbytes()
     if (t.device.type != "cpu" or nbytes < 2 * _HUGE or not sys.platform.startswith("linux")
-            or os.environ.get("MEGAMOE_THP", "0") != "1"):
+            or knobs.value("MEGAMOE_THP") != "1"):
         return
     try:
         if _libc is None:
@@ -148,7 +149,7 @@ def _find_proj(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]
     return None
 
 
-def describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
+def _describe_shared_module(module: nn.Module, hidden: int) -> tuple[Optional[SharedSpec], dict, str]:
     """(SharedSpec or None, canonical tensors, reason) for an engine's shared MLP.
 
     Recognises ``gate_proj``/``up_proj``/``down_proj``, ``w1``/``w3``/``w2``
@@ -297,7 +298,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
                 "module was given too; use one source of shared experts"
             )
         if spec.shared is None and shared_experts is not None and fuse_shared is not False:
-            sspec, tensors, module_reason = describe_shared_module(shared_experts, spec.hidden)
+            sspec, tensors, module_reason = _describe_shared_module(shared_experts, spec.hidden)
             if sspec is not None:
                 ok, module_reason = spec.row_spec.can_fuse_shared(sspec.precision)
                 if ok:

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 
 from ..errors import CheckpointError, LayoutError, ScaleError
-from ..format import layout, scales
+from ..format import formats, layout, scales
 from ..files.file_io import copy_into as _copy_into
 from ..format.formats import Element, get_row
 from ..format.roles import STORAGE_CONTIGUOUS, STORAGE_MN_MAJOR, is_shared_role, role_of
@@ -54,19 +54,16 @@ from ..format.source_formats import (
     UNSUPPORTED_SUFFIXES,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .experts import DeepGemmMegaMoEExperts
-
 __all__ = [
     "SHARD_IDS",
     "ExpertWeightRef",
     "parse_expert_weight_name",
     "make_expert_params_mapping",
     "copy_stored",
-    "stored_destination",
     "raw_weight_loader",
     "shared_weight_loader",
     "LoadState",
+    "LoadTarget",
 ]
 
 #: vLLM's shard ids: w1 = gate, w3 = up (the two L1 halves), w2 = down (L2).
@@ -234,11 +231,34 @@ class LoadState:
     skipped: int = 0
 
 
+class LoadTarget(Protocol):
+    """What the loaders read and write of the layer they are handed (`DeepGemmMegaMoEExperts` is one):
+    declared here so that the loaders depend on these names only and never on the layer's module."""
+
+    spec: formats.LayerSpec
+    prefix: str
+    layer_index: Optional[int]
+    shared_fused: bool
+    l1_weight: torch.Tensor
+    l2_weight: torch.Tensor
+    l1_scale: Optional[torch.Tensor]
+    l2_scale: Optional[torch.Tensor]
+    l1_alpha: Optional[torch.Tensor]
+    l2_global_scale: Optional[torch.Tensor]
+    l2_activation_scale: Optional[torch.Tensor]
+
+    def param_for_role(self, role: str) -> Optional[torch.Tensor]: ...
+
+    def role_of(self, t: torch.Tensor) -> str: ...
+
+    def load_state(self, mode: Optional[str] = None) -> Optional[LoadState]: ...
+
+
 def _is_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
 
-def _where(layer: "DeepGemmMegaMoEExperts", what: str) -> str:
+def _where(layer: LoadTarget, what: str) -> str:
     name = layer.prefix or (f"layer {layer.layer_index}" if layer.layer_index is not None else "layer")
     return f"{name}: {what}"
 
@@ -257,7 +277,7 @@ def _check_scale_value(v: float, what: str) -> None:
 # --------------------------------------------------------------------------- pre-laid-out
 
 
-def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str = STORAGE_CONTIGUOUS,
+def _stored_destination(layer: LoadTarget, role: str, storage: str = STORAGE_CONTIGUOUS,
                        experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The view of `layer`'s storage that a stored (file) tensor of ``role``
     copies into: the parameter itself, its contiguous physical base for
@@ -285,12 +305,12 @@ def stored_destination(layer: "DeepGemmMegaMoEExperts", role: str, storage: str 
     return dst
 
 
-def check_stored_source(layer: "DeepGemmMegaMoEExperts", role: str, dtype: Optional[torch.dtype],
+def check_stored_source(layer: LoadTarget, role: str, dtype: Optional[torch.dtype],
                         shape: tuple[int, ...], *, storage: str = STORAGE_CONTIGUOUS,
                         experts: Optional[tuple[int, int]] = None, name: str = "") -> torch.Tensor:
     """The destination view of a stored tensor of this dtype and shape, or LayoutError: the checks `copy_stored`
     makes before its copy, callable on header facts alone (`load_checks` runs them before a load's first byte)."""
-    dst = stored_destination(layer, role, storage, experts)
+    dst = _stored_destination(layer, role, storage, experts)
     what = name or role
     if dtype != dst.dtype:
         raise LayoutError(_where(layer, f"{what}: stored dtype {dtype} != parameter dtype {dst.dtype}; "
@@ -301,7 +321,7 @@ def check_stored_source(layer: "DeepGemmMegaMoEExperts", role: str, dtype: Optio
     return dst
 
 
-def copy_stored(layer: "DeepGemmMegaMoEExperts", role: str, src: Any, *,
+def copy_stored(layer: LoadTarget, role: str, src: Any, *,
                 storage: str = STORAGE_CONTIGUOUS, experts: Optional[tuple[int, int]] = None,
                 name: str = "") -> None:
     """Pre-laid-out load of one stored tensor into the layer's allocated
@@ -343,7 +363,7 @@ def _resolve_kind(weight_name: str) -> tuple[str, bool, str]:
     return kind, divisor, suf
 
 
-def _check_param(layer: "DeepGemmMegaMoEExperts", param: Any, expected: str, weight_name: str) -> None:
+def _check_param(layer: LoadTarget, param: Any, expected: str, weight_name: str) -> None:
     if param is None or expected == "":
         return
     want = layer.param_for_role(expected) if expected != "l2_activation_scale" else layer.l2_activation_scale
@@ -367,7 +387,7 @@ def _scalar_value(src: torch.Tensor, divisor: bool) -> torch.Tensor:
     return src
 
 
-def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Tensor],
+def raw_weight_loader(layer: LoadTarget, param: Optional[torch.Tensor],
                       loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
                       expert_id: int) -> bool:
     """vLLM-style loader for one raw routed-expert checkpoint tensor.
@@ -458,7 +478,7 @@ def raw_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Ten
     return True
 
 
-def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.Tensor],
+def shared_weight_loader(layer: LoadTarget, param: Optional[torch.Tensor],
                          loaded_weight: torch.Tensor, weight_name: str, shard_id: str) -> bool:
     """Raw loader for the (folded, S*I_s wide) shared expert's weight / block
     scale, into the layer's shared parameters (fused or the layer-built shared
@@ -516,7 +536,7 @@ def shared_weight_loader(layer: "DeepGemmMegaMoEExperts", param: Optional[torch.
     return True
 
 
-def finish_raw_load(layer: "DeepGemmMegaMoEExperts", st: LoadState) -> Optional[float]:
+def finish_raw_load(layer: LoadTarget, st: LoadState) -> Optional[float]:
     """End of a raw load: every NVFP4 pair complete; returns a2 from ALL
     experts for the layer to write (None: nothing to write)."""
     spec = layer.spec

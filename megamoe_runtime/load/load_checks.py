@@ -96,7 +96,7 @@ class LoadCheck:
 # --------------------------------------------------------------------------- spec
 
 
-def check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: LoadCheck) -> None:
+def _check_spec(layer: Any, le: LayerEntry, ckpt_root: Any, *, adopt: bool, chk: LoadCheck) -> None:
     """Storage fields must match; semantic ones must match unless adopted (then `chk.adopted_spec` is the layer's
     spec with the checkpoint's semantics, validated, and the backend must support it)."""
     from ..format.formats import LayerSpec
@@ -160,7 +160,7 @@ def identity_problems(path: Any, md: dict, expected_file: str, ranks: set) -> li
     return []
 
 
-def check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Optional[SafetensorsHeader], list[str]]:
+def _check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Optional[SafetensorsHeader], list[str]]:
     """A file the plan reads: inside the folder, header valid and of the file's length, self-named as the manifest
     expects, every planned tensor present with the manifest's dtype and shape."""
     try:
@@ -186,7 +186,7 @@ def check_file_header(root: Any, file: str, items: list, ranks: set) -> tuple[Op
     return h, problems
 
 
-def check_destinations(layer: Any, items: list, headers: dict) -> list[str]:
+def _check_destinations(layer: Any, items: list, headers: dict) -> list[str]:
     """Every planned source fits its destination view in the layer (the checks `copy_stored` makes at write time,
     made here first)."""
     from ..layer.loaders import check_stored_source
@@ -219,7 +219,7 @@ def _read_exact(path: Any, offset: int, nbytes: int) -> bytes:
     return data
 
 
-def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: bool) -> list[str]:
+def _check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: bool) -> list[str]:
     """NVFP4: ``l2_activation_scale`` in the manifest and every planned per-expert global scale (f32) finite and
     > 0, read from the files (a few bytes per expert) so that `finish_load` cannot refuse after the writes.
     Pure Python, so it also runs under the dry run's dispatch mode."""
@@ -254,7 +254,7 @@ def check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: b
     return problems
 
 
-def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha256") -> str:
+def _tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha256") -> str:
     """Digest (hex, `algorithm` of megamoe_runtime.files.digests) of ``nbytes`` bytes of ``path`` at ``offset``, read in
     16 MiB chunks: the manifest's tensor checksum."""
     from ..files.digests import new_hasher
@@ -276,7 +276,7 @@ def tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha25
     return h.hexdigest()
 
 
-def check_checksums(items: list, headers: dict) -> list[str]:
+def _check_checksums(items: list, headers: dict) -> list[str]:
     """Every stored tensor the plan reads (whole, even when only a slice is loaded) hashes to the manifest's
     checksum (of the manifest's algorithm). Tensors are hashed on the loader's reader threads (hashlib and blake3
     release the GIL on large updates)."""
@@ -298,7 +298,7 @@ def check_checksums(items: list, headers: dict) -> list[str]:
         te, h, en = job
         kind = getattr(te, "checksum_kind", "sha256")
         try:
-            got = tensor_checksum(h.path, h.data_start + en.begin, en.nbytes, kind)
+            got = _tensor_checksum(h.path, h.data_start + en.begin, en.nbytes, kind)
         except (OSError, MegaMoEError) as e:
             return f"{h.path}: cannot check {te.name}: {e}"
         if got != te.checksum:
@@ -336,7 +336,7 @@ def check_layer_load(ckpt: Any, layer: Any, *, verify: str = DEFAULT_VERIFY, ado
         chk.problems.append(str(e))
         return chk
     chk.layer_entry = le
-    check_spec(layer, le, ckpt.root, adopt=adopt_semantics, chk=chk)
+    _check_spec(layer, le, ckpt.root, adopt=adopt_semantics, chk=chk)
     if any("fixes the layer's storage" in p for p in chk.problems):
         return chk  # another shape: the plan and destinations would only repeat it
     spec = layer.spec
@@ -352,15 +352,15 @@ def check_layer_load(ckpt: Any, layer: Any, *, verify: str = DEFAULT_VERIFY, ado
     for it in chk.items:
         by_file.setdefault(it.entry.file, []).append(it)
     for file in sorted(by_file):
-        h, probs = check_file_header(ckpt.root, file, by_file[file], {it.entry.ep_rank for it in by_file[file]})
+        h, probs = _check_file_header(ckpt.root, file, by_file[file], {it.entry.ep_rank for it in by_file[file]})
         if h is not None and not probs:
             chk.headers[file] = h
         else:
             chk.bad_files.add(file)
         chk.problems += probs
     loaded = [it for it in chk.items if it.role in chk.wanted]
-    chk.problems += check_destinations(layer, loaded, chk.headers)
-    chk.problems += check_nv_scales(ckpt.root, le, loaded, chk.headers, spec.row_spec.has_alphas)
+    chk.problems += _check_destinations(layer, loaded, chk.headers)
+    chk.problems += _check_nv_scales(ckpt.root, le, loaded, chk.headers, spec.row_spec.has_alphas)
     if verify == "checksums":
-        chk.problems += check_checksums(loaded, chk.headers)
+        chk.problems += _check_checksums(loaded, chk.headers)
     return chk

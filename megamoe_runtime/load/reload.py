@@ -46,7 +46,7 @@ from ..files.file_io import SafetensorsFile
 from ..format.manifest import EXPERT_ROLES, MANIFEST_NAME
 from .checkpoint import Checkpoint
 
-__all__ = ["ReloadReport", "ParamCoverage", "WriteInterceptor", "verify_reload", "dry_run_checkpoint", "byte_runs"]
+__all__ = ["ReloadReport", "ParamCoverage", "verify_reload", "dry_run_checkpoint", "byte_runs"]
 
 _aten = torch.ops.aten
 #: ops that rebind or reshape storage instead of writing bytes into it
@@ -111,7 +111,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-class WriteInterceptor(TorchDispatchMode):
+class _WriteInterceptor(TorchDispatchMode):
     """Records writes into real tensors instead of running them (see module doc)."""
 
     def __init__(self, tracked: dict[int, _Tracked]):
@@ -478,7 +478,7 @@ def verify_reload(layer_or_model: nn.Module, checkpoint_dir: Union[str, os.PathL
     rep = ReloadReport(str(root), mode, layers=[m.prefix or n for n, m in layers.items()])
     tracked = _tracked_of(layers)
     snap = _snapshot(layer_or_model)
-    icpt = WriteInterceptor(tracked)
+    icpt = _WriteInterceptor(tracked)
     try:
         with torch.no_grad(), icpt:
             if mode == "prelaid":
@@ -521,7 +521,7 @@ def dry_run_checkpoint(checkpoint_dir: Union[str, os.PathLike], *, ep_size: Opti
     return reports
 
 
-def _guard(rep: ReloadReport, icpt: WriteInterceptor, source: str, fn: Callable[[], Any]) -> Any:
+def _guard(rep: ReloadReport, icpt: _WriteInterceptor, source: str, fn: Callable[[], Any]) -> Any:
     icpt.source = source
     try:
         return fn()
@@ -533,7 +533,7 @@ def _guard(rep: ReloadReport, icpt: WriteInterceptor, source: str, fn: Callable[
     return None
 
 
-def _dry_prelaid(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: ReloadReport, *,
+def _dry_prelaid(root: Path, layers: dict[str, Any], icpt: _WriteInterceptor, rep: ReloadReport, *,
                  adopt_semantics: bool = False) -> None:
     """Each layer goes through `load_checks.check_layer_load` -- the very checks `Checkpoint.load_layer` runs
     before its first byte, so the dry run and the real reload cannot disagree -- and then its loaders run on meta
@@ -584,7 +584,7 @@ def _raw_files(root: Path) -> list[Path]:
     return files
 
 
-def _dry_raw(root: Path, layers: dict[str, Any], icpt: WriteInterceptor, rep: ReloadReport) -> None:
+def _dry_raw(root: Path, layers: dict[str, Any], icpt: _WriteInterceptor, rep: ReloadReport) -> None:
     from ..layer.loaders import parse_expert_weight_name
 
     by_prefix = {}

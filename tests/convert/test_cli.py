@@ -2,6 +2,7 @@
 outputs, inspect, demo."""
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -109,15 +110,37 @@ def test_demo_json(tmp_path):
     gen = res["generate"]  # the last step: from_pretrained on a converted real transformers model + generate
     assert gen["ok"] and len(gen["tokens"]) == 8 and gen["tokens"] == gen["reference_tokens"]
     assert (tmp_path / "d" / "hf-converted" / "megamoe.json").is_file()
-    r = run_cli("demo", "--keep", tmp_path / "d")
-    assert r.exit_code == 2 and "exists" in r.stderr
+    assert "demo: transformers: converted a tiny DeepseekV3ForCausalLM with random weights (a bf16 source, so row " \
+           f"bf16) into {tmp_path / 'd' / 'hf-converted'}" not in r.stdout  # (--json: the JSON only)
+    assert gen["row"] == "bf16" and gen["source_dtype"] == "bf16" and gen["out"] == str(tmp_path / "d" / "hf-converted")
     mine = tmp_path / "e" / "hf-source"  # a user's folder where the last step would save its model
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("mine")
     r = run_cli("demo", "--keep", tmp_path / "e")
-    assert r.exit_code == 2 and "hf-source exists" in r.stderr
+    assert r.exit_code == 2 and "hf-source (not written by the demo)" in r.stderr
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "e" / "source").exists()
+    r = run_cli("demo", "--format", "gguf")
+    assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
+
+
+def test_demo_keep_runs_again_in_its_own_folder_only(tmp_path):
+    """The README runs `demo --keep` more than once: a second run replaces what the first wrote (its marker
+    lists it), and names the folder it wrote; a file changed since, or a folder it did not write, is never
+    touched."""
+    d = tmp_path / "d"
+    for _ in range(2):
+        r = run_cli("demo", "--keep", d, "--format", "bf16")
+        assert r.exit_code == 0, r.output
+    assert (d / "converted" / "megamoe.json").is_file() and (d / ".megamoe-demo.json").is_file()
+    assert "demo: transformers: converted a tiny DeepseekV3ForCausalLM with random weights (a bf16 source, so row " \
+           f"bf16) into {d / 'hf-converted'}" in r.stdout
+    cfg = d / "converted" / "config.json"
+    cfg.write_text(cfg.read_text() + " ")  # the user's edit
+    before = cfg.read_bytes()
+    r = run_cli("demo", "--keep", d, "--format", "bf16")
+    assert r.exit_code == 2 and f"{d / 'converted'} (changed since the demo wrote it)" in r.stderr
+    assert cfg.read_bytes() == before and (d / "source" / "config.json").is_file()
     r = run_cli("demo", "--format", "gguf")
     assert r.exit_code == 2 and "unknown synthetic format 'gguf'" in r.output and "deepseek-v4" in r.output
 
@@ -373,3 +396,77 @@ def test_shared_precision_choices_are_the_row_tables():
     for name in ("convert", "inspect"):
         opt = next(p for p in main.commands[name].params if p.name == "shared_precision")
         assert tuple(opt.type.choices) == SHARED_PRECISION_CHOICES, name
+
+
+@pytest.mark.parametrize("cmd", ["convert", "inspect"])
+def test_an_already_converted_folder_is_named_as_such(ckpts, tmp_path, cmd):
+    _, out = ckpts.converted("modelopt-nvfp4")
+    args = [cmd, out] + ([tmp_path / "again"] if cmd == "convert" else [])
+    r = run_cli(*args)
+    assert r.exit_code == 2
+    assert f"{out}: already a megamoe output (megamoe.json is there)" in r.stderr
+    assert not (tmp_path / "again").exists()
+
+
+def test_inspect_names_the_source_formats_own_global_scale_tensor():
+    """compressed-tensors keeps the NVFP4 global scale in weight_global_scale, ModelOpt in weight_scale_2."""
+    real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+    for fixture, name in (("llmcompressor-nvfp4-qwen3moe", "weight_global_scale"),
+                          ("modelopt-nvfp4-qwen3moe", "weight_scale_2")):
+        r = run_cli("inspect", real / fixture)
+        assert r.exit_code == 0, r.output
+        assert f"of 8 w1/w3 {name} pairs differ" in r.stdout, fixture
+
+
+def test_convert_summary_says_what_its_time_measures_and_what_comes_next(synth_ckpt, tmp_path):
+    r = run_cli("convert", synth_ckpt("bf16"), tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("time:"))
+    m = re.search(r"time: ([\d.]+) s converting \(checks, reads, writes, rename\), ([\d.]+) s since the command "
+                  r"started \(imports included\)   throughput: ", line)
+    assert m and float(m[2]) >= float(m[1]), line
+    out, src = tmp_path / "out", synth_ckpt("bf16")
+    assert f"next: megamoe-convert verify {out} --against {src}" in r.stdout
+    assert f"import megamoe_runtime.integrations.transformers, then AutoModelForCausalLM.from_pretrained('{out}')" \
+        in r.stdout and f"vllm serve {out} --load-format megamoe" in r.stdout
+
+
+def test_verify_against_its_source_prints_the_layer_table_and_passes(ckpts):
+    src, out = ckpts.converted("modelopt-nvfp4")
+    r = run_cli("verify", out, "--against", src)
+    assert r.exit_code == 0, r.output
+    assert "layer  module" in r.stdout and "calc_diff  threshold  result" in r.stdout
+    for i in (0, 1):
+        assert f"    {i}  model.layers.{i}.mlp  nvfp4" in r.stdout
+    assert f"ok: all 2 MoE layers match {src} within their row's threshold" in r.stdout
+    d = json.loads(run_cli("verify", out, "--against", src, "--json", "--tokens", "8").stdout)
+    a = d["against"]
+    assert d["ok"] and d["exit_code"] == 0 and a["ok"] and a["tokens"] == 8 and a["format"] == "modelopt-nvfp4"
+    assert [le["index"] for le in a["layers"]] == [0, 1]
+    assert all(le["ok"] and 0 <= le["calc_diff"] < le["threshold"] == 2e-2 for le in a["layers"])
+
+
+def test_verify_against_quantized_from_bf16_reads_the_source_as_the_conversion_did(ckpts):
+    """--quantize mxfp4: the manifest says so, and the comparison quantizes the source the same way."""
+    src = ckpts.source("bf16")
+    out = ckpts.base / "bf16-to-mxfp4"
+    if not out.exists():
+        from megamoe_convert.convert import convert
+        convert(src, out, quantize="mxfp4")
+    d = json.loads(run_cli("verify", out, "--against", src, "--json").stdout)
+    assert d["ok"] and d["against"]["quantize"] == "mxfp4" and d["against"]["row"] == "mxfp4"
+
+
+def test_verify_against_another_source_fails(ckpts, make_ckpt):
+    """Negative control: a source of the same shapes but other weights misses every threshold (exit 1); one of
+    other shapes is named as not the source (exit 2)."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    other = make_ckpt("modelopt-nvfp4", seed=7)
+    r = run_cli("verify", out, "--against", other)
+    assert r.exit_code == 1, r.output
+    assert r.stdout.count("FAIL") >= 2 and f"against {other} >= threshold 2e-02" in r.stdout
+    d = json.loads(run_cli("verify", out, "--against", other, "--json").stdout)
+    assert d["exit_code"] == 1 and not d["ok"] and not d["against"]["ok"]
+    wider = make_ckpt("modelopt-nvfp4", intermediate=384)
+    r = run_cli("verify", out, "--against", wider)
+    assert r.exit_code == 2 and f"{wider} is not the source of {out}: MoE layer 0" in r.stderr

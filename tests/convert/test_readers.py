@@ -30,7 +30,7 @@ EXPECTED_READER = {
     "bf16-fused": "unquantized",
 }
 #: relative Frobenius error of dequantized vs the float weights, per row
-TOL = {"nvfp4": 0.15, "mxfp4": 0.2, "mxfp8": 0.05, "bf16": 0.01}
+TOL = {"nvfp4": 0.15, "mxfp4": 0.2, "mxfp8": 0.05, "bf16": 0.01, "fp8_block": 0.05}
 
 
 def _reader(path, **kw) -> CheckpointReader:
@@ -612,11 +612,18 @@ def test_quark_refusal_and_legacy_mx(make_ckpt):
     assert _reader(p).format_name == "quark-mxfp4"
 
 
-def test_deepseek_v3_fp8_refused(make_ckpt):
-    p = make_ckpt("bf16", num_layers=1)
+def test_block_fp8_other_than_128_and_per_tensor_fp8_refused(make_ckpt):
+    p = make_ckpt("fp8-block", num_layers=1)
     _set_quant(p, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                   "weight_block_size": [128, 128]})
-    with pytest.raises(FormatError, match="DeepSeek-V3-style block FP8"):
+                   "weight_block_size": [64, 128]})
+    with pytest.raises(FormatError, match=r"weight blocks of \[64, 128\]; the fp8_block row .* takes exactly "
+                                          r"\[128, 128\]"):
+        _reader(p)
+    _set_quant(p, {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]})
+    with pytest.raises(FormatError, match="fmt 'e5m2'; the fp8_block row holds E4M3 weights only"):
+        _reader(p)
+    _set_quant(p, {"quant_method": "fp8", "activation_scheme": "static"})
+    with pytest.raises(FormatError, match="without weight_block_size .*per-tensor or per-channel FP8"):
         _reader(p)
 
 

@@ -351,9 +351,9 @@ def _with_input_spec(name: str, tmp_path: Path, edit) -> Path:
     return dst
 
 
-def _ct_fp8_block_activations(qc):
+def _ct_fp8_group64_activations(qc):
     for g in qc["config_groups"].values():
-        g["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+        g["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 64,
                                   "dynamic": True, "symmetric": True}
 
 
@@ -363,12 +363,12 @@ def _quark_fp8_per_token_activations(qc):
 
 
 @pytest.mark.parametrize("name,edit", [
-    ("llmcompressor-nvfp4a16-qwen3moe", _ct_fp8_block_activations),
+    ("llmcompressor-nvfp4a16-qwen3moe", _ct_fp8_group64_activations),
     ("quark-nvfp4-weight-only-qwen3moe", _quark_fp8_per_token_activations),
 ])
 def test_a_declared_recipe_the_converter_does_not_know_needs_the_flag(name, edit, tmp_path):
     """A producer config that states an activation recipe this converter cannot
-    classify (FP8 per 128-block or per token on the nvfp4 row: 8 -> 4 bits) is
+    classify (FP8 per 64-group or per token on the nvfp4 row: 8 -> 4 bits) is
     not "undeclared": it used to convert without the flag. It is refused naming
     the flag and the producer's words, and inspect lists it."""
     src = _with_input_spec(name, tmp_path, edit)
@@ -418,3 +418,15 @@ def test_every_row_has_its_per_row_converter_facts():
     for name, row in ROWS.items():
         assert recipe._KEEPS[name] and recipe.KERNEL_ACTIVATIONS[name][1], name
         assert THRESHOLDS[name] > 0, name
+
+
+def test_fp8_per_128_activations_are_known_the_fp8_block_kernels_and_coarser_for_nvfp4(tmp_path):
+    """FP8 per 1x128 (llm-compressor FP8_BLOCK's activations) is the fp8_block row's own dispatch ("same");
+    on the nvfp4 row it is 8 -> 4 bits, refused as coarser (no longer an unknown recipe)."""
+    r = detect_reader(open_source(REAL / "llmcompressor-fp8-block-qwen3moe"))
+    assert r.row == "fp8_block" and r.activation_change.relation == "same" and not r.activation_change.needs_flag
+    src = _with_input_spec("llmcompressor-nvfp4a16-qwen3moe", tmp_path, lambda qc: [
+        g.update(input_activations={"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                    "dynamic": True, "symmetric": True}) for g in qc["config_groups"].values()])
+    with pytest.raises(FormatError, match="coarser"):
+        detect_reader(open_source(src))

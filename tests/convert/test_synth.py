@@ -24,9 +24,11 @@ _SMALL = dict(num_layers=2, hidden=128, intermediate=64, num_experts=4, top_k=2,
 
 
 def _cases() -> list[tuple[str, str, dict]]:
-    from megamoe_convert.synth import FORMATS
+    from megamoe_convert.synth import FORMATS, ROW_OF
 
-    cases = [(fmt, fmt, dict(_SMALL)) for fmt in FORMATS]
+    # block-FP8 weights come in 128x128 blocks
+    cases = [(fmt, fmt, dict(_SMALL, intermediate=128) if ROW_OF[fmt] == "fp8_block" else dict(_SMALL))
+             for fmt in FORMATS]
     cases += [
         ("modelopt-nvfp4-shared-mismatch", "modelopt-nvfp4", dict(_SMALL, shared=2, scale_mismatch=[(0, 1)])),
         ("ct-nvfp4-shared-bf16-excluded", "ct-nvfp4", dict(_SMALL, shared=1, shared_format="bf16",
@@ -91,3 +93,20 @@ def test_a_format_without_an_encoder_says_so():
     assert cls.synthetic_formats == ()
     with pytest.raises(NotImplementedError, match="converts on read"):
         cls.encode_expert("x", *[torch.zeros(32, 64)] * 2, torch.zeros(64, 32), input_scales=dict.fromkeys(("gate", "up", "down"), 0.01))
+
+
+def test_synthetic_tokenizer_loads_in_transformers_and_round_trips(ckpts):
+    """The tokenizer files travel into OUT; transformers' AutoTokenizer (what vLLM also uses) loads them from
+    the converted folder and round-trips text over the model's vocabulary. The JSON is exactly what the
+    tokenizers library writes for that tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from megamoe_convert.synth import tokenizer_json
+
+    _, out = ckpts.converted("modelopt-nvfp4")
+    text = (out / "tokenizer.json").read_text().strip()
+    assert tokenizers.Tokenizer.from_str(text).to_str() == text == tokenizer_json(64)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok("w5 w17 w63")["input_ids"]
+    assert ids == [5, 17, 63] and tok.decode(ids) == "w5 w17 w63"
+    assert tok.convert_tokens_to_ids(["<s>", "</s>", "<unk>"]) == [0, 1, 2] and len(tok) == 64

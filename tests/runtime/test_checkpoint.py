@@ -88,6 +88,11 @@ def test_manifest_and_file_mismatches_are_named(ckpts, tmp_path):
     _, out = ckpts.fresh_converted("bf16", tmp_path / "out")
     with pytest.raises(ManifestError, match="no megamoe.json"):
         mr.open_checkpoint(tmp_path)
+    with pytest.raises(ManifestError, match=r"nothing-here does not exist: a megamoe output is the folder"):
+        mr.open_checkpoint(tmp_path / "nothing-here")  # the README's "./out" before any conversion made it
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ManifestError, match=r"a-file is not a folder"):
+        mr.open_checkpoint(tmp_path / "a-file")
     m = json.loads((out / "megamoe.json").read_text())
     name = "model.layers.0.mlp.megamoe.l1_weight"
     m["tensors"][name]["file"] = "model-00001-of-00001.safetensors"  # listed file lacks the tensor

@@ -214,7 +214,8 @@ def test_parse_names_and_loader_argument_errors(ckpts):
     assert (r.prefix, r.expert_id, r.shard_id, r.param_name) == ("layers.2.ffn", 5, "w2", "l2_scale")
     r = parse_expert_weight_name("model.layers.1.mlp.shared_experts.gate_proj.weight")
     assert r.shared and r.param_name == "shared_l1_weight"
-    assert parse_expert_weight_name("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv").unsupported
+    r = parse_expert_weight_name("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv")  # fp8_block's scale
+    assert not r.unsupported and (r.kind, r.divisor, r.param_name) == ("scale", False, "l2_scale")
     assert parse_expert_weight_name("model.layers.1.mlp.gate.weight") is None
 
     _, out = ckpts.converted("modelopt-nvfp4")

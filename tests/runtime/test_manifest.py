@@ -252,3 +252,46 @@ def test_records_json_generated_from_their_fields():
 
     with pytest.raises(TypeError, match="WithSet.x: no manifest JSON codec for type 'set'"):
         _check_codecs(WithSet)
+
+
+def _fp8_block_manifest():
+    """A one-layer fp8_block manifest: its fp32 block scales are stored contiguous, its layout recorded."""
+    spec = LayerSpec("fp8_block", 256, 128, 4, 2, ActivationSpec()).to_dict()
+    import dataclasses
+
+    tensors = {}
+    for t in (_entry("model.layers.3.mlp.megamoe.l1_scale", "l1_scale", (4, 2, 2), "F32"),
+              _entry("model.layers.3.mlp.megamoe.l1_weight", "l1_weight", (4, 256, 256), "F8_E4M3")):
+        st = storage_of_role(t.role, "fp8_block")  # without the row it would say MN-major for the scale
+        tensors[t.name] = dataclasses.replace(t, storage=st, stored_shape=t.kernel_shape,
+                                              kernel_strides=kernel_strides_of(st, t.kernel_shape))
+    return Manifest(converter_version="0.1.0", source=SourceInfo("org/model", "hub", "abc123", "fp8-block", "cd" * 32),
+                    row="fp8_block", ep_size=1, layers=[LayerEntry(3, "model.layers.3.mlp", spec, {}, {"present": False})],
+                    tensors=tensors, files={"f.safetensors": FileEntry(100, SHA)}, model={"top_k": 2},
+                    layout="sm90-block-fp8/1")
+
+
+def test_fp8_block_layout_is_recorded_and_refused_when_it_differs(tmp_path):
+    m = _fp8_block_manifest()
+    assert storage_of_role("l1_scale", "fp8_block") == STORAGE_CONTIGUOUS == storage_of_role("l1_weight")
+    assert storage_of_role("l1_scale") == STORAGE_MN_MAJOR == storage_of_role("l1_scale", "mxfp8")
+    write_manifest(tmp_path, m)
+    back = read_manifest(tmp_path)
+    assert back.layout == "sm90-block-fp8/1" and back.to_dict()["layout"] == "sm90-block-fp8/1"
+    for layout_value, want in (("sm90-block-fp8/2", "'sm90-block-fp8/2'.*only in layout 'sm90-block-fp8/1'"),
+                               (None, "in layout None, but this megamoe reads that row only in layout "
+                                      "'sm90-block-fp8/1'")):
+        d = m.to_dict()
+        if layout_value is None:
+            d.pop("layout")
+        else:
+            d["layout"] = layout_value
+        _write_raw(tmp_path, d)
+        with pytest.raises(ManifestError, match=want):
+            read_manifest(tmp_path)
+    d = _manifest().to_dict()  # a row without a versioned layout may not claim one
+    d["layout"] = "sm90-block-fp8/1"
+    _write_raw(tmp_path, d)
+    with pytest.raises(ManifestError, match="row 'mxfp4' in layout 'sm90-block-fp8/1'.*only in layout None"):
+        read_manifest(tmp_path)
+    assert "layout" not in _manifest().to_dict()  # the other rows' manifests are unchanged

@@ -17,6 +17,7 @@ _SUFFIX_KINDS_BEFORE = {
     "input_scale": ("input_scale", False),
     "input_scale_2": ("input_scale", False),
     "input_global_scale": ("input_scale", True),
+    "weight_scale_inv": ("scale", False),  # the fp8_block row's multiplier (added with that row)
 }
 _FORMAT_SUFFIXES_BEFORE = {
     "modelopt": ("weight_scale_2", "weight_scale", "weight", "input_scale"),
@@ -25,6 +26,7 @@ _FORMAT_SUFFIXES_BEFORE = {
     "deepseek-v4": ("weight", "scale"),
     "mx": ("weight_scale", "weight"),
     "bf16": ("weight",),
+    "fp8-block": ("weight", "weight_scale_inv"),
 }
 
 

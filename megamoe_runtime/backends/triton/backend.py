@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
+from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError, install_hint
 from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX, shared_role
 
 __all__ = ["TritonBackend"]
@@ -52,7 +52,7 @@ class TritonBackend:
     @staticmethod
     def available(device: Union[str, torch.device, None] = None) -> Union[bool, str]:
         if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (pip install 'megamoe[gpu]')"
+            return f"triton is not installed ({install_hint('gpu')})"
         dev = torch.device(device) if device is not None else torch.device("cuda")
         if dev.type != "cuda" or not torch.cuda.is_available():
             return "the triton backend needs a CUDA device"

@@ -102,11 +102,11 @@ class KernelConfig:
 def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:
     """Whether the frag L1 runs as one gate/up dot: ``KernelConfig.l1_gu`` (``default_config``
     sets it per regime and row), else env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off."""
-    import os
+    from megamoe_runtime import knobs
 
     if cfg is not None and cfg.l1_gu is not None:
         return bool(cfg.l1_gu)
-    v = os.environ.get("MEGAMOE_TRITON_L1GU")
+    v = knobs.get("MEGAMOE_TRITON_L1GU")
     return False if v is None else v not in ("0", "false", "no", "")
 
 
@@ -307,13 +307,13 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     ``shape_tiles`` (docs/KERNELS.md "Tile rule"). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
     table's; True / False flips only that field (benchmarks compare the two L1 forms). The
     decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one."""
-    import os
+    from megamoe_runtime import knobs
 
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
         t = FRAG_TILES[(frag_regime(mean, n_pairs), kind)]
-        env = os.environ.get("MEGAMOE_TRITON_L1GU")
+        env = knobs.get("MEGAMOE_TRITON_L1GU")
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
         bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
@@ -339,10 +339,10 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
 
 
 def _frag_config(t: FragTiles, bm: int, l1_gu: Optional[bool] = None) -> KernelConfig:
-    import os
+    from megamoe_runtime import knobs
 
     # the environment's decode, when set, is forced on both kernels
-    env_decode = os.environ.get("MEGAMOE_TRITON_DECODE")
+    env_decode = knobs.get("MEGAMOE_TRITON_DECODE")
     decode = env_decode or t.decode
     l2_decode = None if env_decode or t.l2_decode == decode else t.l2_decode
     return KernelConfig(block_m=bm, l1_bn=t.l1_bn, l1_bk=128, l1_warps=t.l1_warps, l1_stages=t.l1_stages,
@@ -392,11 +392,11 @@ def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
     """K order of the bf16 GEMMs (``KernelConfig.k_order``, env ``MEGAMOE_TRITON_KORDER``,
     ``DEFAULT_K_ORDER``): "frag" (E2M1 and E4M3 weights, H and I multiples of 128), "split"
     (E2M1 only) or "natural" (E4M3 without frag, bf16 weights)."""
-    import os
+    from megamoe_runtime import knobs
 
     if w_kind not in (W_E2M1_MX, W_E2M1_NV, W_E4M3_MX):
         return "natural"
-    k = cfg.k_order or os.environ.get("MEGAMOE_TRITON_KORDER") or DEFAULT_K_ORDER
+    k = cfg.k_order or knobs.get("MEGAMOE_TRITON_KORDER") or DEFAULT_K_ORDER
     if k not in K_ORDERS:
         from megamoe_runtime.errors import MegaMoEError
 
@@ -418,9 +418,9 @@ def fp8_selected(row: str, hw: bool, choice: Optional[str]) -> bool:
     when asked for. ``choice`` (KernelConfig.mma, else env ``MEGAMOE_TRITON_MMA``) is "fp8",
     "bf16" or "auto" (the default: bf16, the exact path; the FP8 path misses the 1e-6 calc_diff
     bar, see BENCHMARKS.md)."""
-    import os
+    from megamoe_runtime import knobs
 
-    c = choice or os.environ.get("MEGAMOE_TRITON_MMA", "auto")
+    c = choice or knobs.value("MEGAMOE_TRITON_MMA")
     if c not in ("auto", "fp8", "bf16"):
         from megamoe_runtime.errors import MegaMoEError
 
@@ -434,7 +434,7 @@ def resolve_w_tile(spec: Any, device: Any, cfg: Optional["KernelConfig"] = None)
     """Rows per tile for a layer of ``spec`` on ``device`` (0: the converted layout): CUDA, a row with
     E2M1 or E4M3 weights, and the frag bf16 GEMMs (not the fp8 path, not the split order) per the
     config and environment at load time."""
-    import os
+    from megamoe_runtime import knobs
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     w_kind = ROW_W_KIND.get(spec.row)
@@ -444,7 +444,7 @@ def resolve_w_tile(spec: Any, device: Any, cfg: Optional["KernelConfig"] = None)
     if fp8_selected(spec.row, True, cfg.mma) or \
             resolve_k_order(cfg, w_kind, spec.hidden, spec.intermediate) != "frag":
         return 0
-    v = os.environ.get("MEGAMOE_TRITON_WTILE")
+    v = knobs.get("MEGAMOE_TRITON_WTILE")
     try:
         wt = DEFAULT_W_TILE if v is None or v == "" else int(v)
     except ValueError:
@@ -466,9 +466,9 @@ SCALE_LOADS = ("words", "bytes")
 
 
 def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str) -> str:
-    import os
+    from megamoe_runtime import knobs
 
-    v = value or os.environ.get(env) or default
+    v = value or knobs.get(env) or default
     if v not in valid:
         from megamoe_runtime.errors import MegaMoEError
 
@@ -481,10 +481,10 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[b
     env ``MEGAMOE_TRITON_DECODE`` / ``MEGAMOE_TRITON_SCALES``, else a row default for configs
     built by hand (``default_config`` fills ``decode`` per regime from ``FRAG_TILES``): fold
     for the NVFP4 and E4M3 rows, plain for mxfp4; scale bytes (``DEFAULT_SCALE_LOAD``)."""
-    import os
+    from megamoe_runtime import knobs
 
     dflt = "fold" if w_kind in (W_E2M1_NV, W_E4M3_MX) else "plain"
-    d = cfg.decode or os.environ.get("MEGAMOE_TRITON_DECODE") or dflt
+    d = cfg.decode or knobs.get("MEGAMOE_TRITON_DECODE") or dflt
     if d not in DECODES:
         from megamoe_runtime.errors import MegaMoEError
 

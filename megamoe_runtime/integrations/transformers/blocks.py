@@ -62,9 +62,13 @@ class MegaMoEBlock(nn.Module):
     ``megamoe`` is the `DeepGemmMegaMoEExperts` built and loaded from the folder after transformers loaded
     the other weights (None until then), so its parameters' names are the folder's tensor names."""
 
-    def __init__(self, gate: nn.Module, layer_index: int, source_class: str):
+    def __init__(self, gate: nn.Module, layer_index: int, source_class: str,
+                 shared_experts: Optional[nn.Module] = None):
         super().__init__()
         self.gate = gate
+        #: transformers' shared-expert MLP when the layer does not fuse it (loaded from the pass-through
+        #: tensors under its own names), added to the routed output as transformers' block adds it
+        self.shared_experts = shared_experts
         self.layer_index = layer_index
         self.source_class = source_class
         self.register_module("megamoe", None)
@@ -83,5 +87,7 @@ class MegaMoEBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.gate(x)
-        y = layer(x.to(torch.bfloat16), weights.to(torch.float32), ids)
-        return y.to(hidden_states.dtype).reshape(shape)
+        y = layer(x.to(torch.bfloat16), weights.to(torch.float32), ids).to(hidden_states.dtype).reshape(shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(hidden_states)
+        return y

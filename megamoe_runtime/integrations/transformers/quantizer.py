@@ -90,8 +90,10 @@ class MegaMoEHfQuantizer(HfQuantizer):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         cfg = config.to_dict()
         cfg["quantization_config"] = self.quantization_config.to_dict()
-        with torch.device("cpu"):  # transformers builds the model under a meta-device context; the checks' own
-            ckpt = check_folder_for_model(folder, cfg)  # small tensors (the dry run's bookkeeping) are real
+        # transformers builds the model under a meta-device context; the checks' own small tensors (the dry
+        # run's bookkeeping) are real
+        with torch.device("cpu"):
+            ckpt = check_folder_for_model(folder, cfg, verify=self.quantization_config.verify)
         self.checkpoint = ckpt
         ignore: set[str] = set()
         for li in ckpt.layers:
@@ -106,12 +108,15 @@ class MegaMoEHfQuantizer(HfQuantizer):
                     f"{folder}: {li.prefix} is a {name} in {type(model).__name__}, not a MoE block the megamoe "
                     f"integration knows ({', '.join(sorted(MOE_BLOCKS))})")
             has_shared = MOE_BLOCKS[name]
-            if has_shared != (li.spec.shared is not None):
+            outside = None
+            if has_shared and li.spec.shared is None and ckpt.manifest.layer(li.index).shared.get("present"):
+                outside = block.shared_experts  # not fused (e.g. the fp8_block row): runs as transformers' MLP
+            elif has_shared != (li.spec.shared is not None):
                 raise CheckpointError(
                     f"{folder}: layer {li.index}: transformers' {name} {'adds' if has_shared else 'has no'} a shared "
                     f"expert but megamoe.json's layer {'has none' if has_shared else 'has one'}")
             adapt_router(block.gate, f"{folder}: layer {li.index} ({li.prefix})", li.spec.routed_scaling_factor)
-            new = MegaMoEBlock(block.gate, li.index, name)
+            new = MegaMoEBlock(block.gate, li.index, name, shared_experts=outside)
             model.set_submodule(path, new)
             self.blocks[path] = new
             ignore |= {"^" + re.escape(p + ".megamoe.") for p in (li.prefix, path)}

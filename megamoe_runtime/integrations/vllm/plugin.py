@@ -31,9 +31,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ... import knobs
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
-from ..folder import QUANT_METHOD, check_folder_for_model
+from ..folder import QUANT_METHOD, check_folder_for_model, verify_level
 
 logger = init_logger(__name__)
 
@@ -102,6 +103,8 @@ class MegaMoEConfig(QuantizationConfig):
         super().__init__()
         self.config = dict(config)
         self.row = config.get("row")
+        #: the load check level: quantization_config "verify", else MEGAMOE_VERIFY, else the loader's default
+        self.verify = verify_level(config)
         src = config.get("source_quantization_config")
         if isinstance(src, dict) and src:
             self.source_config = _source_quantization_config(src)
@@ -164,7 +167,7 @@ class MegaMoEConfig(QuantizationConfig):
         folder, local = _local_folder(model_name, revision)
         config = _config_dict(folder, hf_config)
         check_architecture(config, str(folder / "config.json"))
-        self.checkpoint = check_folder_for_model(folder, config, dry_run=local)
+        self.checkpoint = check_folder_for_model(folder, config, dry_run=local, verify=self.verify)
         rsf = config.get("routed_scaling_factor")
         if rsf is not None:
             bad = [li for li in self.checkpoint.layers if abs(float(rsf) - li.spec.routed_scaling_factor)
@@ -303,7 +306,7 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{ckpt.root}: layer {self.layer_index} ({self.prefix}, EP rank {ep_rank} of "
                                   f"{ep_size}): " + "; ".join(bad))
         device = torch.get_default_device()
-        backend = os.environ.get(BACKEND_ENV) or "auto"
+        backend = knobs.get(BACKEND_ENV) or "auto"
         mm = ckpt.allocate_layer(self.layer_index, device=device, backend=backend, ep_rank=ep_rank, ep_size=ep_size)
         layer.register_module("megamoe_experts", mm)
         for name, role in VLLM_PARAM_ROLES:

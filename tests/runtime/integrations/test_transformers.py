@@ -437,8 +437,73 @@ def test_backend_named_and_validated(converted_tiny, monkeypatch):
     assert model.model.layers[0].mlp.megamoe.backend.name == "reference"
     with pytest.raises(ValueError, match="backend 'cuda-magic' is unknown"):
         mtf.MegaMoEConfig(backend="cuda-magic")
+    with pytest.raises(ValueError, match="verify level 'all' is unknown"):
+        mtf.MegaMoEConfig(verify="all")
     monkeypatch.setenv("MEGAMOE_BACKEND", "reference")
     assert mtf.MegaMoEConfig().backend == "reference"
+
+
+def test_users_loading_attributes_win_without_a_warning(converted_tiny, monkeypatch):
+    """The environment names a backend this CPU cannot run; the user's config names the reference: the user's
+    is used (else the load fails), and transformers' "will be overwritten ... ignored" warning is not given."""
+    import warnings
+
+    _, out = converted_tiny("qwen3_moe")
+    monkeypatch.setenv("MEGAMOE_BACKEND", "triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _load(out, quantization_config=mtf.MegaMoEConfig(backend="reference", verify="checksums"))
+    assert model.model.layers[0].mlp.megamoe.backend.name == "reference"
+    assert model.hf_quantizer.checkpoint.verify == "checksums"
+    assert model.config.quantization_config.backend == "reference"
+
+
+def _flip_expert_byte(out: Path, tmp_path: Path) -> Path:
+    bad = _copy(out, tmp_path)
+    shard = next(bad.glob("megamoe-experts-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # a weight byte (the header is at the front)
+    shard.write_bytes(bytes(data))
+    return bad
+
+
+def test_verify_checksums_through_from_pretrained_catches_a_flipped_byte(converted_tiny, tmp_path, monkeypatch):
+    _, out = converted_tiny("qwen3_moe")
+    bad = _flip_expert_byte(out, tmp_path)
+    _load(bad)  # the default level reads headers only: the flip is not seen (what verify="checksums" is for)
+    with pytest.raises(MegaMoEError, match="checksum|sha256|blake3"):
+        _load(bad, quantization_config=mtf.MegaMoEConfig(verify="checksums"))
+    monkeypatch.setenv("MEGAMOE_VERIFY", "checksums")
+    with pytest.raises(MegaMoEError, match="checksum|sha256|blake3"):
+        _load(bad)
+
+
+@pytest.mark.parametrize("edit", ["quant_method", "dropped"])
+def test_megamoe_folder_whose_config_lost_the_method_is_refused(converted_tiny, tmp_path, edit):
+    """With the integration imported, a folder holding megamoe.json never loads with random experts."""
+    _, out = converted_tiny("qwen3_moe")
+    bad = _copy(out, tmp_path)
+    cfg = json.loads((bad / "config.json").read_text())
+    if edit == "dropped":
+        del cfg["quantization_config"]
+    else:
+        cfg["quantization_config"]["quant_method"] = "fp8"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    want = "is missing" if edit == "dropped" else "names quant_method 'fp8'"
+    with pytest.raises(CheckpointError, match=f"holds megamoe.json .*{want}.* experts would be random") as e:
+        _load(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fixture", ["modelopt-nvfp4-qwen3moe", "quark-mxfp8-qwen3moe",
+                                     "llmcompressor-nvfp4-qwen3moe"])
+def test_source_export_names_the_converter(fixture):
+    """A producer's MoE export opened directly: the error says to convert it (transformers alone gives a
+    size-mismatch report for ModelOpt, and the producer package's ImportError for the others)."""
+    with pytest.raises((CheckpointError, ImportError)) as e:
+        _load(REAL / fixture)
+    assert f"megamoe-convert convert {REAL / fixture} OUT" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_block_unloaded_says_so():

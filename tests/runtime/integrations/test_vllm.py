@@ -523,3 +523,20 @@ def test_qwen3_moe_block_forward_on_the_loaded_model(dist, folders):
     ref = mm(x, (w / w.sum(-1, keepdim=True)).float(), ids)
     assert calc_diff(y.float(), ref.float()) < 2e-5, calc_diff(y.float(), ref.float())
     assert calc_diff(y.float(), mm(x, w.float(), ids).float()) > 1e-4  # not renormalised: visibly off
+
+
+def test_verify_level_from_the_quantization_config_or_the_environment(dist, folders, tmp_path, monkeypatch):
+    """config.json's quantization_config.verify (else MEGAMOE_VERIFY) is the level every load checks at:
+    "checksums" hashes each loaded expert tensor against the manifest, so a flipped byte is refused."""
+    out = tmp_path / "out"
+    shutil.copytree(folders("bf16"), out)
+    monkeypatch.delenv("MEGAMOE_VERIFY", raising=False)
+    assert _configs(out)[2].quant_config.checkpoint.verify == "headers"
+    monkeypatch.setenv("MEGAMOE_VERIFY", "checksums")
+    assert _configs(out)[2].quant_config.checkpoint.verify == "checksums"
+    monkeypatch.delenv("MEGAMOE_VERIFY")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["verify"] = "checksums"
+    (out / "config.json").write_text(json.dumps(cfg))
+    qc = _configs(out)[2].quant_config
+    assert qc.verify == "checksums" and qc.checkpoint.verify == "checksums"

@@ -1,0 +1,99 @@
+"""Block-FP8 checkpoints -> the ``fp8_block`` row (docs/FORMATS.md#fp8-block,
+docs/CHECKPOINTS.md#block-fp8).
+
+One scheme, the names DeepSeek-V3 / V3.1 / R1 and Kimi-K2 ship natively and
+transformers' ``FineGrainedFP8Config`` writes (Qwen3-*-FP8, GLM-4.5-FP8 exports):
+``config.json`` ``quantization_config: {quant_method: "fp8", weight_block_size:
+[128, 128], activation_scheme: "dynamic", fmt: "e4m3" (DeepSeek)}``, per projection
+``weight`` F8_E4M3 ``[out, in]`` and ``weight_scale_inv`` F32 ``[out/128, in/128]``.
+Despite its name, ``weight_scale_inv`` is the multiplier (``weight = e4m3 *
+weight_scale_inv``: the dequantizers of DeepSeek's inference code and of
+transformers multiply by it), which is what the SM90 kernel reads: bytes are
+copied unchanged. Detection leaves DeepSeek-V4's UE8M0 layout to its reader.
+
+Refused, with the values: block sizes other than [128, 128], ``fmt`` other than
+E4M3, UE8M0 scale storage (``scale_fmt: "ue8m0"`` with F8_E8M0 tensors: the dtype
+check names them), and the value checks every row has (`checks.check_expert`:
+scales finite and > 0, no E4M3 NaN byte in a weight).
+"""
+
+from __future__ import annotations
+
+from .base import register_reader
+from .common import Param, Scheme, SchemeReader, quant_config_of
+from .deepseek_v4 import looks_v4
+from .recipe import ActivationRecipe, unknown
+
+#: the only block size the SM90 kernel's recipe (128, 128, 128) takes
+BLOCK = [128, 128]
+
+SCHEME = Scheme(
+    name="block FP8 (weight_scale_inv per 128x128)",
+    encoding="fp8_block",
+    params=(
+        Param("weight", ("weight",), ("F8_E4M3",)),
+        Param("scale", ("weight_scale_inv",), ("F32", "BF16")),
+    ),
+)
+
+
+def _block_size(qc: dict):
+    v = qc.get("weight_block_size")
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def is_block_fp8(source) -> bool:
+    """``quant_method: "fp8"`` with a ``weight_block_size`` and not DeepSeek-V4's layout."""
+    qc = quant_config_of(source)
+    return (str(qc.get("quant_method", "")).lower() == "fp8" and qc.get("weight_block_size") is not None
+            and looks_v4(source) is None)
+
+
+def block_fp8_reason(what: str, block, fmt=None) -> str | None:
+    """Why a block-FP8 declaration cannot be the fp8_block row, or None."""
+    if block != BLOCK:
+        return (f"{what} declares weight blocks of {block}; the fp8_block row (DeepGEMM's SM90 fp8_mega_moe, recipe "
+                f"(128, 128, 128)) takes exactly {BLOCK}. Re-export with 128x128 blocks (transformers "
+                "FineGrainedFP8Config(weight_block_size=(128, 128)), llm-compressor scheme FP8_BLOCK)")
+    if fmt is not None and str(fmt).lower() not in ("e4m3", "float8_e4m3fn"):
+        return f"{what} declares fmt {fmt!r}; the fp8_block row holds E4M3 weights only"
+    return None
+
+
+@register_reader
+class FP8BlockReader(SchemeReader):
+    format_name = "fp8-block"
+    row = "fp8_block"
+    aliases = ("deepseek-fp8", "finegrained-fp8", "block-fp8")
+    synthetic_formats = ("fp8-block",)
+    description = "block FP8: weight E4M3 + weight_scale_inv F32 per 128x128 (DeepSeek-V3/R1, FineGrainedFP8)"
+    scheme = SCHEME
+    direct_weight_bytes = True  # weights are the stored bytes (convert reads them in place)
+
+    @classmethod
+    def detect(cls, source) -> bool:
+        return is_block_fp8(source)
+
+    @classmethod
+    def unsupported_reason(cls, source) -> str | None:
+        if not is_block_fp8(source):
+            return None
+        qc = quant_config_of(source)
+        return block_fp8_reason("quantization_config (quant_method 'fp8')", _block_size(qc), qc.get("fmt"))
+
+    @classmethod
+    def activation_recipe(cls, source) -> ActivationRecipe:
+        scheme = str(quant_config_of(source).get("activation_scheme", "dynamic")).lower()
+        if scheme == "dynamic":
+            return ActivationRecipe("fp8_128", False, "quant_method fp8, activation_scheme dynamic: FP8 per 1x128 "
+                                                      "group of a token")
+        if scheme == "static":
+            return ActivationRecipe("fp8", True, "quant_method fp8, activation_scheme static: FP8 with one "
+                                                 "calibrated scale per tensor")
+        return unknown(f"quant_method fp8 activation_scheme {scheme!r}")
+
+    @classmethod
+    def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
+        """DeepSeek-V3's own ``quantization_config``."""
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(BLOCK)}, None
