@@ -33,7 +33,7 @@ ROW = "fp8_block"
 #: and, mostly, through whole E4M3 steps where the intermediate's requantization lands on the other side
 #: of a rounding boundary. The order alone does it in fp32 too: under the interpreter (IEEE fp32 dots) a
 #: DeepSeek-V3-width layer is 98.6% bitwise, calc_diff 8.6e-8; the FP8 MMA's coarser sums make it
-#: larger. Measured on an H100 (BENCHMARKS.md, 2026-12-05): 4.3e-6 at 1 token, 5.5e-6 at 37 tokens
+#: larger. Measured on an H100 (BENCHMARKS.md, New measurements): 4.3e-6 at 1 token, 5.5e-6 at 37 tokens
 #: (EP 2, clamp), 1.26e-4 on the DeepSeek-V3-width layer (H 7168, I 2048, 64 tokens, top-8): the bound
 #: is 8x the largest. DeepGEMM's own SM90 test bounds its kernel at 1e-2 against a bf16 reference.
 FP8_BLOCK_TOL = 1e-3
