@@ -150,16 +150,16 @@ class FragTiles(NamedTuple):
 
 
 #: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
-#: ``bench/sweep.py`` on the H200, which times the two kernels apart (BENCHMARKS.md, "issue 11,
-#: third pass"), each with its faster weight decode (plain / fold, "fourth pass": fold issues
-#: fewer instructions but is slower where the tile is latency bound). "Fifth pass", on tiled
+#: ``bench/sweep.py`` on the H200, which times the two kernels apart (docs/bench-log/kernels.md),
+#: each with its faster weight decode (plain / fold: fold issues fewer instructions but is slower
+#: where the tile is latency bound). On tiled
 #: weights: the 128-register cap made the decode-size L1 3-8% faster, and fold overtook plain
 #: for mxfp4 there: less waiting on memory left the instruction count to matter. nvfp4 prefill:
-#: 64-pair row blocks (two CTAs per SM; 128-pair blocks fit one). "Eighth pass", with fold flags
+#: 64-pair row blocks (two CTAs per SM; 128-pair blocks fit one). With fold flags
 #: (no scan after the loop): fold for the mxfp4 mid-size L1/L2 (6% whole layer at 512 tokens)
 #: and the nvfp4 prefill L1 (5% L1); mxfp8 prefill in 4-warp, 2-stage tiles (two CTAs per SM:
 #: L1 8.67 -> 7.66 ms, L2 3.97 -> 3.77 ms at 4096 tokens) and a one-dot plain L1 at mid sizes.
-#: "Ninth pass": tail launches (the last field, ``KernelConfig.tail_max``): whole layer at 4096
+#: Tail launches (the last field, ``KernelConfig.tail_max``): whole layer at 4096
 #: tokens mxfp4 8533 -> 7530 us, nvfp4 9701 -> 9331, mxfp8 11617 -> 10235; 512 tokens (16 per
 #: expert) mxfp4 2695 -> 2571, nvfp4 2892 -> 2765. With tails the 128-pair nvfp4 prefill tiles
 #: (8 warps, one CTA per SM) overtake the 64-pair ones: 9196 -> 8380 us at 4096 tokens; with 33-64
@@ -185,12 +185,12 @@ FRAG_TILES = {
 }
 #: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there); nvfp4 starts from
 #: its decode tiles there too, and the grid-fill rule (``shape_tiles``) picks 32-row L1 / 64-column L2
-#: tiles from the shape (issue 28: the "few" entry it replaces was the rule's choice at one token of
+#: tiles from the shape (the "few" entry it replaces was the rule's choice at one token of
 #: DeepSeek-V3, and lost 5-13% on the few large experts of Mixtral / DBRX)
 FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]
 FRAG_TILES[("few", W_E2M1_NV)] = FRAG_TILES[("decode", W_E2M1_NV)]
 #: the tail launches' tiles (``tail_config``) where they differ from the regime-below entry: the
-#: nvfp4 mid-size L1 went to 32-row one-dot tiles (issue 28 sweep); its tails keep the tiles they
+#: nvfp4 mid-size L1 went to 32-row one-dot tiles (a sweep, docs/bench-log/kernels.md); its tails keep the tiles they
 #: were measured with (two 128-row dots)
 TAIL_TILES = {("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fold", "fold", None, 16)}
 
@@ -256,7 +256,7 @@ def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_l
       blocks' worth of rows (``ctas * block_m < 32 * slots``), take 64-column tiles, with 4 stages when
       the K loop is long (I / 128 >= 64: a few large experts).
 
-    Measured for nvfp4 weights (issue 28 sweep); mxfp4's 32-row / 64-column tiles lost at every point
+    Measured for nvfp4 weights (docs/bench-log/kernels.md); mxfp4's 32-row / 64-column tiles lost at every point
     of the set (18-44% L1, 8-39% L2), and mxfp8's decode tiles are 32 rows already, so both keep the
     table's."""
     if kind != W_E2M1_NV or regime not in ("few", "decode", "mid") or not H or not I:
@@ -285,7 +285,7 @@ def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num
     64: Mixtral, DBRX) at decode and mid sizes give the L2 too few tiles, each with a long K loop. When
     the L2 would run under two CTAs per SM with 128-column tiles (``blocks * H / 128 < 2 * SMs``, row
     blocks as in ``shape_tiles``), split its K into ``SPLIT_K_SLICES`` slices. Measured on the H200 for
-    the E2M1 rows (issue 28, 2026-12-04: Mixtral 1 / 8 / 64 tokens 1.35 / 1.04 / 1.18x mxfp4, 1.11 / 1.04 /
+    the E2M1 rows (docs/bench-log/kernels.md: Mixtral 1 / 8 / 64 tokens 1.35 / 1.04 / 1.18x mxfp4, 1.11 / 1.04 /
     1.09x nvfp4; DBRX one token 1.14x mxfp4); mxfp8 was not swept and keeps one pass."""
     steps = I // 128 if I else 0
     if kind not in (W_E2M1_MX, W_E2M1_NV) or regime not in ("few", "decode", "mid") or not H \
@@ -323,7 +323,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
         # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its
-        # expert's weights again (BENCHMARKS.md, issue 11 ninth pass: 512 tokens 1.06 -> 1.11x,
+        # expert's weights again (docs/bench-log/kernels.md: 512 tokens 1.06 -> 1.11x,
         # 1024 tokens 0.98x either way, nvfp4 0.92 -> 0.87x)
         if t.tail_max and frag_regime(mean) in ("decode", "mid") and mean > t.tail_max:
             cfg = dataclasses.replace(cfg, tail_max=0)
@@ -383,7 +383,7 @@ def candidate_configs(n_pairs: int, num_local: int, k_order: Optional[str] = Non
 
 
 #: K order of the E2M1/E4M3 bf16 GEMMs when neither the config nor the environment names one
-#: (frag: 1.2-1.9x faster than split/natural on the H200, BENCHMARKS.md issue 11)
+#: (frag: 1.2-1.9x faster than split/natural on the H200, docs/bench-log/kernels.md)
 DEFAULT_K_ORDER = "frag"
 K_ORDERS = ("frag", "split")
 
@@ -408,8 +408,8 @@ def resolve_k_order(cfg: "KernelConfig", w_kind: int, H: int, I: int) -> str:
 
 
 #: rows per tile of the weight arrangement the layer derives after a load for this backend
-#: (`megamoe_runtime.format.weight_tiles`; 16 and 64 measured the same on the H200, BENCHMARKS.md issue 11
-#: fifth pass); env ``MEGAMOE_TRITON_WTILE`` ("0": keep the converted layout)
+#: (`megamoe_runtime.format.weight_tiles`; 16 and 64 measured the same on the H200,
+#: docs/bench-log/kernels.md); env ``MEGAMOE_TRITON_WTILE`` ("0": keep the converted layout)
 DEFAULT_W_TILE = 16
 
 

@@ -65,7 +65,7 @@ mul.rn.bf16x2 $3, t, $6;
 # subnormal inputs on sm_90.
 # The bit moves are integer multiplies (IMAD, FMA pipe) rather than shifts (ALU pipe): 29 fewer
 # SASS instructions per 128-wide K step of the decode tile and 2-3% faster E2M1 GEMMs on the
-# H200 (BENCHMARKS.md, issue 11 fourth pass; the same idea for E4M3 weights was slower).
+# H200 (docs/bench-log/kernels.md; the same idea for E4M3 weights was slower).
 # Masking both nibbles of a register to c and multiplying by 2^p + 2^q puts one copy of them
 # p bits up (magnitude in place) and one q bits up (sign in place); the two copies occupy
 # disjoint bits (no carries), and one mask keeps the wanted ones.

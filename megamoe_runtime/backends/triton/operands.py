@@ -348,7 +348,7 @@ def fold_redo(fflag, wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.cons
     the layer computes once per load from the same bytes (``fold_flags``), or by scanning the tile's
     scale words where the flag says FOLD_SCAN. Why: the scan reads 1/16 (MX: 1/32) of the bytes the
     loop read, unpipelined, after the loop; at decode sizes it was 8% of the nvfp4 L1's stall
-    samples (BENCHMARKS.md, issue 11 seventh pass)."""
+    samples (docs/bench-log/kernels.md)."""
     if fflag == FOLD_SCAN_CONSTEXPR:
         return _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND, BN)
     else:

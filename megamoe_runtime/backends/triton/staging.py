@@ -625,8 +625,8 @@ def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nbl
 
 
 #: up to this many pairs the routing is one single-program launch; above, its atomics on a few
-#: hundred shared counters cost more than a second launch (``bench/route.py``; BENCHMARKS.md,
-#: issue 11 eighth pass: 121 -> 32 us at 32768 pairs, 29.5 -> 22 us at 4096, 6.9 vs 9.4 us at 8)
+#: hundred shared counters cost more than a second launch (``bench/route.py``; docs/bench-log/kernels.md:
+#: 121 -> 32 us at 32768 pairs, 29.5 -> 22 us at 4096, 6.9 vs 9.4 us at 8)
 ROUTE_ONE_PROGRAM_MAX = 1024
 
 
@@ -658,7 +658,7 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     sorted_pairs = torch.empty(max(mb * block_m, 1), dtype=torch.int32, device=dev)
     block_expert = torch.empty(max(mb, 1), dtype=torch.int32, device=dev)
     # the routing kernel stores the block count unconditionally: a zero fill (one more launch in
-    # every forward, BENCHMARKS.md issue 11 point 3) is needed only when it does not run
+    # every forward, docs/bench-log/kernels.md) is needed only when it does not run
     num_blocks = (torch.empty if n else torch.zeros)(1, dtype=torch.int32, device=dev)
     if n:
         e_lp = max(triton.next_power_of_2(num_local), 16)
