@@ -26,7 +26,6 @@ build has no NVFP4/MXFP4/MXFP8 linear kernel (docs/ENGINES.md#vllm lists each on
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from pathlib import Path
@@ -142,44 +141,18 @@ def _ok(r: dict) -> dict:
     return r
 
 
-def _engine_vs_engine(a: dict, b: dict, tol: float) -> tuple[float, int]:
-    """(max |logprob difference| over the prompt tokens and the greedy steps both took alike, near-tie
-    divergences): greedy tokens must agree step by step; a step where they differ is allowed only when each
-    engine's top-2 margin there is under 2*tol (a tie neither side can be said to break right), and the
-    comparison stops there (the sequences differ after it)."""
-    worst, ties = 0.0, 0
-    for oa, ob, p in zip(a["outputs"], b["outputs"], PROMPTS):
-        pa = [d[str(t)] for d, t in zip(oa["prompt_logprobs"][1:], p[1:])]
-        pb = [d[str(t)] for d, t in zip(ob["prompt_logprobs"][1:], p[1:])]
-        worst = max([worst] + [abs(x - y) for x, y in zip(pa, pb)])
-        for ta, tb, da, db in zip(oa["tokens"], ob["tokens"], oa["logprobs"], ob["logprobs"]):
-            if ta != tb:
-                ma, mb = _margin(da), _margin(db)
-                if ma > 2 * tol or mb > 2 * tol:
-                    return math.inf, ties
-                ties += 1
-                break
-            worst = max(worst, abs(da[str(ta)] - db[str(tb)]))
-    return worst, ties
-
-
-def _margin(d: dict) -> float:
-    v = sorted(d.values(), reverse=True)
-    return v[0] - v[1] if len(v) > 1 else math.inf
-
-
 # --------------------------------------------------------------------------- bf16 row vs vLLM on the source
 
 
 def test_bf16_row_equals_vllm_on_the_source(engines, arch):
     ours, src = _ok(engines[(arch, "bf16")]), _ok(engines[(arch, "src")])
-    d, ties = _engine_vs_engine(ours, src, TOL["bf16"])
+    d, ties = vllm_engine.compare_engines(ours, src, TOL["bf16"], PROMPTS)
     print(f"{arch} bf16 vs vLLM source: max |dlogprob| {d:.4f}, near-tie divergences {ties}")
     assert d < TOL["bf16"] and ties <= 1, (d, ties)
     # negative controls: vLLM on a damaged source is told apart by the same comparison
     for v in ("src-swap", "src-scale2", "src-noshared"):
         if (arch, v) in engines:
-            dv, _ = _engine_vs_engine(ours, _ok(engines[(arch, v)]), TOL["bf16"])
+            dv, _ = vllm_engine.compare_engines(ours, _ok(engines[(arch, v)]), TOL["bf16"], PROMPTS)
             print(f"  control {v}: {dv:.4f}")
             assert dv > 2 * TOL["bf16"], (v, dv)
 

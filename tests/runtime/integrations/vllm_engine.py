@@ -15,6 +15,7 @@ sigmoid``; without them vLLM creates no ``e_score_correction_bias`` and fails lo
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -196,6 +197,35 @@ def main(job: str, res: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def compare_engines(a: dict, b: dict, tol: float, prompts: list[list[int]]) -> tuple[float, int]:
+    """Two engine results of the same prompts (`run_case`): (max |logprob difference| over the prompt tokens
+    and the greedy steps both took alike, near-tie divergences): greedy tokens must agree step by step; a step where they differ is allowed only when each
+    engine's top-2 margin there is under 2*tol (a tie neither side can be said to break right), and the
+    comparison stops there (the sequences differ after it)."""
+    worst, ties = 0.0, 0
+    for oa, ob, p in zip(a["outputs"], b["outputs"], prompts):
+        pa = [d[str(t)] for d, t in zip(oa["prompt_logprobs"][1:], p[1:])]
+        pb = [d[str(t)] for d, t in zip(ob["prompt_logprobs"][1:], p[1:])]
+        worst = max([worst] + [abs(x - y) for x, y in zip(pa, pb)])
+        for ta, tb, da, db in zip(oa["tokens"], ob["tokens"], oa["logprobs"], ob["logprobs"]):
+            if ta != tb:
+                ma, mb = _margin(da), _margin(db)
+                if ma > 2 * tol or mb > 2 * tol:
+                    return math.inf, ties
+                ties += 1
+                break
+            worst = max(worst, abs(da[str(ta)] - db[str(tb)]))
+    return worst, ties
+
+
+def _margin(d: dict) -> float:
+    v = sorted(d.values(), reverse=True)
+    return v[0] - v[1] if len(v) > 1 else math.inf
 
 
 # --------------------------------------------------------------------------- bad input
