@@ -279,14 +279,14 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         pc = layer.moe_config.moe_parallel_config
         if getattr(pc, "use_all2all_kernels", False):
             raise CheckpointError(
-                f"{self.prefix}: expert parallelism across data-parallel ranks dispatches through vLLM's all-to-all "
+                f"{self.quant_config.checkpoint.root}: {self.prefix}: expert parallelism across data-parallel ranks dispatches through vLLM's all-to-all "
                 "backends, which the megamoe method does not implement; use EP within one data-parallel group "
                 "(--tensor-parallel-size N --enable-expert-parallel: every rank sees every token, vLLM sums the ranks)")
         if pc.use_ep:
             return int(pc.ep_rank), int(pc.ep_size)
         if int(pc.tp_size) > 1:
             raise CheckpointError(
-                f"{self.prefix}: tensor parallel {pc.tp_size} would split each expert's intermediate dimension; "
+                f"{self.quant_config.checkpoint.root}: {self.prefix}: tensor parallel {pc.tp_size} would split each expert's intermediate dimension; "
                 "a megamoe folder holds whole experts in kernel layout: serve with --enable-expert-parallel")
         return 0, 1
 

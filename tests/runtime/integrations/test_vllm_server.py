@@ -41,13 +41,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(folder: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def _start(folder: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--load-format",
            "megamoe", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "64",
-           "--enforce-eager", "--served-model-name", "tiny"]
+           "--enforce-eager", "--served-model-name", "tiny", *extra]
     env = vllm_engine.engine_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as users run it: engine core in its own process
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if extra else "auto"  # two ranks on one NUMA node: a core each
     p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return p, f"http://127.0.0.1:{port}"
 
@@ -162,16 +163,23 @@ def test_sixteen_concurrent_requests_are_all_answered(served):
     assert _get(url + "/health") == 200
 
 
-@pytest.mark.parametrize("how", ["not megamoe", "missing shard"])
+#: parallel layouts the plugin refuses: DP2+EP (vLLM's all-to-all dispatch; its CPU build cannot run the BF16
+#: model that way either) and TP2 without EP (it would split each expert's width)
+PARALLEL = {"dp2-ep": (["--data-parallel-size", "2", "--enable-expert-parallel"],
+                       r"expert parallelism across data-parallel ranks .* does not implement"),
+            "tp2-no-ep": (["--tensor-parallel-size", "2"], r"tensor parallel 2 would split each expert")}
+
+
+@pytest.mark.parametrize("how", ["not megamoe", "missing shard", "dp2-ep", "tp2-no-ep"])
 def test_server_refuses_a_bad_folder(served, tmp_path, how):
     """The server does not start; its log names the folder and the problem in one line; OUT is unchanged."""
     good = served[0]
     folder = tmp_path / "out"
     shutil.copytree(good, folder)
-    pattern = vllm_engine.damage(folder, how)
+    extra, pattern = PARALLEL[how] if how in PARALLEL else ([], vllm_engine.damage(folder, how))
     before = vllm_engine.snapshot(folder)
     log = tmp_path / "server.log"
-    p, url = _start(folder, log)
+    p, url = _start(folder, log, *extra)
     try:
         rc = p.wait(START_TIMEOUT)
     except subprocess.TimeoutExpired:
