@@ -10,6 +10,10 @@ it opened -- its own rank's expert shard only --, and the greedy tokens and logp
   step on the source itself, outside the experts), so one process is not the reference there; and vLLM's
   own TP2+EP on the source dies in its CPU MoE kernel (worker exit -11), so that is not either.
 
+Then the Qwen3-MoE TP2+EP engine reloads a second ``--ep-size 2`` conversion through ``collective_rpc``
+(megamoe's worker extension, on both ranks): each rank reads only its own shard, and the tokens and logprobs
+equal a fresh TP2+EP engine's on that folder.
+
 DP2+EP is not run: vLLM's CPU build starts ``--data-parallel-size 2 --enable-expert-parallel`` on the BF16
 source itself but fails its first request (its CPU communicator has no ``all_gatherv``, which the
 allgather-reducescatter all-to-all dispatch needs); the plugin refuses it at layer creation
@@ -47,18 +51,26 @@ def runs(tmp_path_factory):
         folders[arch] = (src, base / f"{arch}-ep1", base / f"{arch}-ep2")
         convert(src, folders[arch][1])
         convert(src, folders[arch][2], ep_size=2)
+    # a second Qwen3-MoE (another seed), reloaded into the running TP2+EP engine on both ranks
+    src_b = vllm_engine.save_vllm_tiny("qwen3_moe", base / "qwen3_moe-b-src", seed=1)
+    convert(src_b, base / "qwen3_moe-b-ep2", ep_size=2)
     ext = {"worker_extension_cls": WORKER_EXTENSION}
     report = [dict(rpc="megamoe_load_report")]
     common = dict(prompts=PROMPTS, max_tokens=8, logprobs=2)
     one = vllm_engine.run_engines([dict(folder=str(folders["qwen3_moe"][1]), load_format="megamoe", llm=ext,
                                         steps=report, **common)], workdir=base)[0]
-    cases = [dict(folder=str(folders[a][2]), load_format="megamoe", llm={**ext, **TP}, steps=report, **common)
-             for a in ("qwen3_moe", "deepseek_v3")]
+    reload_b = [dict(rpc="megamoe_reload_weights", args=[str(base / "qwen3_moe-b-ep2")])]
+    cases = [dict(folder=str(folders[a][2]), load_format="megamoe", llm={**ext, **TP}, **common,
+                  steps=report + (reload_b if a == "qwen3_moe" else [])) for a in ("qwen3_moe", "deepseek_v3")]
     cases.append(dict(folder=str(folders["deepseek_v3"][0]), llm={**TP, "enable_expert_parallel": False}, **common))
+    cases.append(dict(folder=str(base / "qwen3_moe-b-ep2"), load_format="megamoe", llm=TP, **common))
     env = vllm_engine.engine_env(VLLM_CPU_OMP_THREADS_BIND="0|1")  # one NUMA node: one core per rank
     (base / "tp").mkdir()
-    got = dict(zip(("qwen-tp", "dsv3-tp", "dsv3-src-tp"), vllm_engine.run_engines(cases, workdir=base / "tp", env=env)))
+    got = dict(zip(("qwen-tp", "dsv3-tp", "dsv3-src-tp", "qwen-b-tp"),
+                   vllm_engine.run_engines(cases, workdir=base / "tp", env=env)))
     got["qwen-one"] = one
+    got["qwen-tp-reloaded"] = {"outputs": got["qwen-tp"]["steps"][1]["outputs"]}
+    got["reload-reports"] = got["qwen-tp"]["steps"][1]
     for k, r in got.items():
         assert "error" not in r, (k, r["error"])
     got["ep2"] = {"qwen-tp": folders["qwen3_moe"][2], "dsv3-tp": folders["deepseek_v3"][2]}
@@ -82,3 +94,22 @@ def test_tp2_ep_equals_the_reference(runs, name, ref):
     d, ties = vllm_engine.compare_engines(runs[name], runs[ref], TOL, PROMPTS)
     print(f"{name} vs {ref}: max |dlogprob| {d:.4f}, near-tie divergences {ties}")
     assert d < TOL and ties <= 1, (d, ties)
+
+
+def test_reload_on_both_ranks_equals_a_fresh_engine(runs):
+    """The TP2+EP engine reloaded from a second ``--ep-size 2`` conversion (another seed) through
+    ``collective_rpc``: each rank dry-ran and read only its own shard, and the engine's tokens and logprobs
+    are then those of a fresh TP2+EP engine on that folder (the same computation: equal to 1e-6)."""
+    step = runs["reload-reports"]
+    assert "error" not in step, step.get("error")
+    reports = step["rpc"]
+    assert len(reports) == 2
+    for rank, r in enumerate(reports):
+        assert r["dry_run"].endswith("all names used)") and r["expert_files_opened"]
+        assert all(f"rank{rank:03d}" in f for f in r["expert_files_opened"]), r
+    fresh = runs["qwen-b-tp"]["outputs"]
+    assert [o["tokens"] for o in runs["qwen-tp-reloaded"]["outputs"]] == [o["tokens"] for o in fresh]
+    assert [o["tokens"] for o in fresh] != [o["tokens"] for o in runs["qwen-tp"]["outputs"]]
+    for o, f in zip(runs["qwen-tp-reloaded"]["outputs"], fresh):
+        for d, e in zip(o["logprobs"] + o["prompt_logprobs"][1:], f["logprobs"] + f["prompt_logprobs"][1:]):
+            assert d.keys() == e.keys() and all(abs(d[k] - e[k]) < 1e-6 for k in d)
