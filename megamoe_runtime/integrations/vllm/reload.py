@@ -30,7 +30,6 @@ from typing import Any, Iterator
 import torch
 
 from ...errors import CheckpointError
-from ...format.manifest import MANIFEST_NAME
 from ...load.checkpoint import open_checkpoint
 from ...load.reload import verify_reload
 from ..folder import check_folder_for_model
