@@ -36,7 +36,8 @@ from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
 from ..folder import QUANT_METHOD, check_folder_for_model, verify_level
 
-logger = init_logger(__name__)
+#: under vLLM's own logger tree, so its handler prints what the plugin reports (a name outside "vllm." is dropped)
+logger = init_logger("vllm.plugins.megamoe")
 
 #: the name of the load format this plugin registers (the quantization method is `folder.QUANT_METHOD`)
 LOAD_FORMAT = "megamoe"
@@ -165,7 +166,7 @@ class MegaMoEConfig(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None):
         """Check the folder against the model vLLM is about to build (config time: no weight exists yet)."""
         folder, local = _local_folder(model_name, revision)
-        config = _config_dict(folder, hf_config)
+        config = model_config_dict(folder, hf_config)
         check_architecture(config, str(folder / "config.json"))
         self.checkpoint = check_folder_for_model(folder, config, dry_run=local, verify=self.verify)
         rsf = config.get("routed_scaling_factor")
@@ -213,7 +214,7 @@ class MegaMoEConfig(QuantizationConfig):
             f"(its MoE layers: {', '.join(li.prefix for li in self.checkpoint.layers)})")
 
 
-def _config_dict(folder: Path, hf_config: Any) -> dict:
+def model_config_dict(folder: Path, hf_config: Any) -> dict:
     """The model config vLLM built as a dict (text config of a composite model), with the
     ``quantization_config`` of config.json when the object does not carry it."""
     import json
@@ -281,14 +282,14 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         pc = layer.moe_config.moe_parallel_config
         if getattr(pc, "use_all2all_kernels", False):
             raise CheckpointError(
-                f"{self.prefix}: expert parallelism across data-parallel ranks dispatches through vLLM's all-to-all "
+                f"{self.quant_config.checkpoint.root}: {self.prefix}: expert parallelism across data-parallel ranks dispatches through vLLM's all-to-all "
                 "backends, which the megamoe method does not implement; use EP within one data-parallel group "
                 "(--tensor-parallel-size N --enable-expert-parallel: every rank sees every token, vLLM sums the ranks)")
         if pc.use_ep:
             return int(pc.ep_rank), int(pc.ep_size)
         if int(pc.tp_size) > 1:
             raise CheckpointError(
-                f"{self.prefix}: tensor parallel {pc.tp_size} would split each expert's intermediate dimension; "
+                f"{self.quant_config.checkpoint.root}: {self.prefix}: tensor parallel {pc.tp_size} would split each expert's intermediate dimension; "
                 "a megamoe folder holds whole experts in kernel layout: serve with --enable-expert-parallel")
         return 0, 1
 
@@ -440,7 +441,7 @@ class MegaMoEModelLoader(DefaultModelLoader):
         qc = layers[0][1].quant_method.quant_config
         ckpt = qc.checkpoint
         if not qc.shards_checked:  # a hub snapshot's shards arrived after the config-time check
-            check_folder_for_model(ckpt.root, _config_dict(ckpt.root, model_config.hf_config), dry_run=True)
+            check_folder_for_model(ckpt.root, model_config_dict(ckpt.root, model_config.hf_config), dry_run=True)
             qc.shards_checked = True
         for name, m in layers:
             ckpt.check_load(m.megamoe_experts).raise_if_failed(f"{ckpt.root}: {name}")
@@ -456,6 +457,9 @@ class MegaMoEModelLoader(DefaultModelLoader):
             copied += ckpt.load_layer(m.megamoe_experts)
             self.expert_files_opened += [f for f in ckpt.last_opened_files if f not in self.expert_files_opened]
         self.expert_bytes_copied = copied
+        # what this rank read, for the worker extension's load report (integrations/vllm/reload.py)
+        model.megamoe_load_report = {"folder": str(ckpt.root), "expert_files_opened": list(self.expert_files_opened),
+                                     "expert_bytes": copied}
         self.detached_shared = adopt_runners(model)
         logger.info("megamoe: %d MoE layers filled from %s (%d bytes from %s)", len(layers), ckpt.root, copied,
                     ", ".join(self.expert_files_opened))
