@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megamoe_convert import checks
+from megamoe_convert.pipeline import checks
 from megamoe_convert.readers.base import ExpertScalars, ModelFacts, MoELayerInfo, SharedInfo
 from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
 from megamoe_runtime.format import codecs

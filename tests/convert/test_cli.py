@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 
@@ -159,7 +159,7 @@ def test_demo_fails_when_a_layer_misses(monkeypatch):
     """The comparison is not decorative: when the two sides disagree (here the
     source side is fed swapped routing and scaled) every layer is reported
     FAIL and the demo exits 1."""
-    from megamoe_convert import selfcheck
+    from megamoe_convert.testing import selfcheck
 
     real = selfcheck.source_forward
     monkeypatch.setattr(selfcheck, "source_forward",
@@ -214,7 +214,7 @@ def test_no_numpy_warning_from_the_cli():
                              text=True, env=env, cwd=root, timeout=120)
     if "Failed to initialize NumPy" not in control.stderr:
         pytest.skip("this torch does not warn without numpy")
-    code = _NO_NUMPY + "from megamoe_convert.cli import main\nmain(['verify', '--help'])\n"
+    code = _NO_NUMPY + "from megamoe_convert.cli.main import main\nmain(['verify', '--help'])\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -261,7 +261,7 @@ def test_help_and_version_do_not_import_torch(args):
     """Start-up: answering --help / --version must not pay the torch import (seconds)."""
     code = textwrap.dedent(f"""
         import sys
-        from megamoe_convert.cli import main
+        from megamoe_convert.cli.main import main
         try:
             main({args!r})
         except SystemExit as e:
@@ -303,7 +303,7 @@ def test_signal_exit_code_temp_folder_and_resume_command(tmp_path, synth_ckpt, c
     130 / 143 (not 1, which means verification failed), the message names the
     temp folder and the exact --resume command, nothing is under OUT; the
     printed command completes the conversion."""
-    from megamoe_convert.output_dir import lock_path_for, temp_dir_for
+    from megamoe_convert.output.output_dir import lock_path_for, temp_dir_for
     from megamoe_runtime.load.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", **SMALL)
@@ -345,7 +345,7 @@ def test_second_signal_during_slow_writes_ends_the_run_at_once(tmp_path, synth_c
     a layer's queued pieces take far longer than the bound): the process ends within seconds with 130 (143) (it
     used to drain the whole queue, or hang in the interpreter's exit joining a writer thread that waited
     for a staging buffer nobody would free), and the temp folder it leaves resumes to a verified output."""
-    from megamoe_convert.output_dir import lock_path_for, temp_dir_for
+    from megamoe_convert.output.output_dir import lock_path_for, temp_dir_for
     from megamoe_runtime.load.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", **SMALL)
@@ -383,7 +383,7 @@ def test_second_signal_during_slow_writes_ends_the_run_at_once(tmp_path, synth_c
 def test_ctrl_c_while_starting_exits_130_in_one_line(tmp_path, monkeypatch, as_json):
     """Ctrl-C before the command's own handling starts (here: while the converter is imported to read
     --max-shard-size) exits 130 with one line, not click's "Aborted!" with 1."""
-    import megamoe_convert.cli as cli
+    import megamoe_convert.cli.main as cli
 
     def interrupted(text):
         raise KeyboardInterrupt
@@ -449,7 +449,7 @@ def test_quantize_choices_are_the_readers_quantize_rows():
 
 def test_shared_precision_choices_are_the_row_tables():
     """--shared-precision is listed by hand for the same reason; it must be `SHARED_PRECISION_CHOICES`."""
-    from megamoe_convert.shared import SHARED_PRECISION_CHOICES
+    from megamoe_convert.pipeline.shared import SHARED_PRECISION_CHOICES
 
     for name in ("convert", "inspect"):
         opt = next(p for p in main.commands[name].params if p.name == "shared_precision")
@@ -509,7 +509,7 @@ def test_verify_against_quantized_from_bf16_reads_the_source_as_the_conversion_d
     src = ckpts.source("bf16")
     out = ckpts.base / "bf16-to-mxfp4"
     if not out.exists():
-        from megamoe_convert.convert import convert
+        from megamoe_convert.pipeline.convert import convert
         convert(src, out, quantize="mxfp4")
     d = json.loads(run_cli("verify", out, "--against", src, "--json").stdout)
     assert d["ok"] and d["against"]["quantize"] == "mxfp4" and d["against"]["row"] == "mxfp4"

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.progress import format_bytes
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.cli.progress import format_bytes
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 
@@ -98,7 +98,7 @@ def test_inspect_with_a_nan_scale_does_not_claim_an_agreement_of_0_of_0(tmp_path
 
 
 def test_no_internal_flavour_names_in_notes():
-    from megamoe_convert.shared import shared_flavour_note
+    from megamoe_convert.pipeline.shared import shared_flavour_note
     from megamoe_runtime.format.formats import ROWS
 
     for row in ROWS.values():

@@ -22,14 +22,14 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
-from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.shard_writer import parse_size
-from megamoe_convert.shared import shared_to_precision
-from megamoe_convert.source import open_source
+from megamoe_convert.output.shard_writer import parse_size
+from megamoe_convert.pipeline.shared import shared_to_precision
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import layout
 from megamoe_runtime.format.layout import KernelTensors
 from megamoe_runtime.format.manifest import MANIFEST_NAME, kernel_view, read_manifest
@@ -385,7 +385,7 @@ def test_killed_during_final_sync_still_resumes(tmp_path, monkeypatch):
     """A kill after every shard is written but before the final rename (the
     fsync of every output file can take minutes on a large model) must leave a
     temp folder that --resume can finish: the journal goes only after the sync."""
-    import megamoe_convert.temp_folder as temp_folder_mod
+    import megamoe_convert.output.temp_folder as temp_folder_mod
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=8)
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -409,8 +409,8 @@ def test_output_target_checked_before_the_source_is_opened(tmp_path, monkeypatch
     source is opened (a hub source would be downloaded and every scale read
     first otherwise); OUT's missing parents are created, and removed again
     when the run fails."""
-    import megamoe_convert.convert as convert_mod
-    from megamoe_convert.output_dir import OutputError, write_temp_marker
+    import megamoe_convert.pipeline.convert as convert_mod
+    from megamoe_convert.output.output_dir import OutputError, write_temp_marker
 
     class Opened(Exception):
         pass
@@ -438,8 +438,8 @@ def test_quantize_nvfp4_needs_and_takes_an_explicit_a2(tmp_path):
     """--quantize nvfp4 has no calibration data: a2 must be given, and is then
     used as is; a calibrated checkpoint refuses an override."""
     import megamoe_runtime as mr
-    from megamoe_convert.convert import convert as do_convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert as do_convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
     from megamoe_runtime.errors import ScaleError
 
     src = build_synthetic_checkpoint(tmp_path / "bf16", "bf16", num_layers=1, hidden=128, intermediate=128,
@@ -497,7 +497,7 @@ def _stop_after(n: int):
 
 def _byte_outside_samples(source, name: str) -> tuple[Path, int]:
     """An absolute offset inside tensor `name`'s data that no content_hash sample window covers."""
-    from megamoe_convert.source import _SAMPLE_BYTES, _SAMPLES
+    from megamoe_convert.readers.source import _SAMPLE_BYTES, _SAMPLES
 
     path, pos, n = source.tensor_data_range(name)
     fh = source.file_header(path)
@@ -517,7 +517,7 @@ def test_resume_refuses_a_changed_source(tmp_path, what):
     and compared with what was written: refused, naming the tensor and file;
     the temp folder is kept. Negative control: put the byte back and the same
     resume completes to the reference bytes."""
-    from megamoe_convert.plan import SourceChangedError
+    from megamoe_convert.pipeline.plan import SourceChangedError
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -573,7 +573,7 @@ def test_convert_freezes_the_heap_only_while_it_runs(tmp_path, monkeypatch):
     during the run (gc.freeze) and given back after it, also after a failure."""
     import gc
 
-    import megamoe_convert.convert as mc
+    import megamoe_convert.pipeline.convert as mc
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=3)
     seen = []
@@ -614,8 +614,8 @@ def test_convert_shortens_the_switch_interval_only_while_streaming(tmp_path, mon
     """The streaming pass runs with `SWITCH_INTERVAL` (the writer threads wait
     less for the GIL); the caller's interval is back afterwards, also after a
     failure, and a caller's shorter one is kept."""
-    import megamoe_convert.convert as mc
-    import megamoe_convert.run as mr
+    import megamoe_convert.pipeline.convert as mc
+    import megamoe_convert.pipeline.run as mr
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=3)
     seen = []
@@ -658,7 +658,7 @@ def test_convert_shortens_the_switch_interval_only_while_streaming(tmp_path, mon
 def test_direct_writes_can_be_turned_off_with_the_same_bytes(tmp_path, monkeypatch):
     """``MEGAMOE_CONVERT_DIRECT=0``: no O_DIRECT descriptor is opened and the
     output is byte for byte the default (O_DIRECT where the file system takes it)."""
-    import megamoe_convert.shard_writer as sw
+    import megamoe_convert.output.shard_writer as sw
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, seed=5)
     opened = []

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_convert import synth
-from megamoe_convert.convert import convert
+from megamoe_convert.testing import synth
+from megamoe_convert.pipeline.convert import convert
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 
@@ -21,7 +21,7 @@ def test_direct_weight_reads_taken_and_byte_identical(tmp_path, monkeypatch, ep)
     (reader.weight_byte_ranges), and the output equals the read_expert path's
     (the capability disabled) byte for byte."""
     from megamoe_convert.readers.modelopt import ModelOptNVFP4Reader
-    from megamoe_convert.source import CheckpointSource
+    from megamoe_convert.readers.source import CheckpointSource
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1, seed=3,
                                            max_shard_bytes=200_000)
@@ -55,7 +55,7 @@ def test_direct_weight_reads_taken_and_byte_identical(tmp_path, monkeypatch, ep)
 def test_direct_weight_reads_keep_weight_value_checks(tmp_path, monkeypatch):
     """A zero block scale over nonzero elements is still refused on the direct
     path (the check reads the weight values back from the kernel buffer)."""
-    from megamoe_convert.source import CheckpointSource
+    from megamoe_convert.readers.source import CheckpointSource
     from megamoe_runtime.errors import ScaleError
 
     calls = []

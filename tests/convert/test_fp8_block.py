@@ -17,12 +17,12 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
-from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import layout
 from megamoe_runtime.format.manifest import read_manifest
 
@@ -253,7 +253,7 @@ def test_ct_source_nan_weight_byte_refused_through_direct_reads(tmp_path):
 def test_quantize_bf16_source_into_the_row(tmp_path):
     """--quantize fp8_block: each 128x128 block gets scale amax/448 and RNE E4M3 codes of w/scale (the
     DeepSeek-V3 / FineGrainedFP8 convention, written out here); the served layer passes the self-check."""
-    from megamoe_convert.selfcheck import compare_with_source
+    from megamoe_convert.testing.selfcheck import compare_with_source
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
     out = tmp_path / "out"

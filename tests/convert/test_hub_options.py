@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from megamoe_convert.cli import main
+from megamoe_convert.cli.main import main
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_help_names_the_hub_options():
 
 
 def test_resume_command_never_prints_the_token():
-    from megamoe_convert.cli import _resume_command, convert
+    from megamoe_convert.cli.main import _resume_command, convert
 
     import click
     ctx = click.Context(convert, info_name="convert")

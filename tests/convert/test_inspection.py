@@ -3,9 +3,9 @@ import json
 
 from click.testing import CliRunner
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.inspection import InspectReport, inspect_checkpoint
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.inspection import InspectReport, inspect_checkpoint
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 
@@ -42,7 +42,7 @@ def test_output_estimate_counts_headers_index_and_manifest(tmp_path):
     (before, only tensor bytes and the copied files did: 686.79 KB estimated for 716.07 KB written)."""
     from pathlib import Path
 
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
     for name, ep in (("modelopt-nvfp4-qwen3moe", 1), ("llmcompressor-nvfp4-qwen3moe", 2)):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
-from megamoe_convert.output_dir import (
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.output.output_dir import (
     SWAP_STEPS,
     OutputError,
     OutputLock,
@@ -521,8 +521,8 @@ def test_temp_folder_replaced_under_a_live_run(tmp_path, synth_ckpt, crashing_ru
 def test_temp_claim_in_process(tmp_path):
     """The claim on a temp folder: a second claim, a discard, a resume and the early target check are
     refused naming the holder's run; the marker keeps the creating command when a resume takes over."""
-    from megamoe_convert.output_dir import TempClaim, discard_temp, read_temp_marker
-    from megamoe_convert.temp_folder import Journal, check_output_target, prepare_temp_dir
+    from megamoe_convert.output.output_dir import TempClaim, discard_temp, read_temp_marker
+    from megamoe_convert.output.temp_folder import Journal, check_output_target, prepare_temp_dir
 
     out = tmp_path / "out"
     lock = OutputLock(out).acquire()

@@ -1,10 +1,11 @@
 """preflight.py: the layer decisions convert and inspect share, raising for one and collecting for the other."""
 import pytest
 
-from megamoe_convert import checks, synth
-from megamoe_convert.preflight import layer_decisions
+from megamoe_convert.pipeline import checks
+from megamoe_convert.testing import synth
+from megamoe_convert.pipeline.preflight import layer_decisions
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.errors import FormatError, LayerSpecError
 from megamoe_runtime.format.formats import get_row
 

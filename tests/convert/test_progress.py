@@ -5,9 +5,9 @@ import io
 
 from click.testing import CliRunner
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.progress import ProgressDisplay
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.cli.progress import ProgressDisplay
 
 
 class Clock:
@@ -112,7 +112,7 @@ def test_cli_convert_off_a_terminal_prints_progress_lines(tmp_path, monkeypatch)
 
 def test_the_byte_count_reaches_the_total_exactly(tmp_path):
     # shared experts make a layer's bytes per expert fractional: the sum of the shares must still be exact
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", num_layers=2, num_experts=3,
                                            shared=1)
@@ -135,7 +135,7 @@ def test_first_line_comes_before_torch_is_imported(tmp_path):
         "            sys.stderr.write('TORCH-IMPORTED\\n'); sys.stderr.flush(); sys.meta_path.remove(self)\n"
         "        return None\n"
         "sys.meta_path.insert(0, Hook())\n"
-        "from megamoe_convert.cli import main\n"
+        "from megamoe_convert.cli.main import main\n"
         "main(['convert', sys.argv[1], sys.argv[2]])\n")
     r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "absent"), str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120,

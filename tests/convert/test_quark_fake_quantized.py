@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import megamoe_runtime as mr
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.errors import FormatError, MegaMoEError, ScaleError
 from megamoe_runtime.format import layout
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import megamoe_runtime as mr
-from megamoe_convert import checks
-from megamoe_convert.convert import convert
+from megamoe_convert.pipeline import checks
+from megamoe_convert.pipeline.convert import convert
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import layout
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"

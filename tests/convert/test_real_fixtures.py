@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megamoe_convert.readers import detect_reader
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import codecs
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"

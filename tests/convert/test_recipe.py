@@ -26,12 +26,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import megamoe_runtime as mr
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
-from megamoe_convert.inspection import inspect_checkpoint
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.pipeline.inspection import inspect_checkpoint
 from megamoe_convert.readers import detect_reader
 from megamoe_convert.readers.recipe import ACCEPT_FLAG, ActivationRecipe, compare
-from megamoe_convert.source import open_source
+from megamoe_convert.readers.source import open_source
 from megamoe_runtime.errors import FormatError, ScaleError
 from megamoe_runtime.format import layout
 
@@ -412,7 +412,7 @@ def test_every_row_has_its_per_row_converter_facts():
     """The converter's per-row tables a new kernel-layout row must extend (docs/ARCHITECTURE.md, files to touch):
     the recipes it keeps (named in the refusal text), its dispatch description and the demo's threshold."""
     from megamoe_convert.readers import recipe
-    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_convert.testing.selfcheck import THRESHOLDS
     from megamoe_runtime.format.formats import ROWS
 
     for name, row in ROWS.items():

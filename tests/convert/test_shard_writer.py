@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megamoe_convert.shard_writer import (
+from megamoe_convert.output.shard_writer import (
     PlannedTensor,
     ShardWriter,
     parse_size,
@@ -196,7 +196,7 @@ def _write_parts(path, **kw):
 
 def _count_direct(monkeypatch):
     """Count the device writes `DirectIO` makes (bytes)."""
-    from megamoe_convert import shard_writer as sw
+    from megamoe_convert.output import shard_writer as sw
 
     seen = []
     real = sw.DirectIO._write
@@ -211,7 +211,7 @@ def _count_direct(monkeypatch):
 
 def _direct_fds(monkeypatch) -> list:
     """The O_DIRECT descriptors `ShardWriter`s open from now on (None where refused)."""
-    from megamoe_convert import shard_writer as sw
+    from megamoe_convert.output import shard_writer as sw
 
     opened = []
     real_open = sw._open_direct
@@ -225,7 +225,7 @@ def _fail_direct_writes(monkeypatch, opened: list, err: int, first_only: bool = 
     import os
     import threading
 
-    from megamoe_convert import shard_writer as sw
+    from megamoe_convert.output import shard_writer as sw
 
     real, failed, through = os.pwrite, threading.Event(), []
 
@@ -245,7 +245,7 @@ def test_direct_writes_give_the_same_file_and_digests(tmp_path, monkeypatch):
     """O_DIRECT for the whole pages inside each tensor, the page cache for the
     unaligned heads and tails (pages shared by two tensors): the same bytes and
     digests as page-cache writes alone, and most bytes went the direct way."""
-    from megamoe_convert.shard_writer import DIRECT_ALIGN
+    from megamoe_convert.output.shard_writer import DIRECT_ALIGN
 
     ref = tmp_path / "ref.safetensors"
     want = _write_parts(ref)
@@ -261,7 +261,7 @@ def test_direct_writes_give_the_same_file_and_digests(tmp_path, monkeypatch):
 
 def test_direct_writes_shared_staging_across_writers(tmp_path):
     """Several files open at once share one `DirectIO` (its few staging buffers)."""
-    from megamoe_convert.shard_writer import DirectIO
+    from megamoe_convert.output.shard_writer import DirectIO
 
     want = _write_parts(tmp_path / "ref.safetensors")
     io = DirectIO(buffers=2, size=8192)
@@ -352,7 +352,7 @@ def test_hash_lanes_split_large_tensors_and_keep_digests(tmp_path):
 def test_direct_large_copies_from_writable_and_read_only_memory(tmp_path):
     """Staging copies of 64 KiB and more go through ctypes.memmove (GIL released)
     from writable memory, a slice assignment from read-only bytes: same file."""
-    from megamoe_convert.shard_writer import _NOGIL_COPY
+    from megamoe_convert.output.shard_writer import _NOGIL_COPY
 
     big = torch.randint(0, 255, (3 * _NOGIL_COPY + 5,), dtype=torch.uint8)
     ts = {"a": big, "b": big.flip(0).clone()}
@@ -373,7 +373,7 @@ def test_direct_close_waits_for_every_device_write_before_closing(tmp_path, monk
     import errno
     import os
 
-    from megamoe_convert import shard_writer as sw
+    from megamoe_convert.output import shard_writer as sw
 
     opened = _direct_fds(monkeypatch)
     order = _fail_direct_writes(monkeypatch, opened, errno.EIO, first_only=True)

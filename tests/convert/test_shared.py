@@ -3,10 +3,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe_convert import synth
-from megamoe_convert.cli import main
-from megamoe_convert.convert import convert
-from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_runtime.format.manifest import read_manifest
 
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
@@ -23,7 +23,7 @@ def test_shared_precision_nvfp4(tmp_path, precision):
     records the choice and why, the stored shared tensors have that precision,
     the served layer fuses them and still matches the source."""
     import megamoe_runtime as mr
-    from megamoe_convert.selfcheck import compare_with_source
+    from megamoe_convert.testing.selfcheck import compare_with_source
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SMALL, shared=1)
     out = tmp_path / "out"

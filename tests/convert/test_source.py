@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megamoe_runtime.errors import CheckpointError
-from megamoe_convert.source import (
+from megamoe_convert.readers.source import (
     HUB_ALLOW_PATTERNS,
     is_hub_id,
     open_source,
@@ -581,7 +581,7 @@ def test_symlinked_shard_outside_refused_and_inside_allowed(make_ckpt, tmp_path)
 
 
 def test_symlinked_extra_file_outside_skipped_with_warning(make_ckpt, tmp_path):
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     src = make_ckpt("ct-mxfp8", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
     secret = tmp_path / "secret.txt"
@@ -650,7 +650,7 @@ def test_read_into_many_views_and_short_reads(synth_ckpt, monkeypatch):
     """More views than one preadv takes (IOV_MAX), and a kernel that returns
     short reads (ending inside a view, or exactly at a view's end): the views
     still get the file's bytes in order."""
-    import megamoe_convert.source as source_mod
+    import megamoe_convert.readers.source as source_mod
 
     src = open_source(synth_ckpt("bf16"))
     name = "model.layers.1.mlp.experts.3.gate_proj.weight"  # 64 KiB
@@ -687,7 +687,7 @@ def test_a_fifo_shard_is_named_for_what_it_is_and_never_opened(make_ckpt, indexe
     nobody writes to it, so this test would hang)."""
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     p = make_ckpt("bf16", **({"max_shard_bytes": 150_000} if indexed else {}))
     victim = sorted(p.glob("model*.safetensors"))[-1]
@@ -710,7 +710,7 @@ def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(make_c
     header stays small)."""
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
     from megamoe_runtime.files import limits, safetensors_header
 
     p = make_ckpt("bf16")

@@ -14,9 +14,10 @@ import json
 
 import pytest
 
-from megamoe_convert import stream, synth
-from megamoe_convert.convert import SourceChangedError, convert
-from megamoe_convert.output_dir import temp_dir_for
+from megamoe_convert.pipeline import stream
+from megamoe_convert.testing import synth
+from megamoe_convert.pipeline.convert import SourceChangedError, convert
+from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_runtime.format.formats import get_row
 
 from test_golden_outputs import CASES, _convert_case, _golden
@@ -173,7 +174,7 @@ def test_passthrough_bytes_copied_during_the_first_layer_recorded_after_the_last
     the converting thread, in plan order: the output is the golden one."""
     import threading
 
-    import megamoe_convert.run as run_mod
+    import megamoe_convert.pipeline.run as run_mod
 
     name, spec, kwargs = PASSTHROUGH_CASE
     real = run_mod.convert_layer
@@ -231,7 +232,7 @@ def test_a_layer_error_stops_the_passthrough_copy(tmp_path, monkeypatch):
     """Negative: a failure in a MoE layer while the copy may still run stops and
     joins the copy thread before the writers are aborted (no thread left
     writing into the temp folder), and the error is the layer's."""
-    import megamoe_convert.run as run_mod
+    import megamoe_convert.pipeline.run as run_mod
 
     class Planted(Exception):
         pass
@@ -250,7 +251,7 @@ def test_a_layer_error_stops_the_passthrough_copy(tmp_path, monkeypatch):
 def test_passthrough_copy_stop_refuses_the_remaining_tensors(tmp_path):
     """`PassthroughCopy.stop` ends the copy at its next chunk: a tensor not yet
     copied is never reported as copied (its result is the stop error)."""
-    from megamoe_convert.stream import PassthroughCopy, _Stopped
+    from megamoe_convert.pipeline.stream import PassthroughCopy, _Stopped
 
     copy = PassthroughCopy.__new__(PassthroughCopy)
     import threading

@@ -24,7 +24,7 @@ _SMALL = dict(num_layers=2, hidden=128, intermediate=64, num_experts=4, top_k=2,
 
 
 def _cases() -> list[tuple[str, str, dict]]:
-    from megamoe_convert.synth import FORMATS, ROW_OF
+    from megamoe_convert.testing.synth import FORMATS, ROW_OF
 
     # block-FP8 weights come in 128x128 blocks
     cases = [(fmt, fmt, dict(_SMALL, intermediate=128) if ROW_OF[fmt] == "fp8_block" else dict(_SMALL))
@@ -51,7 +51,7 @@ def _tree(folder: Path) -> dict[str, str]:
 
 
 def _build(fmt: str, kw: dict, path: Path) -> dict[str, str]:
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     return _tree(build_synthetic_checkpoint(path, fmt, **kw))
 
@@ -79,7 +79,7 @@ if __name__ == "__main__":
 
 def test_every_synthetic_format_is_encoded_by_exactly_one_reader():
     from megamoe_convert.readers import readers_in_order
-    from megamoe_convert.synth import ENCODER_OF, FORMATS
+    from megamoe_convert.testing.synth import ENCODER_OF, FORMATS
 
     declared = [f for cls in readers_in_order() for f in cls.synthetic_formats]
     assert len(declared) == len(set(declared))
@@ -101,7 +101,7 @@ def test_synthetic_tokenizer_loads_in_transformers_and_round_trips(ckpts):
     tokenizers library writes for that tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    from megamoe_convert.synth import tokenizer_json
+    from megamoe_convert.testing.synth import tokenizer_json
 
     _, out = ckpts.converted("modelopt-nvfp4")
     text = (out / "tokenizer.json").read_text().strip()

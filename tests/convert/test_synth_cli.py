@@ -5,7 +5,7 @@ import json
 
 from click.testing import CliRunner
 
-from megamoe_convert.cli import main
+from megamoe_convert.cli.main import main
 
 
 def _cli(*args):
@@ -44,7 +44,7 @@ def test_synth_refuses_absurd_sizes_up_front(tmp_path, monkeypatch):
     """Sizes beyond megamoe's stated limits, or a source larger than the disk or memory: exit 2 with one
     line naming the option, before anything is allocated or written (``--experts 1000000000`` ended in a
     41-line allocator traceback with exit 1, ``--layers 1000000`` grew memory without end)."""
-    import megamoe_convert.synth as synth_mod
+    import megamoe_convert.testing.synth as synth_mod
 
     def never(*a, **k):  # the refusal comes before the build
         raise AssertionError("build started")

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from megamoe_convert.output_dir import JOURNAL_NAME, TMP_MARKER, OutputError, temp_dir_for
-from megamoe_convert.temp_folder import Journal, finalize_output, prepare_temp_dir
+from megamoe_convert.output.output_dir import JOURNAL_NAME, TMP_MARKER, OutputError, temp_dir_for
+from megamoe_convert.output.temp_folder import Journal, finalize_output, prepare_temp_dir
 
 
 def _fake_output(d, files=("a.safetensors",)):
@@ -85,8 +85,8 @@ ARGS = dict(max_shard_size="60KB")
 def interrupted(tmp_path):
     """make(name) -> (src, out, ref): a source, its reference conversion, and a run to `out` stopped after
     9 tensors (some files finished and journaled)."""
-    from megamoe_convert import synth
-    from megamoe_convert.convert import convert
+    from megamoe_convert.testing import synth
+    from megamoe_convert.pipeline.convert import convert
 
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL, seed=6)
     ref = tmp_path / "ref"
@@ -133,9 +133,9 @@ def test_resume_keeps_untouched_files_without_reading_them_again(interrupted, mo
     written with O_DIRECT) and then re-derived and hashed all their tensors from the source, more work
     than a fresh run. Kept files the journal saw closed, unchanged on this boot, of a source whose status
     is unchanged, are now kept without reading a byte of them or of their source; the output is the same."""
-    import megamoe_convert.temp_folder as tf
-    from megamoe_convert.convert import convert
-    from megamoe_convert.stream import Run
+    import megamoe_convert.output.temp_folder as tf
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.pipeline.stream import Run
     from megamoe_runtime.files import digests
 
     monkeypatch.setattr(tf, "RACY_NS", 0)  # the fixture's source was written a moment ago
@@ -155,9 +155,9 @@ def test_resume_rechecks_what_it_cannot_trust(interrupted, monkeypatch):
     each shown in the progress phase; a source file whose status changed (utime: same mtime, new ctime)
     or that was written just before the interrupted run read it has its tensors re-derived and compared,
     the log saying why."""
-    import megamoe_convert.temp_folder as tf
-    from megamoe_convert.convert import convert
-    from megamoe_convert.stream import Run
+    import megamoe_convert.output.temp_folder as tf
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.pipeline.stream import Run
     from megamoe_runtime.files import digests
 
     # a restart between the runs
@@ -200,7 +200,7 @@ def test_resume_with_other_options_names_them_and_the_first_command(interrupted,
     folder's marker) is shown."""
     import sys
 
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/megamoe-convert", "convert", "SRC", "OUT", "--max-shard-size",
                                       "60KB"])
@@ -225,7 +225,7 @@ def test_the_kept_command_never_holds_a_token(monkeypatch):
     """The marker keeps the command line; a hub token given on it (``--token``) is kept as ``$HF_TOKEN``."""
     import sys
 
-    from megamoe_convert.output_dir import this_command
+    from megamoe_convert.output.output_dir import this_command
 
     monkeypatch.setattr(sys, "argv", ["/x/megamoe-convert", "convert", "org/m", "out", "--token", "hf_secret",
                                       "--token=hf_other", "--ep-size", "2"])
@@ -269,10 +269,10 @@ def test_resume_summary_rates_only_the_bytes_it_processed(interrupted, monkeypat
     """A resume's throughput was all input bytes over the resume's time (``1.96 GB/s`` for a run that
     rewrote little): it is now over the bytes this run processed, and the summary says how many the
     earlier run's kept files account for."""
-    import megamoe_convert.temp_folder as tf
-    from megamoe_convert.cli import _print_summary
-    from megamoe_convert.convert import convert
-    from megamoe_convert.shard_writer import format_bytes
+    import megamoe_convert.output.temp_folder as tf
+    from megamoe_convert.cli.main import _print_summary
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.output.shard_writer import format_bytes
 
     monkeypatch.setattr(tf, "RACY_NS", 0)
     src, out, _ = interrupted("out")
@@ -301,7 +301,7 @@ def test_a_failed_write_names_the_file_and_the_resume(tmp_path, synth_ckpt, monk
 
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
     from megamoe_runtime.load.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
@@ -359,7 +359,7 @@ def test_a_shard_changed_in_the_temp_folder_is_never_swapped_in(tmp_path, synth_
     on (here: after the final fsync, right before the journal says complete): the run refuses naming the
     file and what happened, nothing is moved into OUT (it used to swap in and exit 0, and verify then
     failed), and ``--resume`` rewrites the shard into a verified output."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
     from megamoe_runtime.load.verify import verify_output
 
     src = synth_ckpt("quark-mxfp4", num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)

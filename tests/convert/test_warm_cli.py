@@ -1,4 +1,4 @@
-"""`megamoe-convert warm` (megamoe_convert/warm_cli.py): its help, its refusals (exit 2, one error line, JSON
+"""`megamoe-convert warm` (megamoe_convert/cli/warm.py): its help, its refusals (exit 2, one error line, JSON
 under --json) and its success output. The build itself is tested in tests/runtime/integrations/test_warm.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from megamoe_convert.cli import main
+from megamoe_convert.cli.main import main
 from megamoe_runtime.backends import kernel_cache as kc
 
 ENV = {"triton": "3.6.0", "torch": "2.11.0", "cuda": "13.0", "python": "3.12", "machine": "x86_64",

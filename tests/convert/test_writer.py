@@ -1,6 +1,6 @@
 """writer.py: the names it held before the split still resolve, to the one definition each."""
-import megamoe_convert.writer as writer
-from megamoe_convert import output_dir, shard_writer, temp_folder
+import megamoe_convert.output.writer as writer
+from megamoe_convert.output import output_dir, shard_writer, temp_folder
 from megamoe_runtime.files import digests
 from megamoe_runtime.format import manifest
 from megamoe_runtime.load import verify

@@ -16,7 +16,7 @@ from megamoe_runtime.format.formats import ROWS, SHARED_PRECISIONS, Row, SharedS
 
 from . import checks
 from .plan import LayerPlan, layer_ranges
-from .readers.base import MoELayerInfo
+from ..readers.base import MoELayerInfo
 
 
 def shared_to_precision(experts: list[ExpertTensors], encoding: str,

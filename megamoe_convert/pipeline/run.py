@@ -28,13 +28,13 @@ from megamoe_runtime.format.manifest import (
     write_manifest,
 )
 
-from .output_dir import Log, StepHook
+from ..output.output_dir import Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError, converter_version, report_stage, identity_changes, model_record, source_identity
-from .shard_writer import INDEX_NAME, json_bytes, write_bytes_atomic
+from ..output.shard_writer import INDEX_NAME, json_bytes, write_bytes_atomic
 from .shared import shared_decisions
 from .stream import Run, convert_layer, copy_passthrough
 from .summary import ConvertSummary
-from .temp_folder import (
+from ..output.temp_folder import (
     Journal,
     check_kept_files,
     file_stat,

@@ -34,7 +34,7 @@ from megamoe_runtime.format import codecs, scales
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
 
-from .readers.base import ExpertScalars, ModelFacts, MoELayerInfo
+from ..readers.base import ExpertScalars, ModelFacts, MoELayerInfo
 
 #: relative tolerance within which w1 and w3 weight_scale_2 count as equal (the runtime's rule)
 GATE_UP_RTOL = scales.W13_RTOL

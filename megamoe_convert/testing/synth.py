@@ -32,7 +32,7 @@ import torch
 
 from megamoe_runtime.format.source_formats import SUFFIX_KINDS
 
-from .readers import CheckpointReader, readers_in_order
+from ..readers import CheckpointReader, readers_in_order
 
 #: every synthetic format, in the order ``demo --format`` and errors list them. Each is one of a
 #: reader's ``synthetic_formats``, and that reader encodes it (a test checks both ways).
@@ -196,7 +196,7 @@ def check_sizes(fmt: str, out: Path, *, num_layers: int, hidden: int, intermedia
     mem = _available_memory()
     for what, have in (("free disk space in " + str(base), free), ("available memory", mem)):
         if have is not None and need > have:
-            from .progress import format_bytes
+            from ..output.units import format_bytes
 
             raise LimitError(f"synth: a {fmt} source of {num_layers} layer(s) x {num_experts} expert(s) "
                              f"(+{shared} shared), hidden {hidden}, intermediate {intermediate} is about "
@@ -501,7 +501,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[st
     from megamoe_runtime.files.tensor_bytes import byte_view
     from megamoe_runtime.format.manifest import dtype_name
 
-    from .shard_writer import PlannedTensor, safetensors_header
+    from ..output.shard_writer import PlannedTensor, safetensors_header
 
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     plan = [PlannedTensor(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in order]
@@ -544,6 +544,6 @@ def expert_tensor_names(path: str | Path) -> list[str]:
     """Helper for tests: the routed-expert tensor names of a synthetic checkpoint."""
     from megamoe_convert.readers.naming import EXPERT_RE, FUSED_RE
 
-    from .source import CheckpointSource
+    from ..readers.source import CheckpointSource
 
     return [n for n in CheckpointSource(path).tensor_names() if EXPERT_RE.match(n) or FUSED_RE.match(n)]

@@ -32,10 +32,10 @@ from megamoe_runtime.format.manifest import (
 from megamoe_runtime.format.roles import is_shared_role, shared_role
 
 from . import checks
-from .output_dir import OutputError
-from .readers.base import MoELayerInfo
-from .shard_writer import PlannedTensor, plan_shards
-from .source import CheckpointSource
+from ..output.output_dir import OutputError
+from ..readers.base import MoELayerInfo
+from ..output.shard_writer import PlannedTensor, plan_shards
+from ..readers.source import CheckpointSource
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 

@@ -60,7 +60,7 @@ from megamoe_runtime.format.manifest import FORMAT_VERSION
 
 from . import checks
 from .inspection import inspect_checkpoint
-from .output_dir import (
+from ..output.output_dir import (
     Log,
     OutputError,
     OutputLock,
@@ -85,10 +85,10 @@ from .plan import (
     source_identity,
 )
 from .preflight import preflight
-from .readers import detect_reader
-from .readers.recipe import manifest_record
+from ..readers import detect_reader
+from ..readers.recipe import manifest_record
 from .run import run_conversion
-from .shard_writer import DEFAULT_MAX_SHARD_SIZE, parse_size
+from ..output.shard_writer import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .shared import (
     SHARED_BY_FLAVOUR,
     SHARED_PRECISION_CHOICES,
@@ -97,9 +97,9 @@ from .shared import (
     shared_flavour_note,
     shared_to_precision,
 )
-from .source import open_source, source_roots
+from ..readers.source import open_source, source_roots
 from .summary import ConvertSummary, summary_of_output
-from .temp_folder import check_output_target, prepare_temp_dir, remove_temp
+from ..output.temp_folder import check_output_target, prepare_temp_dir, remove_temp
 
 DEFAULT_CHECKSUM = digests.DEFAULT_CHECKSUM
 #: the interpreter's thread switch interval during the streaming pass, seconds (`_convert_locked`)

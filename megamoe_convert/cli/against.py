@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from megamoe_runtime.format.manifest import read_manifest
 
-from .selfcheck import THRESHOLDS, compare_with_source
+from ..testing.selfcheck import THRESHOLDS, compare_with_source
 
 __all__ = ["compare_folder_with_source", "layer_lines"]
 

@@ -85,7 +85,7 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-from .progress import format_bytes  # noqa: E402  (one byte format for every summary, torch-free)
+from .units import format_bytes  # noqa: E402  (one byte format for every summary, torch-free)
 
 
 # --------------------------------------------------------------------------- planning

@@ -31,7 +31,7 @@ def demo_generate(root: Path, log: Callable[[str], None]) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .convert import convert
+    from ..pipeline.convert import convert
 
     src, out = root / "hf-source", root / "hf-converted"
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()

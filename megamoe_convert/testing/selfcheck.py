@@ -104,8 +104,8 @@ def compare_with_source(src: str | Path, out: str | Path, tokens: int = 16, seed
     `format` / `quantize` / `revision`: as given to the conversion."""
     import megamoe_runtime as mr
 
-    from .readers import detect_reader
-    from .source import open_source
+    from ..readers import detect_reader
+    from ..readers.source import open_source
 
     ckpt = mr.open_checkpoint(out)
     source = open_source(str(src), revision)

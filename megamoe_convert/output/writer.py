@@ -8,7 +8,7 @@ The three jobs this file once held now live in one module each:
   a folder without the converter).
 
 Code in this package imports from those modules; this one only re-exports,
-so callers written against ``megamoe_convert.writer`` keep working.
+so callers written against ``megamoe_convert.output.writer`` keep working.
 """
 from __future__ import annotations
 

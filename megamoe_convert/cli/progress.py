@@ -34,19 +34,12 @@ from typing import Callable, TextIO
 
 from megamoe_runtime import knobs
 
+from ..output.units import format_bytes
+
 #: seconds between two lines when stderr is not a terminal (``MEGAMOE_PROGRESS_INTERVAL`` overrides)
 DEFAULT_INTERVAL = 10.0
 #: seconds between two redraws on a terminal
 _TTY_REFRESH = 0.1
-
-
-def format_bytes(n: float) -> str:
-    """The converter's one byte format (decimal units, 2 decimals), torch-free."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
 
 
 def _format_duration(s: float) -> str:

@@ -15,7 +15,7 @@ from megamoe_runtime.files.tensor_bytes import byte_view
 from megamoe_runtime.format import layout
 from megamoe_runtime.format.formats import Row
 
-from .readers.base import CheckpointReader
+from ..readers.base import CheckpointReader
 
 
 class DirectWeights:

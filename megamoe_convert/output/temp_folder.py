@@ -212,7 +212,7 @@ def check_kept_files(tmp: Path, jfiles: dict[str, dict], planned: set[str], run_
     5 GB source. The re-hash shows each file in the progress display's phase line (`stage`)."""
     from megamoe_runtime.files.digests import file_digest
 
-    from .shard_writer import format_bytes
+    from .units import format_bytes
 
     stage = getattr(progress, "stage", None)  # plan.report_stage's protocol: displays that show a phase
     same_boot = boot_id() is not None and (run_record or {}).get("boot_id") == boot_id()
@@ -281,7 +281,7 @@ def journal_options(parts: dict) -> dict:
 
 def option_changes(before: dict, now: dict) -> list[str]:
     """What differs between two `journal_options`, named as flags: ``--ep-size: 1 then, 2 now``."""
-    from .shard_writer import format_bytes
+    from .units import format_bytes
 
     def show(k, v):
         if k == "max_shard_size" and isinstance(v, int):

@@ -77,10 +77,10 @@ def run_demo(root: Path, fmt: str, ep_size: int, tokens: int = 16,
     transformers step (`demo_generate`). The result dict the CLI prints (and dumps with --json)."""
     from megamoe_runtime.load.verify import verify_output
 
-    from . import synth
-    from .convert import convert as do_convert
+    from ..testing import synth
+    from ..pipeline.convert import convert as do_convert
     from .demo_generate import demo_generate
-    from .selfcheck import compare_with_source
+    from ..testing.selfcheck import compare_with_source
 
     src, out = root / "source", root / "converted"
     try:

@@ -11,11 +11,11 @@ from megamoe_runtime.errors import MegaMoEError
 from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
 
 from . import checks
-from .output_dir import Log
+from ..output.output_dir import Log
 from .plan import LayerPlan
-from .readers.base import CheckpointReader, MoELayerInfo
+from ..readers.base import CheckpointReader, MoELayerInfo
 from .shared import choose_shared
-from .source import CheckpointSource
+from ..readers.source import CheckpointSource
 
 
 def layer_decisions(info: MoELayerInfo, row: Row, facts, ep_size: int, shared_precision: str = "auto",

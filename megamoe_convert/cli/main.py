@@ -43,19 +43,20 @@ from megamoe_runtime.errors import MegaMoEError  # noqa: E402
 from megamoe_runtime.files.digests import DEFAULT_CHECKSUM  # noqa: E402  (torch-free)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .inspection import InspectReport
+    from ..pipeline.inspection import InspectReport
 
 # Nothing above imports torch: `--help`, `--version` and usage errors answer at
 # once; each command imports what it needs (torch among it) when it runs.
 
 
 def parse_size(text):
-    from .shard_writer import parse_size as parse
+    from ..output.shard_writer import parse_size as parse
 
     return parse(text)
 
 
-from .progress import ProgressDisplay, format_bytes  # noqa: E402  (torch-free)
+from ..output.units import format_bytes  # noqa: E402  (torch-free)
+from .progress import ProgressDisplay  # noqa: E402  (torch-free)
 
 def hub_options(f):
     """--cache-dir, --token, --local-files-only: named as huggingface_hub's CLI and library name them;
@@ -201,7 +202,7 @@ def _resume_command(ctx: click.Context) -> str:
 def _convert_interrupted(ctx: click.Context, out: Path):
     """What an interrupted `convert` prints: where its work is and the command that continues it."""
     def message(name: str):
-        from .output_dir import is_megamoe_output, resolve_out, temp_dir_for
+        from ..output.output_dir import is_megamoe_output, resolve_out, temp_dir_for
 
         try:
             o = resolve_out(out)
@@ -228,7 +229,7 @@ def _convert_io_failed(ctx: click.Context, out: Path):
     def message(e: OSError):
         import errno
 
-        from .output_dir import resolve_out, temp_dir_for
+        from ..output.output_dir import resolve_out, temp_dir_for
 
         try:
             o = resolve_out(out)
@@ -396,7 +397,7 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
         raise click.BadParameter(str(e), param_hint="--max-shard-size")
 
     def run():
-        from .convert import convert as do_convert
+        from ..pipeline.convert import convert as do_convert
 
         ok = False
         try:
@@ -504,7 +505,7 @@ def inspect(src, revision, cache_dir, token, local_files_only, fmt, quantize, ep
 
     Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
     """
-    from .inspection import inspect_checkpoint
+    from ..pipeline.inspection import inspect_checkpoint
 
     rep = _run_guarded(lambda: inspect_checkpoint(src, revision=revision, format=fmt, quantize=quantize,
                                                   ep_size=ep_size, shared_precision=shared_precision,
@@ -572,7 +573,7 @@ def _print_inspect(rep: "InspectReport") -> None:
 
 
 def layer_ranges_text(indices) -> str:
-    from .plan import layer_ranges
+    from ..pipeline.plan import layer_ranges
 
     return layer_ranges(list(indices))
 
@@ -673,7 +674,7 @@ def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
 
 
 def _verify_against(out: Path, src: str, tokens: int, bar_off: bool) -> dict:
-    """megamoe_convert.against: every layer of OUT served and compared with the fp32 MoE of SRC."""
+    """megamoe_convert.cli.against: every layer of OUT served and compared with the fp32 MoE of SRC."""
     from .against import compare_folder_with_source
 
     if not bar_off:
@@ -732,7 +733,7 @@ def _print_verify(rep, reload: dict | None, against: dict | None = None) -> None
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--format", "fmt", default="modelopt-nvfp4", show_default=True,
-              help="Source format to write (any of megamoe_convert.synth.FORMATS: modelopt-nvfp4, quark-mxfp4, "
+              help="Source format to write (any of megamoe_convert.testing.synth.FORMATS: modelopt-nvfp4, quark-mxfp4, "
                    "ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="MoE layers.")
 @click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True,
@@ -768,7 +769,7 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
 
     Exit codes: 0 built, 2 bad option (OUT not empty, unknown format, sizes).
     """
-    from . import synth as synth_mod
+    from ..testing import synth as synth_mod
 
     if fmt not in synth_mod.FORMATS:
         raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth_mod.FORMATS)}",
@@ -834,7 +835,7 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--format", "fmt", default="modelopt-nvfp4", show_default=True,
-              help="Synthetic source format to build: any format megamoe_convert.synth supports (modelopt-nvfp4, "
+              help="Synthetic source format to build: any format megamoe_convert.testing.synth supports (modelopt-nvfp4, "
                    "quark-mxfp4, ct-mxfp8, bf16, deepseek-v4, ...; an unknown name lists them all).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Build in this folder and keep it (default: a temporary folder, removed afterwards). Run "
@@ -868,7 +869,7 @@ def demo(fmt, keep, ep_size, tokens, as_json):
     Exit codes: 0 every layer matches, 1 verify failed or a layer missed its
     threshold, 2 bad input or usage.
     """
-    from . import synth
+    from ..testing import synth
 
     if fmt not in synth.FORMATS:
         raise click.BadParameter(f"unknown synthetic format {fmt!r}; valid: {', '.join(synth.FORMATS)}",
@@ -923,7 +924,7 @@ def _print_demo(result: dict, fmt: str, kept: bool) -> None:
                    + ("" if v["ok"] else ", verify failed"))
 
 
-from .warm_cli import warm as warm_command  # noqa: E402  (`megamoe-convert warm`: the kernel cache)
+from .warm import warm as warm_command  # noqa: E402  (`megamoe-convert warm`: the kernel cache)
 
 main.add_command(warm_command)
 

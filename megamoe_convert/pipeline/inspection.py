@@ -17,10 +17,10 @@ from megamoe_runtime.format.formats import get_row
 from . import checks
 from .plan import LayerPlan, layer_ranges, model_record, plan_files, rank_roles
 from .preflight import layer_decisions, layer_scalars
-from .readers import detect_reader
-from .readers.recipe import manifest_record
+from ..readers import detect_reader
+from ..readers.recipe import manifest_record
 from .shared import check_shared_precision
-from .source import open_source
+from ..readers.source import open_source
 
 
 @dataclass
@@ -93,7 +93,7 @@ def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size:
     from megamoe_runtime.format.manifest import FileEntry
     from megamoe_runtime.load.load_checks import FILE_KEY, RANK_KEY
 
-    from .shard_writer import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, ST_METADATA, json_bytes, safetensors_header
+    from ..output.shard_writer import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, ST_METADATA, json_bytes, safetensors_header
 
     slots_by_file = plan_files(plans, source, consumed, row, ep_size,
                                DEFAULT_MAX_SHARD_SIZE if max_bytes is None else max_bytes)
@@ -154,7 +154,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
         facts = reader.model_facts()
         infos = reader.moe_layers()
         problems: list[str] = []
-        from .readers import accepted_by
+        from ..readers import accepted_by
 
         by = accepted_by(accept_activation_change, quantize)
         change = reader.activation_change = dataclasses.replace(reader.activation_change, accepted=by is not None,

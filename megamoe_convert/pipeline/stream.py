@@ -35,12 +35,12 @@ from megamoe_runtime.load.load_checks import FILE_KEY, RANK_KEY
 
 from . import checks
 from .direct import DirectWeights
-from .output_dir import STEP_TENSOR, Log, StepHook
+from ..output.output_dir import STEP_TENSOR, Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError, report_file, report_where
-from .shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
+from ..output.shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
-from .source import CheckpointSource
-from .temp_folder import Journal
+from ..readers.source import CheckpointSource
+from ..output.temp_folder import Journal
 
 
 #: threads blake3 may use within one large tensor (sha256 is sequential)
