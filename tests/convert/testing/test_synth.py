@@ -6,7 +6,7 @@ config into the format's reader. ``tests/fixtures/golden_synth.json`` holds the
 sha256 of every file the builder wrote for every synthetic format (and the
 defect and naming options that take their own code paths), recorded before the
 move. Regenerate deliberately with
-``PYTHONPATH=$PWD python tests/convert/test_synth.py`` and say why in the commit.
+``PYTHONPATH=$PWD python tests/convert/testing/test_synth.py`` and say why in the commit.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden_synth.json"
 _SMALL = dict(num_layers=2, hidden=128, intermediate=64, num_experts=4, top_k=2, seed=3)
 

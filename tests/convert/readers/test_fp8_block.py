@@ -26,7 +26,7 @@ from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import layout
 from megamoe_runtime.format.manifest import read_manifest
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 REAL_FP8 = ["finegrained-fp8-qwen3moe", "finegrained-fp8-deepseekv3", "llmcompressor-fp8-block-qwen3moe",
             "llmcompressor-fp8-block-deepseekv3"]
 SIZES = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)

@@ -18,7 +18,7 @@ from megamoe_convert.readers import detect_reader
 from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import layout
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 FIXTURES = sorted(p.name for p in REAL.glob("*") if (p / "config.json").is_file())
 
 

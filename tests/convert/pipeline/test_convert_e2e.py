@@ -281,7 +281,7 @@ def test_bad_input_refused(tmp_path, name, fmt, defect, mutate, needles):
 
 def test_out_exists_refused_then_overwrite(tmp_path):
     """OUT exists: refused without --overwrite; with it, only a megamoe output
-    is replaced (a foreign folder: see tests/convert/test_output_dir.py)."""
+    is replaced (a foreign folder: see tests/convert/output/test_output_dir.py)."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-mxfp4", **SMALL, seed=4)
     out = tmp_path / "out"
     assert run_cli("convert", src, out).exit_code == 0

@@ -775,7 +775,7 @@ def test_every_reader_hook_is_declared_on_the_base_class():
     for cls in readers_in_order():
         extra = {n for n in dir(cls) if not n.startswith("_")} - set(dir(CheckpointReader))
         assert extra <= internal, f"{cls.format_name}: {sorted(extra - internal)} not declared on CheckpointReader"
-    root = Path(__file__).resolve().parents[2] / "megamoe_convert"
+    root = Path(__file__).resolve().parents[3] / "megamoe_convert"
     paths = [p for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "readers"]
     assert len(paths) > 20, "the converter's modules moved: find them again, or this check reads nothing"
     for path in paths:  # outside readers/: nothing reaches into the internals

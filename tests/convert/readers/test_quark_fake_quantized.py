@@ -21,7 +21,7 @@ from megamoe_convert.readers.source import open_source
 from megamoe_runtime.errors import FormatError, MegaMoEError, ScaleError
 from megamoe_runtime.format import layout
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 FAKE = REAL / "quark-mxfp8-qwen3moe"
 SRC = REAL / "bf16-plain-qwen3moe"
 W = "model.layers.0.mlp.experts.1.up_proj.weight"

@@ -21,7 +21,7 @@ from megamoe_convert.readers import detect_reader
 from megamoe_convert.readers.source import open_source
 from megamoe_runtime.format import codecs
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 MANIFEST = REAL / "manifest.json"
 FIXTURES = json.loads(MANIFEST.read_text())["fixtures"]  # committed: missing means a broken checkout
 PRODUCER_PREFIX = {"modelopt": "modelopt", "llmcompressor": "ct", "quark": "quark"}
@@ -55,7 +55,7 @@ def _expected_format(fx) -> str:
 
 def _reader(src):
     """The reader, with a coarser activation recipe accepted: these tests are about
-    reading the weights (tests/convert/test_recipe.py tests the refusal)."""
+    reading the weights (tests/convert/readers/test_recipe.py tests the refusal)."""
     return detect_reader(src, accept_activation_change=True)
 
 

@@ -13,7 +13,7 @@ from megamoe_convert.testing import synth
 from megamoe_convert.cli.main import main
 from megamoe_convert.cli.progress import format_bytes
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 
 
 def _cli(*args):

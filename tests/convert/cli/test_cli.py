@@ -209,7 +209,7 @@ def test_no_numpy_warning_from_the_cli():
     """On a machine without numpy torch warns 'Failed to initialize NumPy' at
     import; the CLI entry point silences exactly that warning."""
     env = {**os.environ, "PYTHONWARNINGS": "default"}
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     control = subprocess.run([sys.executable, "-c", _NO_NUMPY + "import torch\n"], capture_output=True,
                              text=True, env=env, cwd=root, timeout=120)
     if "Failed to initialize NumPy" not in control.stderr:
@@ -270,7 +270,7 @@ def test_help_and_version_do_not_import_torch(args):
         print("ok")
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
 
 
@@ -468,7 +468,7 @@ def test_an_already_converted_folder_is_named_as_such(ckpts, tmp_path, cmd):
 
 def test_inspect_names_the_source_formats_own_global_scale_tensor():
     """compressed-tensors keeps the NVFP4 global scale in weight_global_scale, ModelOpt in weight_scale_2."""
-    real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+    real = Path(__file__).resolve().parents[2] / "fixtures" / "real"
     for fixture, name in (("llmcompressor-nvfp4-qwen3moe", "weight_global_scale"),
                           ("modelopt-nvfp4-qwen3moe", "weight_scale_2")):
         r = run_cli("inspect", real / fixture)

@@ -44,7 +44,7 @@ def test_output_estimate_counts_headers_index_and_manifest(tmp_path):
 
     from megamoe_convert.pipeline.convert import convert
 
-    real = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+    real = Path(__file__).resolve().parents[2] / "fixtures" / "real"
     for name, ep in (("modelopt-nvfp4-qwen3moe", 1), ("llmcompressor-nvfp4-qwen3moe", 2)):
         rep = inspect_checkpoint(real / name, ep_size=ep)
         out = tmp_path / name

@@ -35,7 +35,7 @@ from megamoe_convert.readers.source import open_source
 from megamoe_runtime.errors import FormatError, ScaleError
 from megamoe_runtime.format import layout
 
-REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 
 #: fixture -> (reader format, row, relation of the kernel's activations to the source's)
 CASES = {
