@@ -9,7 +9,7 @@ The workload (issue 13) is the format NVIDIA publishes its large MoE
 checkpoints in: a ModelOpt NVFP4 export with NVFP4 shared experts and
 DeepSeek-V3 naming (``model.layers.N.mlp.experts.E.{gate,up,down}_proj``,
 ``mlp.shared_experts``, ``model_type: deepseek_v3``), built with
-``megamoe_convert.synth``. Every layer: hidden 2048, moe_intermediate 768,
+``megamoe_convert.testing.synth``. Every layer: hidden 2048, moe_intermediate 768,
 64 routed experts, 2 shared experts (one MLP of width 1536, re-encoded to
 MXFP8 for the nvfp4 row's fused shared path) and bf16 attention weights
 (passed through). The layer count is chosen per ``--gb`` target.
@@ -22,7 +22,7 @@ jobs on the machine hits all of them alike:
 * ``cp``: ``cp -r SRC DST`` then ``sync DST/*`` (fsync of every copied file:
   the converter also fsyncs each file it writes, and a global ``sync`` would
   also wait for other jobs' dirty pages);
-* ``convert``: ``megamoe_convert.convert.convert()`` in a fresh subprocess
+* ``convert``: ``megamoe_convert.pipeline.convert.convert()`` in a fresh subprocess
   (fsyncs every file before its final rename). Reported: the time of the call
   (imports excluded, as for ``cp``) and of the whole process, and its peak RSS
   (``VmHWM``);
@@ -65,7 +65,7 @@ def _status_kb(field: str) -> int:
 def child(src: str, out: str, checksum: str | None) -> None:
     """Runs in the measured subprocess: convert, then report time and memory."""
     t_start = float(os.environ.get("MEGAMOE_BENCH_T0", time.time()))
-    import megamoe_convert.convert as mc
+    import megamoe_convert.pipeline.convert as mc
 
     convert = mc.convert
     kwargs = {}
@@ -73,7 +73,7 @@ def child(src: str, out: str, checksum: str | None) -> None:
         alg, _, threads = checksum.partition(":")
         kwargs["checksum"] = alg
         if threads:
-            import megamoe_convert.stream as stream
+            import megamoe_convert.pipeline.stream as stream
 
             stream.HASH_THREADS = int(threads)
     base = _status_kb("VmRSS")
@@ -111,7 +111,7 @@ def layer_bytes() -> int:
 
 
 def build(path: Path, layers: int) -> None:
-    from megamoe_convert import synth
+    from megamoe_convert.testing import synth
 
     synth.build_synthetic_checkpoint(path, FMT, num_layers=layers, hidden=H, intermediate=I, num_experts=E,
                                      shared=S, top_k=8, model_type="deepseek_v3",

@@ -130,8 +130,8 @@ class PeakMemory:
 
 
 def build_checkpoint(workdir: Path, gb: float, checksum: str = "sha256") -> tuple[Path, Path, int]:
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     per_layer = E * 3 * H * I * (1 + 1 / 32)
     layers = max(1, math.ceil(gb * 1e9 / per_layer))

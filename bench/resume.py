@@ -61,10 +61,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args()
 
-    import megamoe_convert.convert as conv
-    import megamoe_convert.temp_folder as tf
-    from megamoe_convert import synth
-    from megamoe_convert.output_dir import temp_dir_for
+    import megamoe_convert.pipeline.convert as conv
+    import megamoe_convert.output.temp_folder as tf
+    from megamoe_convert.testing import synth
+    from megamoe_convert.output.output_dir import temp_dir_for
 
     work = Path(tempfile.mkdtemp(prefix="megamoe-bench-resume-", dir=a.workdir or Path.cwd()))
     try:

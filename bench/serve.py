@@ -191,7 +191,7 @@ def main() -> None:
     src, out = work / "source-bf16", work / "out-mxfp4"
     prep = work / "prepared.json"
     if a.stage in ("all", "prepare"):
-        from megamoe_convert.convert import convert
+        from megamoe_convert.pipeline.convert import convert
 
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -257,7 +257,7 @@ def _compiled_kernels(cache: Path, skip: frozenset = frozenset()) -> dict:
 
 def _warm(out: Path, tokens, jobs: int, env: dict) -> dict:
     """``megamoe-convert warm OUT`` (OUT/kernel-cache) in a process of its own, timed from its start."""
-    cmd = [sys.executable, "-m", "megamoe_convert.cli", "warm", str(out), "--jobs", str(jobs), "--json"]
+    cmd = [sys.executable, "-m", "megamoe_convert", "warm", str(out), "--jobs", str(jobs), "--json"]
     if tokens:
         cmd += ["--tokens", tokens]
     shutil.rmtree(out / "kernel-cache", ignore_errors=True)

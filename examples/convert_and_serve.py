@@ -5,7 +5,7 @@ forward, and compare it with an independent fp32 computation from the SOURCE.
     python examples/convert_and_serve.py --format modelopt-mxfp4 --shared 1
     python examples/convert_and_serve.py --src tests/fixtures/real/quark-nvfp4-qwen3moe
 
-The comparison is the package's (``megamoe_convert.against``), the one
+The comparison is the package's (``megamoe_convert.cli.against``), the one
 ``megamoe-convert verify OUT --against SRC`` runs on a folder you converted:
 the independent computation reads the source checkpoint through the
 converter's readers (checkpoint encoding, no kernel layout), dequantizes every
@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megamoe_convert.against import compare_folder_with_source, layer_lines
+from megamoe_convert.cli.against import compare_folder_with_source, layer_lines
 # the pieces of the independent computation, for a caller that wants to run them itself
-from megamoe_convert.selfcheck import THRESHOLDS, routing, source_forward  # noqa: F401
+from megamoe_convert.testing.selfcheck import THRESHOLDS, routing, source_forward  # noqa: F401
 
 
 def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool = True,
@@ -34,7 +34,7 @@ def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool 
     """Convert ``src`` into ``out`` (``convert_kwargs``: e.g. accept_activation_change,
     l2_activation_scale), serve every layer, compare with the source: one record per layer
     (index, prefix, row, calc_diff, threshold, shared_fused, ok)."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     summary = convert(src, out, **convert_kwargs)
     if verbose:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=Path, help="source checkpoint folder (default: build a tiny synthetic one)")
-    ap.add_argument("--format", default="modelopt-nvfp4", help="synthetic source format (see megamoe_convert.synth)")
+    ap.add_argument("--format", default="modelopt-nvfp4", help="synthetic source format (see megamoe_convert.testing.synth)")
     ap.add_argument("--shared", type=int, default=1, help="synthetic shared experts (0 = none)")
     ap.add_argument("--out", type=Path, help="output folder (default: a temporary folder)")
     ap.add_argument("--tokens", type=int, default=16)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="megamoe-example-") as tmp:
         src = args.src
         if src is None:
-            from megamoe_convert.synth import build_synthetic_checkpoint
+            from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
             src = build_synthetic_checkpoint(Path(tmp) / "src", args.format, shared=args.shared,
                                              shared_format="bf16" if args.format.endswith("nvfp4") else None)

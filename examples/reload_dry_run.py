@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", default="modelopt-nvfp4", help="synthetic source format")
     args = ap.parse_args(argv)
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     ok = True
     with tempfile.TemporaryDirectory(prefix="megamoe-reload-") as tmp:

@@ -1,5 +1,5 @@
 """`python -m megamoe_convert ...` = `megamoe-convert ...`."""
-from .cli import main
+from .cli.main import main
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,6 +1,6 @@
 """Suite-wide hooks and the shared checkpoint-building fixtures.
 
-Synthetic checkpoints (megamoe_convert.synth) and their conversions are built
+Synthetic checkpoints (megamoe_convert.testing.synth) and their conversions are built
 once per session, keyed by their parameters, and shared read-only by the
 converter and runtime trees:
 
@@ -39,7 +39,7 @@ def _key(*parts: Any) -> str:
 
 
 def _build(path: Path, fmt: str, **kw: Any) -> Path:
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     return build_synthetic_checkpoint(path, fmt, **{**SMALL, **kw})
 
@@ -59,7 +59,7 @@ class CheckpointStore:
         return self._src[k]
 
     def converted(self, fmt: str, ep_size: int = 1, **kw: Any) -> tuple[Path, Path]:
-        from megamoe_convert.convert import convert
+        from megamoe_convert.pipeline.convert import convert
 
         k = _key(fmt, ep_size, {**SMALL, **kw})
         if k not in self._conv:
@@ -70,7 +70,7 @@ class CheckpointStore:
         return self._conv[k]
 
     def fresh_converted(self, fmt: str, path: Path, ep_size: int = 1, **kw: Any) -> tuple[Path, Path]:
-        from megamoe_convert.convert import convert
+        from megamoe_convert.pipeline.convert import convert
 
         src = self.source(fmt, **kw)
         convert(src, path, ep_size=ep_size)

@@ -64,8 +64,8 @@ def test_negative_control_wrong_layout_misses_the_threshold(serve_example, tmp_p
     """The threshold means something: swapping the gate/up interleave of one
     converted layer puts it far above."""
     from megamoe_convert.readers import detect_reader
-    from megamoe_convert.source import open_source
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.readers.source import open_source
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     src = build_synthetic_checkpoint(tmp_path / "src", "modelopt-mxfp4")
     good = serve_example.run(src, tmp_path / "out", tokens=32, verbose=False)

@@ -31,8 +31,19 @@ FLOORS = (
     ("integrations",),
 )
 TOP = len(FLOORS)  # megamoe_runtime/__init__.py
+#: the converter's floors, bottom first, all above the runtime: a converter module's floor is the first name
+#: under ``megamoe_convert``; the package's ``__init__`` (the public API) and ``__main__`` sit above them all.
+CONVERTER_FLOORS = (
+    ("readers",),
+    ("output",),
+    ("pipeline",),
+    ("testing",),
+    ("cli",),
+)
 CONVERTER = TOP + 1
+CONVERTER_TOP = CONVERTER + len(CONVERTER_FLOORS)
 FLOOR_NAMES = {name: i for i, names in enumerate(FLOORS) for name in names}
+CONVERTER_FLOOR_NAMES = {name: CONVERTER + i for i, names in enumerate(CONVERTER_FLOORS) for name in names}
 #: a dotted module path written as a string (a backend registry entry, ``importlib.import_module``)
 MODULE_STRING = re.compile(r"^(megamoe_runtime|megamoe_convert)(\.\w+)+(:\w+)?$")
 
@@ -51,7 +62,9 @@ def module_sources(root: Path = REPO) -> dict[str, tuple[str, bool]]:
 def floor_of(module: str) -> int | None:
     parts = module.split(".")
     if parts[0] == "megamoe_convert":
-        return CONVERTER
+        if parts == ["megamoe_convert"] or parts[1:] == ["__main__"]:
+            return CONVERTER_TOP
+        return CONVERTER_FLOOR_NAMES.get(parts[1])
     if parts == ["megamoe_runtime"]:
         return TOP
     return FLOOR_NAMES.get(parts[1])
@@ -129,7 +142,13 @@ def floor_problems(modules: dict[str, tuple[str, bool]]) -> list[str]:
 
 
 def _floor_label(i: int) -> str:
-    return "/".join(FLOORS[i]) if i < TOP else ("megamoe_runtime/__init__" if i == TOP else "megamoe_convert")
+    if i < TOP:
+        return "/".join(FLOORS[i])
+    if i == TOP:
+        return "megamoe_runtime/__init__"
+    if i < CONVERTER_TOP:
+        return "megamoe_convert." + "/".join(CONVERTER_FLOORS[i - CONVERTER])
+    return "megamoe_convert/__init__"
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -169,12 +188,22 @@ def test_every_import_goes_down_with_no_circle_and_no_private_name():
 
 
 def test_every_floor_package_says_what_it_owns_and_may_import():
-    for names in FLOORS:
+    for pkg, floors in (("megamoe_runtime", FLOORS), ("megamoe_convert", CONVERTER_FLOORS)):
+        for names in floors:
+            for name in names:
+                path = REPO / pkg / name
+                if path.is_dir():
+                    doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text())) or ""
+                    assert "May import" in doc, f"{pkg}/{name}/__init__.py: say what it may import"
+
+
+def test_every_converter_module_is_in_a_floor_package():
+    """The converter keeps no module beside its floors: only the public API and ``python -m`` sit at the top."""
+    top = sorted(p.name for p in (REPO / "megamoe_convert").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py"], top
+    for names in CONVERTER_FLOORS:
         for name in names:
-            path = REPO / "megamoe_runtime" / name
-            if path.is_dir():
-                doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text())) or ""
-                assert "May import" in doc, f"megamoe_runtime/{name}/__init__.py: say what it may import"
+            assert (REPO / "megamoe_convert" / name / "__init__.py").is_file(), name
 
 
 def _planted(module: str, line: str, *, lazy: bool = True) -> dict[str, tuple[str, bool]]:
@@ -195,7 +224,26 @@ def _planted(module: str, line: str, *, lazy: bool = True) -> dict[str, tuple[st
     ("megamoe_runtime.backends.reference", "from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts",
      "imports megamoe_runtime.layer.experts.DeepGemmMegaMoEExperts from a floor above its own"),
     # the runtime importing the converter
-    ("megamoe_runtime.files.folder", "import megamoe_convert.cli", r"megamoe_convert above files"),
+    ("megamoe_runtime.files.folder", "import megamoe_convert.cli.main", r"megamoe_convert\.cli above files"),
+    # the converter's floors: the output transaction reaching up to the pipeline that drives it
+    ("megamoe_convert.output.temp_folder", "from ..pipeline.plan import LayerPlan",
+     r"megamoe_convert.output.temp_folder:.*imports megamoe_convert.pipeline.plan.LayerPlan from a floor above "
+     r"its own \(megamoe_convert.pipeline above megamoe_convert.output\)"),
+    # a reader reaching up to the output floor
+    ("megamoe_convert.readers.base", "from ..output.shard_writer import plan_shards",
+     r"imports megamoe_convert.output.shard_writer.plan_shards from a floor above its own"),
+    # the pipeline importing the command line (its progress display)
+    ("megamoe_convert.pipeline.stream", "from ..cli.progress import ProgressDisplay",
+     r"megamoe_convert.cli above megamoe_convert.pipeline"),
+    # test support is no dependency of the pipeline
+    ("megamoe_convert.pipeline.convert", "from ..testing import synth",
+     r"megamoe_convert.testing above megamoe_convert.pipeline"),
+    # a floor module importing the package's public API, which imports the floors
+    ("megamoe_convert.cli.main", "import megamoe_convert",
+     r"megamoe_convert.cli.main:.*imports megamoe_convert from a floor above its own"),
+    # a circle inside the pipeline: the plan calling back into the run that executes it
+    ("megamoe_convert.pipeline.plan", "from .run import run_conversion",
+     "import circle: .*megamoe_convert.pipeline.plan -> megamoe_convert.pipeline.run"),
     # a circle on one floor: the loaders calling back into the layer module (the old layer <-> loaders knot)
     ("megamoe_runtime.layer.loaders", "from .experts import DeepGemmMegaMoEExperts",
      "import circle: megamoe_runtime.layer.experts -> megamoe_runtime.layer.loaders"),
@@ -203,8 +251,8 @@ def _planted(module: str, line: str, *, lazy: bool = True) -> dict[str, tuple[st
     ("megamoe_runtime.backends.triton.mma8", "from .moe import moe_forward",
      "import circle: .*megamoe_runtime.backends.triton.mma8 -> megamoe_runtime.backends.triton.moe"),
     # a private name across modules (the old temp_folder -> output_dir._fsync_dir)
-    ("megamoe_convert.temp_folder", "from .output_dir import _fsync_dir",
-     "megamoe_convert.temp_folder:.*imports the private name _fsync_dir of megamoe_convert.output_dir"),
+    ("megamoe_convert.output.temp_folder", "from .output_dir import _fsync_dir",
+     "megamoe_convert.output.temp_folder:.*imports the private name _fsync_dir of megamoe_convert.output.output_dir"),
     # the same through a module alias
     ("megamoe_runtime.backends.triton.mma8", "from . import l1\n    l1._requant", "uses the private name l1._requant"),
     # a registry string is an import too
@@ -226,7 +274,8 @@ def test_typing_only_imports_close_a_circle_too():
            "megamoe_runtime.layer.experts" in floor_problems(mods)
 
 
-def test_a_module_off_the_floors_is_reported():
+@pytest.mark.parametrize("module", ["megamoe_runtime.newfloor.thing", "megamoe_convert.loose"])
+def test_a_module_off_the_floors_is_reported(module):
     mods = module_sources()
-    mods["megamoe_runtime.newfloor.thing"] = ("X = 1\n", False)
-    assert any("megamoe_runtime.newfloor.thing: not on a floor" in p for p in floor_problems(mods))
+    mods[module] = ("X = 1\n", False)
+    assert any(f"{module}: not on a floor" in p for p in floor_problems(mods))

@@ -61,7 +61,7 @@ def test_every_readme_block_runs_in_order_in_a_fresh_copy(tmp_path):
     _copy_repo(repo)
     bin_dir.mkdir()
     shim = bin_dir / "megamoe-convert"  # the console script, bound to the copy's package
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m megamoe_convert.cli "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m megamoe_convert "$@"\n')
     shim.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(repo),
            "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}

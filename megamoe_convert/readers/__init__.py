@@ -28,6 +28,12 @@ Decisions shared by every reader:
   or equal one converts. Either way the reader's ``activation_change``
   records both recipes. ``quantize=`` is itself that choice for unquantized
   checkpoints.
+
+The converter's lowest floor (docs/ARCHITECTURE.md#converter-floors): the input side. `source` opens a
+local folder or a hub repo and hands out tensors lazily; the readers say what those tensors mean.
+
+May import: the runtime (`megamoe_runtime`), and its own modules (no circle). Never `output`, `pipeline`,
+`testing` or `cli` (tests/test_import_floors.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The reader contract: what every source-format reader exposes.
 
 One subclass per source format (ModelOpt NVFP4, Quark MXFP4, ...) turns a
-:class:`~megamoe_convert.source.CheckpointSource` into canonical per-expert
+:class:`~megamoe_convert.readers.source.CheckpointSource` into canonical per-expert
 tensors (:class:`megamoe_runtime.format.canonical.ExpertTensors`). Everything
 downstream (checks, writer, inspect) talks only to this interface, so a new
 checkpoint format is one new module and nothing else.
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from megamoe_runtime.format.canonical import ExpertTensors
     from megamoe_runtime.format.formats import ActivationSpec
 
-    from megamoe_convert.source import CheckpointSource
+    from megamoe_convert.readers.source import CheckpointSource
 
 
 @dataclass(frozen=True)

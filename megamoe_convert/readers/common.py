@@ -98,7 +98,7 @@ class Scheme:
     def encode(self, pt: ProjectionTensors) -> dict[str, torch.Tensor]:
         """The inverse of reading: one projection in canonical encoding as this
         format stores it (suffix -> tensor), for the synthetic checkpoints
-        (``megamoe_convert.synth``). Each tensor goes under the first suffix and
+        (``megamoe_convert.testing.synth``). Each tensor goes under the first suffix and
         the first dtype its Param accepts (bytes reinterpreted, never
         converted); float scales are inverted where the format stores divisors.
         Block scales are written per row (``blocked_scales`` schemes accept

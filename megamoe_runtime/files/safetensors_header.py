@@ -1,7 +1,7 @@
 """safetensors headers: the dtype table and the one header parser/validator.
 
 Both the runtime (``file_io.SafetensorsFile``, the reload dry run) and the
-converter (``megamoe_convert.source``, the writer's verify) read headers
+converter (``megamoe_convert.readers.source``, the writer's verify) read headers
 through :func:`parse_safetensors_header`, so a file is judged by the same
 rules wherever it is opened (docs/CHECKPOINTS.md#safetensors): an 8-byte length, a
 header of at most 100,000,000 bytes that is a UTF-8 JSON object without

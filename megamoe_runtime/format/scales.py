@@ -1,6 +1,6 @@
 """The NVFP4 scale rules, written once (docs/SCALES.md).
 
-The converter's checks (`megamoe_convert.checks`), the runtime's raw loader
+The converter's checks (`megamoe_convert.pipeline.checks`), the runtime's raw loader
 (`megamoe_runtime.layer.loaders`) and the deepgemm backend all decide "do w1 and w3
 agree", "is this scale usable" and "what is a2" here, so the three cannot
 drift apart: a tolerance the loader accepts is one the converter accepted and

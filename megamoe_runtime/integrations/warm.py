@@ -9,7 +9,7 @@ is what the engines call before their first forward: it finds the shipped cache 
 else ``FOLDER/kernel-cache``) and copies what this process lacks into triton's cache.
 
 ``python -m megamoe_runtime.integrations.warm --worker ...`` is the worker `build_cache` starts; users run
-``megamoe-convert warm FOLDER`` (megamoe_convert/warm_cli.py).
+``megamoe-convert warm FOLDER`` (megamoe_convert/cli/warm.py).
 """
 from __future__ import annotations
 

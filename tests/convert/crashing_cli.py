@@ -21,14 +21,14 @@ CRASH_EXIT_CODE = 99
 
 
 def main() -> None:
-    import megamoe_convert.convert as conv
-    from megamoe_convert.cli import main as cli
+    import megamoe_convert.pipeline.convert as conv
+    from megamoe_convert.cli.main import main as cli
 
     delay = float(os.environ.get("CRASHING_CLI_WRITE_DELAY", "0") or 0)
     if delay:
         import time
 
-        from megamoe_convert import shard_writer
+        from megamoe_convert.output import shard_writer
 
         def slowed(real):
             def write(*a, **k):

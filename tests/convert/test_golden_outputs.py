@@ -103,8 +103,8 @@ def _convert_case(spec, kwargs: dict, base: Path) -> dict:
     given, so the source is named by a path that does not depend on ``base``:
     relative to the repository root for a real fixture, ``synth`` (built in
     ``base``, the working directory meanwhile) for a synthetic one."""
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     cwd = os.getcwd()
     try:
@@ -127,7 +127,7 @@ def _convert_case(spec, kwargs: dict, base: Path) -> dict:
 
 def _help_text(cmd: list[str]) -> str:
     from click.testing import CliRunner
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     r = CliRunner().invoke(main, [*cmd, "--help"], prog_name="megamoe-convert")
     return f"exit {r.exit_code}\n{r.output}"
@@ -138,7 +138,7 @@ def _cli_text(args: list[str], base: Path, then: list[list[str]] = ()) -> str:
     fixtures. With ``then``, the first run's output (it has timings) is left
     out and only its exit code recorded."""
     from click.testing import CliRunner
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     if not (base / "real").exists():
         (base / "real").symlink_to(ROOT / REAL)
@@ -229,8 +229,8 @@ def test_default_checksum_writes_the_golden_shard_bytes(tmp_path):
     """The default checksum kind (blake3 where installed) changes only megamoe.json: every other
     output file is byte for byte the golden (sha256-kind) output; and the
     manifest says which kind it is."""
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
     from megamoe_runtime.files.digests import DEFAULT_CHECKSUM
     from megamoe_runtime.format.manifest import read_manifest
 

@@ -24,7 +24,7 @@ def _ref(alg: str, data: bytes) -> bytes:
 
 
 def _write_safetensors(path, tensors: dict[str, torch.Tensor]) -> bytes:
-    from megamoe_convert.synth import save_file
+    from megamoe_convert.testing.synth import save_file
 
     save_file(tensors, str(path))
     return path.read_bytes()

@@ -63,7 +63,7 @@ def test_rows_match_feature_matrix():
 def test_row_table_is_the_one_description():
     """Every per-row table elsewhere is derived from ROWS: a row added to the table appears in each."""
     from megamoe_convert.readers import recipe
-    from megamoe_convert.selfcheck import THRESHOLDS
+    from megamoe_convert.testing.selfcheck import THRESHOLDS
     from megamoe_runtime.format.formats import QUANTIZE_ROWS, Dispatch, Element, RowName
 
     assert set(RowName) == set(ROWS) and all(type(n) is str for n in ROWS)

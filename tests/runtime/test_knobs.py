@@ -141,7 +141,7 @@ def test_an_undeclared_name_raises():
 
 def test_defaults_left_to_the_code_are_the_documented_ones(monkeypatch):
     """Where the reading code holds the default, it is the one the table names."""
-    from megamoe_convert import progress
+    from megamoe_convert.cli import progress
     from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.files import file_io
 

@@ -51,7 +51,7 @@ def test_manifest_claiming_1e9_experts_refused_bounded(ckpts, tmp_path, bounded_
     (bad / MANIFEST_NAME).write_text(json.dumps(with_self_digest(d)))
     with pytest.raises(ManifestError, match="megamoe.json.*num_experts = 1000000000 exceeds"):
         read_manifest(bad)
-    code = ("import sys\nfrom megamoe_convert.cli import main\n"
+    code = ("import sys\nfrom megamoe_convert.cli.main import main\n"
             f"sys.argv = ['megamoe-convert', 'verify', {str(bad)!r}, '--reload-dry-run']\nmain()\n")
     r = bounded_python(code, timeout_s=60)
     assert r.returncode == 1, r.stderr[-2000:]  # verify's documented "verification failed"
@@ -67,7 +67,7 @@ def test_hostile_json_files_refused_naming_the_file(ckpts, tmp_path, name, paylo
 
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     src, out = ckpts.converted("quark-mxfp4")
     folder = tmp_path / "f"
@@ -90,7 +90,7 @@ def test_convert_of_a_config_claiming_1e9_experts_refused_bounded(make_ckpt, tmp
     cfg["num_experts"] = 10**9
     (src / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "o"
-    code = ("import sys\nfrom megamoe_convert.cli import main\n"
+    code = ("import sys\nfrom megamoe_convert.cli.main import main\n"
             f"sys.argv = ['megamoe-convert', 'convert', {str(src)!r}, {str(out)!r}]\nmain()\n")
     r = bounded_python(code, timeout_s=60)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -109,7 +109,7 @@ def test_non_finite_json_numbers_refused_naming_the_file(ckpts, tmp_path, name, 
 
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
     from megamoe_runtime import open_checkpoint
 
     src, out = ckpts.converted("quark-mxfp4")

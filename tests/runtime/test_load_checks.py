@@ -188,7 +188,7 @@ def test_storage_fields_are_never_adopted(ckpts):
 def test_a_replaced_folder_is_noticed(ckpts, tmp_path, layer_bytes):
     """The issue's stale handle: a Checkpoint opened before the folder was re-converted must not load the new
     weights with the old manifest's l2_activation_scale."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     _, out = ckpts.fresh_converted("modelopt-nvfp4", tmp_path / "out", seed=0)
     ck = mr.open_checkpoint(out)
@@ -238,7 +238,7 @@ def test_checksums_on_load_catch_a_flipped_byte(ckpts, tmp_path, layer_bytes):
 def test_symlinks_out_of_the_folder_are_refused(ckpts, tmp_path):
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     _, src = ckpts.converted("bf16")
     out = tmp_path / "out"
@@ -274,7 +274,7 @@ def test_a_manifest_without_its_digest_is_refused(ckpts, tmp_path):
     """The issue's case: digest removed, l2_activation_scale edited: verify passed and it was served."""
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     _, src = ckpts.converted("modelopt-nvfp4")
     out = tmp_path / "out"
@@ -293,7 +293,7 @@ def test_a_manifest_without_its_digest_is_refused(ckpts, tmp_path):
 def test_verify_checks_each_layer_spec_against_its_tensors(ckpts, tmp_path, field, value):
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
 
     _, src = ckpts.converted("quark-mxfp4")
     out = tmp_path / "out"

@@ -43,7 +43,7 @@ def test_valid_scales():
 
 def test_one_definition_used_by_checks_loaders_and_deepgemm():
     """The converter's checks, the raw loader and the deepgemm backend share these objects."""
-    from megamoe_convert import checks
+    from megamoe_convert.pipeline import checks
     from megamoe_runtime.backends import deepgemm
     from megamoe_runtime.layer import loaders
 

@@ -15,7 +15,7 @@ def test_verify_a_converted_folder(ckpts):
 
 
 def test_verify_refuses_a_missing_folder_with_the_converters_error_class(tmp_path):
-    from megamoe_convert.output_dir import OutputError as ConvertOutputError
+    from megamoe_convert.output.output_dir import OutputError as ConvertOutputError
 
     assert ConvertOutputError is OutputError  # one class: `except OutputError` catches both
     with pytest.raises(OutputError, match="is not a folder"):
@@ -54,7 +54,7 @@ def test_verify_lists_a_bounded_number_of_problems(ckpts, tmp_path, monkeypatch)
 
     from click.testing import CliRunner
 
-    from megamoe_convert.cli import main
+    from megamoe_convert.cli.main import main
     from megamoe_runtime.files import limits
     from megamoe_runtime.load.verify import MAX_LISTED_PROBLEMS
 

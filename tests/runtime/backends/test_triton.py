@@ -631,7 +631,7 @@ def test_real_export_end_to_end(fixture, tmp_path):
     the GPU, run through the triton backend and the reference backend."""
     _triton()
     assert (FIXTURES / fixture).exists(), f"committed real export {fixture} is missing"
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
     from megamoe_runtime.load.checkpoint import open_checkpoint
 
     out_dir = tmp_path / "converted"
@@ -850,8 +850,8 @@ def test_ep_pieces_recombine_to_the_forward(row, shared, tmp_path):
     single-rank triton forward (the transport itself is tested with gloo
     processes on CPU; several GPUs were not available to this project)."""
     _triton()
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
     from megamoe_runtime.backends.reference import combine_slots
     from megamoe_runtime.load.checkpoint import open_checkpoint
 

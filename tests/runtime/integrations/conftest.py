@@ -13,7 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from megamoe_convert.convert import convert  # noqa: E402
+from megamoe_convert.pipeline.convert import convert  # noqa: E402
 
 REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
 

@@ -62,8 +62,8 @@ def _as_on_a_cpu_without_amx(monkeypatch):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """fmt/variant -> a converted folder (synthetic source through the real converter), built once."""
-    from megamoe_convert.convert import convert
-    from megamoe_convert.synth import build_synthetic_checkpoint
+    from megamoe_convert.pipeline.convert import convert
+    from megamoe_convert.testing.synth import build_synthetic_checkpoint
 
     base = tmp_path_factory.mktemp("vllm")
     made: dict = {}
@@ -84,7 +84,7 @@ def folders(tmp_path_factory):
 def tiny_real(tmp_path_factory):
     """arch -> a converted tiny REAL transformers model (``save_pretrained`` of random bf16 weights: the
     tensor names vLLM's model classes load, MLA attention included)."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
     from megamoe_runtime.integrations.transformers.tiny import save_tiny_model
 
     base = tmp_path_factory.mktemp("vllm-tiny")

@@ -1,0 +1,268 @@
+"""Block-FP8 sources -> the fp8_block row (docs/FORMATS.md#fp8-block, docs/CHECKPOINTS.md#block-fp8).
+
+1. Converted bytes are the source's bytes rearranged, never re-quantized: every routed
+   weight byte and every scale value of the real producer fixtures (transformers
+   FineGrainedFP8, llm-compressor FP8_BLOCK) and of the synthetic DeepSeek-V3-style source
+   equals, in the written files, what `layout.block_fp8_kernel_layout` makes of the source
+   tensors (bf16 scales widened to fp32 exactly).
+2. Bad input: one clear error naming layer, expert, tensor and values, and nothing under OUT.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from megamoe_convert.testing import synth
+from megamoe_convert.cli.main import main
+from megamoe_convert.pipeline.convert import convert
+from megamoe_convert.output.output_dir import temp_dir_for
+from megamoe_convert.readers import detect_reader
+from megamoe_convert.readers.source import open_source
+from megamoe_runtime.format import layout
+from megamoe_runtime.format.manifest import read_manifest
+
+REAL = Path(__file__).resolve().parents[2] / "fixtures" / "real"
+REAL_FP8 = ["finegrained-fp8-qwen3moe", "finegrained-fp8-deepseekv3", "llmcompressor-fp8-block-qwen3moe",
+            "llmcompressor-fp8-block-deepseekv3"]
+SIZES = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
+
+
+def _files(out: Path) -> dict:
+    t = {}
+    for f in sorted(out.glob("*.safetensors")):
+        t.update(load_file(f))
+    return t
+
+
+def _source_stack(src: dict, prefix: str, E: int, scale_suffix: str, H: int, I: int):
+    def grid(t, n, k):
+        return t.float().reshape(n // 128, k // 128)  # a squeezed producer grid gets its dims back
+
+    def proj(e, p, n, k):
+        base = f"{prefix}.experts.{e}.{p}"
+        return src[base + ".weight"], grid(src[base + "." + scale_suffix], n, k)
+
+    w13, s13, w2, s2 = [], [], [], []
+    for e in range(E):
+        (g, gs), (u, us), (d, ds) = proj(e, "gate_proj", I, H), proj(e, "up_proj", I, H), proj(e, "down_proj", H, I)
+        w13.append(torch.cat([g, u])), s13.append(torch.cat([gs, us])), w2.append(d), s2.append(ds)
+    return (torch.stack(w13), torch.stack(s13)), (torch.stack(w2), torch.stack(s2))
+
+
+def _assert_bytes_rearranged(src_dir: Path, out: Path) -> int:
+    m = read_manifest(out)
+    assert m.row == "fp8_block" and m.layout == "sm90-block-fp8/1"
+    got, src = _files(out), {}
+    for f in sorted(src_dir.glob("*.safetensors")):
+        src.update(load_file(f))
+    suffix = "weight_scale_inv" if any(k.endswith("weight_scale_inv") for k in src) else "weight_scale"
+    checked = 0
+    for le in m.layers:
+        spec = le.layer_spec()
+        want = layout.block_fp8_kernel_layout(*_source_stack(src, le.prefix, spec.num_experts, suffix,
+                                                             spec.hidden, spec.intermediate))
+        for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+            a, b = got[f"{le.prefix}.megamoe.{role}"], getattr(want, role)
+            assert a.dtype == b.dtype and a.shape == b.shape, role
+            bits = torch.uint8 if a.element_size() == 1 else torch.int32
+            assert torch.equal(a.view(bits), b.view(bits)), f"{src_dir.name} layer {le.index} {role}"
+            checked += a.numel()
+    return checked
+
+
+@pytest.mark.parametrize("name", REAL_FP8)
+def test_real_fixture_bytes_are_the_sources_rearranged(tmp_path, name):
+    out = tmp_path / "out"
+    s = convert(REAL / name, out)
+    assert s.row == "fp8_block"
+    assert _assert_bytes_rearranged(REAL / name, out) > 0
+
+
+def test_synthetic_deepseek_v3_style_bytes_and_negative_control(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, shared=1, seed=5)
+    out = tmp_path / "out"
+    convert(src, out)
+    _assert_bytes_rearranged(src, out)
+    # negative control: the check sees one changed scale value
+    f = next(out.glob("megamoe-experts-*.safetensors"))
+    t = load_file(f)
+    key = next(k for k in t if k.endswith("megamoe.l2_scale"))
+    t[key] = t[key].clone()
+    t[key][1, 0, 0] *= 2
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match="l2_scale"):
+        _assert_bytes_rearranged(src, out)
+
+
+def test_shared_expert_stays_in_the_passthrough_files(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, shared=1, seed=6)
+    out = tmp_path / "out"
+    convert(src, out)
+    m = read_manifest(out)
+    assert all(not le.shared.get("fused_capable") for le in m.layers)
+    names = set(_files(out))
+    assert "model.layers.0.mlp.shared_experts.gate_proj.weight_scale_inv" in names
+    assert not any(k.endswith("megamoe.shared_l1_weight") for k in names)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _edit(src: Path, fn) -> None:
+    f = next(src.glob("*.safetensors"))
+    t = load_file(f)
+    fn(t)
+    save_file(t, f, metadata={"format": "pt"})
+
+
+def _set(name, value):
+    def fn(t):
+        t[name] = value(t[name])
+    return fn
+
+
+P = "model.layers.1.mlp.experts.2"
+
+
+def _nan_byte(w):
+    w = w.view(torch.uint8).clone()
+    w[3, 5] = 0xFF
+    return w.view(torch.float8_e4m3fn)
+
+
+def _scale(v):
+    def f(s):
+        s = s.clone()
+        s.view(-1)[0] = v
+        return s
+    return f
+
+
+BAD = [
+    ("scale wrong shape", _set(f"{P}.down_proj.weight_scale_inv", lambda s: torch.ones(3, 2)),
+     ["layer 1 expert 2 down", f"{P}.down_proj.weight_scale_inv", "[3, 2]", "expected [2, 1]", "128x128 block"]),
+    ("nan scale", _set(f"{P}.gate_proj.weight_scale_inv", _scale(float("nan"))),
+     ["MoE layer 1", "expert 2", "gate", f"{P}.gate_proj.weight_scale_inv", "nan", "[0, 0]"]),
+    ("inf scale", _set(f"{P}.up_proj.weight_scale_inv", _scale(float("inf"))),
+     ["MoE layer 1", "expert 2", "up", "inf"]),
+    ("negative scale", _set(f"{P}.down_proj.weight_scale_inv", _scale(-0.5)),
+     ["MoE layer 1", "expert 2", "down", "-0.5", "not finite and > 0"]),
+    ("zero scale", _set(f"{P}.down_proj.weight_scale_inv", _scale(0.0)),
+     ["MoE layer 1", "expert 2", "down", "0.0", "all-zero block"]),
+    ("E4M3 NaN weight byte", _set(f"{P}.up_proj.weight", _nan_byte),
+     ["MoE layer 1", "expert 2", "up weight", f"{P}.up_proj.weight in", "NaN", "[3, 5]", "0xFF"]),
+    ("mixed formats: one expert BF16", _set(f"{P}.up_proj.weight", lambda w: w.float().to(torch.bfloat16)),
+     ["layer 1", "1 of 12 routed expert projection(s) stored unquantized", f"{P}.up_proj.weight"]),
+    ("mixed formats: UE8M0 scale", _set(f"{P}.gate_proj.weight_scale_inv",
+                                        lambda s: torch.full(s.shape, 120, dtype=torch.uint8)),
+     ["layer 1 expert 2 gate", f"{P}.gate_proj.weight_scale_inv", "dtype U8", "F32 or BF16"]),
+]
+
+
+@pytest.mark.parametrize("name, edit, needles", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_refused_nothing_written(tmp_path, name, edit, needles):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
+    _edit(src, edit)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out)])
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2, r.output
+    assert err.startswith("error: ") and "Traceback" not in r.output, err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    assert not out.exists() and not temp_dir_for(out).exists()
+
+
+@pytest.mark.parametrize("block", [[64, 64], [128, 64], [256, 256]])
+def test_other_block_sizes_refused_with_the_values(tmp_path, block):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out)])
+    assert r.exit_code == 2 and f"weight blocks of {block}" in r.output and "[128, 128]" in r.output, r.output
+    assert not out.exists()
+
+
+def test_ct_block_structure_other_than_128_refused(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-fp8-block", **SIZES, seed=3)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["block_structure"] = [64, 64]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"weight blocks of \[64, 64\]"):
+        detect_reader(open_source(str(src)))
+
+
+def test_ep2_ranks_hold_their_experts_and_build_layers(tmp_path):
+    import megamoe_runtime as mr
+
+    src = REAL / "llmcompressor-fp8-block-deepseekv3"
+    convert(src, tmp_path / "ep1")
+    convert(src, tmp_path / "ep2", ep_size=2)
+    one = _files(tmp_path / "ep1")
+    for r in range(2):
+        rank = {}
+        for f in sorted((tmp_path / "ep2").glob(f"megamoe-experts-rank{r:03d}-*.safetensors")):
+            rank.update(load_file(f))
+        assert rank
+        for k, t in rank.items():
+            bits = torch.uint8 if t.element_size() == 1 else torch.int32
+            assert torch.equal(t.view(bits), one[k][2 * r:2 * r + 2].view(bits)), (r, k)
+    ck = mr.open_checkpoint(tmp_path / "ep2")
+    layer = ck.build_layer(1, device="cpu", backend="reference", ep_rank=1, ep_size=2)
+    assert layer.spec.row == "fp8_block" and layer.l1_scale.dtype == torch.float32
+    assert list(layer.spec.local_experts) == [2, 3]
+
+
+@pytest.mark.parametrize("name", ["finegrained-fp8-deepseekv3", "llmcompressor-fp8-block-deepseekv3"])
+def test_raw_load_of_the_source_equals_the_converted_layer(tmp_path, name):
+    """The runtime's raw (vLLM-style) load of the producer's own tensors writes the converter's bytes
+    (transformers' squeezed scale grids and CT's bf16 scales included)."""
+    import megamoe_runtime as mr
+    from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+    from megamoe_runtime.load.raw_load import load_raw_checkpoint
+
+    convert(REAL / name, tmp_path / "out")
+    ck = mr.open_checkpoint(tmp_path / "out")
+    layer = DeepGemmMegaMoEExperts(ck.layer_spec(1), backend="reference", prefix=ck.layer_entry(1).prefix,
+                                   layer_index=1)
+    rep = load_raw_checkpoint(layer, REAL / name)
+    assert len(rep.written) == 4 * 3 * 2 and not rep.skipped
+    conv = ck.build_layer(1, device="cpu", backend="reference")
+    for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
+        a, b = getattr(layer, role), getattr(conv, role)
+        bits = torch.uint8 if a.element_size() == 1 else torch.int32
+        assert torch.equal(a.view(bits), b.view(bits)), role
+
+
+def test_ct_source_nan_weight_byte_refused_through_direct_reads(tmp_path):
+    """Readers whose weights the converter reads in place (both block-FP8 readers) still check every byte."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-fp8-block", **SIZES, seed=3)
+    _edit(src, _set(f"{P}.down_proj.weight", _nan_byte))
+    with pytest.raises(Exception, match=r"expert 2 down weight .*down_proj\.weight.*E4M3 weight byte\(s\) are NaN"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_bf16_source_into_the_row(tmp_path):
+    """--quantize fp8_block: each 128x128 block gets scale amax/448 and RNE E4M3 codes of w/scale (the
+    DeepSeek-V3 / FineGrainedFP8 convention, written out here); the served layer passes the self-check."""
+    from megamoe_convert.testing.selfcheck import compare_with_source
+
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
+    out = tmp_path / "out"
+    assert convert(src, out, quantize="fp8_block").row == "fp8_block"
+    w = load_file(next(src.glob("*.safetensors")))["model.layers.1.mlp.experts.3.down_proj.weight"].float()
+    blocks = w.reshape(2, 128, 1, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(256, 128)
+    got = _files(out)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_scale"][3], scale)
+    assert torch.equal(got["model.layers.1.mlp.megamoe.l2_weight"][3].view(torch.uint8), codes.view(torch.uint8))
+    assert all(r.ok for r in compare_with_source(src, out, quantize="fp8_block"))
