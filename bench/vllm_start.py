@@ -58,7 +58,7 @@ def build(base: Path, a: argparse.Namespace) -> dict[str, tuple[Path, str]]:
     import torch
     import transformers
 
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     src = base / "src"
     if not (src / "config.json").is_file():

@@ -798,7 +798,8 @@ def quantize_fp8_act(x: torch.Tensor, group: int, *, reciprocal_scale: bool) -> 
     if reciprocal_scale:
         scale = amax * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32, device=x32.device)
     else:
-        scale = amax / E4M3_MAX
+        # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+        scale = amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=x32.device)
     inv = 1.0 / scale
     q = e4m3_encode(g * inv.unsqueeze(-1))
     return q.reshape(x32.shape), scale

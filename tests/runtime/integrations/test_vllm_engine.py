@@ -99,7 +99,7 @@ def _damaged_source(src: Path, dst: Path, how: str) -> Path:
 def engines(tmp_path_factory):
     """(arch, variant) -> the engine's result; variant is a row (megamoe folder), ``src`` (the BF16 source
     itself) or ``src-<defect>`` (a damaged source); also the folders under ``folders``."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     base = tmp_path_factory.mktemp("vllm-engine")
     cases, keys, folders, captures = [], [], {}, {}

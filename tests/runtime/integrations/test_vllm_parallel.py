@@ -41,7 +41,7 @@ TP = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "distributed_ex
 def runs(tmp_path_factory):
     """name -> engine result: ``qwen-one`` (one process, ep1 folder), ``qwen-tp``, ``dsv3-tp`` (TP2+EP, ep2
     folders), ``dsv3-src-tp`` (vLLM's own TP2 on the BF16 source); and the ep2 folders."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
     from megamoe_runtime.integrations.vllm.reload import WORKER_EXTENSION
 
     base = tmp_path_factory.mktemp("vllm-parallel")

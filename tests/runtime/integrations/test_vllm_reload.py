@@ -21,7 +21,7 @@ PROMPTS = [[10, 50, 33, 70, 21, 44, 12, 80], [7, 9, 91, 30, 30, 62]]
 
 @pytest.fixture(scope="module")
 def reloaded(tmp_path_factory):
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
     from megamoe_runtime.integrations.vllm.reload import WORKER_EXTENSION
 
     base = tmp_path_factory.mktemp("vllm-reload")

@@ -95,7 +95,7 @@ def _stop(p: subprocess.Popen) -> int:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(OUT, base url, log) of one server for the module, stopped (and checked to stop) at the end."""
-    from megamoe_convert.convert import convert
+    from megamoe_convert.pipeline.convert import convert
 
     base = tmp_path_factory.mktemp("vllm-server")
     src = vllm_engine.save_vllm_tiny("qwen3_moe", base / "src")
