@@ -276,7 +276,7 @@ def _tensor_checksum(path: Any, offset: int, nbytes: int, algorithm: str = "sha2
     return h.hexdigest()
 
 
-def _check_checksums(items: list, headers: dict) -> list[str]:
+def check_checksums(items: list, headers: dict) -> list[str]:
     """Every stored tensor the plan reads (whole, even when only a slice is loaded) hashes to the manifest's
     checksum (of the manifest's algorithm). Tensors are hashed on the loader's reader threads (hashlib and blake3
     release the GIL on large updates)."""
@@ -362,5 +362,5 @@ def check_layer_load(ckpt: Any, layer: Any, *, verify: str = DEFAULT_VERIFY, ado
     chk.problems += _check_destinations(layer, loaded, chk.headers)
     chk.problems += _check_nv_scales(ckpt.root, le, loaded, chk.headers, spec.row_spec.has_alphas)
     if verify == "checksums":
-        chk.problems += _check_checksums(loaded, chk.headers)
+        chk.problems += check_checksums(loaded, chk.headers)
     return chk

@@ -375,7 +375,7 @@ def test_checksums_hash_the_bytes_the_load_copies(ckpts, tmp_path, monkeypatch, 
     te = ck.manifest.tensors["model.layers.0.mlp.megamoe.l1_weight"]
     h = parse_safetensors_header(out / te.file)
     at = h.data_start + h.tensors[te.name].begin + 7  # in expert 0, which rank 0 of 2 loads too
-    real = load_checks._check_checksums
+    real = load_checks.check_checksums
 
     def racing(items, headers):
         found = real(items, headers)
@@ -386,7 +386,7 @@ def test_checksums_hash_the_bytes_the_load_copies(ckpts, tmp_path, monkeypatch, 
             f.write(bytes([b[0] ^ 0x40]))
         return found
 
-    monkeypatch.setattr(load_checks, "_check_checksums", racing)
+    monkeypatch.setattr(load_checks, "check_checksums", racing)
     with pytest.raises(LayerUnusableError, match="the bytes loaded have .* the manifest says"):
         ck.load_layer(layer)
     x, w, ids = _inputs(layer.spec)

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 import transformers
 
-__all__ = ["ARCHS", "save_tiny_model"]
+__all__ = ["ARCHS", "save_tiny_model", "tiny_config"]
 
 _COMMON = dict(vocab_size=96, hidden_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                max_position_embeddings=64, initializer_range=0.08, tie_word_embeddings=False)
 
 
-def _tiny_config(arch: str):
+def tiny_config(arch: str):
     """A tiny config of one real architecture: 3 layers, 4 experts, top-2, the family's own routing."""
     t = transformers
     moe = dict(moe_intermediate_size=128, num_experts_per_tok=2)
@@ -52,7 +52,7 @@ ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "mixtral")
 def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     """``XForCausalLM(config)`` in bf16 with random weights, routers included (DeepSeek's start at zero,
     which would make routing degenerate), saved as a user's checkpoint is."""
-    cfg = _tiny_config(arch)
+    cfg = tiny_config(arch)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
