@@ -199,16 +199,24 @@ def _resume_command(ctx: click.Context) -> str:
     return shlex.join(words)
 
 
+def _out_and_temp_folder(out: Path) -> tuple[Path, Path]:
+    """OUT as convert resolved it (as given where it cannot be resolved) and its temp folder: where an
+    interrupted or failed run left its work."""
+    from ..output.output_dir import resolve_out, temp_dir_for
+
+    try:
+        o = resolve_out(out)
+    except MegaMoEError:
+        o = Path(out)
+    return o, temp_dir_for(o)
+
+
 def _convert_interrupted(ctx: click.Context, out: Path):
     """What an interrupted `convert` prints: where its work is and the command that continues it."""
     def message(name: str):
-        from ..output.output_dir import is_megamoe_output, resolve_out, temp_dir_for
+        from ..output.output_dir import is_megamoe_output
 
-        try:
-            o = resolve_out(out)
-        except MegaMoEError:
-            o = Path(out)
-        tmp = temp_dir_for(o)
+        o, tmp = _out_and_temp_folder(out)
         if tmp.is_dir():
             cmd = _resume_command(ctx)
             return (f"interrupted by {name}; nothing was written under {o}. The unfinished conversion is in {tmp}; "
@@ -229,13 +237,7 @@ def _convert_io_failed(ctx: click.Context, out: Path):
     def message(e: OSError):
         import errno
 
-        from ..output.output_dir import resolve_out, temp_dir_for
-
-        try:
-            o = resolve_out(out)
-        except MegaMoEError:
-            o = Path(out)
-        tmp = temp_dir_for(o)
+        o, tmp = _out_and_temp_folder(out)
         what = f"{type(e).__name__}: {e}"
         if e.filename is None:
             what += f" (no file named; the run was writing into {tmp})"
