@@ -39,9 +39,9 @@ from .base import register_reader
 from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
 from .recipe import UNDECLARED, ActivationRecipe, unknown
 
-SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
+_SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
              "float-quantized": "fp8_block"}
-WHY_NOT = {
+_WHY_NOT = {
     "float-quantized": "FP8 per tensor or per channel is not one of the MegaMoE rows (128x128 blocks are: "
     "llm-compressor scheme FP8_BLOCK); re-quantizing would be lossy",
     "pack-quantized": "INT4/INT8 packed weights are not one of the MegaMoE rows",
@@ -53,7 +53,7 @@ WHY_NOT = {
 }
 
 
-def ct_format(source) -> str | None:
+def _ct_format(source) -> str | None:
     """The experts' compressed-tensors format string, or None if not CT."""
     qc = quant_config_of(source)
     if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
@@ -64,7 +64,7 @@ def ct_format(source) -> str | None:
         fmts = sorted({str(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")})
         # float-quantized (FP8) groups usually cover the attention next to other expert formats: a group of
         # another supported format is the experts' one; float-quantized alone may be (FP8_BLOCK)
-        supported = [f for f in fmts if f in SUPPORTED and f != "float-quantized"]
+        supported = [f for f in fmts if f in _SUPPORTED and f != "float-quantized"]
         if len(supported) == 1:
             return supported[0]
         if len(fmts) == 1:
@@ -77,10 +77,10 @@ def ct_format(source) -> str | None:
     return fmt or None
 
 
-def ct_input_activations(source) -> ActivationRecipe:
+def _ct_input_activations(source) -> ActivationRecipe:
     """The activation recipe of the config group whose format is the experts' one."""
     qc = quant_config_of(source)
-    fmt = ct_format(source)
+    fmt = _ct_format(source)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     match = [g for g in groups if g.get("format") in (fmt, None)] or groups
     if not match:
@@ -112,21 +112,21 @@ def ct_input_activations(source) -> ActivationRecipe:
 def _expert_weights_args(source) -> dict:
     """The ``weights`` quantization args of the config group in the experts' format."""
     qc = quant_config_of(source)
-    fmt = ct_format(source)
+    fmt = _ct_format(source)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     match = [g for g in groups if g.get("format") in (fmt, None)] or groups
     w = match[0].get("weights") if match else None
     return w if isinstance(w, dict) else {}
 
 
-def ct_fp8_block_reason(source) -> str | None:
+def _ct_fp8_block_reason(source) -> str | None:
     """None for float-quantized FP8 with 128x128 block weights (the fp8_block row), else why not."""
     w = _expert_weights_args(source)
     strat = w.get("strategy")
     if w.get("type") != "float" or w.get("num_bits") != 8 or strat != "block":
-        return (f"compressed-tensors format 'float-quantized' is not supported: {WHY_NOT['float-quantized']} "
+        return (f"compressed-tensors format 'float-quantized' is not supported: {_WHY_NOT['float-quantized']} "
                 f"(weights num_bits={w.get('num_bits')} type={w.get('type')!r} strategy={strat!r}). Supported "
-                f"compressed-tensors formats: {', '.join(SUPPORTED)} (float-quantized: strategy 'block' "
+                f"compressed-tensors formats: {', '.join(_SUPPORTED)} (float-quantized: strategy 'block' "
                 "[128, 128]). To convert this model: re-export it with llm-compressor scheme FP8_BLOCK, NVFP4, "
                 "MXFP4 or MXFP8, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
     from .fp8_block import block_fp8_reason
@@ -146,28 +146,28 @@ class _CTReader(SchemeReader):
 
     @classmethod
     def detect(cls, source) -> bool:
-        return ct_format(source) == cls.ct_format
+        return _ct_format(source) == cls.ct_format
 
     @classmethod
     def activation_recipe(cls, source) -> ActivationRecipe:
-        return ct_input_activations(source)
+        return _ct_input_activations(source)
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
-        fmt = ct_format(source)
+        fmt = _ct_format(source)
         if fmt == "float-quantized":
-            return ct_fp8_block_reason(source)
-        if fmt is None or fmt in SUPPORTED:
+            return _ct_fp8_block_reason(source)
+        if fmt is None or fmt in _SUPPORTED:
             return None
         if fmt.startswith("mixed-precision:"):
             why = f"its config groups use several formats ({fmt.split(':', 1)[1]}) and the experts' one is ambiguous"
         elif fmt == "dense":
             why = "format 'dense' means the weights were saved uncompressed (fake-quantized)"
         else:
-            why = WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
+            why = _WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
         return (
             f"compressed-tensors format {fmt!r} is not supported: {why}. "
-            f"Supported compressed-tensors formats: {', '.join(SUPPORTED)}. To convert this model: re-export it "
+            f"Supported compressed-tensors formats: {', '.join(_SUPPORTED)}. To convert this model: re-export it "
             "with llm-compressor scheme NVFP4, MXFP4 or MXFP8 (the weight-only NVFP4A16 / MXFP4A16 / MXFP8A16 with "
             "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
         )
