@@ -29,20 +29,18 @@ __all__ = [
     "QUANTIZE_ROWS",
     "get_row",
     "SHARED_PRECISIONS",
-    "ACTIVATION_KINDS",
     "MAX_TOPK_SLOTS",
     "ActivationSpec",
     "SharedSpec",
     "LayerSpec",
     "nearest_multiples",
-    "STORAGE_FIELDS",
     "SEMANTIC_FIELDS",
     "spec_differences",
 ]
 
 #: DeepGEMM's combine has at most 32 slots per token: top-k routed + 1 shared.
 MAX_TOPK_SLOTS = 32
-ACTIVATION_KINDS = ("swiglu", "situ")
+_ACTIVATION_KINDS = ("swiglu", "situ")
 #: Shared-expert precisions the kernels can fuse (2-D tensors, docs/KERNELS.md#feature-matrix).
 SHARED_PRECISIONS = ("mxfp8", "bf16")
 
@@ -188,12 +186,12 @@ class WeightSpec:
         return -(-k // (4 * self.scale_group))
 
 
-E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
-E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
-E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
+_E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
+_E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
+_E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
 BF16 = WeightSpec(Element.BF16, 0, torch.bfloat16, None, None, False)
 #: E4M3 weights, one fp32 multiplier per 128x128 block (DeepSeek-V3's ``weight_scale_inv``)
-E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
+_E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
 
 
 @dataclass(frozen=True)
@@ -264,7 +262,7 @@ class Row:
         bad = [p for p in self.fusable_shared if p not in SHARED_PRECISIONS]
         if bad:
             raise FormatError(f"Row {self.name}: unknown shared precisions {bad}")
-        bad = [a for a in self.activations if a not in ACTIVATION_KINDS]
+        bad = [a for a in self.activations if a not in _ACTIVATION_KINDS]
         if bad:
             raise FormatError(f"Row {self.name}: unknown activations {bad}")
         for flavour, ep in self.api_flavours:
@@ -364,7 +362,7 @@ ROWS: dict[str, Row] = _rows(
         name=RowName.MXFP4,
         mma_type="fp8xfp4",
         entry_points=("fp8_fp4_mega_moe",),
-        weight=E2M1_UE8M0,
+        weight=_E2M1_UE8M0,
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
@@ -384,7 +382,7 @@ ROWS: dict[str, Row] = _rows(
         name=RowName.MXFP8,
         mma_type="fp8xfp8",
         entry_points=("fp8_fp4_mega_moe", "fp8_fp8_mega_moe"),
-        weight=E4M3_UE8M0,
+        weight=_E4M3_UE8M0,
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
@@ -405,7 +403,7 @@ ROWS: dict[str, Row] = _rows(
         name=RowName.NVFP4,
         mma_type="fp4xfp4",
         entry_points=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
-        weight=E2M1_E4M3,
+        weight=_E2M1_E4M3,
         dispatch=Dispatch.NVFP4,
         fusable_shared=("mxfp8", "bf16"),
         activations=frozenset({"swiglu"}),
@@ -453,7 +451,7 @@ ROWS: dict[str, Row] = _rows(
         name=RowName.FP8_BLOCK,
         mma_type="fp8xfp8",
         entry_points=("fp8_mega_moe",),
-        weight=E4M3_F32_BLOCK128,
+        weight=_E4M3_F32_BLOCK128,
         dispatch=Dispatch.FP8_128,
         # the SM90 kernel has no shared-expert slot: shared experts stay in the
         # pass-through files and run outside it (docs/FORMATS.md#fp8-block)
@@ -509,8 +507,8 @@ class ActivationSpec:
     situ_linear_beta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ACTIVATION_KINDS:
-            raise LayerSpecError(f"activation kind={self.kind!r}; valid: {', '.join(ACTIVATION_KINDS)}")
+        if self.kind not in _ACTIVATION_KINDS:
+            raise LayerSpecError(f"activation kind={self.kind!r}; valid: {', '.join(_ACTIVATION_KINDS)}")
         if self.clamp is not None:
             if not _is_real(self.clamp) or not math.isfinite(self.clamp) or self.clamp < 0:
                 raise LayerSpecError(
@@ -742,7 +740,7 @@ class LayerSpec:
 
 
 #: spec fields that fix the layer's storage: a checkpoint that differs here cannot be loaded into the layer
-STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
+_STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
 #: spec fields that change only the numerics: refused unless the caller adopts them
 SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
 
