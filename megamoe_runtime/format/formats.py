@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from enum import StrEnum
 from typing import Any, Mapping
 
@@ -357,8 +358,13 @@ def _rows(*rows: Row) -> dict[str, Row]:
     return {r.name: r for r in rows}
 
 
+#: one entry of the table: a Row with what every row has unless its entry says otherwise, H and I multiples
+#: of 128 and the top-k weight applied in L1
+_row = partial(Row, hidden_multiple=128, intermediate_multiple=128, topk_weight_stage="l1")
+
+
 ROWS: dict[str, Row] = _rows(
-    Row(
+    _row(
         name=RowName.MXFP4,
         mma_type="fp8xfp4",
         entry_points=("fp8_fp4_mega_moe",),
@@ -366,9 +372,6 @@ ROWS: dict[str, Row] = _rows(
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_fp4_mega_moe",),
         no_kernel_hint="deep_gemm has no fp8_fp4_mega_moe (the MXFP4-weight mega kernel)",
         selfcheck_tolerance=2e-3,
@@ -378,7 +381,7 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgv", ("mxfp8",))),
         notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
     ),
-    Row(
+    _row(
         name=RowName.MXFP8,
         mma_type="fp8xfp8",
         entry_points=("fp8_fp4_mega_moe", "fp8_fp8_mega_moe"),
@@ -386,9 +389,6 @@ ROWS: dict[str, Row] = _rows(
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_fp8_mega_moe", "fp8_fp4_mega_moe"),
         no_kernel_hint=("this DeepGEMM has no MXFP8-weight mega kernel: needs newer deepseek-ai/DeepGEMM "
                         "(fp8_fp4_mega_moe with e4m3 weights) or zyongye/DeepGEMM's fp8_fp8_mega_moe"),
@@ -399,7 +399,7 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgz", ())),
         notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
     ),
-    Row(
+    _row(
         name=RowName.NVFP4,
         mma_type="fp4xfp4",
         entry_points=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
@@ -407,13 +407,11 @@ ROWS: dict[str, Row] = _rows(
         dispatch=Dispatch.NVFP4,
         fusable_shared=("mxfp8", "bf16"),
         activations=frozenset({"swiglu"}),
-        # DGv's nvfp4_mega_moe needs H, I % 128. Newer DG's fp4_fp4_mega_moe
+        topk_weight_stage="l2",
+        # sizes, the table's H, I % 128: DGv's nvfp4_mega_moe needs that. Newer DG's fp4_fp4_mega_moe
         # needs H, I % 512 (its kernel asserts 256) and S*I_s % 128: the
         # deepgemm backend checks that stricter rule for that flavour; the
         # format itself only needs the DGv rule.
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l2",
         entry_preference=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
         no_kernel_hint=("this DeepGEMM has no NVFP4 mega kernel: needs newer deepseek-ai/DeepGEMM "
                         "(fp4_fp4_mega_moe) or vllm-project/DeepGEMM (nvfp4_mega_moe)"),
@@ -424,7 +422,7 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("mxfp8", "bf16"))),
         notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
     ),
-    Row(
+    _row(
         name=RowName.BF16,
         mma_type="bf16xbf16",
         entry_points=("bf16_mega_moe",),
@@ -432,12 +430,8 @@ ROWS: dict[str, Row] = _rows(
         dispatch=Dispatch.BF16,
         fusable_shared=("bf16",),
         activations=frozenset({"swiglu"}),
-        # The layout alone needs I % 8 (interleave). We pick H, I % 128 as
-        # vLLM's backend factory asks, so a converted bf16 checkpoint is
-        # accepted by every consumer.
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
+        # sizes, the table's H, I % 128: the layout alone needs I % 8 (interleave); 128 is what
+        # vLLM's backend factory asks, so a converted bf16 checkpoint is accepted by every consumer.
         entry_preference=("bf16_mega_moe",),
         no_kernel_hint="this DeepGEMM has no bf16_mega_moe (added in deepseek-ai/DeepGEMM main, June 2026)",
         selfcheck_tolerance=1e-4,
@@ -447,7 +441,7 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
     ),
-    Row(
+    _row(
         name=RowName.FP8_BLOCK,
         mma_type="fp8xfp8",
         entry_points=("fp8_mega_moe",),
@@ -457,9 +451,6 @@ ROWS: dict[str, Row] = _rows(
         # pass-through files and run outside it (docs/FORMATS.md#fp8-block)
         fusable_shared=(),
         activations=frozenset({"swiglu"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_mega_moe",),
         no_kernel_hint=("deep_gemm has no fp8_mega_moe (the SM90 block-FP8 mega kernel of SGLang's DeepGEMM build): "
                         "pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11, built for torch 2.11"),
