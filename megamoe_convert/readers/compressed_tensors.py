@@ -77,15 +77,21 @@ def _ct_format(source) -> str | None:
     return fmt or None
 
 
-def _ct_input_activations(source) -> ActivationRecipe:
-    """The activation recipe of the config group whose format is the experts' one."""
+def _experts_group(source) -> dict | None:
+    """The config group of the experts' format (the first group with weights when none names it), or None."""
     qc = quant_config_of(source)
     fmt = _ct_format(source)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     match = [g for g in groups if g.get("format") in (fmt, None)] or groups
-    if not match:
+    return match[0] if match else None
+
+
+def _ct_input_activations(source) -> ActivationRecipe:
+    """The activation recipe of the config group whose format is the experts' one."""
+    group = _experts_group(source)
+    if group is None:
         return UNDECLARED
-    ia = match[0].get("input_activations")
+    ia = group.get("input_activations")
     if ia is None:
         return ActivationRecipe("bf16", False, "compressed-tensors weight-only (input_activations: null): not "
                                                "quantized (BF16)")
@@ -111,11 +117,8 @@ def _ct_input_activations(source) -> ActivationRecipe:
 
 def _expert_weights_args(source) -> dict:
     """The ``weights`` quantization args of the config group in the experts' format."""
-    qc = quant_config_of(source)
-    fmt = _ct_format(source)
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
-    match = [g for g in groups if g.get("format") in (fmt, None)] or groups
-    w = match[0].get("weights") if match else None
+    group = _experts_group(source)
+    w = group.get("weights") if group is not None else None
     return w if isinstance(w, dict) else {}
 
 
@@ -136,9 +139,19 @@ def _ct_fp8_block_reason(source) -> str | None:
                             else bs)
 
 
+def _ct_scheme(label: str, encoding: str, *params: Param, **options) -> Scheme:
+    """One projection as compressed-tensors stores it: its tensors, beside the ``weight_shape`` every export keeps."""
+    return Scheme(name=f"compressed-tensors {label}", encoding=encoding, params=params, ignored=("weight_shape",),
+                  **options)
+
+
 class _CTReader(SchemeReader):
     direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
     ct_format: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.synthetic_formats = (cls.format_name,)  # every CT reader's synthetic checkpoint is its own format
 
     def __init__(self, source) -> None:
         super().__init__(source)
@@ -206,20 +219,12 @@ class CTNVFP4Reader(_CTReader):
     row = "nvfp4"
     ct_format = "nvfp4-pack-quantized"
     aliases = ("compressed-tensors-nvfp4", "nvfp4-pack-quantized")
-    synthetic_formats = ("ct-nvfp4",)
     description = "compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, 1/weight_global_scale)"
-    scheme = Scheme(
-        name="compressed-tensors NVFP4",
-        encoding="nvfp4",
-        params=(
-            Param("weight", ("weight_packed",), ("U8", "I8")),
-            Param("scale", ("weight_scale",), ("F8_E4M3",)),
-            Param("global", ("weight_global_scale",), ("F32",)),
-            Param("input", ("input_global_scale",), ("F32",), required=False),
-        ),
-        ignored=("weight_shape",),
-        scalar_shape=(1,),  # F32 [1]
-    )
+    scheme = _ct_scheme("NVFP4", row, Param("weight", ("weight_packed",), ("U8", "I8")),
+                        Param("scale", ("weight_scale",), ("F8_E4M3",)),
+                        Param("global", ("weight_global_scale",), ("F32",)),
+                        Param("input", ("input_global_scale",), ("F32",), required=False),
+                        scalar_shape=(1,))  # F32 [1]
 
 
 @register_reader
@@ -228,17 +233,9 @@ class CTMXFP4Reader(_CTReader):
     row = "mxfp4"
     ct_format = "mxfp4-pack-quantized"
     aliases = ("compressed-tensors-mxfp4", "mxfp4-pack-quantized")
-    synthetic_formats = ("ct-mxfp4",)
     description = "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale E8M0/32)"
-    scheme = Scheme(
-        name="compressed-tensors MXFP4",
-        encoding="mxfp4",
-        params=(
-            Param("weight", ("weight_packed",), ("U8", "I8")),
-            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("MXFP4", row, Param("weight", ("weight_packed",), ("U8", "I8")),
+                        Param("scale", ("weight_scale",), ("U8", "F8_E8M0")))
 
 
 @register_reader
@@ -247,17 +244,9 @@ class CTMXFP8Reader(_CTReader):
     row = "mxfp8"
     ct_format = "mxfp8-quantized"
     aliases = ("compressed-tensors-mxfp8", "mxfp8-quantized")
-    synthetic_formats = ("ct-mxfp8",)
     description = "compressed-tensors mxfp8-quantized (weight E4M3, weight_scale E8M0/32)"
-    scheme = Scheme(
-        name="compressed-tensors MXFP8",
-        encoding="mxfp8",
-        params=(
-            Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
-            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("MXFP8", row, Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
+                        Param("scale", ("weight_scale",), ("U8", "F8_E8M0")))
 
 
 @register_reader
@@ -266,14 +255,6 @@ class CTFP8BlockReader(_CTReader):
     row = "fp8_block"
     ct_format = "float-quantized"
     aliases = ("compressed-tensors-fp8-block", "fp8-block-quantized")
-    synthetic_formats = ("ct-fp8-block",)
     description = "compressed-tensors float-quantized FP8_BLOCK (weight E4M3, weight_scale F32 per 128x128)"
-    scheme = Scheme(
-        name="compressed-tensors FP8_BLOCK",
-        encoding="fp8_block",
-        params=(
-            Param("weight", ("weight",), ("F8_E4M3",)),
-            Param("scale", ("weight_scale",), ("F32", "BF16")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("FP8_BLOCK", row, Param("weight", ("weight",), ("F8_E4M3",)),
+                        Param("scale", ("weight_scale",), ("F32", "BF16")))
