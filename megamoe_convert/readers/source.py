@@ -329,7 +329,7 @@ class CheckpointSource:
     def get_slice(self, name: str) -> "LazySlice":
         """Lazy view: ``get_shape()``, ``get_dtype()`` and ``[...]``, which reads
         only the rows of the first dimension it selects."""
-        return _LazySlice(self, name)
+        return LazySlice(self, name)
 
     #: stored dtype -> (bytes of one element, struct format after `_first_value_bytes`): the dtypes whose
     #: first element `first_value` decodes without torch, bit for bit as ``.float()`` then ``float()``
@@ -445,7 +445,7 @@ class CheckpointSource:
         return f"<CheckpointSource {self.kind} {self.id}{rev} files={len(self._headers)} tensors={len(self._weight_map)}>"
 
 
-class _LazySlice:
+class LazySlice:
     """What ``CheckpointSource.get_slice`` returns (the subset of safetensors'
     slice API the converter uses): indexing reads only the selected rows of
     the first dimension, then applies the rest of the index in memory."""
