@@ -59,7 +59,7 @@ __all__ = [
     "quantize_fp8_act",
 ]
 
-_ScaleLike = Union[float, torch.Tensor]
+ScaleLike = Union[float, torch.Tensor]
 
 # --------------------------------------------------------------------------
 # Constants
@@ -132,7 +132,7 @@ def _grouped(x32: torch.Tensor, group: int, what: str) -> torch.Tensor:
     return x32.reshape(*x32.shape[:-1], x32.shape[-1] // group, group)
 
 
-def _scalar_or_rows(scale: _ScaleLike, x32: torch.Tensor, what: str) -> torch.Tensor:
+def _scalar_or_rows(scale: ScaleLike, x32: torch.Tensor, what: str) -> torch.Tensor:
     """A global scale as an fp32 tensor: 0-d, or one value per row (shape ``x.shape[:-1]``).
 
     Python floats are checked here (finite, > 0); tensors are not, since that
@@ -541,7 +541,7 @@ def quantize_mxfp4(x: torch.Tensor, ties: str = "even") -> tuple[torch.Tensor, t
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: _ScaleLike, ties: str = "even"
+    x: torch.Tensor, global_scale: ScaleLike, ties: str = "even"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4: E2M1 elements, one E4M3 scale per 16, and a global dequant scale.
 
@@ -669,7 +669,7 @@ def dequantize_mx(
     return out.reshape(vals.shape)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: _ScaleLike) -> torch.Tensor:
+def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: ScaleLike) -> torch.Tensor:
     """Dequantize NVFP4 to float32: ``e2m1 * (float(sf) * global)`` per block of 16.
 
     ``packed`` uint8/int8 ``[..., K/2]``; ``sf`` float8_e4m3fn (or its bytes)
@@ -690,7 +690,7 @@ _REENCODE_CHUNK = 1 << 18
 
 
 def nvfp4_to_mxfp8(
-    packed: torch.Tensor, sf: torch.Tensor, global_scale: _ScaleLike
+    packed: torch.Tensor, sf: torch.Tensor, global_scale: ScaleLike
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Re-encode NVFP4 as MXFP8: ``(q float8_e4m3fn [..., K], sf uint8 [..., K/32], max_abs_change)``.
 
