@@ -235,10 +235,17 @@ def _annotation_names(node) -> set[str]:
          for w in re.findall(r"\w+", n.value)}
 
 
+def _signature_names(fn) -> set[str]:
+    """The types a function's callers hand it or get back."""
+    a = fn.args
+    return _annotation_names(fn.returns).union(*(_annotation_names(x.annotation) for x in (
+        *a.posonlyargs, *a.args, *a.kwonlyargs, *(v for v in (a.vararg, a.kwarg) if v))))
+
+
 def exposed_names(source: str) -> set[str]:
     """Names a module's own public surface hands out, so callers may name them though no file does yet:
-    exception classes (callers catch them by type), the types public functions return and public fields hold,
-    and whatever a decorator registers (a reader, a CLI command)."""
+    exception classes (callers catch them by type), the types public functions take and return and public
+    fields hold, and whatever a decorator registers (a reader, a CLI command)."""
     tree = ast.parse(source)
     out: set[str] = set()
     errors = {"Exception", "BaseException"}
@@ -261,9 +268,9 @@ def exposed_names(source: str) -> set[str]:
                     if isinstance(item, ast.AnnAssign) and not name.startswith("_"):
                         out |= _annotation_names(item.annotation)
                     elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
-                        out |= _annotation_names(item.returns)
+                        out |= _signature_names(item)
             else:
-                out |= _annotation_names(node.returns)
+                out |= _signature_names(node)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                 and not node.target.id.startswith("_"):  # a public table's rows
             out |= _annotation_names(node.annotation)
