@@ -336,12 +336,16 @@ def test_the_allow_list_only_shrinks():
 
 
 def test_a_planted_unused_name_is_reported(tmp_path):
-    """Negative control: a public helper that nothing else uses, in a copy of one real module."""
+    """Negative control on a planted tree: a public helper is reported once the one docs page citing it stops;
+    the public API, a constant another module imports, the types the API takes and returns, an exception and
+    a registered class are not."""
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()
     (tmp_path / "megamoe_runtime" / "__init__.py").write_text("_EXPORTS = {'open': 'a'}\n")
     (tmp_path / "megamoe_convert" / "__init__.py").write_text("")
-    (tmp_path / "megamoe_runtime" / "a.py").write_text("def open(): pass\ndef helper(): pass\nUSED = 1\n")
+    (tmp_path / "megamoe_runtime" / "a.py").write_text(
+        "def open(x: 'Key') -> 'Handle': pass\ndef helper(): pass\nUSED = 1\nclass Handle: pass\nclass Key: pass\n"
+        "class Refused(ValueError): pass\n@registry.add\nclass Registered: pass\n")
     (tmp_path / "megamoe_runtime" / "b.py").write_text("from .a import USED\n")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "PAGE" ".md").write_text("`a.helper` is cited here.\n")
