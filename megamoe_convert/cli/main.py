@@ -58,7 +58,7 @@ def parse_size(text):
 from ..output.units import format_bytes  # noqa: E402  (torch-free)
 from .progress import ProgressDisplay  # noqa: E402  (torch-free)
 
-def hub_options(f):
+def _hub_options(f):
     """--cache-dir, --token, --local-files-only: named as huggingface_hub's CLI and library name them;
     used only when SRC is a hub repo id (what `source.open_source` passes to snapshot_download)."""
     f = click.option("--local-files-only", is_flag=True, default=None,
@@ -72,8 +72,8 @@ def hub_options(f):
     return f
 
 
-EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
+_EXIT_OK, _EXIT_VERIFY_FAILED, _EXIT_BAD_INPUT = 0, 1, 2
+_EXIT_SIGINT, _EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
 
 
 def _json_mode() -> bool:
@@ -81,7 +81,7 @@ def _json_mode() -> bool:
     return bool(ctx is not None and ctx.params.get("as_json"))
 
 
-def _fail(msg: str, code: int = EXIT_BAD_INPUT, **extra) -> None:
+def _fail(msg: str, code: int = _EXIT_BAD_INPUT, **extra) -> None:
     """'error: msg' on stderr and exit `code`; under --json also the error as
     JSON on stdout (the only thing there), with `extra` fields."""
     click.echo(f"error: {msg}", err=True)
@@ -100,7 +100,7 @@ def _raise_terminated(signum, frame):
 
 
 def _signal_name_code(signum: int) -> tuple[str, int]:
-    return ("SIGINT (Ctrl-C)", EXIT_SIGINT) if signum == signal.SIGINT else ("SIGTERM", EXIT_SIGTERM)
+    return ("SIGINT (Ctrl-C)", _EXIT_SIGINT) if signum == signal.SIGINT else ("SIGTERM", _EXIT_SIGTERM)
 
 
 class _Interrupts:
@@ -109,7 +109,7 @@ class _Interrupts:
     at once with its exit code (`os._exit`): waiting for writer threads on a slow disk is what the user
     refuses by signalling again. That is safe at any point, as a ``kill -9`` is: the temp folder is resumable
     and the kernel drops the locks; the renames of the final swap hold signals until they are done
-    (`output_dir.signals_deferred`)."""
+    (`output_dir._signals_deferred`)."""
 
     def __init__(self, message=None):
         self.first: int | None = None
@@ -161,7 +161,7 @@ def _run_guarded(fn, interrupted=None, io_failed=None):
         _fail(str(e))
     except OSError as e:
         msg, extra = io_failed(e) if io_failed else (f"{type(e).__name__}: {e}", {})
-        _fail(msg, EXIT_BAD_INPUT, **extra)
+        _fail(msg, _EXIT_BAD_INPUT, **extra)
     except (KeyboardInterrupt, _Terminated) as e:
         name, code = _signal_name_code(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         guard.first = guard.first or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
@@ -277,9 +277,9 @@ class _Group(click.Group):
             msg = "interrupted by SIGINT (Ctrl-C) while starting; nothing was written"
             click.echo(f"error: {msg}", err=True)
             if as_json:
-                click.echo(json.dumps({"ok": False, "exit_code": EXIT_SIGINT, "error": msg,
+                click.echo(json.dumps({"ok": False, "exit_code": _EXIT_SIGINT, "error": msg,
                                        "interrupted": "SIGINT (Ctrl-C)"}, indent=2))
-            sys.exit(EXIT_SIGINT)
+            sys.exit(_EXIT_SIGINT)
         except OSError as e:  # click's own: a closed stdout (`| head`) ends quietly
             import errno
 
@@ -313,7 +313,7 @@ def main() -> None:
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit); hub repos only.")
-@hub_options
+@_hub_options
 @click.option("--format", "fmt", default=None,
               help="Force the source format (e.g. modelopt-nvfp4, quark-mxfp4, ct-nvfp4, deepseek-v4, unquantized; "
                    "an unknown name lists them all); default: detect from the quantization config.")
@@ -466,7 +466,7 @@ def _print_summary(s) -> None:
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.option("--revision", default=None, help="Hub revision; hub repos only.")
-@hub_options
+@_hub_options
 @click.option("--format", "fmt", default=None, help="Force the source format; default: detect.")
 @click.option("--quantize", type=click.Choice(["mxfp4", "mxfp8", "nvfp4", "fp8_block"]), default=None,
               help="As for convert: the row an unquantized checkpoint would be quantized to.")
@@ -522,7 +522,7 @@ def inspect(src, revision, cache_dir, token, local_files_only, fmt, quantize, ep
     else:
         _print_inspect(rep)
     if not rep.ok:
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(_EXIT_BAD_INPUT)
 
 
 def _print_inspect(rep: "InspectReport") -> None:
@@ -548,10 +548,10 @@ def _print_inspect(rep: "InspectReport") -> None:
         if sc["pairs"]:
             click.echo(f"scale agreement: {sc['mismatched_pairs']} of {sc['pairs']} w1/w3 {sc['tensor']} pairs differ "
                        f"(max relative difference {sc['max_rel_diff']:.3g}, tolerance {sc['tolerance']:g})"
-                       + (f"; layers {layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
+                       + (f"; layers {_layer_ranges_text(bad)} not checked (a scale is unreadable, see problems)"
                           if bad else ""))
         else:
-            click.echo(f"scale agreement: not checked: layers {layer_ranges_text(bad)} have a scale that is not "
+            click.echo(f"scale agreement: not checked: layers {_layer_ranges_text(bad)} have a scale that is not "
                        "finite and > 0 (see problems)" if bad else "scale agreement: no w1/w3 pairs")
         if sc["missing_input_scales"]:
             click.echo(f"  experts without a w2 input scale: {sc['missing_input_scales']}")
@@ -574,7 +574,7 @@ def _print_inspect(rep: "InspectReport") -> None:
         click.echo("ok: convertible" + (f" with {len(rep.repairs)} repair(s) listed above" if rep.repairs else ""))
 
 
-def layer_ranges_text(indices) -> str:
+def _layer_ranges_text(indices) -> str:
     from ..pipeline.plan import layer_ranges
 
     return layer_ranges(list(indices))
@@ -635,7 +635,7 @@ def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
         # bad input, not a failed verification: there is no manifest to verify against
         _fail(f"{out} is not a megamoe output: it has no {MANIFEST_NAME} (the manifest is written last, so an "
               f"interrupted conversion has none either; `megamoe-convert convert SRC OUT` makes one, "
-              f"`megamoe-convert inspect {out}` describes a source checkpoint)", EXIT_BAD_INPUT,
+              f"`megamoe-convert inspect {out}` describes a source checkpoint)", _EXIT_BAD_INPUT,
               path=str(out.resolve()))
     bar = _progress("verifying", no_progress)
     bar.stage(f"reading {out}")
@@ -666,13 +666,13 @@ def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
             rep.problems.extend(f"layer {le['index']} ({le['prefix']}): calc_diff {le['calc_diff']:.2e} against "
                                 f"{against} >= threshold {le['threshold']:.0e}" for le in bad)
             result["problems"], result["ok"] = rep.problems, False
-    result["exit_code"] = EXIT_OK if rep.ok else EXIT_VERIFY_FAILED
+    result["exit_code"] = _EXIT_OK if rep.ok else _EXIT_VERIFY_FAILED
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         _print_verify(rep, result.get("reload"), result.get("against"))
     if not rep.ok:
-        sys.exit(EXIT_VERIFY_FAILED)
+        sys.exit(_EXIT_VERIFY_FAILED)
 
 
 def _verify_against(out: Path, src: str, tokens: int, bar_off: bool) -> dict:
@@ -889,7 +889,7 @@ def demo(fmt, keep, ep_size, tokens, as_json):
     else:
         _print_demo(result, fmt, keep is not None)
     if not result["ok"]:
-        sys.exit(EXIT_VERIFY_FAILED)
+        sys.exit(_EXIT_VERIFY_FAILED)
 
 
 def _print_demo(result: dict, fmt: str, kept: bool) -> None:

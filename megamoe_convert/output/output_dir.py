@@ -37,7 +37,7 @@ counts as the source), and may not be the working directory or one of its
 parents. Replacement rules (`check_replaceable`): ``--overwrite`` replaces only
 an empty folder or a megamoe output whose every entry its manifest lists.
 Only folders that are provably ours are ever removed (`is_our_temp`,
-`is_our_old`).
+`_is_our_old`).
 
 The swap (`swap_into_place`) and its recovery (`recover`): old OUT ->
 ``.megamoe-old``, temp -> OUT, strip the journal, remove the old folder. A run
@@ -67,9 +67,9 @@ from megamoe_runtime.files.json_io import parse_json
 from megamoe_runtime.files.json_io import read_json
 from megamoe_runtime.format.manifest import MANIFEST_NAME
 
-TMP_SUFFIX = ".megamoe-tmp"
-OLD_SUFFIX = ".megamoe-old"
-LOCK_SUFFIX = ".megamoe-lock"
+_TMP_SUFFIX = ".megamoe-tmp"
+_OLD_SUFFIX = ".megamoe-old"
+_LOCK_SUFFIX = ".megamoe-lock"
 #: written first into every temp folder the converter creates: what makes it provably ours
 TMP_MARKER = "megamoe-tmp.json"
 JOURNAL_NAME = "megamoe-journal.jsonl"
@@ -78,11 +78,11 @@ JOURNAL_NAME = "megamoe-journal.jsonl"
 STEP_TENSOR = "tensor"  # a tensor was queued to its shard
 STEP_SYNCED = "synced"  # every temp file is fsynced
 STEP_COMPLETE = "complete"  # the journal says the temp folder is complete
-STEP_OLD_MOVED = "old-moved"  # the previous OUT is now .OUT.megamoe-old
-STEP_NEW_MOVED = "new-moved"  # the temp folder is now OUT
-STEP_CLEANED = "cleaned"  # the journal and marker are gone from OUT
-STEP_OLD_REMOVED = "old-removed"  # .OUT.megamoe-old is removed
-SWAP_STEPS = (STEP_SYNCED, STEP_COMPLETE, STEP_OLD_MOVED, STEP_NEW_MOVED, STEP_CLEANED, STEP_OLD_REMOVED)
+_STEP_OLD_MOVED = "old-moved"  # the previous OUT is now .OUT.megamoe-old
+_STEP_NEW_MOVED = "new-moved"  # the temp folder is now OUT
+_STEP_CLEANED = "cleaned"  # the journal and marker are gone from OUT
+_STEP_OLD_REMOVED = "old-removed"  # .OUT.megamoe-old is removed
+SWAP_STEPS = (STEP_SYNCED, STEP_COMPLETE, _STEP_OLD_MOVED, _STEP_NEW_MOVED, _STEP_CLEANED, _STEP_OLD_REMOVED)
 
 StepHook = Callable[[str], None]
 Log = Callable[[str], None]
@@ -102,17 +102,17 @@ def _sibling(out: Path, suffix: str) -> Path:
 
 def temp_dir_for(out: Path) -> Path:
     """``.OUT.megamoe-tmp`` beside OUT (same filesystem: the final rename is atomic)."""
-    return _sibling(out, TMP_SUFFIX)
+    return _sibling(out, _TMP_SUFFIX)
 
 
 def old_dir_for(out: Path) -> Path:
     """``.OUT.megamoe-old``: where the previous OUT waits during an --overwrite swap."""
-    return _sibling(out, OLD_SUFFIX)
+    return _sibling(out, _OLD_SUFFIX)
 
 
 def lock_path_for(out: Path) -> Path:
     """``.OUT.megamoe-lock`` beside OUT (not inside: OUT is renamed)."""
-    return _sibling(out, LOCK_SUFFIX)
+    return _sibling(out, _LOCK_SUFFIX)
 
 
 def resolve_out(out: str | os.PathLike) -> Path:
@@ -199,7 +199,7 @@ def _read_json_object(path: Path) -> dict | None:
         return None
 
 
-def manifest_files(folder: Path) -> set[str] | None:
+def _manifest_files(folder: Path) -> set[str] | None:
     """The file names a megamoe manifest in `folder` lists (plus the manifest
     itself), or None when `folder` holds no readable megamoe manifest."""
     m = _read_json_object(Path(folder) / MANIFEST_NAME)
@@ -209,7 +209,7 @@ def manifest_files(folder: Path) -> set[str] | None:
 
 
 def is_megamoe_output(folder: Path) -> bool:
-    return Path(folder).is_dir() and manifest_files(folder) is not None
+    return Path(folder).is_dir() and _manifest_files(folder) is not None
 
 
 def _entries(folder: Path) -> list[str]:
@@ -229,7 +229,7 @@ def check_replaceable(out: Path) -> None:
     names = _entries(out)
     if not names:
         return
-    listed = manifest_files(out)
+    listed = _manifest_files(out)
     if listed is None:
         raise OutputError(
             f"{out} is not a megamoe output (no readable megamoe.json) and holds {len(names)} entr"
@@ -251,12 +251,12 @@ def check_replaceable(out: Path) -> None:
 
 #: listed files up to this size are re-hashed by `changed_listed_files` (the config, tokenizer and index
 #: files a user may edit); larger ones (the shards) are compared by size
-REHASH_MAX_BYTES = 64 << 20
+_REHASH_MAX_BYTES = 64 << 20
 
 
 def changed_listed_files(folder: Path) -> list[str]:
     """The files a megamoe output's manifest lists that are present but not as written: another size, or,
-    for files of at most `REHASH_MAX_BYTES` with a whole-file digest (config.json, tokenizer files, the
+    for files of at most `_REHASH_MAX_BYTES` with a whole-file digest (config.json, tokenizer files, the
     index), other bytes. A user who edited the config.json of an output owns that edit; `--overwrite`
     replaced it silently before. Shards are checked by size only: hashing gigabytes on every --overwrite
     would cost minutes, and a shard is not a file users edit."""
@@ -275,7 +275,7 @@ def changed_listed_files(folder: Path) -> list[str]:
             out.append(name)
             continue
         kind = fe.get("digest", DIGEST_SHA256)
-        if not isinstance(kind, str) or is_composite(kind) or size > REHASH_MAX_BYTES:
+        if not isinstance(kind, str) or is_composite(kind) or size > _REHASH_MAX_BYTES:
             continue
         alg = kind_algorithm(kind)
         if isinstance(fe.get(alg), str) and hash_file(p, alg) != fe[alg]:
@@ -288,7 +288,7 @@ def is_our_temp(tmp: Path) -> bool:
     return tmp.is_dir() and not tmp.is_symlink() and ((tmp / TMP_MARKER).is_file() or (tmp / JOURNAL_NAME).is_file())
 
 
-def is_our_old(old: Path) -> bool:
+def _is_our_old(old: Path) -> bool:
     """A ``.megamoe-old`` folder we may remove: empty, or a megamoe output
     holding only what its manifest lists (what `check_replaceable` let us move there)."""
     if not old.is_dir() or old.is_symlink():
@@ -306,7 +306,7 @@ def new_run_id() -> str:
 
 
 #: options whose value is a secret: never written into the marker (nor shown from it)
-SECRET_OPTIONS = ("--token",)
+_SECRET_OPTIONS = ("--token",)
 
 
 def this_command() -> dict:
@@ -318,10 +318,10 @@ def this_command() -> dict:
         if hide:
             out.append("$HF_TOKEN")
             hide = False
-        elif a in SECRET_OPTIONS:
+        elif a in _SECRET_OPTIONS:
             out.append(a)
             hide = True
-        elif a.split("=", 1)[0] in SECRET_OPTIONS and "=" in a:
+        elif a.split("=", 1)[0] in _SECRET_OPTIONS and "=" in a:
             out.append(a.split("=", 1)[0] + "=$HF_TOKEN")
         else:
             out.append(a)
@@ -353,7 +353,7 @@ def read_temp_marker(tmp: Path) -> dict:
     return _read_json_object(Path(tmp) / TMP_MARKER) or {}
 
 
-def describe_marker(m: dict) -> str:
+def _describe_marker(m: dict) -> str:
     """Who a temp folder's marker says owns it, for messages."""
     if not m.get("pid"):
         return "a run whose marker is unreadable"
@@ -390,7 +390,7 @@ def _journal_run(tmp: Path) -> tuple[dict | None, bool]:
 
 
 #: the index the converter writes into every output (``shard_writer.INDEX_NAME``; not imported: that pulls in torch)
-OUT_INDEX_NAME = "model.safetensors.index.json"
+_OUT_INDEX_NAME = "model.safetensors.index.json"
 
 
 def temp_own_names(tmp: Path, planned=()) -> set[str]:
@@ -398,8 +398,8 @@ def temp_own_names(tmp: Path, planned=()) -> set[str]:
     manifest and index, every file the journal records as finished, every file a manifest there lists,
     and `planned` (this run's output plan: shard names and config/tokenizer copies), each also with the
     ``.part`` suffix (``write_bytes_atomic``) and the manifest's own temp name."""
-    names = {TMP_MARKER, JOURNAL_NAME, MANIFEST_NAME, OUT_INDEX_NAME, *(str(n) for n in planned)}
-    names |= manifest_files(tmp) or set()
+    names = {TMP_MARKER, JOURNAL_NAME, MANIFEST_NAME, _OUT_INDEX_NAME, *(str(n) for n in planned)}
+    names |= _manifest_files(tmp) or set()
     try:
         lines = (Path(tmp) / JOURNAL_NAME).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -458,7 +458,7 @@ def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" 
             f"{tmp} exists but was not made by megamoe-convert (no {TMP_MARKER} or journal inside); "
             "it is left alone: remove or rename it yourself")
     if out is None:  # ".NAME.megamoe-tmp" -> NAME
-        out = tmp.parent / tmp.name[1:-len(TMP_SUFFIX)]
+        out = tmp.parent / tmp.name[1:-len(_TMP_SUFFIX)]
     with parent_locked(out):
         claim = TempClaim.adopt(tmp, out)
         try:
@@ -705,7 +705,7 @@ def temp_holder(tmp: Path) -> dict | None:
 
 def busy_temp_error(tmp: Path, out: Path, holder: dict) -> OutputError:
     return OutputError(
-        f"another megamoe-convert run is writing {tmp} right now ({describe_marker(holder)}), although the lock "
+        f"another megamoe-convert run is writing {tmp} right now ({_describe_marker(holder)}), although the lock "
         f"{lock_path_for(out)} does not say so (it was removed or replaced while that run held it); this run "
         f"touches nothing: wait for that run to finish, or stop it first")
 
@@ -788,7 +788,7 @@ class TempClaim:
         this run); otherwise OutputError naming the folder and what is there now."""
         if not self._names_it(self.path):
             other = read_temp_marker(self.path) if self.path.is_dir() else {}
-            now = f"it now holds the folder of another run ({describe_marker(other)})" if other else \
+            now = f"it now holds the folder of another run ({_describe_marker(other)})" if other else \
                 "it was removed or replaced by something else"
             raise OutputError(
                 f"{self.path} is no longer this run's temp folder (run {self.run_id}, pid {os.getpid()}): {now}; "
@@ -796,7 +796,7 @@ class TempClaim:
         m = read_temp_marker(self.path)
         if self.run_id is not None and (self.path / TMP_MARKER).exists() and m.get("run_id") != self.run_id:
             raise OutputError(
-                f"{self.path} was taken over by another run ({describe_marker(m)}; this run is run {self.run_id}, "
+                f"{self.path} was taken over by another run ({_describe_marker(m)}; this run is run {self.run_id}, "
                 f"pid {os.getpid()}); this run stops before {doing or 'going on'} and touches nothing")
 
     def release(self) -> None:
@@ -879,7 +879,7 @@ def _step(on_step: StepHook | None, name: str) -> None:
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
+def _signals_deferred() -> Iterator[None]:
     """SIGINT/SIGTERM arriving inside the block are held and re-raised after
     it (main thread only; elsewhere a no-op): the few renames of a swap run
     to the end instead of stopping between two of them."""
@@ -901,10 +901,10 @@ def signals_deferred() -> Iterator[None]:
 
 
 def check_old_name_free(out: Path, tmp: Path | None = None) -> None:
-    """``.OUT.megamoe-old`` must be absent or a folder `is_our_old` may remove before an existing OUT is
+    """``.OUT.megamoe-old`` must be absent or a folder `_is_our_old` may remove before an existing OUT is
     moved there; anything else (a user's folder, a link) is refused and left alone."""
     old = old_dir_for(out)
-    if (old.exists() or old.is_symlink()) and not is_our_old(old):
+    if (old.exists() or old.is_symlink()) and not _is_our_old(old):
         kind = f"a symlink (to {os.readlink(old)})" if old.is_symlink() else "not a megamoe output"
         raise OutputError(f"{old} exists and is {kind}; it is left alone: move it away so {out} can be replaced"
                           + (f" (the new output is complete in {tmp})" if tmp is not None else ""))
@@ -921,7 +921,7 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None,
     whose lock or temp folder was taken over stops there, touching nothing."""
     old = old_dir_for(out)
     moved_old = False
-    with parent_locked(out), signals_deferred():
+    with parent_locked(out), _signals_deferred():
         if out.exists() or out.is_symlink():
             check_replaceable(out)  # again: something may have been added while we converted
             check_old_name_free(out, tmp)
@@ -931,21 +931,21 @@ def swap_into_place(tmp: Path, out: Path, on_step: StepHook | None = None,
             os.rename(out, old)
             moved_old = True
             fsync_dir(out.parent)
-            _step(on_step, STEP_OLD_MOVED)
+            _step(on_step, _STEP_OLD_MOVED)
         _confirm(guard, f"renaming {tmp} to {out}")
         _rename_no_replace(tmp, out)
         if guard is not None and guard.claim is not None:
             guard.claim.moved(out)
         fsync_dir(out.parent)
-        _step(on_step, STEP_NEW_MOVED)
+        _step(on_step, _STEP_NEW_MOVED)
         _confirm(guard, f"removing the journal and marker from {out}")
         _strip_temp_files(out)
-        _step(on_step, STEP_CLEANED)
+        _step(on_step, _STEP_CLEANED)
         if moved_old:  # only what this swap put there: a folder that was already at that name is not ours
             _confirm(guard, f"removing the previous output {old}")
             shutil.rmtree(old)
             fsync_dir(out.parent)
-            _step(on_step, STEP_OLD_REMOVED)
+            _step(on_step, _STEP_OLD_REMOVED)
 
 
 def _rename_no_replace(src: Path, dst: Path) -> None:
@@ -980,7 +980,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
     log = log or (lambda m: None)
     tmp, old = temp_dir_for(out), old_dir_for(out)
     finished = None
-    with parent_locked(out), signals_deferred():
+    with parent_locked(out), _signals_deferred():
         if not out.exists() and not out.is_symlink():
             fp, complete = _journal_run(tmp) if is_our_temp(tmp) else (None, False)
             if complete:
@@ -994,7 +994,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
                 finished = fp
                 log(f"recovered: an earlier run to {out} was stopped just before its final rename; "
                     f"its complete output in {tmp} is now {out}")
-            elif old.exists() and is_our_old(old):
+            elif old.exists() and _is_our_old(old):
                 _confirm(guard, f"renaming {old} to {out}")
                 _rename_no_replace(old, out)
                 fsync_dir(out.parent)
@@ -1007,7 +1007,7 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
                 _strip_temp_files(out)
                 finished = finished or fp
         if old.exists() and out.exists():
-            if is_our_old(old):
+            if _is_our_old(old):
                 _confirm(guard, f"removing {old}")
                 shutil.rmtree(old)
                 fsync_dir(out.parent)
@@ -1019,11 +1019,10 @@ def recover(out: Path, log: Log | None = None, guard: "OutputLock | None" = None
 
 __all__ = [
     "OutputError", "fsync_dir", "busy_temp_error", "OutputLock", "LockHolder", "temp_dir_for", "old_dir_for", "lock_path_for", "resolve_out",
-    "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "describe_marker", "new_run_id", "this_command",
+    "TempClaim", "parent_locked", "temp_holder", "read_temp_marker", "new_run_id", "this_command",
     "TAKEOVER_GRACE_S", "check_placement", "check_old_name_free", "ensure_parent", "remove_created", "check_replaceable", "changed_listed_files", "is_megamoe_output",
-    "manifest_files", "is_our_temp", "is_our_old", "write_temp_marker", "journal_state", "discard_temp",
+    "is_our_temp", "write_temp_marker", "journal_state", "discard_temp",
     "temp_own_names", "foreign_temp_entries", "remove_own_entries",
-    "swap_into_place", "recover", "signals_deferred", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",
-    "STEP_TENSOR", "STEP_SYNCED", "STEP_COMPLETE", "STEP_OLD_MOVED", "STEP_NEW_MOVED", "STEP_CLEANED",
-    "STEP_OLD_REMOVED", "StepHook",
+    "swap_into_place", "recover", "TMP_MARKER", "JOURNAL_NAME", "SWAP_STEPS",
+    "STEP_TENSOR", "STEP_SYNCED", "STEP_COMPLETE", "StepHook",
 ]

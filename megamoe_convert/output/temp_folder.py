@@ -257,7 +257,7 @@ def check_kept_files(tmp: Path, jfiles: dict[str, dict], planned: set[str], run_
 
 
 #: the run fingerprint's parts as the user names them (a resume with other options says which differ)
-OPTION_NAMES = {
+_OPTION_NAMES = {
     "quantize": "--quantize", "ep_size": "--ep-size", "max_shard_size": "--max-shard-size",
     "on_scale_mismatch": "--on-scale-mismatch", "allow_missing_input_scales": "--allow-missing-input-scales",
     "shared_precision": "--shared-precision", "l2_activation_scale": "--l2-activation-scale",
@@ -279,7 +279,7 @@ def journal_options(parts: dict) -> dict:
     return out
 
 
-def option_changes(before: dict, now: dict) -> list[str]:
+def _option_changes(before: dict, now: dict) -> list[str]:
     """What differs between two `journal_options`, named as flags: ``--ep-size: 1 then, 2 now``."""
     from .units import format_bytes
 
@@ -291,14 +291,14 @@ def option_changes(before: dict, now: dict) -> list[str]:
         return "(not given)" if v is None else json.dumps(v)
 
     out = []
-    for k in sorted(set(before) | set(now), key=lambda k: (k not in OPTION_NAMES or k.startswith("-"), k)):
+    for k in sorted(set(before) | set(now), key=lambda k: (k not in _OPTION_NAMES or k.startswith("-"), k)):
         a, b = before.get(k), now.get(k)
         if a != b:
-            out.append(f"{OPTION_NAMES.get(k, k)}: {show(k, a)} then, {show(k, b)} now")
+            out.append(f"{_OPTION_NAMES.get(k, k)}: {show(k, a)} then, {show(k, b)} now")
     return out
 
 
-def started_command(tmp: Path) -> str | None:
+def _started_command(tmp: Path) -> str | None:
     """The command line the temp folder was created by (its marker), shell-quoted, or None."""
     import shlex
 
@@ -315,11 +315,11 @@ def other_options_error(tmp: Path, fp: str | None, fingerprint: str, before: dic
     """The refusal of a resume with other inputs or options: which differ, and how the run began."""
     from .output_dir import TMP_MARKER
 
-    changes = option_changes(before, now) if isinstance(before, dict) and now is not None else []
+    changes = _option_changes(before, now) if isinstance(before, dict) and now is not None else []
     what = ("; ".join(changes) if changes else
             f"run fingerprint {str(fp)[:12]}..., this run {fingerprint[:12]}... (the interrupted run's journal "
             "does not name its options)")
-    cmd = started_command(tmp)
+    cmd = _started_command(tmp)
     return OutputError(
         f"{tmp} holds an interrupted conversion of different inputs or options: {what}. "
         + (f"It was started as: {cmd} (kept in {tmp / TMP_MARKER}). " if cmd else "")
@@ -489,4 +489,4 @@ class Journal:
 __all__ = ["check_output_target", "prepare_temp_dir", "remove_temp", "finalize_output", "check_written",
            "Journal", "RACY_NS",
            "boot_id", "file_stat", "source_stats", "source_unverified", "check_kept_files", "journal_options",
-           "option_changes", "started_command", "other_options_error"]
+           "other_options_error"]

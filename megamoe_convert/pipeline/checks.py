@@ -38,8 +38,6 @@ from ..readers.base import ExpertScalars, ModelFacts, MoELayerInfo
 
 #: relative tolerance within which w1 and w3 weight_scale_2 count as equal (the runtime's rule)
 GATE_UP_RTOL = scales.W13_RTOL
-#: smallest E4M3 subnormal; a rescaled block scale below it loses precision or becomes 0
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
 SCALE_MISMATCH_POLICIES = ("error", "requantize")
 
 _ROLE_ALIASES = {"gate": ("gate_proj", "w1", "gate_up_proj"), "up": ("up_proj", "w3", "gate_up_proj"),
@@ -49,7 +47,7 @@ _ROLE_ALIASES = {"gate": ("gate_proj", "w1", "gate_up_proj"), "up": ("up_proj", 
 _finite_pos = scales.is_valid_scale
 
 
-def source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> list[str]:
+def _source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> list[str]:
     """Best-effort source tensor names of one expert's projection (for messages)."""
     aliases = _ROLE_ALIASES.get(role, (role,))
     marks = (f"experts.{expert}.",)
@@ -65,7 +63,7 @@ def source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> 
     return out
 
 
-def shared_source_names(info: MoELayerInfo, role: str, kind: str = "") -> list[str]:
+def _shared_source_names(info: MoELayerInfo, role: str, kind: str = "") -> list[str]:
     """Best-effort source tensor names of one shared-expert projection (for messages)."""
     if info.shared is None:
         return []
@@ -76,7 +74,7 @@ def shared_source_names(info: MoELayerInfo, role: str, kind: str = "") -> list[s
 
 def named_shared(info: MoELayerInfo, role: str, kind: str, source=None) -> str:
     """' (source tensor NAME in FILE)' for a shared-expert projection, when found."""
-    return _where_names(source_names=shared_source_names(info, role, kind)[:2], source=source)
+    return _where_names(source_names=_shared_source_names(info, role, kind)[:2], source=source)
 
 
 def _where_names(source_names: list[str], source=None) -> str:
@@ -95,7 +93,7 @@ def _named(info: MoELayerInfo | None, expert: int | None, role: str, kind: str, 
     """' (source tensor NAME in FILE)' for messages, when the name can be found."""
     if info is None or expert is None:
         return ""
-    return _where_names(source_names(info, expert, role, kind)[:2], source)
+    return _where_names(_source_names(info, expert, role, kind)[:2], source)
 
 
 # --------------------------------------------------------------------------- structure
@@ -434,7 +432,7 @@ def requantize_gate_up(et: ExpertTensors, where: str) -> tuple[ExpertTensors, di
     new_scale = codecs.e4m3_encode(scaled)
     new_ws = codecs.e4m3_decode(new_scale)
     nonzero = ws > 0
-    underflow = int(((scaled < E4M3_MIN_SUBNORMAL) & nonzero).sum())
+    underflow = int(((scaled < codecs.E4M3_MIN_SUBNORMAL) & nonzero).sum())  # below it: precision lost, or 0
     zeroed = int(((new_ws == 0) & nonzero).sum())
     old = codecs.dequantize_nvfp4(p.weight, p.scale, s_old).double()
     new = codecs.dequantize_nvfp4(p.weight, new_scale, s2).double()
@@ -456,5 +454,4 @@ def requantize_gate_up(et: ExpertTensors, where: str) -> tuple[ExpertTensors, di
 __all__ = [
     "GATE_UP_RTOL", "SCALE_MISMATCH_POLICIES", "shared_spec_for", "layer_spec", "LayerScalarReport",
     "gate_up_agree", "check_layer_scalars", "check_block_scales", "check_expert", "requantize_gate_up",
-    "source_names",
 ]

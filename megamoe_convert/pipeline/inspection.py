@@ -80,16 +80,16 @@ class InspectReport:
 
 #: a manifest's layer record (spec, scalars, shared note, repairs), per layer and rank: measured 650-700 bytes
 #: on the real fixtures; the tensors and files sections, which grow with the model, are computed exactly
-MANIFEST_LAYER_BYTES = 700
+_MANIFEST_LAYER_BYTES = 700
 
 
-def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size: int, reader, facts,
+def _estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size: int, reader, facts,
                           max_bytes: int | None = None) -> int:
     """What convert writes, from the plan alone: every safetensors file as its writer writes it (the
     header `shard_writer.safetensors_header` builds for the planned tensors and metadata, then their
     bytes), the config/tokenizer copies, the index (exact: built as ``run`` builds it) and megamoe.json
     (its tensors and files sections serialized as the manifest writes them, digests as placeholders of
-    their length; `MANIFEST_LAYER_BYTES` per layer record)."""
+    their length; `_MANIFEST_LAYER_BYTES` per layer record)."""
     from megamoe_runtime.format.manifest import FileEntry
     from megamoe_runtime.load.load_checks import FILE_KEY, RANK_KEY
 
@@ -121,7 +121,7 @@ def estimate_output_bytes(plans: list, source, consumed: set[str], row, ep_size:
         "manifest_sha256": digest,
     }
     manifest = len(json.dumps(sections, indent=1, ensure_ascii=True)) + 1 + \
-        MANIFEST_LAYER_BYTES * len(plans) * ep_size
+        _MANIFEST_LAYER_BYTES * len(plans) * ep_size
     return sum(sizes.values()) + manifest
 
 
@@ -258,7 +258,7 @@ def inspect_checkpoint(src: str | Path, *, revision: str | None = None, format: 
                     if row.weight.has_global_scale else None),
             ep_size=ep_size, estimated_expert_bytes=expert_bytes, passthrough_bytes=pt_bytes,
             estimated_output_bytes=(None if expert_bytes is None else
-                                    estimate_output_bytes(lplans, source, consumed, row, ep_size, reader, facts)),
+                                    _estimate_output_bytes(lplans, source, consumed, row, ep_size, reader, facts)),
             problems=problems, warnings=list(source.warnings), repairs=repairs,
             tensor_bytes=sum(source.nbytes(n) for n in source.tensor_names()),
             options={"format": format, "quantize": quantize, "ep_size": ep_size, "shared_precision": shared_precision,

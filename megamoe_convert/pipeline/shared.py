@@ -70,7 +70,7 @@ SHARED_PRECISION_CHOICES = ("auto", *SHARED_PRECISIONS)
 SHARED_BY_FLAVOUR = {name: dict(r.shared_by_flavour) for name, r in ROWS.items()}
 
 
-FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DeepGEMM's alias entry point"}
+_FLAVOUR_NAMES = {"dg": "newer upstream DeepGEMM", "dgv": "vLLM's DeepGEMM fork", "dgz": "DeepGEMM's alias entry point"}
 
 
 def _flavour(row: Row, f: str) -> str:
@@ -78,7 +78,7 @@ def _flavour(row: Row, f: str) -> str:
         ep = row.entry_point(f)
     except FormatError:  # pragma: no cover - SHARED_BY_FLAVOUR follows formats.ROWS
         ep = "?"
-    return f"{FLAVOUR_NAMES.get(f, f)} ({ep})"
+    return f"{_FLAVOUR_NAMES.get(f, f)} ({ep})"
 
 
 def shared_flavour_note(row: Row, precision: str) -> str:
@@ -170,5 +170,5 @@ def shared_decisions(plans: list["LayerPlan"]) -> list[dict]:
     return [{"layers": layer_ranges(g.pop("layer_list")), **g} for g in groups]
 
 
-__all__ = ["shared_to_precision", "SHARED_PRECISION_CHOICES", "SHARED_BY_FLAVOUR", "FLAVOUR_NAMES",
+__all__ = ["shared_to_precision", "SHARED_PRECISION_CHOICES", "SHARED_BY_FLAVOUR",
            "shared_flavour_note", "check_shared_precision", "choose_shared", "shared_decisions"]

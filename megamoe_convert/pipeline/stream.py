@@ -51,7 +51,7 @@ HASH_THREADS = 1
 DIRECT_WRITES = True
 
 
-def direct_writes() -> bool:
+def _direct_writes() -> bool:
     """`DIRECT_WRITES`, unless ``MEGAMOE_CONVERT_DIRECT=0`` turns it off for this process."""
     return DIRECT_WRITES and knobs.value("MEGAMOE_CONVERT_DIRECT") not in ("0", "false", "no")
 
@@ -144,8 +144,8 @@ class Run:
 
     def direct_io(self) -> DirectIO | None:
         """The staging buffers and device-write thread shared by this run's
-        shard writers (`direct_writes()`), made on first use."""
-        if self._direct is None and direct_writes():
+        shard writers (`_direct_writes()`), made on first use."""
+        if self._direct is None and _direct_writes():
             self._direct = DirectIO()
         return self._direct
 

@@ -151,7 +151,7 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
     kernel quantizes more coarsely than the producer did (FormatError naming
     ``--accept-activation-change`` otherwise).
     """
-    refuse_megamoe_output(source)
+    _refuse_megamoe_output(source)
     reader = _detect(source, format, quantize)
     change = _recipe.compare(_recipe_reader(source, reader, format).activation_recipe(source), reader.row,
                              accepted=bool(accept_activation_change) or quantize is not None,
@@ -162,7 +162,7 @@ def detect_reader(source, format: str | None = None, quantize: str | None = None
     return reader
 
 
-def refuse_megamoe_output(source) -> None:
+def _refuse_megamoe_output(source) -> None:
     """FormatError when ``source`` is already a megamoe output (its megamoe.json, or config.json naming the
     megamoe method): its experts are in kernel layout, which no reader reads; it is served as it is."""
     qc = (source.config or {}).get("quantization_config")

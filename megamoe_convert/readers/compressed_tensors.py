@@ -39,9 +39,9 @@ from .base import register_reader
 from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
 from .recipe import UNDECLARED, ActivationRecipe, unknown
 
-SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
+_SUPPORTED = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8",
              "float-quantized": "fp8_block"}
-WHY_NOT = {
+_WHY_NOT = {
     "float-quantized": "FP8 per tensor or per channel is not one of the MegaMoE rows (128x128 blocks are: "
     "llm-compressor scheme FP8_BLOCK); re-quantizing would be lossy",
     "pack-quantized": "INT4/INT8 packed weights are not one of the MegaMoE rows",
@@ -53,7 +53,7 @@ WHY_NOT = {
 }
 
 
-def ct_format(source) -> str | None:
+def _ct_format(source) -> str | None:
     """The experts' compressed-tensors format string, or None if not CT."""
     qc = quant_config_of(source)
     if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
@@ -64,7 +64,7 @@ def ct_format(source) -> str | None:
         fmts = sorted({str(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")})
         # float-quantized (FP8) groups usually cover the attention next to other expert formats: a group of
         # another supported format is the experts' one; float-quantized alone may be (FP8_BLOCK)
-        supported = [f for f in fmts if f in SUPPORTED and f != "float-quantized"]
+        supported = [f for f in fmts if f in _SUPPORTED and f != "float-quantized"]
         if len(supported) == 1:
             return supported[0]
         if len(fmts) == 1:
@@ -77,15 +77,21 @@ def ct_format(source) -> str | None:
     return fmt or None
 
 
-def ct_input_activations(source) -> ActivationRecipe:
-    """The activation recipe of the config group whose format is the experts' one."""
+def _experts_group(source) -> dict | None:
+    """The config group of the experts' format (the first group with weights when none names it), or None."""
     qc = quant_config_of(source)
-    fmt = ct_format(source)
+    fmt = _ct_format(source)
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     match = [g for g in groups if g.get("format") in (fmt, None)] or groups
-    if not match:
+    return match[0] if match else None
+
+
+def _ct_input_activations(source) -> ActivationRecipe:
+    """The activation recipe of the config group whose format is the experts' one."""
+    group = _experts_group(source)
+    if group is None:
         return UNDECLARED
-    ia = match[0].get("input_activations")
+    ia = group.get("input_activations")
     if ia is None:
         return ActivationRecipe("bf16", False, "compressed-tensors weight-only (input_activations: null): not "
                                                "quantized (BF16)")
@@ -111,22 +117,19 @@ def ct_input_activations(source) -> ActivationRecipe:
 
 def _expert_weights_args(source) -> dict:
     """The ``weights`` quantization args of the config group in the experts' format."""
-    qc = quant_config_of(source)
-    fmt = ct_format(source)
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
-    match = [g for g in groups if g.get("format") in (fmt, None)] or groups
-    w = match[0].get("weights") if match else None
+    group = _experts_group(source)
+    w = group.get("weights") if group is not None else None
     return w if isinstance(w, dict) else {}
 
 
-def ct_fp8_block_reason(source) -> str | None:
+def _ct_fp8_block_reason(source) -> str | None:
     """None for float-quantized FP8 with 128x128 block weights (the fp8_block row), else why not."""
     w = _expert_weights_args(source)
     strat = w.get("strategy")
     if w.get("type") != "float" or w.get("num_bits") != 8 or strat != "block":
-        return (f"compressed-tensors format 'float-quantized' is not supported: {WHY_NOT['float-quantized']} "
+        return (f"compressed-tensors format 'float-quantized' is not supported: {_WHY_NOT['float-quantized']} "
                 f"(weights num_bits={w.get('num_bits')} type={w.get('type')!r} strategy={strat!r}). Supported "
-                f"compressed-tensors formats: {', '.join(SUPPORTED)} (float-quantized: strategy 'block' "
+                f"compressed-tensors formats: {', '.join(_SUPPORTED)} (float-quantized: strategy 'block' "
                 "[128, 128]). To convert this model: re-export it with llm-compressor scheme FP8_BLOCK, NVFP4, "
                 "MXFP4 or MXFP8, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
     from .fp8_block import block_fp8_reason
@@ -136,9 +139,19 @@ def ct_fp8_block_reason(source) -> str | None:
                             else bs)
 
 
+def _ct_scheme(label: str, encoding: str, *params: Param, **options) -> Scheme:
+    """One projection as compressed-tensors stores it: its tensors, beside the ``weight_shape`` every export keeps."""
+    return Scheme(name=f"compressed-tensors {label}", encoding=encoding, params=params, ignored=("weight_shape",),
+                  **options)
+
+
 class _CTReader(SchemeReader):
     direct_weight_bytes = True  # weights are the stored bytes, viewed (convert reads them in place)
     ct_format: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.synthetic_formats = (cls.format_name,)  # every CT reader's synthetic checkpoint is its own format
 
     def __init__(self, source) -> None:
         super().__init__(source)
@@ -146,28 +159,28 @@ class _CTReader(SchemeReader):
 
     @classmethod
     def detect(cls, source) -> bool:
-        return ct_format(source) == cls.ct_format
+        return _ct_format(source) == cls.ct_format
 
     @classmethod
     def activation_recipe(cls, source) -> ActivationRecipe:
-        return ct_input_activations(source)
+        return _ct_input_activations(source)
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
-        fmt = ct_format(source)
+        fmt = _ct_format(source)
         if fmt == "float-quantized":
-            return ct_fp8_block_reason(source)
-        if fmt is None or fmt in SUPPORTED:
+            return _ct_fp8_block_reason(source)
+        if fmt is None or fmt in _SUPPORTED:
             return None
         if fmt.startswith("mixed-precision:"):
             why = f"its config groups use several formats ({fmt.split(':', 1)[1]}) and the experts' one is ambiguous"
         elif fmt == "dense":
             why = "format 'dense' means the weights were saved uncompressed (fake-quantized)"
         else:
-            why = WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
+            why = _WHY_NOT.get(fmt, "it is not one of the formats this converter reads")
         return (
             f"compressed-tensors format {fmt!r} is not supported: {why}. "
-            f"Supported compressed-tensors formats: {', '.join(SUPPORTED)}. To convert this model: re-export it "
+            f"Supported compressed-tensors formats: {', '.join(_SUPPORTED)}. To convert this model: re-export it "
             "with llm-compressor scheme NVFP4, MXFP4 or MXFP8 (the weight-only NVFP4A16 / MXFP4A16 / MXFP8A16 with "
             "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
         )
@@ -206,20 +219,12 @@ class CTNVFP4Reader(_CTReader):
     row = "nvfp4"
     ct_format = "nvfp4-pack-quantized"
     aliases = ("compressed-tensors-nvfp4", "nvfp4-pack-quantized")
-    synthetic_formats = ("ct-nvfp4",)
     description = "compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, 1/weight_global_scale)"
-    scheme = Scheme(
-        name="compressed-tensors NVFP4",
-        encoding="nvfp4",
-        params=(
-            Param("weight", ("weight_packed",), ("U8", "I8")),
-            Param("scale", ("weight_scale",), ("F8_E4M3",)),
-            Param("global", ("weight_global_scale",), ("F32",)),
-            Param("input", ("input_global_scale",), ("F32",), required=False),
-        ),
-        ignored=("weight_shape",),
-        scalar_shape=(1,),  # F32 [1]
-    )
+    scheme = _ct_scheme("NVFP4", row, Param("weight", ("weight_packed",), ("U8", "I8")),
+                        Param("scale", ("weight_scale",), ("F8_E4M3",)),
+                        Param("global", ("weight_global_scale",), ("F32",)),
+                        Param("input", ("input_global_scale",), ("F32",), required=False),
+                        scalar_shape=(1,))  # F32 [1]
 
 
 @register_reader
@@ -228,17 +233,9 @@ class CTMXFP4Reader(_CTReader):
     row = "mxfp4"
     ct_format = "mxfp4-pack-quantized"
     aliases = ("compressed-tensors-mxfp4", "mxfp4-pack-quantized")
-    synthetic_formats = ("ct-mxfp4",)
     description = "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale E8M0/32)"
-    scheme = Scheme(
-        name="compressed-tensors MXFP4",
-        encoding="mxfp4",
-        params=(
-            Param("weight", ("weight_packed",), ("U8", "I8")),
-            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("MXFP4", row, Param("weight", ("weight_packed",), ("U8", "I8")),
+                        Param("scale", ("weight_scale",), ("U8", "F8_E8M0")))
 
 
 @register_reader
@@ -247,17 +244,9 @@ class CTMXFP8Reader(_CTReader):
     row = "mxfp8"
     ct_format = "mxfp8-quantized"
     aliases = ("compressed-tensors-mxfp8", "mxfp8-quantized")
-    synthetic_formats = ("ct-mxfp8",)
     description = "compressed-tensors mxfp8-quantized (weight E4M3, weight_scale E8M0/32)"
-    scheme = Scheme(
-        name="compressed-tensors MXFP8",
-        encoding="mxfp8",
-        params=(
-            Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
-            Param("scale", ("weight_scale",), ("U8", "F8_E8M0")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("MXFP8", row, Param("weight", ("weight", "weight_packed"), ("F8_E4M3",)),
+                        Param("scale", ("weight_scale",), ("U8", "F8_E8M0")))
 
 
 @register_reader
@@ -266,14 +255,6 @@ class CTFP8BlockReader(_CTReader):
     row = "fp8_block"
     ct_format = "float-quantized"
     aliases = ("compressed-tensors-fp8-block", "fp8-block-quantized")
-    synthetic_formats = ("ct-fp8-block",)
     description = "compressed-tensors float-quantized FP8_BLOCK (weight E4M3, weight_scale F32 per 128x128)"
-    scheme = Scheme(
-        name="compressed-tensors FP8_BLOCK",
-        encoding="fp8_block",
-        params=(
-            Param("weight", ("weight",), ("F8_E4M3",)),
-            Param("scale", ("weight_scale",), ("F32", "BF16")),
-        ),
-        ignored=("weight_shape",),
-    )
+    scheme = _ct_scheme("FP8_BLOCK", row, Param("weight", ("weight",), ("F8_E4M3",)),
+                        Param("scale", ("weight_scale",), ("F32", "BF16")))

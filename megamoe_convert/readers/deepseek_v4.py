@@ -37,7 +37,7 @@ from .common import Param, Scheme, SchemeReader, quant_config_of
 
 _V4_NAME = re.compile(r"^(?:[\w.]*?\.)?layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
-FP4_SCHEME = Scheme(
+_FP4_SCHEME = Scheme(
     name="DeepSeek-V4 FP4 experts",
     encoding="mxfp4",
     params=(
@@ -45,7 +45,7 @@ FP4_SCHEME = Scheme(
         Param("scale", ("scale",), ("F8_E8M0", "U8")),
     ),
 )
-FP8_SCHEME = Scheme(
+_FP8_SCHEME = Scheme(
     name="DeepSeek-V4 FP8 (128x128 E8M0 blocks)",
     encoding="mxfp8",
     params=(
@@ -56,8 +56,8 @@ FP8_SCHEME = Scheme(
 )
 
 
-def encode_fp8_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 weight + UE8M0 scale byte per 128x128 block, the inverse of reading `FP8_SCHEME`
+def _encode_fp8_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weight + UE8M0 scale byte per 128x128 block, the inverse of reading `_FP8_SCHEME`
     (DeepSeek-V4 shared experts): x [out, in] float32 -> (e4m3 [out, in], uint8 [ceil(out/128), ceil(in/128)])."""
     out, k = x.shape
     ro, rk = -(-out // 128), -(-k // 128)
@@ -102,19 +102,19 @@ class DeepSeekV4Reader(SchemeReader):
     format_name = "deepseek-v4"
     row = ""  # set per instance from expert_dtype
     description = "DeepSeek-V4 native experts (w1/w2/w3 I8 packed E2M1 + F8_E8M0 scale/32 -> mxfp4; fp8 -> mxfp8)"
-    scheme = FP4_SCHEME
-    shared_schemes = (FP8_SCHEME, FP4_SCHEME)
+    scheme = _FP4_SCHEME
+    shared_schemes = (_FP8_SCHEME, _FP4_SCHEME)
     aliases = ("deepseek-v4-fp4", "dsv4")
-    synthetic_formats = ("deepseek-v4",)  # the released FP4 experts (FP4_SCHEME)
+    synthetic_formats = ("deepseek-v4",)  # the released FP4 experts (_FP4_SCHEME)
 
     def __init__(self, source) -> None:
         kind = looks_v4(source) or ("fp8" if _expert_dtype(source) == "fp8" else "fp4")
-        self.scheme = FP8_SCHEME if kind == "fp8" else FP4_SCHEME  # type: ignore[misc]
+        self.scheme = _FP8_SCHEME if kind == "fp8" else _FP4_SCHEME  # type: ignore[misc]
         super().__init__(source)
         self.row = self.scheme.encoding
         from .common import BF16_SCHEME
 
-        self.shared_schemes = (FP8_SCHEME, FP4_SCHEME, BF16_SCHEME)  # type: ignore[misc]
+        self.shared_schemes = (_FP8_SCHEME, _FP4_SCHEME, BF16_SCHEME)  # type: ignore[misc]
 
     @classmethod
     def detect(cls, source) -> bool:
@@ -141,7 +141,7 @@ class DeepSeekV4Reader(SchemeReader):
         """Block FP8 with E8M0 scales per 128x128, as the released models store shared experts."""
         out = {}
         for r, t in zip(naming.ROLES, (gate, up, down)):
-            q, e8 = encode_fp8_block128(t)
+            q, e8 = _encode_fp8_block128(t)
             out[r] = {"weight": q, "scale": e8.view(torch.float8_e8m0fnu)}
         return out
 

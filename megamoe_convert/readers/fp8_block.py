@@ -25,9 +25,9 @@ from .deepseek_v4 import looks_v4
 from .recipe import ActivationRecipe, unknown
 
 #: the only block size the SM90 kernel's recipe (128, 128, 128) takes
-BLOCK = [128, 128]
+_BLOCK = [128, 128]
 
-SCHEME = Scheme(
+_SCHEME = Scheme(
     name="block FP8 (weight_scale_inv per 128x128)",
     encoding="fp8_block",
     params=(
@@ -42,7 +42,7 @@ def _block_size(qc: dict):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def is_block_fp8(source) -> bool:
+def _is_block_fp8(source) -> bool:
     """``quant_method: "fp8"`` with a ``weight_block_size`` and not DeepSeek-V4's layout."""
     qc = quant_config_of(source)
     return (str(qc.get("quant_method", "")).lower() == "fp8" and qc.get("weight_block_size") is not None
@@ -51,9 +51,9 @@ def is_block_fp8(source) -> bool:
 
 def block_fp8_reason(what: str, block, fmt=None) -> str | None:
     """Why a block-FP8 declaration cannot be the fp8_block row, or None."""
-    if block != BLOCK:
+    if block != _BLOCK:
         return (f"{what} declares weight blocks of {block}; the fp8_block row (DeepGEMM's SM90 fp8_mega_moe, recipe "
-                f"(128, 128, 128)) takes exactly {BLOCK}. Re-export with 128x128 blocks (transformers "
+                f"(128, 128, 128)) takes exactly {_BLOCK}. Re-export with 128x128 blocks (transformers "
                 "FineGrainedFP8Config(weight_block_size=(128, 128)), llm-compressor scheme FP8_BLOCK)")
     if fmt is not None and str(fmt).lower() not in ("e4m3", "float8_e4m3fn"):
         return f"{what} declares fmt {fmt!r}; the fp8_block row holds E4M3 weights only"
@@ -67,16 +67,16 @@ class FP8BlockReader(SchemeReader):
     aliases = ("deepseek-fp8", "finegrained-fp8", "block-fp8")
     synthetic_formats = ("fp8-block",)
     description = "block FP8: weight E4M3 + weight_scale_inv F32 per 128x128 (DeepSeek-V3/R1, FineGrainedFP8)"
-    scheme = SCHEME
+    scheme = _SCHEME
     direct_weight_bytes = True  # weights are the stored bytes (convert reads them in place)
 
     @classmethod
     def detect(cls, source) -> bool:
-        return is_block_fp8(source)
+        return _is_block_fp8(source)
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
-        if not is_block_fp8(source):
+        if not _is_block_fp8(source):
             return None
         qc = quant_config_of(source)
         return block_fp8_reason("quantization_config (quant_method 'fp8')", _block_size(qc), qc.get("fmt"))
@@ -96,4 +96,4 @@ class FP8BlockReader(SchemeReader):
     def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
         """DeepSeek-V3's own ``quantization_config``."""
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK)}, None
+                "weight_block_size": list(_BLOCK)}, None

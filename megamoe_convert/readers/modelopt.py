@@ -48,10 +48,10 @@ from .naming import EXPERT_RE
 from .recipe import UNDECLARED, ActivationRecipe
 
 #: quant_algo -> row of the reader that reads it
-SUPPORTED = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "MXFP8": "mxfp8", "W4A8_MXFP4_FP8": "mxfp4",
+_SUPPORTED = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "MXFP8": "mxfp8", "W4A8_MXFP4_FP8": "mxfp4",
              "W4A16_NVFP4": "nvfp4", "W4A8_NVFP4_FP8": "nvfp4"}
 #: what the producer does to the experts' inputs, per quant_algo (the kernels do their own; `recipe`)
-ACTIVATIONS = {
+_ACTIVATIONS = {
     "NVFP4": ActivationRecipe("nvfp4", True, "ModelOpt NVFP4 (W4A4): NVFP4 per 16 with a calibrated per-tensor "
                                              "global scale (input_scale)"),
     "MXFP4": ActivationRecipe("mxfp4", False, "ModelOpt MXFP4 (W4A4): MXFP4 per 32, dynamic"),
@@ -63,10 +63,10 @@ ACTIVATIONS = {
                                                     "per tensor (input_scale)"),
 }
 #: what would convert such a model instead (every remaining refusal says it)
-CONVERTIBLE = ("re-export the BF16 model with a ModelOpt recipe these kernels read (NVFP4, MXFP4, MXFP8, "
+_CONVERTIBLE = ("re-export the BF16 model with a ModelOpt recipe these kernels read (NVFP4, MXFP4, MXFP8, "
                "W4A8_MXFP4_FP8; W4A16_NVFP4 / W4A8_NVFP4_FP8 with --accept-activation-change), or convert the "
                "unquantized model with --quantize mxfp4|mxfp8|nvfp4")
-WHY_NOT = {
+_WHY_NOT = {
     "W4A8_AWQ": "INT4 AWQ weights with FP8 activations are not an MX/NV FP4 format and carry pre_quant_scale",
     "NVFP4_AWQ": "its per-channel pre_quant_scale (AWQ smoothing) has no slot in the kernels",
     "NVFP4_SVDQUANT": "its low-rank correction branches have no slot in the kernels",
@@ -148,7 +148,7 @@ class _ModelOptReader(SchemeReader):
 
     @classmethod
     def activation_recipe(cls, source) -> ActivationRecipe:
-        return ACTIVATIONS.get(effective_algo(source) or "", UNDECLARED)
+        return _ACTIVATIONS.get(effective_algo(source) or "", UNDECLARED)
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
@@ -156,12 +156,12 @@ class _ModelOptReader(SchemeReader):
         if mq is None:
             return None
         algo = effective_algo(source)
-        if algo in SUPPORTED or algo in ("", "NONE"):
+        if algo in _SUPPORTED or algo in ("", "NONE"):
             return None  # no weight quantization (e.g. FP8 KV cache only): the unquantized reader takes it
-        why = WHY_NOT.get(algo or "", "it is not one of the formats this converter reads")
+        why = _WHY_NOT.get(algo or "", "it is not one of the formats this converter reads")
         return (
             f"ModelOpt quant_algo {algo or mq['algo']!r} is not supported: {why}. "
-            f"Supported ModelOpt algorithms: {', '.join(SUPPORTED)}. To convert this model: {CONVERTIBLE}"
+            f"Supported ModelOpt algorithms: {', '.join(_SUPPORTED)}. To convert this model: {_CONVERTIBLE}"
         )
 
     @classmethod

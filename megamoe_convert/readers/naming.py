@@ -39,8 +39,6 @@ from megamoe_runtime.errors import CheckpointError, FormatError
 from megamoe_runtime.files.limits import check_limit
 from megamoe_runtime.format.source_formats import PROJECTION_PATTERN, PROJECTION_ROLES, SHARED_MODULE_PATTERN
 
-#: projection name -> role (w1 = gate, w3 = up, w2 = down): the runtime's table, which its raw loader reads too
-ROLE_OF = PROJECTION_ROLES
 ROLES = ("gate", "up", "down")
 
 _BLOCK = r"(?:mlp|ffn|block_sparse_moe|moe|feed_forward|sparse_moe_block)"
@@ -51,12 +49,12 @@ EXPERT_RE = re.compile(rf"^{_PREFIX}\.experts\.(?P<expert>\d+)\.{_PROJ}\.(?P<suf
 FUSED_RE = re.compile(
     rf"^{_PREFIX}\.experts\.(?P<proj>gate_up_proj|down_proj)(?:(?:[._])(?P<suffix>[\w.]+))?$"
 )
-SHARED_RE = re.compile(
+_SHARED_RE = re.compile(
     rf"^{_PREFIX}\.(?P<kind>{SHARED_MODULE_PATTERN})\.{_PROJ}\.(?P<suffix>[\w.]+)$"
 )
-SHARED_GATE_RE = re.compile(rf"^{_PREFIX}\.shared_expert_gate\.[\w.]+$")
+_SHARED_GATE_RE = re.compile(rf"^{_PREFIX}\.shared_expert_gate\.[\w.]+$")
 #: gpt-oss style MX-packed fused experts / expert biases
-GPT_OSS_RE = re.compile(rf"^{_PREFIX}\.experts\.(?:gate_up_proj|down_proj)_(?:blocks|scales|bias)$")
+_GPT_OSS_RE = re.compile(rf"^{_PREFIX}\.experts\.(?:gate_up_proj|down_proj)_(?:blocks|scales|bias)$")
 
 
 @dataclass
@@ -109,7 +107,7 @@ def scan(names: Iterable[str]) -> dict[str, LayerNames]:
         if m:
             ln = get(m)
             mod = name[: -len(m.group("suffix")) - 1]
-            role = ROLE_OF[m.group("proj")]
+            role = PROJECTION_ROLES[m.group("proj")]
             e = int(m.group("expert"))
             prev = ln.experts[e].get(role)
             if prev is not None and prev != mod:
@@ -119,7 +117,7 @@ def scan(names: Iterable[str]) -> dict[str, LayerNames]:
             ln.experts[e][role] = mod
             ln.modules[mod][m.group("suffix")] = name
             continue
-        m = GPT_OSS_RE.match(name)
+        m = _GPT_OSS_RE.match(name)
         if m:
             get(m).gpt_oss.append(name)
             continue
@@ -129,15 +127,15 @@ def scan(names: Iterable[str]) -> dict[str, LayerNames]:
             key = "gate_up" if m.group("proj") == "gate_up_proj" else "down"
             ln.fused[key][m.group("suffix") or ""] = name
             continue
-        m = SHARED_RE.match(name)
+        m = _SHARED_RE.match(name)
         if m:
             ln = get(m)
             mod = name[: -len(m.group("suffix")) - 1]
-            ln.shared[ROLE_OF[m.group("proj")]] = mod
+            ln.shared[PROJECTION_ROLES[m.group("proj")]] = mod
             ln.shared_kind = m.group("kind")
             ln.modules[mod][m.group("suffix")] = name
             continue
-        m = SHARED_GATE_RE.match(name)
+        m = _SHARED_GATE_RE.match(name)
         if m:
             get(m).shared_gate.append(name)
     # blocks with only shared experts (a dense layer's shared MLP) are not MoE blocks
@@ -147,7 +145,7 @@ def scan(names: Iterable[str]) -> dict[str, LayerNames]:
 # ----------------------------------------------------------------------------- config
 
 
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language-model part of a config (``text_config`` / ``language_config``
     for multimodal wrappers), else the config itself."""
     for key in ("text_config", "language_config", "llm_config"):
@@ -159,7 +157,7 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def cfg_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     """First present, non-None key among ``keys`` (text_config first)."""
-    tc = text_config(config)
+    tc = _text_config(config)
     for src in (tc, config) if tc is not config else (config,):
         for k in keys:
             v = src.get(k)
@@ -169,7 +167,7 @@ def cfg_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
 
 
 def model_type(config: Mapping[str, Any]) -> str | None:
-    return text_config(config).get("model_type") or config.get("model_type")
+    return _text_config(config).get("model_type") or config.get("model_type")
 
 
 @dataclass(frozen=True)
@@ -209,11 +207,11 @@ def config_sizes(config: Mapping[str, Any], where: str = "config.json") -> Confi
         shared_intermediate=_int_or_none(shared_inter),
         num_layers=_int_or_none(cfg_get(config, "num_hidden_layers", "n_layers", "num_layers")),
     )
-    check_config_limits(sizes, where)
+    _check_config_limits(sizes, where)
     return sizes
 
 
-def check_config_limits(sizes: ConfigSizes, where: str = "config.json") -> None:
+def _check_config_limits(sizes: ConfigSizes, where: str = "config.json") -> None:
     """Refuse sizes beyond megamoe_runtime.files.limits before a reader sizes a list or a buffer from them (a config
     claiming 10**9 experts would otherwise be enumerated expert by expert)."""
     for limit, label, value in (("hidden", "hidden_size", sizes.hidden),
@@ -257,9 +255,9 @@ def expected_moe_layers(config: Mapping[str, Any]) -> set[int] | None:
     for i in range(n):
         if i < first_dense or i in mlp_only:
             continue
-        if "first_k_dense_replace" in text_config(config) and (i % freq):
+        if "first_k_dense_replace" in _text_config(config) and (i % freq):
             continue
-        if "decoder_sparse_step" in text_config(config) and (i + 1) % step:
+        if "decoder_sparse_step" in _text_config(config) and (i + 1) % step:
             continue
         out.add(i)
     return out

@@ -58,7 +58,7 @@ def _norm_dtype(d: Any) -> str:
     return str(d or "").lower().replace("-", "_")
 
 
-def classify_spec(spec: Any) -> tuple[str | None, str]:
+def _classify_spec(spec: Any) -> tuple[str | None, str]:
     """(row or None, human description) of a Quark weight spec."""
     if isinstance(spec, list):
         if not spec:
@@ -71,7 +71,7 @@ def classify_spec(spec: Any) -> tuple[str | None, str]:
         if d == "fp4" and gs == 16 and len(spec) == 2:
             return "nvfp4", f"two-stage [{stages}] (NVFP4)"
         if len(spec) == 1:
-            return classify_spec(first)
+            return _classify_spec(first)
         return None, f"multi-stage spec [{stages}]"
     if not isinstance(spec, dict):
         return None, f"weight spec {spec!r}"
@@ -120,13 +120,13 @@ def _expert_spec(qc: dict, source) -> tuple[Any, str]:
     return cfg.get("weight"), where
 
 
-def classify_input_spec(spec: Any) -> ActivationRecipe:
+def _classify_input_spec(spec: Any) -> ActivationRecipe:
     """The activation recipe of a Quark ``input_tensors`` spec (dict, list or None)."""
     if spec is None:
         return ActivationRecipe("bf16", False, "Quark weight-only (input_tensors: null): not quantized (BF16)")
     if isinstance(spec, list):
         if len(spec) == 1:
-            return classify_input_spec(spec[0])
+            return _classify_input_spec(spec[0])
         first = spec[0] if spec and isinstance(spec[0], dict) else {}
         if _norm_dtype(first.get("dtype")) == "fp4" and first.get("group_size") == 16 and len(spec) == 2:
             return ActivationRecipe("nvfp4", True, "Quark two-stage [fp4 per_group 16, fp8 per_tensor] (NVFP4, "
@@ -158,7 +158,7 @@ def weight_format(source) -> str:
 
 
 #: how to make a Quark export megamoe reads, for the refusal of a fake-quantized one it cannot
-REAL_EXPORT_HINT = ("re-export it with quark.torch.export_safetensors(model, out, weight_format=\"real_quantized\"), "
+_REAL_EXPORT_HINT = ("re-export it with quark.torch.export_safetensors(model, out, weight_format=\"real_quantized\"), "
                     "or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
 
 
@@ -194,12 +194,12 @@ def fake_quantized_to_mxfp8(w: torch.Tensor, scale: torch.Tensor, where: str, wn
     return f8, (e.to(torch.int32) + 127).to(torch.uint8)
 
 
-def quark_row(source) -> tuple[str | None, str] | None:
+def _quark_row(source) -> tuple[str | None, str] | None:
     qc = quant_config_of(source)
     if str(qc.get("quant_method", "")).lower() != "quark":
         return None
     spec, where = _expert_spec(qc, source)
-    row, desc = classify_spec(spec)
+    row, desc = _classify_spec(spec)
     return row, f"{where}.weight = {desc}"
 
 
@@ -213,22 +213,22 @@ class _QuarkReader(SchemeReader):
 
     @classmethod
     def detect(cls, source) -> bool:
-        r = quark_row(source)
+        r = _quark_row(source)
         return r is not None and r[0] == cls.quark_row
 
     @classmethod
     def activation_recipe(cls, source) -> ActivationRecipe:
         cfg, _ = _expert_config(quant_config_of(source), source)
-        return classify_input_spec(cfg.get("input_tensors"))
+        return _classify_input_spec(cfg.get("input_tensors"))
 
     @classmethod
     def unsupported_reason(cls, source) -> str | None:
-        r = quark_row(source)
+        r = _quark_row(source)
         if r is not None and r[0] not in (None, "mxfp8") and weight_format(source) == "fake_quantized":
             return (
                 f"Quark export with {r[1]} was exported fake-quantized (export.weight_format fake_quantized: BF16 "
                 f"quantize-dequantize weights plus weight_scale tensors); megamoe re-encodes that form only for "
-                f"MXFP8. To convert this model: {REAL_EXPORT_HINT}"
+                f"MXFP8. To convert this model: {_REAL_EXPORT_HINT}"
             )
         if r is None or r[0] is not None:
             return None

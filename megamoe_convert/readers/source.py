@@ -37,7 +37,7 @@ from megamoe_runtime.files.safetensors_header import (
 )
 from megamoe_runtime.files.tensor_bytes import byte_view
 
-INDEX_NAME = "model.safetensors.index.json"
+_INDEX_NAME = "model.safetensors.index.json"
 
 
 def _check_regular(path: Path, why: str) -> None:
@@ -54,7 +54,7 @@ def _check_regular(path: Path, why: str) -> None:
                               "safetensors file itself")
 
 #: what a hub snapshot needs for conversion besides the weights: configs, tokenizer files
-HUB_META_PATTERNS = [
+_HUB_META_PATTERNS = [
     "*.json",
     "tokenizer*",
     "*.model",
@@ -64,24 +64,19 @@ HUB_META_PATTERNS = [
     "*.py",
 ]
 #: everything a hub snapshot needs (the weights are narrowed to the index's shards when there is one)
-HUB_ALLOW_PATTERNS = ["*.safetensors", *HUB_META_PATTERNS]
+HUB_ALLOW_PATTERNS = ["*.safetensors", *_HUB_META_PATTERNS]
 #: sub-folders of some repos holding a second copy of the weights
-HUB_IGNORE_PATTERNS = ["original/*", "metal/*", "*/original/*"]
+_HUB_IGNORE_PATTERNS = ["original/*", "metal/*", "*/original/*"]
 
 #: files never copied as "extra" files (weights, indexes, our own outputs)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
-_NOT_EXTRA = {INDEX_NAME, "megamoe.json", "pytorch_model.bin.index.json"}
+_NOT_EXTRA = {_INDEX_NAME, "megamoe.json", "pytorch_model.bin.index.json"}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TRUTHY = {"1", "ON", "YES", "TRUE"}
 
 
-#: the converter's names for the runtime's validated header types (one parser for both)
-TensorHeader = HeaderEntry
-FileHeader = SafetensorsHeader
-
-
-def read_safetensors_header(path: str | Path) -> FileHeader:
+def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
     """Read and validate one safetensors header; CheckpointError naming the file
     on any defect (truncation, oversize or non-JSON header, duplicate keys, bad
     dtype or shape, gaps or overlaps in the data offsets, size mismatch). The
@@ -127,13 +122,13 @@ class CheckpointSource:
         self.config_quant_config: dict[str, Any] | None = cfg_quant if isinstance(cfg_quant, dict) else None
         self.quant_config: dict[str, Any] | None = hf_quant if hf_quant is not None else self.config_quant_config
         self._handles: dict[Path, int] = {}
-        self._headers: dict[Path, FileHeader] = {}
+        self._headers: dict[Path, SafetensorsHeader] = {}
         self._weight_map: dict[str, Path] = {}
         self._index_files()
         #: name -> its header entry, filled on first use: the conversion asks for a few headers per expert
         #: read, and each two-level lookup compared `Path` keys (36 000 ``PurePath.__eq__`` calls on a
         #: 1 GiB source; the headers do not change after `_index_files`)
-        self._tensor_headers: dict[str, TensorHeader] = {}
+        self._tensor_headers: dict[str, HeaderEntry] = {}
 
     # -- opening / validation ---------------------------------------------------
     def _read_json(self, name: str) -> dict[str, Any] | None:
@@ -143,22 +138,22 @@ class CheckpointSource:
         return read_json(p, error=CheckpointError)
 
     def _index_files(self) -> None:
-        index = self._read_json(INDEX_NAME)
+        index = self._read_json(_INDEX_NAME)
         if index is not None:
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not wm:
-                raise CheckpointError(f"{self.root / INDEX_NAME}: no 'weight_map' (tensor -> file) in the index")
-            check_shard_names(list(wm.values()), str(self.root / INDEX_NAME))
+                raise CheckpointError(f"{self.root / _INDEX_NAME}: no 'weight_map' (tensor -> file) in the index")
+            check_shard_names(list(wm.values()), str(self.root / _INDEX_NAME))
             files = sorted(set(wm.values()))
             missing = [f for f in files if not (self.root / f).exists()]
             if missing:
                 raise CheckpointError(
-                    f"{self.root / INDEX_NAME} names shard(s) missing from {self.root}: {missing}"
+                    f"{self.root / _INDEX_NAME} names shard(s) missing from {self.root}: {missing}"
                     + (" (incomplete download?)" if self.kind == "hub" else "")
                 )
             paths = {f: self.root / f for f in files}  # one Path per shard, not one per tensor (thousands)
             for path in paths.values():
-                _check_regular(path, f"{self.root / INDEX_NAME} names it")
+                _check_regular(path, f"{self.root / _INDEX_NAME} names it")
             for f, path in paths.items():
                 self._check_inside(path)
                 self._headers[path] = read_safetensors_header(path)
@@ -167,14 +162,14 @@ class CheckpointSource:
                 path = paths[f]
                 if name not in tensors_of[f]:
                     raise CheckpointError(
-                        f"{self.root / INDEX_NAME} maps tensor {name!r} to {path.name}, but {path} has no such tensor"
+                        f"{self.root / _INDEX_NAME} maps tensor {name!r} to {path.name}, but {path} has no such tensor"
                     )
                 self._weight_map[name] = path
             for path, fh in self._headers.items():
                 extra = sorted(set(fh.tensors) - set(wm))
                 if extra:
                     raise CheckpointError(
-                        f"{path} holds tensor(s) the index {INDEX_NAME} does not list: {extra[:5]}"
+                        f"{path} holds tensor(s) the index {_INDEX_NAME} does not list: {extra[:5]}"
                         + (f" ... ({len(extra) - 5} more)" if len(extra) > 5 else "")
                     )
             return
@@ -185,7 +180,7 @@ class CheckpointSource:
         files = [p for p in found if p.is_file()]
         if not files:
             raise CheckpointError(
-                f"{self.id}: no *.safetensors files and no {INDEX_NAME} in {self.root}"
+                f"{self.id}: no *.safetensors files and no {_INDEX_NAME} in {self.root}"
                 + (" (the snapshot may be incomplete)" if self.kind == "hub" else "")
             )
         for path in files:
@@ -196,7 +191,7 @@ class CheckpointSource:
                 if name in self._weight_map:
                     raise CheckpointError(
                         f"tensor {name!r} is in both {self._weight_map[name].name} and {path.name} and there is no "
-                        f"{INDEX_NAME} saying which to use"
+                        f"{_INDEX_NAME} saying which to use"
                     )
                 self._weight_map[name] = path
 
@@ -223,7 +218,7 @@ class CheckpointSource:
         """The weight files, sorted."""
         return sorted(self._headers)
 
-    def file_header(self, path: str | Path) -> FileHeader:
+    def file_header(self, path: str | Path) -> SafetensorsHeader:
         return self._headers[Path(path)]
 
     def tensor_names(self) -> list[str]:
@@ -238,7 +233,7 @@ class CheckpointSource:
         except KeyError:
             raise CheckpointError(f"{self.id}: no tensor {name!r} in the checkpoint") from None
 
-    def tensor_header(self, name: str) -> TensorHeader:
+    def tensor_header(self, name: str) -> HeaderEntry:
         th = self._tensor_headers.get(name)
         if th is None:
             th = self._tensor_headers[name] = self._headers[self.file_of(name)].tensors[name]
@@ -507,7 +502,7 @@ def _sha256_file(path: Path) -> str:
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _file_digest(path: Path, full: bool, fh: FileHeader) -> str:
+def _file_digest(path: Path, full: bool, fh: SafetensorsHeader) -> str:
     if path.is_symlink():
         target = Path(os.path.realpath(path))
         if _SHA256_HEX.match(target.name) and target.parent.name == "blobs":
@@ -555,7 +550,7 @@ def containment_base(root: Path) -> Path:
     return real
 
 
-def hub_cache_dir(cache_dir: str | Path | None = None) -> Path:
+def _hub_cache_dir(cache_dir: str | Path | None = None) -> Path:
     """The hub cache `open_source` reads: `cache_dir`, else ``$HF_HUB_CACHE``,
     else huggingface_hub's default (``$HF_HOME/hub``)."""
     if cache_dir is not None:
@@ -578,7 +573,7 @@ def source_roots(src: str | Path, cache_dir: str | Path | None = None) -> list[P
     if p.exists():
         return [Path(os.path.realpath(p))]
     if is_hub_id(str(src)):
-        return [hub_cache_dir(cache_dir)]
+        return [_hub_cache_dir(cache_dir)]
     return []
 
 
@@ -624,7 +619,7 @@ def open_source(
             from e.__cause__
 
 
-def one_line(e: BaseException, limit: int = 200) -> str:
+def _one_line(e: BaseException, limit: int = 200) -> str:
     """An exception as one short line (type and first line of its text): huggingface_hub's messages run
     over several lines (request ids, URLs, advice), which broke the converter's one-line errors."""
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
@@ -647,19 +642,19 @@ def _open_hub(
         cache_dir = os.environ["HF_HUB_CACHE"]
     rev = revision or "main"
     where = f"hub repo {repo_id!r} (revision {rev!r})"
-    cache_note = f"the hub cache at {hub_cache_dir(cache_dir)}"
+    cache_note = f"the hub cache at {_hub_cache_dir(cache_dir)}"
     fetch = (f"`hf download {repo_id}" + (f" --revision {revision}" if revision else "")
              + (f" --cache-dir {given_cache}" if given_cache else "") + "`")
     def download(allow: list[str]) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=allow,
-                                      ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=offline,
+                                      ignore_patterns=_HUB_IGNORE_PATTERNS, local_files_only=offline,
                                       token=token))
 
     try:
         # configs and the index first: with an index, only the shards it names are fetched, so a
         # second copy of the weights beside them (e.g. consolidated.safetensors) is never downloaded
-        folder_p = download(HUB_META_PATTERNS)
-        shards = _index_shards(folder_p / INDEX_NAME, where)
+        folder_p = download(_HUB_META_PATTERNS)
+        shards = _index_shards(folder_p / _INDEX_NAME, where)
         folder = download(shards if shards is not None else ["*.safetensors"])
     except hf_errors.RevisionNotFoundError as e:
         raise CheckpointError(f"{where}: revision {rev!r} does not exist on the hub") from e
@@ -683,11 +678,11 @@ def _open_hub(
                 f"({fetch}) or point --cache-dir / HF_HUB_CACHE at a cache that has it"
             ) from e
         raise CheckpointError(f"{where}: not in {cache_note} and the hub could not be reached "
-                              f"({one_line(e)}); check the network, or download it with {fetch}") from e
+                              f"({_one_line(e)}); check the network, or download it with {fetch}") from e
     except hf_errors.HfHubHTTPError as e:
-        raise CheckpointError(f"{where}: hub request failed ({one_line(e)})") from e
+        raise CheckpointError(f"{where}: hub request failed ({_one_line(e)})") from e
     except OSError as e:
-        raise CheckpointError(f"{where}: could not download the snapshot ({one_line(e)})") from e
+        raise CheckpointError(f"{where}: could not download the snapshot ({_one_line(e)})") from e
     folder_p = Path(folder)
     commit = folder_p.name if folder_p.parent.name == "snapshots" else None
     if not (folder_p / "config.json").is_file():
@@ -704,8 +699,8 @@ def _index_shards(index: Path, where: str) -> list[str] | None:
         weight_map = data["weight_map"]
         shards = sorted(set(weight_map.values()), key=str)
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{where}: {INDEX_NAME} is not a valid index (no weight_map of names to files: {e})")
-    check_shard_names(shards, f"{where}: {INDEX_NAME}")
+        raise CheckpointError(f"{where}: {_INDEX_NAME} is not a valid index (no weight_map of names to files: {e})")
+    check_shard_names(shards, f"{where}: {_INDEX_NAME}")
     return shards
 
 

@@ -48,7 +48,7 @@ class LayerResult:
                 "threshold": self.threshold, "shared_fused": self.shared_fused, "ok": self.ok}
 
 
-def activation(spec: ActivationSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _activation(spec: ActivationSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The activation straight from its definition (ARCHITECTURE.md), in fp32."""
     if spec.kind == "swiglu":
         if spec.clamp is not None:
@@ -72,14 +72,14 @@ def source_forward(reader, layer_index: int, spec: LayerSpec, x: torch.Tensor, w
         if tok.numel() == 0:
             continue
         g, u, d = reader.read_expert(layer_index, e).dequantize(row)
-        h = activation(spec.activation, xf[tok] @ g.t(), xf[tok] @ u.t()) @ d.t()
+        h = _activation(spec.activation, xf[tok] @ g.t(), xf[tok] @ u.t()) @ d.t()
         y.index_add_(0, tok, h * w[tok, slot, None])
     y = y * spec.routed_scaling_factor
     if spec.shared is not None:  # fused shared experts (unfused ones the served layer does not run)
         enc = info.shared.encoding
         for ex in reader.read_shared(layer_index) or []:
             g, u, d = ex.dequantize(enc)
-            y = y + activation(spec.activation, xf @ g.t(), xf @ u.t()) @ d.t()
+            y = y + _activation(spec.activation, xf @ g.t(), xf @ u.t()) @ d.t()
     return y
 
 
@@ -144,4 +144,4 @@ def _check_same_layers(ckpt, reader, src: str, out: str) -> None:
                                f"{want[1]}, intermediate {want[2]} in {out}, but {src} {what}")
 
 
-__all__ = ["THRESHOLDS", "LayerResult", "activation", "source_forward", "routing", "compare_with_source"]
+__all__ = ["THRESHOLDS", "LayerResult", "source_forward", "routing", "compare_with_source"]

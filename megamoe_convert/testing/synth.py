@@ -64,7 +64,7 @@ def _encoders() -> dict[str, type[CheckpointReader]]:
 ENCODER_OF = _encoders()
 #: source format -> the row its experts map onto
 ROW_OF = {f: ENCODER_OF[f].synthetic_row(f) for f in FORMATS}
-ROLES = ("gate", "up", "down")
+_ROLES = ("gate", "up", "down")
 _HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _W_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
 
@@ -158,11 +158,11 @@ def _encode_expert(
 
 
 #: bytes per routed-expert parameter of a synthetic source, by the row its format converts to (weights;
-#: block scales add a few percent, `estimate_bytes` counts them as 1/16 more)
+#: block scales add a few percent, `_estimate_bytes` counts them as 1/16 more)
 _BYTES_PER_PARAM = {"nvfp4": 0.5, "mxfp4": 0.5, "mxfp8": 1.0, "bf16": 2.0}
 
 
-def estimate_bytes(fmt: str, num_layers: int, hidden: int, intermediate: int, num_experts: int,
+def _estimate_bytes(fmt: str, num_layers: int, hidden: int, intermediate: int, num_experts: int,
                    shared: int = 0) -> int:
     """About how many bytes a synthetic source of these sizes holds (its experts dominate)."""
     per = _BYTES_PER_PARAM.get(ROW_OF.get(fmt, "bf16"), 2.0) * (1 + 1 / 16)
@@ -188,7 +188,7 @@ def check_sizes(fmt: str, out: Path, *, num_layers: int, hidden: int, intermedia
         raise LimitError(f"synth: --shared {shared} x --intermediate {intermediate} = {shared * intermediate} "
                          f"(the fused shared expert's width) exceeds megamoe's limit of {MAX_INTERMEDIATE} for "
                          "intermediate (megamoe_runtime.files.limits)")
-    need = estimate_bytes(fmt, num_layers, hidden, intermediate, num_experts, shared)
+    need = _estimate_bytes(fmt, num_layers, hidden, intermediate, num_experts, shared)
     base = Path(out).absolute()
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -332,7 +332,7 @@ def _build(
         ignore.append(f"{lp}.{'attn' if v4 else 'self_attn'}*")
         mp = f"{lp}.{block}"
         if L < first_k_dense_replace:
-            for r in ROLES:
+            for r in _ROLES:
                 shape = (H, dense_I) if r == "down" else (dense_I, H)
                 b.add(f"{mp}.{proj[r]}.weight", rnd(*shape))
             ignore.append(f"{mp}.*")
@@ -359,11 +359,11 @@ def _build(
                 gt, ut, dt_ = synthetic_expert_weights(seed, L, e, H, I)
                 if (L, e) in mism:
                     ut = ut * mismatch_factor
-                ins = {r: synthetic_input_scale(seed, L, e, r) for r in ROLES}
+                ins = {r: synthetic_input_scale(seed, L, e, r) for r in _ROLES}
                 enc = _encode_expert(
                     layer_fmt, gt, ut, dt_, input_scales=ins, shared_global=(L, e) not in mism
                 )
-                for r in ROLES:
+                for r in _ROLES:
                     d = enc[r]
                     _inject(d, (L, e, r) in nans, (L, e, r) in zeros, (L, e, r) in ffs)
                     if (L, e, r) in wrong:
@@ -373,14 +373,14 @@ def _build(
         if S:
             sg, su, sd = synthetic_shared_weights(seed, L, H, S * I)
             sfmt = shared_format or ("bf16" if naming == "fused" else fmt)
-            ins = {r: synthetic_input_scale(seed, L, 10_000, r) for r in ROLES}
+            ins = {r: synthetic_input_scale(seed, L, 10_000, r) for r in _ROLES}
             if shared_format is None:  # the format's own shared experts (DeepSeek-V4: block FP8)
                 enc = ENCODER_OF[sfmt].encode_shared(sfmt, sg, su, sd, input_scales=ins)
             else:
                 enc = _encode_expert(sfmt, sg, su, sd, input_scales=ins)
             if sfmt == "bf16" and ROW_OF[fmt] != "bf16":
                 ignore.append(f"{mp}.shared_experts*")
-            for r in ROLES:
+            for r in _ROLES:
                 b.projection(f"{mp}.shared_experts.{proj[r]}", enc[r])
     b.add("norm.weight" if v4 else "model.norm.weight", torch.ones(H, dtype=float_dt))
     b.add("head.weight" if v4 else "lm_head.weight", rnd(vocab_size, H))
@@ -437,14 +437,14 @@ def _build(
     if hf is not None:
         (path / "hf_quant_config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n")
-    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG) + "\n")
+    (path / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG) + "\n")
     (path / "tokenizer.json").write_text(tokenizer_json(vocab_size) + "\n")
     _save(b.tensors, path, max_shard_bytes)
     return path
 
 
 #: tokenizer_config.json of a synthetic checkpoint: the generic fast tokenizer over tokenizer.json
-TOKENIZER_CONFIG = {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+_TOKENIZER_CONFIG = {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
                     "eos_token": "</s>", "unk_token": "<unk>"}
 
 

@@ -18,10 +18,8 @@ __all__ = [
     "MAX_EXPERTS",
     "MAX_HIDDEN",
     "MAX_INTERMEDIATE",
-    "MAX_LAYERS",
     "MAX_TOP_K",
     "MAX_HEADER_BYTES",
-    "MAX_HEADER_TENSORS",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_INT_DIGITS",
@@ -36,14 +34,14 @@ MAX_HIDDEN = 65_536
 #: expert (or shared-expert) intermediate size
 MAX_INTERMEDIATE = 131_072
 #: MoE layers of one model
-MAX_LAYERS = 1_024
+_MAX_LAYERS = 1_024
 #: experts chosen per token
 MAX_TOP_K = 256
 #: the safetensors format's own limit on the JSON header's length
 MAX_HEADER_BYTES = 100_000_000
 #: tensors one safetensors header may list (a whole Kimi-K2-sized NVFP4 model in one file lists about 280,000);
 #: counted in the raw header bytes before it is parsed, since parsing 1.3 M entries took 6-10 GB
-MAX_HEADER_TENSORS = 1 << 19
+_MAX_HEADER_TENSORS = 1 << 19
 #: any JSON file megamoe reads (config.json, the index, megamoe.json, hf_quant_config.json)
 MAX_JSON_BYTES = 64 * 1024 * 1024
 #: nesting depth of objects/arrays in any JSON text megamoe reads
@@ -58,10 +56,10 @@ LIMITS: dict[str, int] = {
     "num_experts": MAX_EXPERTS,
     "hidden": MAX_HIDDEN,
     "intermediate": MAX_INTERMEDIATE,
-    "num_layers": MAX_LAYERS,
+    "num_layers": _MAX_LAYERS,
     "top_k": MAX_TOP_K,
     "header_bytes": MAX_HEADER_BYTES,
-    "header_tensors": MAX_HEADER_TENSORS,
+    "header_tensors": _MAX_HEADER_TENSORS,
     "json_bytes": MAX_JSON_BYTES,
     "json_depth": MAX_JSON_DEPTH,
     "int_digits": MAX_INT_DIGITS,

@@ -10,19 +10,19 @@ from typing import Generic, Sequence, TypeVar
 
 __all__ = ["SharedQueue"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-class SharedQueue(Generic[T]):
+class SharedQueue(Generic[_T]):
     """A thread-safe iterator over ``items``, in order; every thread iterates the same object."""
 
-    def __init__(self, items: Sequence[T]):
+    def __init__(self, items: Sequence[_T]):
         self._items, self._i, self._lock = items, 0, threading.Lock()
 
     def __iter__(self) -> "SharedQueue[T]":
         return self
 
-    def __next__(self) -> T:
+    def __next__(self) -> _T:
         with self._lock:
             if self._i >= len(self._items):
                 raise StopIteration

@@ -15,9 +15,9 @@ from ..errors import CheckpointError, MegaMoEError, ScaleError
 from .formats import Element, Row, get_row
 from .scales import is_valid_scale
 
-__all__ = ["ProjectionTensors", "ExpertTensors", "ROLES", "expected_shapes"]
+__all__ = ["ProjectionTensors", "ExpertTensors", "expected_shapes"]
 
-ROLES = ("gate", "up", "down")
+_ROLES = ("gate", "up", "down")
 
 
 def expected_shapes(row: "Row | str", hidden: int, intermediate: int, role: str) -> tuple[tuple[int, int], tuple[int, int] | None]:
@@ -31,7 +31,7 @@ def expected_shapes(row: "Row | str", hidden: int, intermediate: int, role: str)
     elif role == "down":
         out, k = hidden, intermediate
     else:
-        raise CheckpointError(f"unknown projection role {role!r}; valid: {', '.join(ROLES)}")
+        raise CheckpointError(f"unknown projection role {role!r}; valid: {', '.join(_ROLES)}")
     w = (out, row.weight.stored_cols(k))
     return w, row.weight.scale_shape(out, k)
 

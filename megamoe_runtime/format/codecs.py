@@ -27,13 +27,10 @@ from ..errors import FormatError, LayoutError, ScaleError
 
 __all__ = [
     "E2M1_VALUES",
-    "E2M1_MAX",
     "E4M3_MAX",
     "E4M3_MIN_SUBNORMAL",
-    "UE8M0_AMAX_FLOOR",
     "MX_GROUP",
     "NVFP4_GROUP",
-    "NVFP4_TOKEN_AMAX_FLOOR",
     "e2m1_decode",
     "e2m1_decode_packed",
     "e2m1_packed_to_e4m3",
@@ -74,15 +71,15 @@ E2M1_VALUES = torch.tensor(
      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
 )
-E2M1_MAX = 6.0
+_E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 #: DeepGEMM's Python references floor the group amax at 1e-4 before scaling.
-UE8M0_AMAX_FLOOR = 1e-4
+_UE8M0_AMAX_FLOOR = 1e-4
 MX_GROUP = 32
 NVFP4_GROUP = 16
 #: DGv ``tests/test_nvfp4_mega_moe.py`` floors the per-token amax at 1e-12.
-NVFP4_TOKEN_AMAX_FLOOR = 1e-12
+_NVFP4_TOKEN_AMAX_FLOOR = 1e-12
 
 _TIES = ("even", "down")
 # Midpoints between neighbouring E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
@@ -416,7 +413,7 @@ def ue8m0_ceil_exponent(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     fp32 amax -- checked exhaustively in the tests.) The 1e-4 floor means all-zero groups get 2^-22 (E4M3, byte 105) or
     2^-15 (E2M1, byte 112). Non-finite amax saturates to byte 254.
     """
-    a = amax.to(torch.float32).clamp_min(UE8M0_AMAX_FLOOR)
+    a = amax.to(torch.float32).clamp_min(_UE8M0_AMAX_FLOOR)
     return ceil_to_ue8m0_byte(_div_const(a, float(elem_max)))
 
 
@@ -538,7 +535,7 @@ def quantize_mxfp4(x: torch.Tensor, ties: str = "even") -> tuple[torch.Tensor, t
     """
     _check_ties(ties)
     g = _grouped(_float_input(x, "quantize_mxfp4"), MX_GROUP, "quantize_mxfp4")
-    e, inv = _mx_scale(g, E2M1_MAX)
+    e, inv = _mx_scale(g, _E2M1_MAX)
     codes = e2m1_encode(g * inv.unsqueeze(-1), ties)
     return pack_e2m1(codes.flatten(-2)), e
 
@@ -564,7 +561,7 @@ def quantize_nvfp4(
     gs = _scalar_or_rows(global_scale, x32, "quantize_nvfp4")
     inv = _per_group(1.0 / gs)
     amax = g.abs().amax(dim=-1)
-    sf = e4m3_encode((_div_const(amax, E2M1_MAX) * inv).clamp_min(E4M3_MIN_SUBNORMAL))
+    sf = e4m3_encode((_div_const(amax, _E2M1_MAX) * inv).clamp_min(E4M3_MIN_SUBNORMAL))
     scaled = g * inv.unsqueeze(-1) / sf.to(torch.float32).unsqueeze(-1)
     codes = e2m1_encode(scaled, ties)
     return pack_e2m1(codes.flatten(-2)), sf
@@ -590,8 +587,8 @@ def quantize_nvfp4_per_token(
     _check_ties(ties)
     x32 = _float_input(x, "quantize_nvfp4_per_token")
     _grouped(x32, NVFP4_GROUP, "quantize_nvfp4_per_token")
-    amax = x32.abs().amax(dim=-1).clamp_min(NVFP4_TOKEN_AMAX_FLOOR)
-    token_scale = _div_const(amax, E2M1_MAX * E4M3_MAX)
+    amax = x32.abs().amax(dim=-1).clamp_min(_NVFP4_TOKEN_AMAX_FLOOR)
+    token_scale = _div_const(amax, _E2M1_MAX * E4M3_MAX)
     packed, sf = quantize_nvfp4(x32 / token_scale.unsqueeze(-1), 1.0, ties)
     return packed, sf, token_scale
 
@@ -611,7 +608,7 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     w32 = _float_input(w, "quantize_nvfp4_weight")
     g = _grouped(w32, NVFP4_GROUP, "quantize_nvfp4_weight")
     amax = w32.abs().amax() if w32.numel() else torch.zeros((), device=w32.device)
-    gs = _div_const(amax, E2M1_MAX * E4M3_MAX)
+    gs = _div_const(amax, _E2M1_MAX * E4M3_MAX)
     gs_host = float(gs)
     amax_host = float(amax)
     if not (amax_host < float("inf")):
@@ -624,7 +621,7 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
             )
         gs = torch.ones((), dtype=torch.float32, device=w32.device)
         gs_host = 1.0
-    block = g.abs().amax(dim=-1) / (E2M1_MAX * gs)
+    block = g.abs().amax(dim=-1) / (_E2M1_MAX * gs)
     block = torch.where(block == 0, torch.ones_like(block), block)
     sf = e4m3_encode(block.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
     scaled = g / (sf.to(torch.float32) * gs).unsqueeze(-1) + 0.0  # + 0.0 maps -0.0 to +0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from enum import StrEnum
 from typing import Any, Mapping
 
@@ -29,20 +30,18 @@ __all__ = [
     "QUANTIZE_ROWS",
     "get_row",
     "SHARED_PRECISIONS",
-    "ACTIVATION_KINDS",
     "MAX_TOPK_SLOTS",
     "ActivationSpec",
     "SharedSpec",
     "LayerSpec",
     "nearest_multiples",
-    "STORAGE_FIELDS",
     "SEMANTIC_FIELDS",
     "spec_differences",
 ]
 
 #: DeepGEMM's combine has at most 32 slots per token: top-k routed + 1 shared.
 MAX_TOPK_SLOTS = 32
-ACTIVATION_KINDS = ("swiglu", "situ")
+_ACTIVATION_KINDS = ("swiglu", "situ")
 #: Shared-expert precisions the kernels can fuse (2-D tensors, docs/KERNELS.md#feature-matrix).
 SHARED_PRECISIONS = ("mxfp8", "bf16")
 
@@ -188,12 +187,12 @@ class WeightSpec:
         return -(-k // (4 * self.scale_group))
 
 
-E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
-E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
-E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
+_E2M1_UE8M0 = WeightSpec(Element.E2M1, 2, torch.int8, 32, "ue8m0", False)
+_E4M3_UE8M0 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 32, "ue8m0", False)
+_E2M1_E4M3 = WeightSpec(Element.E2M1, 2, torch.int8, 16, "e4m3", True)
 BF16 = WeightSpec(Element.BF16, 0, torch.bfloat16, None, None, False)
 #: E4M3 weights, one fp32 multiplier per 128x128 block (DeepSeek-V3's ``weight_scale_inv``)
-E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
+_E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
 
 
 @dataclass(frozen=True)
@@ -264,7 +263,7 @@ class Row:
         bad = [p for p in self.fusable_shared if p not in SHARED_PRECISIONS]
         if bad:
             raise FormatError(f"Row {self.name}: unknown shared precisions {bad}")
-        bad = [a for a in self.activations if a not in ACTIVATION_KINDS]
+        bad = [a for a in self.activations if a not in _ACTIVATION_KINDS]
         if bad:
             raise FormatError(f"Row {self.name}: unknown activations {bad}")
         for flavour, ep in self.api_flavours:
@@ -359,18 +358,20 @@ def _rows(*rows: Row) -> dict[str, Row]:
     return {r.name: r for r in rows}
 
 
+#: one entry of the table: a Row with what every row has unless its entry says otherwise, H and I multiples
+#: of 128 and the top-k weight applied in L1
+_row = partial(Row, hidden_multiple=128, intermediate_multiple=128, topk_weight_stage="l1")
+
+
 ROWS: dict[str, Row] = _rows(
-    Row(
+    _row(
         name=RowName.MXFP4,
         mma_type="fp8xfp4",
         entry_points=("fp8_fp4_mega_moe",),
-        weight=E2M1_UE8M0,
+        weight=_E2M1_UE8M0,
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_fp4_mega_moe",),
         no_kernel_hint="deep_gemm has no fp8_fp4_mega_moe (the MXFP4-weight mega kernel)",
         selfcheck_tolerance=2e-3,
@@ -380,17 +381,14 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgv", ("mxfp8",))),
         notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
     ),
-    Row(
+    _row(
         name=RowName.MXFP8,
         mma_type="fp8xfp8",
         entry_points=("fp8_fp4_mega_moe", "fp8_fp8_mega_moe"),
-        weight=E4M3_UE8M0,
+        weight=_E4M3_UE8M0,
         dispatch=Dispatch.MXFP8,
         fusable_shared=("mxfp8",),
         activations=frozenset({"swiglu", "situ"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_fp8_mega_moe", "fp8_fp4_mega_moe"),
         no_kernel_hint=("this DeepGEMM has no MXFP8-weight mega kernel: needs newer deepseek-ai/DeepGEMM "
                         "(fp8_fp4_mega_moe with e4m3 weights) or zyongye/DeepGEMM's fp8_fp8_mega_moe"),
@@ -401,21 +399,19 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgz", ())),
         notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
     ),
-    Row(
+    _row(
         name=RowName.NVFP4,
         mma_type="fp4xfp4",
         entry_points=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
-        weight=E2M1_E4M3,
+        weight=_E2M1_E4M3,
         dispatch=Dispatch.NVFP4,
         fusable_shared=("mxfp8", "bf16"),
         activations=frozenset({"swiglu"}),
-        # DGv's nvfp4_mega_moe needs H, I % 128. Newer DG's fp4_fp4_mega_moe
+        topk_weight_stage="l2",
+        # sizes, the table's H, I % 128: DGv's nvfp4_mega_moe needs that. Newer DG's fp4_fp4_mega_moe
         # needs H, I % 512 (its kernel asserts 256) and S*I_s % 128: the
         # deepgemm backend checks that stricter rule for that flavour; the
         # format itself only needs the DGv rule.
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l2",
         entry_preference=("fp4_fp4_mega_moe", "nvfp4_mega_moe"),
         no_kernel_hint=("this DeepGEMM has no NVFP4 mega kernel: needs newer deepseek-ai/DeepGEMM "
                         "(fp4_fp4_mega_moe) or vllm-project/DeepGEMM (nvfp4_mega_moe)"),
@@ -426,7 +422,7 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("mxfp8", "bf16"))),
         notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
     ),
-    Row(
+    _row(
         name=RowName.BF16,
         mma_type="bf16xbf16",
         entry_points=("bf16_mega_moe",),
@@ -434,12 +430,8 @@ ROWS: dict[str, Row] = _rows(
         dispatch=Dispatch.BF16,
         fusable_shared=("bf16",),
         activations=frozenset({"swiglu"}),
-        # The layout alone needs I % 8 (interleave). We pick H, I % 128 as
-        # vLLM's backend factory asks, so a converted bf16 checkpoint is
-        # accepted by every consumer.
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
+        # sizes, the table's H, I % 128: the layout alone needs I % 8 (interleave); 128 is what
+        # vLLM's backend factory asks, so a converted bf16 checkpoint is accepted by every consumer.
         entry_preference=("bf16_mega_moe",),
         no_kernel_hint="this DeepGEMM has no bf16_mega_moe (added in deepseek-ai/DeepGEMM main, June 2026)",
         selfcheck_tolerance=1e-4,
@@ -449,19 +441,16 @@ ROWS: dict[str, Row] = _rows(
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
     ),
-    Row(
+    _row(
         name=RowName.FP8_BLOCK,
         mma_type="fp8xfp8",
         entry_points=("fp8_mega_moe",),
-        weight=E4M3_F32_BLOCK128,
+        weight=_E4M3_F32_BLOCK128,
         dispatch=Dispatch.FP8_128,
         # the SM90 kernel has no shared-expert slot: shared experts stay in the
         # pass-through files and run outside it (docs/FORMATS.md#fp8-block)
         fusable_shared=(),
         activations=frozenset({"swiglu"}),
-        hidden_multiple=128,
-        intermediate_multiple=128,
-        topk_weight_stage="l1",
         entry_preference=("fp8_mega_moe",),
         no_kernel_hint=("deep_gemm has no fp8_mega_moe (the SM90 block-FP8 mega kernel of SGLang's DeepGEMM build): "
                         "pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11, built for torch 2.11"),
@@ -509,8 +498,8 @@ class ActivationSpec:
     situ_linear_beta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ACTIVATION_KINDS:
-            raise LayerSpecError(f"activation kind={self.kind!r}; valid: {', '.join(ACTIVATION_KINDS)}")
+        if self.kind not in _ACTIVATION_KINDS:
+            raise LayerSpecError(f"activation kind={self.kind!r}; valid: {', '.join(_ACTIVATION_KINDS)}")
         if self.clamp is not None:
             if not _is_real(self.clamp) or not math.isfinite(self.clamp) or self.clamp < 0:
                 raise LayerSpecError(
@@ -742,7 +731,7 @@ class LayerSpec:
 
 
 #: spec fields that fix the layer's storage: a checkpoint that differs here cannot be loaded into the layer
-STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
+_STORAGE_FIELDS = ("row", "hidden", "intermediate", "num_experts", "ep_size", "ep_rank", "shared")
 #: spec fields that change only the numerics: refused unless the caller adopts them
 SEMANTIC_FIELDS = ("top_k", "activation", "routed_scaling_factor")
 

@@ -78,7 +78,6 @@ __all__ = [
     "write_l2_scale",
     "read_l1_weight",
     "read_l1_scale",
-    "read_l2_weight",
     "read_l2_scale",
     "write_expert",
     "write_expert_scales",
@@ -88,13 +87,12 @@ __all__ = [
     "pack_shared",
     "unpack_shared",
     "fold_shared",
-    "split_shared",
     "block_fp8_kernel_layout",
     "block_fp8_canonical",
 ]
 
-UTCCP_BLOCK = 128
-INTERLEAVE = 8
+_UTCCP_BLOCK = 128
+_INTERLEAVE = 8
 
 
 def _codecs():
@@ -229,7 +227,7 @@ def _check_layout_sizes(row: Row, hidden: int, intermediate: int, where: str) ->
     for label, v in (("hidden", hidden), ("intermediate", intermediate)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise LayoutError(f"{where}: {label}={v!r} must be a positive int")
-    if intermediate % INTERLEAVE:
+    if intermediate % _INTERLEAVE:
         raise LayoutError(
             f"{where}: intermediate={intermediate} must be a multiple of 8 for the gate/up interleave; "
             f"nearest valid: {nearest_multiples(intermediate, 8)}"
@@ -243,12 +241,12 @@ def _check_layout_sizes(row: Row, hidden: int, intermediate: int, where: str) ->
                 f"intermediate {nearest_multiples(intermediate, b)}"
             )
     elif w.has_scales:
-        if (2 * intermediate) % UTCCP_BLOCK:
+        if (2 * intermediate) % _UTCCP_BLOCK:
             raise LayoutError(
                 f"{where}: UTCCP needs 2*intermediate to be a multiple of 128 (got intermediate={intermediate}; "
                 f"nearest valid: {nearest_multiples(intermediate, 64)})"
             )
-        if hidden % UTCCP_BLOCK:
+        if hidden % _UTCCP_BLOCK:
             raise LayoutError(
                 f"{where}: UTCCP needs hidden to be a multiple of 128 (got hidden={hidden}; "
                 f"nearest valid: {nearest_multiples(hidden, 128)})"
@@ -538,7 +536,7 @@ def read_l1_weight(l1_weight_e: torch.Tensor, half: int, *, where: str = "l1_wei
     return out.view(_checkpoint_dtype(l1_weight_e.dtype))
 
 
-def read_l1_scale_packed(l1_scale_e: torch.Tensor, half: int, *, where: str = "l1_scale") -> torch.Tensor:
+def _read_l1_scale_packed(l1_scale_e: torch.Tensor, half: int, *, where: str = "l1_scale") -> torch.Tensor:
     """Gate/up packed int32 [.., I, P], row-major, in checkpoint row order
     (block-FP8: the fp32 block scales [.., I/128, H/128], a copy)."""
     _check_half(half, where)
@@ -557,18 +555,18 @@ def read_l1_scale(
     l1_scale_e: torch.Tensor, half: int, num_groups: int | None = None, *, where: str = "l1_scale"
 ) -> torch.Tensor:
     """Gate/up scale bytes uint8 [.., I, num_groups] (default 4*P)."""
-    packed = read_l1_scale_packed(l1_scale_e, half, where=where)
+    packed = _read_l1_scale_packed(l1_scale_e, half, where=where)
     if packed.dtype == torch.float32:
         return packed
     return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
 
 
-def read_l2_weight(l2_weight_e: torch.Tensor, *, where: str = "l2_weight") -> torch.Tensor:
+def _read_l2_weight(l2_weight_e: torch.Tensor, *, where: str = "l2_weight") -> torch.Tensor:
     """Down weight [.., H, Iw] in checkpoint encoding (a copy)."""
     return l2_weight_e.clone(memory_format=torch.contiguous_format).view(_checkpoint_dtype(l2_weight_e.dtype))
 
 
-def read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -> torch.Tensor:
+def _read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -> torch.Tensor:
     """Down packed int32 [.., H, P], row-major, in checkpoint row order (block-FP8: fp32, a copy)."""
     if l2_scale_e.dtype == torch.float32:
         return l2_scale_e.clone(memory_format=torch.contiguous_format)
@@ -583,7 +581,7 @@ def read_l2_scale_packed(l2_scale_e: torch.Tensor, *, where: str = "l2_scale") -
 
 def read_l2_scale(l2_scale_e: torch.Tensor, num_groups: int | None = None, *, where: str = "l2_scale") -> torch.Tensor:
     """Down scale bytes uint8 [.., H, num_groups] (default 4*P)."""
-    packed = read_l2_scale_packed(l2_scale_e, where=where)
+    packed = _read_l2_scale_packed(l2_scale_e, where=where)
     if packed.dtype == torch.float32:
         return packed
     return _codecs().unpack_int32_bytes(packed, num_groups or 4 * packed.shape[-1])
@@ -632,7 +630,7 @@ def read_expert(row: "Row | str", kt: KernelTensors, e: int | None, *, where: st
     H, I = kt.hidden, kt.intermediate
     gate_w = read_l1_weight(sel(kt.l1_weight), 0, where=f"{where}.gate.weight")
     up_w = read_l1_weight(sel(kt.l1_weight), 1, where=f"{where}.up.weight")
-    down_w = read_l2_weight(sel(kt.l2_weight), where=f"{where}.down.weight")
+    down_w = _read_l2_weight(sel(kt.l2_weight), where=f"{where}.down.weight")
     gate_s = up_s = down_s = None
     if row.has_scales:
         sdt = w.scale_checkpoint_dtype
@@ -717,7 +715,7 @@ def fold_shared(row: "Row | str", experts: "ExpertTensors | Sequence[ExpertTenso
     return ExpertTensors(proj("gate", 0), proj("up", 0), proj("down", -1))
 
 
-def split_shared(row: "Row | str", folded: ExpertTensors, num_shared: int) -> list[ExpertTensors]:
+def _split_shared(row: "Row | str", folded: ExpertTensors, num_shared: int) -> list[ExpertTensors]:
     """Inverse of `fold_shared`."""
     row = _shared_row(row)
     if num_shared == 1:
@@ -770,7 +768,7 @@ def unpack_shared(row_or_precision: "Row | str", kt: KernelTensors, num_shared: 
     if kt.is_stack:
         raise LayoutError("unpack_shared: expected 2-D shared tensors; use unpack_expert_stack for 3-D")
     check_kernel_tensors(row, kt, None, kt.hidden, kt.intermediate, "unpack_shared")
-    return split_shared(row, read_expert(row, kt, None, where="shared expert"), num_shared)
+    return _split_shared(row, read_expert(row, kt, None, where="shared expert"), num_shared)
 
 
 # --------------------------------------------------------------------------- block FP8, whole stacks

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: the kinds of stored expert tensors the loaders know
-KINDS = ("weight", "scale", "global_scale", "input_scale")
+_KINDS = ("weight", "scale", "global_scale", "input_scale")
 
 #: projection name -> role, every spelling (HF ``*_proj``, Mixtral / DeepSeek ``w1 w3 w2``)
 PROJECTION_ROLES = {
@@ -41,15 +41,15 @@ SHARED_MODULE_PATTERN = "shared_experts|shared_expert|shared_mlp"
 @dataclass(frozen=True)
 class SuffixMeaning:
     """One stored tensor of a projection module: its suffix, what it is
-    (:data:`KINDS`), and whether a float scale is stored as its reciprocal."""
+    (:data:`_KINDS`), and whether a float scale is stored as its reciprocal."""
 
     suffix: str
     kind: str
     divisor: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"suffix {self.suffix!r}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"suffix {self.suffix!r}: kind {self.kind!r} is not one of {_KINDS}")
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,26 @@ def _s(s: str) -> SuffixMeaning:
     return SuffixMeaning(s, "scale")
 
 
-MODELOPT = SourceFamily("modelopt", (
+_MODELOPT = SourceFamily("modelopt", (
     SuffixMeaning("weight_scale_2", "global_scale"),  # a multiplier
     _s("weight_scale"),
     _w("weight"),
     SuffixMeaning("input_scale", "input_scale"),  # a multiplier
 ))
-COMPRESSED_TENSORS = SourceFamily("compressed-tensors", (
+_COMPRESSED_TENSORS = SourceFamily("compressed-tensors", (
     SuffixMeaning("weight_global_scale", "global_scale", divisor=True),
     SuffixMeaning("input_global_scale", "input_scale", divisor=True),
     _w("weight_packed"),
     _s("weight_scale"),
     _w("weight"),
 ))
-QUARK = SourceFamily("quark", (
+_QUARK = SourceFamily("quark", (
     SuffixMeaning("weight_scale_2", "global_scale"),
     _s("weight_scale"),
     _w("weight"),
     SuffixMeaning("input_scale_2", "input_scale"),  # the activation's per-tensor FP8 stage, a multiplier
 ))
-DEEPSEEK_V4 = SourceFamily("deepseek-v4", (_w("weight"), _s("scale")))  # E8M0 per 32
+_DEEPSEEK_V4 = SourceFamily("deepseek-v4", (_w("weight"), _s("scale")))  # E8M0 per 32
 #: any MX export (ModelOpt, Quark, compressed-tensors ``mxfp8-quantized``)
 MX = SourceFamily("mx", (_s("weight_scale"), _w("weight")))
 BF16 = SourceFamily("bf16", (_w("weight"),))
@@ -96,7 +96,7 @@ BF16 = SourceFamily("bf16", (_w("weight"),))
 FP8_BLOCK = SourceFamily("fp8-block", (_w("weight"), _s("weight_scale_inv")))
 
 #: fmt of ``make_expert_params_mapping`` -> family
-FAMILIES: dict[str, SourceFamily] = {f.name: f for f in (MODELOPT, COMPRESSED_TENSORS, QUARK, DEEPSEEK_V4, MX, BF16,
+FAMILIES: dict[str, SourceFamily] = {f.name: f for f in (_MODELOPT, _COMPRESSED_TENSORS, _QUARK, _DEEPSEEK_V4, MX, BF16,
                                                            FP8_BLOCK)}
 
 #: suffixes recognised but not loadable into any MegaMoE row (reported, with the reason)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import LayoutError
 
-__all__ = ["ScratchError", "run_bytes", "check_tileable", "tiled_copy", "untiled_copy", "tile_in_place",
+__all__ = ["ScratchError", "run_bytes", "tiled_copy", "untiled_copy", "tile_in_place",
            "untile_in_place"]
 
 #: upper bound of the scratch buffer the in-place passes use (whole experts at a time, at least one)
@@ -38,7 +38,7 @@ def run_bytes(w: torch.Tensor) -> int:
     raise LayoutError(f"no tiled arrangement for {w.dtype} weights (E2M1 bytes or E4M3 only)")
 
 
-def check_tileable(w: torch.Tensor, wt: int) -> tuple[int, int, int]:
+def _check_tileable(w: torch.Tensor, wt: int) -> tuple[int, int, int]:
     """(rows N, K blocks, run bytes) of expert stack ``w [E, N, Kbytes]`` for tiles of ``wt`` rows, or a
     LayoutError naming what does not divide."""
     run = run_bytes(w)
@@ -59,20 +59,20 @@ def _words(w: torch.Tensor) -> torch.Tensor:
 
 def tiled_copy(w: torch.Tensor, wt: int) -> torch.Tensor:
     """A new tensor holding ``w`` (converted layout) in the tiled arrangement (tests and benchmarks)."""
-    n, nblk, run = check_tileable(w, wt)
+    n, nblk, run = _check_tileable(w, wt)
     src = _words(w).reshape(w.shape[0], n // wt, wt, nblk, run // 8)
     return src.transpose(2, 3).contiguous().view(torch.uint8).view(w.dtype).reshape(w.shape)
 
 
 def untiled_copy(w: torch.Tensor, wt: int) -> torch.Tensor:
     """A new tensor holding tiled ``w`` in the converted layout: the inverse of `tiled_copy`."""
-    n, nblk, run = check_tileable(w, wt)
+    n, nblk, run = _check_tileable(w, wt)
     src = _words(w).reshape(w.shape[0], n // wt, nblk, wt, run // 8)
     return src.transpose(2, 3).contiguous().view(torch.uint8).view(w.dtype).reshape(w.shape)
 
 
 def _permute_in_place(w: torch.Tensor, wt: int, to_tiled: bool) -> None:
-    n, nblk, run = check_tileable(w, wt)
+    n, nblk, run = _check_tileable(w, wt)
     words = _words(w)
     per_expert = words[0].numel() * 8
     chunk = max(1, min(w.shape[0], SCRATCH_BYTES // max(1, per_expert)))

@@ -43,3 +43,26 @@ def crashing_run():
 
     return run
 
+
+class _PlantedStop(BaseException):
+    """A planted stop (not an Exception: nothing catches it on the way out)."""
+
+
+@pytest.fixture
+def stopped_convert():
+    """run(src, out, after, **convert_args): `convert` stopped at its `after`-th tensor in this process, leaving
+    what an interrupted run leaves (the finished files journaled, the temp folder kept)."""
+    from megamoe_convert.pipeline.convert import convert
+
+    def run(src, out, after: int, **kwargs) -> None:
+        seen = [0]
+
+        def on_step(name):
+            if name == "tensor":
+                seen[0] += 1
+                if seen[0] >= after:
+                    raise _PlantedStop(name)
+
+        with pytest.raises(_PlantedStop):
+            convert(src, out, on_step=on_step, **kwargs)
+    return run

@@ -62,27 +62,12 @@ def test_journal_ignores_torn_line(tmp_path):
 # --------------------------------------------------------------------------- resume: what it keeps (issue 31 item 2)
 
 
-class _Stop(BaseException):
-    """A planted stop (not an Exception: nothing catches it on the way out)."""
-
-
-def _stop_after(n: int):
-    seen = [0]
-
-    def on_step(name):
-        if name == "tensor":
-            seen[0] += 1
-            if seen[0] >= n:
-                raise _Stop(name)
-    return on_step
-
-
 SMALL = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 ARGS = dict(max_shard_size="60KB")
 
 
 @pytest.fixture
-def interrupted(tmp_path):
+def interrupted(tmp_path, stopped_convert):
     """make(name) -> (src, out, ref): a source, its reference conversion, and a run to `out` stopped after
     9 tensors (some files finished and journaled)."""
     from megamoe_convert.testing import synth
@@ -94,8 +79,7 @@ def interrupted(tmp_path):
 
     def make(name: str):
         out = tmp_path / name
-        with pytest.raises(_Stop):
-            convert(src, out, on_step=_stop_after(9), **ARGS)
+        stopped_convert(src, out, 9, **ARGS)
         return src, out, ref
     return make
 

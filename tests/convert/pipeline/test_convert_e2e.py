@@ -480,21 +480,6 @@ def test_quantization_configs_say_megamoe(tmp_path):
 # --------------------------------------------------------------------------- direct weight reads
 
 
-class _Stop(BaseException):
-    """A planted stop (not an Exception: nothing catches it on the way out)."""
-
-
-def _stop_after(n: int):
-    seen = [0]
-
-    def on_step(name):
-        if name == "tensor":
-            seen[0] += 1
-            if seen[0] >= n:
-                raise _Stop(name)
-    return on_step
-
-
 def _byte_outside_samples(source, name: str) -> tuple[Path, int]:
     """An absolute offset inside tensor `name`'s data that no content_hash sample window covers."""
     from megamoe_convert.readers.source import _SAMPLE_BYTES, _SAMPLES
@@ -510,7 +495,7 @@ def _byte_outside_samples(source, name: str) -> tuple[Path, int]:
 
 
 @pytest.mark.parametrize("what", ["expert", "passthrough"])
-def test_resume_refuses_a_changed_source(tmp_path, what):
+def test_resume_refuses_a_changed_source(tmp_path, what, stopped_convert):
     """One source byte changed while the run was interrupted: outside every
     content_hash sample window, same size, mtime put back with os.utime. The
     tensors of the finished files are re-derived from the source on resume
@@ -526,8 +511,7 @@ def test_resume_refuses_a_changed_source(tmp_path, what):
     m = read_manifest(ref)
     # stop once the first expert file (layer 0) is finished, or for pass-through, at the last tensor
     n = len(m.tensors) - 1 if what == "passthrough" else 9
-    with pytest.raises(_Stop):
-        convert(src, out, on_step=_stop_after(n), **args)
+    stopped_convert(src, out, n, **args)
     tmp = temp_dir_for(out)
     journal = [json.loads(line) for line in (tmp / "megamoe-journal.jsonl").read_text().splitlines()]
     done = {t["name"] for j in journal if j["kind"] == "file" for t in j["tensors"].values()}

@@ -20,25 +20,12 @@ from megamoe_runtime.backends.deepgemm import DeepGemmBackend, detect_api, impor
 from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError
 from megamoe_runtime.format import codecs
 from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
+from dg_standins import OneRankGroup
 
 _ALIGN = 16  # the stand-ins align T like DeepGEMM does (to something), here 16
 
 
 # --------------------------------------------------------------------------- stand-in construction
-
-
-class _Group:
-    def __init__(self):
-        self.barriers = 0
-
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-    def barrier(self):
-        self.barriers += 1
 
 
 def _kind(mma_type, dgv_nv=False):
@@ -312,7 +299,7 @@ def standin(monkeypatch):
 
 
 def _backend(group=None, **kw):
-    return DeepGemmBackend("cpu", check_device=False, max_num_tokens=20, group=group or _Group(), **kw)
+    return DeepGemmBackend("cpu", check_device=False, max_num_tokens=20, group=group or OneRankGroup(), **kw)
 
 
 def _filled_layer(spec, backend):
@@ -382,7 +369,7 @@ def test_call_contract(standin, version, row):
     H, I = (512, 512) if (version, row) == ("dg-newer", "nvfp4") else (256, 128)
     spec = _spec(row, H, I, routed_scaling_factor=2.5,
                  activation=mr.ActivationSpec("swiglu", clamp=7.0))
-    group = _Group()
+    group = OneRankGroup()
     layer = _filled_layer(spec, _backend(group))
     assert layer.backend.api.flavour == version
     T = 5

@@ -25,6 +25,7 @@ from megamoe_runtime.backends.deepgemm import (
 from megamoe_runtime.errors import BackendUnavailableError, LayoutError
 from megamoe_runtime.format.formats import ActivationSpec
 from megamoe_runtime.format.layout import write_l1_weight
+from dg_standins import OneRankGroup
 
 E4M3_MAX = 448.0
 
@@ -114,20 +115,6 @@ def rel(a, b):
 # --------------------------------------------------------------------------- CPU: recording stand-in
 
 
-class _Group:
-    def __init__(self):
-        self.barriers = 0
-
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-    def barrier(self):
-        self.barriers += 1
-
-
 def _standin(with_pre_dispatch=True):
     mod = types.ModuleType("deep_gemm_sm90_standin")
     mod.calls = []
@@ -186,7 +173,7 @@ def test_stand_in_gets_the_layers_own_tensors_and_the_recipe():
     mod = _standin()
     spec = _spec(clamp=7.0)
     layer = _layer(spec)
-    be = DeepGemmBackend("cpu", check_device=False, module=mod, group=_Group(), max_num_tokens=100)
+    be = DeepGemmBackend("cpu", check_device=False, module=mod, group=OneRankGroup(), max_num_tokens=100)
     assert be.supports(spec) is True
     assert be.supports_fused_shared(types.SimpleNamespace(**{**vars(spec), "shared": object()})) is False
     x = torch.randn(5, spec.hidden).bfloat16()
@@ -212,7 +199,7 @@ def test_stand_in_without_pre_dispatch_stages_the_same_values():
     mod = _standin(with_pre_dispatch=False)
     spec = _spec()
     layer = _layer(spec)
-    be = DeepGemmBackend("cpu", check_device=False, module=mod, group=_Group(), max_num_tokens=16)
+    be = DeepGemmBackend("cpu", check_device=False, module=mod, group=OneRankGroup(), max_num_tokens=16)
     x = (torch.randn(3, spec.hidden) * torch.tensor([1e-3, 1.0, 300.0])[:, None]).bfloat16()
     ids, w = _routing(3, spec.num_experts, spec.top_k)
     be.forward(layer, x, w, ids)
@@ -250,7 +237,7 @@ def test_wrong_kernel_tensors_are_refused_by_name(name, mutate):
 
 
 def test_supports_names_the_limit():
-    be = DeepGemmBackend("cpu", check_device=False, module=_standin(), group=_Group())
+    be = DeepGemmBackend("cpu", check_device=False, module=_standin(), group=OneRankGroup())
     assert "SwiGLU" in be.supports(_spec(kind="situ"))
     assert "hidden <= 8192" in be.supports(_spec(H=9216))
     assert "multiples of 128" in be.supports(_spec(I=192))

