@@ -15,7 +15,8 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-#: the line's source (package data, so an sdist carries it) and its installed name
+#: the line's source (package data, so an sdist carries it) and its installed name (the hook module's
+#: ``PTH_NAME``; tests/runtime/integrations/test_autoregister.py keeps the two equal)
 PTH_SOURCE = Path(__file__).resolve().parent / "megamoe_runtime" / "integrations" / "autoregister.pth"
 PTH_NAME = "megamoe-autoregister.pth"
 

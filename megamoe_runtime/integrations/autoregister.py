@@ -21,7 +21,7 @@ registration off, and transformers then behaves as if megamoe were not installed
 """
 import sys
 
-__all__ = ["TARGET", "INTEGRATION", "KNOB", "install", "installed"]
+__all__ = ["TARGET", "INTEGRATION", "KNOB", "PTH_NAME", "install", "installed", "uninstall", "pth_file"]
 
 #: the module whose execution the hook waits for
 TARGET = "transformers.modeling_utils"
@@ -29,6 +29,8 @@ TARGET = "transformers.modeling_utils"
 INTEGRATION = "megamoe_runtime.integrations.transformers"
 #: the environment variable that turns the registration off (docs/ENVIRONMENT.md)
 KNOB = "MEGAMOE_AUTOREGISTER"
+#: the name setup.py installs the line under, in site-packages
+PTH_NAME = "megamoe-autoregister.pth"
 
 
 class _Finder:
@@ -95,6 +97,16 @@ def _warn(what, e):
     warnings.warn(f"megamoe start-up hook: {what} ({type(e).__name__}: {e}); from_pretrained on a megamoe "
                   f"output needs `import {INTEGRATION}` first (or {KNOB}=0 silences this)", RuntimeWarning,
                   stacklevel=2)
+
+
+def pth_file():
+    """The installed ``megamoe-autoregister.pth`` this interpreter's `site` runs at start-up, or None (megamoe
+    used from PYTHONPATH without being installed: then nothing imports this module by itself)."""
+    import os
+    import site
+
+    dirs = list(site.getsitepackages()) + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    return next((os.path.join(d, PTH_NAME) for d in dirs if os.path.isfile(os.path.join(d, PTH_NAME))), None)
 
 
 def installed():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from megamoe_runtime.integrations import autoregister  # noqa: E402
 REPO = Path(__file__).resolve().parents[3]
 REAL = REPO / "tests" / "fixtures" / "real"
 PTH_SOURCE = REPO / "megamoe_runtime" / "integrations" / "autoregister.pth"
-PTH_NAME = "megamoe-autoregister.pth"
+PTH_NAME = autoregister.PTH_NAME
 SOURCE_EXPORT = REAL / "modelopt-nvfp4-qwen3moe"
 
 #: the child: load a converted folder (and, given, an edited copy and a source export) and report
@@ -62,12 +61,6 @@ for key, folder in (("edited", edited), ("source", source)):
             report[key] = f"{type(e).__name__}: {e}"
 print(json.dumps(report))
 """
-
-
-def _installed_pth() -> Path | None:
-    """The installed start-up hook of this interpreter, if any."""
-    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
-    return next((Path(d) / PTH_NAME for d in dirs if (Path(d) / PTH_NAME).is_file()), None)
 
 
 def _env(**extra: str) -> dict:
@@ -110,12 +103,12 @@ def _edited(out: Path, tmp_path: Path) -> Path:
 
 
 def test_installed_pth_loads_the_converted_experts_without_any_import(reference, tmp_path):
-    if _installed_pth() is None:
+    if autoregister.pth_file() is None:
         pytest.skip(f"{PTH_NAME} is not in this interpreter's site-packages (megamoe runs from PYTHONPATH, "
                     "not installed): `pip install -e .` installs it")
     out, want = reference
     report, logits, _ = _child("pth", out, tmp_path)
-    assert report["hook_at_start"], f"{_installed_pth()} did not run at start-up"
+    assert report["hook_at_start"], f"{autoregister.pth_file()} did not run at start-up"
     assert report["megamoe_blocks"] > 0
     assert torch.equal(logits, want)
 
@@ -136,7 +129,7 @@ def test_knob_off_loads_random_experts(reference, tmp_path):
     """Negative control: with the registration turned off, the same child gets transformers' behaviour
     without megamoe -- the quantization skipped, experts randomly initialised, other logits."""
     out, want = reference
-    mode = "pth" if _installed_pth() is not None else "hook"
+    mode = "pth" if autoregister.pth_file() is not None else "hook"
     report, logits, stderr = _child(mode, out, tmp_path, **{autoregister.KNOB: "0"})
     assert report["megamoe_blocks"] == 0
     assert "Unknown quantization type, got megamoe" in stderr
@@ -241,3 +234,12 @@ def test_install_failing_at_start_up_only_warns(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", tuple(f for f in sys.meta_path if f is not autoregister.installed()))
     with pytest.warns(RuntimeWarning, match="could not install its import finder"):
         autoregister.install()
+
+
+def test_setup_installs_the_line_under_the_name_the_hook_knows():
+    """setup.py cannot import the package it builds; its copy of the name and source path must agree."""
+    text = (REPO / "setup.py").read_text()
+    assert f'PTH_NAME = "{PTH_NAME}"' in text
+    assert '"megamoe_runtime" / "integrations" / "autoregister.pth"' in text and PTH_SOURCE.is_file()
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"megamoe_runtime.integrations" = ["autoregister.pth"]' in pyproject  # so an sdist carries it
