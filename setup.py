@@ -38,9 +38,12 @@ class build_py_with_pth(build_py):
             return self.build_lib
         # an editable build installs the wheel's non-Python files with the `install` command pointed at the
         # unpacked editable wheel, whose root is site-packages; it holds the copied .dist-info already
-        root = getattr(self.get_finalized_command("install"), "install_lib", None)
-        if root and any(p.suffix == ".dist-info" for p in Path(root).iterdir()):
-            return root
+        try:
+            root = getattr(self.get_finalized_command("install"), "install_lib", None)
+            if root and any(p.suffix == ".dist-info" for p in Path(root).iterdir()):
+                return root
+        except Exception:  # noqa: BLE001 -- another setuptools: install without the hook, never fail the install
+            pass
         return None
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:

@@ -48,8 +48,11 @@ class _Finder:
                 break
         else:
             return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _Loader(spec.loader)
+        try:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader)
+        except Exception as e:  # noqa: BLE001 -- the spec as found still imports transformers
+            _warn("could not wrap the loader of " + TARGET, e)
         return spec
 
 
@@ -60,6 +63,8 @@ class _Loader:
         self.loader = loader
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the real loader's
+        if name == "loader":  # not set (a copy made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
     def create_module(self, spec):
