@@ -13,7 +13,6 @@ until they are used.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -49,9 +48,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "errors":
-        value: Any = importlib.import_module(f"{__name__}.errors")
+        value: object = importlib.import_module(f"{__name__}.errors")
     else:
         mod = _EXPORTS.get(name)
         if mod is None:

@@ -57,6 +57,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("MEGAMOE_KERNEL_CACHE", "serving", str, None,
          "the kernel cache (`megamoe-convert warm`) the transformers integration copies into triton's cache before "
          "the first forward; `off` copies none", default_doc="`FOLDER/kernel-cache` when the folder has one"),
+    Knob("MEGAMOE_AUTOREGISTER", "serving", str, "1",
+         "`0` keeps the start-up hook (site-packages/megamoe-autoregister.pth) from registering the megamoe "
+         "quantization method when transformers loads its models; `from_pretrained` on a megamoe output then "
+         "needs `import megamoe_runtime.integrations.transformers` first", choices=_ON_OFF),
     Knob("MEGAMOE_LOAD_THREADS", "loading", int, None,
          "threads reading one large tensor from a file", default_doc="the cores, at most 8"),
     Knob("MEGAMOE_LOAD_GPU_CHUNK_MB", "loading", float, None,

@@ -7,6 +7,8 @@ What lives here and what it may import:
 * ``dense`` -- decode the non-expert linears a quantized source left in its producer's format into the
   engine's float dtype (the engines run those layers in float; docs/ENGINES.md#non-expert-linears).
 * ``transformers`` -- the ``megamoe`` quantization method for transformers' ``from_pretrained``.
+* ``autoregister`` -- the start-up hook an installed ``megamoe-autoregister.pth`` imports: it imports
+  ``transformers`` (this package's) once transformers loads its models, and nothing before that.
 * ``vllm`` -- the vLLM plugin (entry point ``vllm.general_plugins``).
 
 Each engine package imports its engine lazily and nothing here is imported by ``megamoe_runtime`` itself:

@@ -1,6 +1,5 @@
 """transformers integration: ``from_pretrained`` on a folder ``megamoe-convert convert`` wrote.
 
-    import megamoe_runtime.integrations.transformers  # registers the "megamoe" quantization method
     model = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.bfloat16, device_map="cuda")
     model.generate(...)
 
@@ -10,8 +9,10 @@ transformers' own registries (``register_quantization_config`` / ``register_quan
 mechanism its maintainers provide, and steps into the one function where transformers resolves a folder's
 quantization (`hooks`: a user's loading attributes merged without a warning, a megamoe folder whose
 config.json lost the method refused, a source export pointed at ``megamoe-convert convert``). transformers
-has no entry-point discovery for quantizers, so the import is needed once per process
-(docs/ENGINES.md#transformers).
+has no entry-point discovery for quantizers: an installed megamoe's start-up hook (`..autoregister`) makes
+this import when transformers loads its models; a process where the hook does not run (megamoe on
+PYTHONPATH only, ``python -S``, ``MEGAMOE_AUTOREGISTER=0``) imports this package itself, once
+(docs/ENGINES.md#start-up-hook).
 
 The backend follows the device (DeepGEMM where it runs, the project's triton kernels on Hopper, the fp32
 reference on the CPU); ``MegaMoEConfig(backend=...)`` or ``MEGAMOE_BACKEND`` names one, and

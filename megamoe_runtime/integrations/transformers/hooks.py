@@ -14,8 +14,9 @@ every other call passes through unchanged):
   cannot load here fails naming ``megamoe-convert convert``, instead of an import error of the producer's
   package (Quark, compressed-tensors) or a size-mismatch report (ModelOpt, which transformers does not read).
 
-Without ``import megamoe_runtime.integrations.transformers`` nothing of this runs: transformers 5.17 has no
-entry point or other discovery for quantization methods (docs/ENGINES.md#transformers).
+Nothing of this runs before the package is imported: transformers 5.17 has no entry point or other discovery
+for quantization methods, so the installed start-up hook (`..autoregister`) imports it when transformers
+loads its models, or the user does (docs/ENGINES.md#start-up-hook).
 """
 from __future__ import annotations
 
