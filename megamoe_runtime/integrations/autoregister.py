@@ -21,7 +21,7 @@ registration off, and transformers then behaves as if megamoe were not installed
 """
 import sys
 
-__all__ = ["TARGET", "INTEGRATION", "KNOB", "PTH_NAME", "install", "installed", "uninstall", "pth_file"]
+__all__ = ["TARGET", "INTEGRATION", "KNOB", "PTH_NAME", "install", "installed", "pth_file"]
 
 #: the module whose execution the hook waits for
 TARGET = "transformers.modeling_utils"
@@ -76,7 +76,7 @@ class _Loader:
             module.__loader__ = self.loader  # the executed module keeps no trace of the hook
             if getattr(module, "__spec__", None) is not None:
                 module.__spec__.loader = self.loader
-            uninstall()
+            _uninstall()
         except Exception as e:  # noqa: BLE001 -- transformers imported fine: never fail its import
             _warn("could not step out of the import system", e)
         _register()
@@ -131,7 +131,7 @@ def install():
         _warn("could not install its import finder", e)
 
 
-def uninstall():
+def _uninstall():
     """Take the finder off ``sys.meta_path`` (it is needed once)."""
     finder = installed()
     while finder is not None:
