@@ -455,8 +455,8 @@ def _print_summary(s) -> None:
             click.echo(f"    {d['note']}")
     out, src = shlex.quote(str(s.out)), shlex.quote(str(s.source))
     click.echo(f"next: megamoe-convert verify {out} --against {src}   (the served layers against the source)")
-    click.echo(f"      transformers: import megamoe_runtime.integrations.transformers, then "
-               f"AutoModelForCausalLM.from_pretrained({str(s.out)!r})")
+    click.echo(f"      transformers: AutoModelForCausalLM.from_pretrained({str(s.out)!r})   (the installed package "
+               f"registers megamoe with transformers; docs/ENGINES.md#transformers)")
     click.echo(f"      vLLM: vllm serve {out} --load-format megamoe")
 
 

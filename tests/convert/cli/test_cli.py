@@ -485,7 +485,7 @@ def test_convert_summary_says_what_its_time_measures_and_what_comes_next(synth_c
     assert m and float(m[2]) >= float(m[1]), line
     out, src = tmp_path / "out", synth_ckpt("bf16")
     assert f"next: megamoe-convert verify {out} --against {src}" in r.stdout
-    assert f"import megamoe_runtime.integrations.transformers, then AutoModelForCausalLM.from_pretrained('{out}')" \
+    assert f"transformers: AutoModelForCausalLM.from_pretrained('{out}')   (the installed package registers" \
         in r.stdout and f"vllm serve {out} --load-format megamoe" in r.stdout
 
 
