@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Cold start, then the kernel table beside the peer, in one device call (run from the repo root):
-#   1. bench/serve.py --stage prepare (build the DeepSeek-V3-shaped bf16 source, convert it to mxfp4) while
-#      bench/kernel.py's build pass compiles the table's decode kernels and the peer's (untimed, own Triton
-#      cache); the build pass is stopped when the prepare step ends, so the next step has the machine alone;
+#   1. bench/serve.py --stage prepare (build the DeepSeek-V3-shaped bf16 source on the GPU, save it, convert it
+#      to mxfp4 on the host CPUs); once the GPU part is over, bench/kernel.py times the decode points (TOKENS)
+#      beside the host-side save and convert, and is stopped when the prepare step ends;
 #   2. bench/serve.py --stage measure: transformers' bf16 model, megamoe with an empty Triton cache,
 #      `megamoe-convert warm` (timed), megamoe with an empty Triton cache seeded from the shipped kernel
 #      cache -- each a fresh process, in that order;
-#   3. bench/kernel.py with the peer in the same process: the decode points (TOKENS) of every shape first,
-#      then the prefill points (TOKENS2) while the time budget lasts.
+#   3. bench/kernel.py with the peer in the same process, alone on the machine: the decode points of the shapes
+#      step 1 did not finish, then the prefill points (TOKENS2) while the time budget lasts.
 #
 #   PEER=.peer-tk bash bench/cold.sh     # PEER: a folder holding OpenAI's triton_kernels (measured, never imported
 #                                        # by the package); SHAPES=set,new TOKENS=1,8,64 TOKENS2=512,4096
 #                                        # ROWS=mxfp4,nvfp4,mxfp8 TOTAL_S=420 (the whole script's budget, s)
 #   DRY=1 bash bench/cold.sh             # print the commands only (a CPU check of the plumbing)
-# $OUT receives at most 7 files (the device tool returns 8): run.log (everything printed), serve.json,
-# k1/bench.{json,md}, k2/bench.{json,md}, logs.tgz (the per-step logs).
+# $OUT receives at most 6 files (the device tool returns 8): run.log (everything printed), serve.json,
+# k1/bench.json, k2/bench.json, k3/bench.json, logs.tgz (the per-step logs and the bench.md tables).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -25,7 +25,8 @@ t0=$(date +%s)
 el() { echo "# $(( $(date +%s) - t0 )) s: $*"; }
 left() { echo $(( ${TOTAL_S:-420} - ($(date +%s) - t0) )); }
 X=${DRY:+echo DRY:}  # DRY=1: commands printed, not run
-pack() { tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+pack() { for d in k1 k2 k3; do [ -f "$OUT/$d/bench.md" ] && mv "$OUT/$d/bench.md" "$LOGS/$d.md"; done
+        tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
 trap pack EXIT
 
 PEER=${PEER:-.peer-tk}
@@ -44,24 +45,24 @@ if [ -z "$DRY" ]; then
   git log -1 --format='# commit %h %s' 2>/dev/null || true
 fi
 
-el "prepare + build pass"
+el "prepare, and the decode points of the kernel table beside it"
 ( $X timeout "${PREP_S:-170}" python bench/serve.py --stage prepare --work $W >"$LOGS/serve_prepare.log" 2>&1;
   echo "rc=$?" >>"$LOGS/serve_prepare.log" ) &
 sp=$!
-bps=()
-for j in 0 1 2 3; do
-  TRITON_CACHE_DIR=$KC $X timeout "${PREP_S:-170}" python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" \
-    --tokens "$TOKENS" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --compile-only \
-    --job $j/4 --out "" >"$LOGS/build$j.log" 2>&1 &
-  bps+=($!)
-done
+# the prepare step builds the source model on the GPU for its first seconds, then saves and converts it on the
+# host CPUs: the kernel table's timed pass starts after that first part (K1_DELAY s) and is stopped when the
+# prepare step ends, so the serve measurement has the machine alone
+sleep "${K1_DELAY:-25}"
+TRITON_CACHE_DIR=$KC $X timeout "${PREP_S:-170}" python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" \
+  --tokens "$TOKENS" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k1" \
+  >"$LOGS/k1.log" 2>&1 &
+kp=$!
 wait $sp
-el "prepare done; stopping the build pass"
-for p in "${bps[@]}"; do kill -- "$p" 2>/dev/null; done
-for p in "${bps[@]}"; do wait "$p" 2>/dev/null; done
+el "prepare done; stopping the kernel table"
+kill -- "$kp" 2>/dev/null; wait "$kp" 2>/dev/null
 sleep 1
 tail -3 "$LOGS/serve_prepare.log"
-cat "$LOGS"/build*.log | grep -i "error\|Traceback\|unavailable" | head -5
+grep -v "^#" "$LOGS/k1.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
 
 el "serve measure"
 $X timeout "${SERVE_S:-170}" python bench/serve.py --stage measure --work $W --no-static --no-restart \
@@ -81,20 +82,34 @@ print("## cold kernels compiled:", sum(r.get("cold_jit_kernels", {}).values()),
       " shipped run compiled anyway:", r.get("shipped_compiled_anyway"))
 EOF
 
-el "kernel table, decode points ($TOKENS)"
-l=$(left); l=$(( l > 30 ? l - 10 : 20 ))
-TRITON_CACHE_DIR=$KC $X timeout $l python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" --tokens "$TOKENS" \
-  --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k1" \
-  >"$LOGS/k1.log" 2>&1
-echo "k1 rc=$?"
-grep -v "^#" "$LOGS/k1.log" | grep -v "^|" | grep -v "^peer" | grep -v "^Measured" | cut -c1-200
+# the shapes the first pass did not finish (bench.json holds each shape once its rows are done)
+rest=$(${PY:-python} - "$OUT/k1/bench.json" "$SHAPES" <<'EOF'
+import json, sys
+sys.path.insert(0, "bench")
+from kernel import parse_shapes
+try:
+    done = {r["shape"] for r in json.load(open(sys.argv[1]))["moe"]}
+except (OSError, ValueError):
+    done = set()
+print(",".join(n for n, _ in parse_shapes(sys.argv[2]) if n not in done))
+EOF
+)
+l=$(left)
+if [ -n "$rest" ] && [ "$l" -gt 30 ]; then
+  el "kernel table, decode points ($TOKENS) of $rest, ${l} s left"
+  TRITON_CACHE_DIR=$KC $X timeout $(( l - 8 )) python bench/kernel.py --shapes "$rest" --rows "$ROWS" \
+    --tokens "$TOKENS" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k2" \
+    >"$LOGS/k2.log" 2>&1
+  echo "k2 rc=$?"
+  grep -v "^#" "$LOGS/k2.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
+fi
 l=$(left)
 if [ "$l" -gt 40 ] && [ -n "$TOKENS2" ]; then
   el "kernel table, prefill points ($TOKENS2), ${l} s left"
   TRITON_CACHE_DIR=$KC $X timeout $(( l - 8 )) python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" \
-    --tokens "$TOKENS2" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k2" \
-    >"$LOGS/k2.log" 2>&1
-  echo "k2 rc=$?"
-  grep -v "^#" "$LOGS/k2.log" | grep -v "^|" | grep -v "^peer" | grep -v "^Measured" | cut -c1-200
+    --tokens "$TOKENS2" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k3" \
+    >"$LOGS/k3.log" 2>&1
+  echo "k3 rc=$?"
+  grep -v "^#" "$LOGS/k3.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
 fi
 el "done"
