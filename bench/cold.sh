@@ -12,6 +12,7 @@
 #   PEER=.peer-tk bash bench/cold.sh     # PEER: a folder holding OpenAI's triton_kernels (measured, never imported
 #                                        # by the package); SHAPES=set,new TOKENS=1,8,64 TOKENS2=512,4096
 #                                        # ROWS=mxfp4,nvfp4,mxfp8 TOTAL_S=420 (the whole script's budget, s)
+#                                        # SPLITK_S=0 (s for the mxfp8 split-K sweep; 0: none)
 #   DRY=1 bash bench/cold.sh             # print the commands only (a CPU check of the plumbing)
 # Durations seen on an H200 (2026-12-05): install 7 s, prepare 84 s (build 33 s, convert 46 s), serve
 # measurement 103 s (warm 23 s of it), one shape's decode points 42 s with its kernels compiled.
@@ -104,6 +105,23 @@ if [ -n "$rest" ] && [ "$l" -gt 30 ]; then
     >"$LOGS/k2.log" 2>&1
   echo "k2 rc=$?"
   grep -v "^#" "$LOGS/k2.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
+fi
+# opt-in (SPLITK_S=seconds): the mxfp8 row's split-K L2 sweep on the few-large-expert shapes (I / 128 >= 64,
+# where configs.split_k_tiles splits the E2M1 rows), L1 and L2 timed apart (bench/sweep.py), and the GPU
+# split-K numerics tests; logs into logs.tgz. Adopt a split only where it wins at every measured point.
+l=$(left)
+if [ "${SPLITK_S:-0}" -gt 0 ] && [ "$l" -gt 40 ]; then
+  b=$(( SPLITK_S < l - 10 ? SPLITK_S : l - 10 ))
+  el "mxfp8 split-K sweep, ${b} s"
+  ts=$(date +%s)
+  $X timeout $(( b / 3 )) python -m pytest -q -m gpu tests/runtime/backends/test_triton.py -k split_k \
+    >"$LOGS/splitk_test.log" 2>&1; echo "split-K tests rc=$?"; tail -1 "$LOGS/splitk_test.log"
+  b=$(( b - ($(date +%s) - ts) ))
+  TRITON_CACHE_DIR=$KC $X timeout $(( b > 20 ? b : 20 )) python bench/sweep.py \
+    --shapes mixtral,dbrx,llama4-scout,llama4-maverick --rows mxfp8 --tokens "$TOKENS" \
+    --l2 "64:4:3:-:-:-:2,64:4:3:-:-:-:4,64:4:4:-:-:-:4,128:4:3:-:-:-:2,128:4:3:-:-:-:4" \
+    --budget-s $(( b > 30 ? b - 30 : 10 )) --out "$LOGS/splitk" >"$LOGS/splitk.log" 2>&1
+  echo "split-K sweep rc=$?"; grep -v "^#" "$LOGS/splitk.log" | cut -c1-200
 fi
 l=$(left)
 if [ "$l" -gt 40 ] && [ -n "$TOKENS2" ]; then
