@@ -55,8 +55,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`1` asks Linux for transparent huge pages on a layer's CPU storage (faster first load when huge "
          "pages are free, slower when the kernel must compact memory for them)", choices=_ON_OFF),
     Knob("MEGAMOE_KERNEL_CACHE", "serving", str, None,
-         "the kernel cache (`megamoe-convert warm`) the transformers integration copies into triton's cache before "
-         "the first forward; `off` copies none", default_doc="`FOLDER/kernel-cache` when the folder has one"),
+         "the kernel cache (`megamoe-convert warm`) the transformers integration and the vLLM plugin copy into "
+         "triton's cache before the first forward; `off` copies none", default_doc="`FOLDER/kernel-cache` when the folder has one"),
     Knob("MEGAMOE_LOAD_THREADS", "loading", int, None,
          "threads reading one large tensor from a file", default_doc="the cores, at most 8"),
     Knob("MEGAMOE_LOAD_GPU_CHUNK_MB", "loading", float, None,
