@@ -55,8 +55,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`1` asks Linux for transparent huge pages on a layer's CPU storage (faster first load when huge "
          "pages are free, slower when the kernel must compact memory for them)", choices=_ON_OFF),
     Knob("MEGAMOE_KERNEL_CACHE", "serving", str, None,
-         "the kernel cache (`megamoe-convert warm`) the transformers integration copies into triton's cache before "
-         "the first forward; `off` copies none", default_doc="`FOLDER/kernel-cache` when the folder has one"),
+         "the kernel cache (`megamoe-convert warm`) the transformers integration and the vLLM plugin copy into "
+         "triton's cache before the first forward; `off` copies none", default_doc="`FOLDER/kernel-cache` when the folder has one"),
     Knob("MEGAMOE_AUTOREGISTER", "serving", str, "1",
          "`0` keeps the start-up hook (site-packages/megamoe-autoregister.pth) from registering the megamoe "
          "quantization method when transformers loads its models; `from_pretrained` on a megamoe output then "

@@ -226,6 +226,19 @@ def expected_touched(n_pairs: int, num_local: int) -> float:
     return E * (1.0 - math.exp(-n_pairs / E))
 
 
+def local_pairs(n_pairs: int, num_local: int, num_experts: Optional[int] = None) -> int:
+    """The (token, expert) pairs expected to land on this rank's ``num_local`` experts when ``n_pairs`` are
+    routed over all ``num_experts`` (expert parallelism: each rank sees every token's top-k ids, and the
+    other ranks' pairs contribute nothing here). Uniform routing, as `expected_touched` assumes:
+    ``n_pairs * num_local / num_experts``, at least 1; ``n_pairs`` itself when the rank holds every expert
+    (``num_experts`` None or not above ``num_local``). The tile rule sizes tiles and grids from this:
+    the whole batch's pair count would read as ``num_experts / num_local`` times the pairs per local expert
+    and pick prefill tiles for a decode batch."""
+    if not num_experts or num_experts <= num_local or n_pairs <= 0:
+        return n_pairs
+    return max(1, round(n_pairs * num_local / num_experts))
+
+
 def wave_efficiency(ctas: float, slots: int) -> float:
     """Fraction of the resident-CTA slots that ``ctas`` CTAs keep busy over their waves."""
     import math
@@ -298,7 +311,8 @@ def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num
 
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
                    l1_gu: Optional[bool] = None, w_kind: Optional[int] = None,
-                   H: Optional[int] = None, I: Optional[int] = None) -> KernelConfig:
+                   H: Optional[int] = None, I: Optional[int] = None,
+                   num_experts: Optional[int] = None) -> KernelConfig:
     """Tiles by regime: decode (few pairs per expert) streams weights with small
     row blocks; prefill uses 128-pair blocks so each weight tile feeds a full MMA.
 
@@ -306,9 +320,12 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     ``w_kind`` (None: the mxfp4 tiles), then, given the shape (``H``, ``I``), the grid-fill rule
     ``shape_tiles`` (docs/KERNELS.md "Tile rule"). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
     table's; True / False flips only that field (benchmarks compare the two L1 forms). The
-    decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one."""
+    decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one. ``num_experts``: the layer's
+    experts over all EP ranks when ``n_pairs`` counts the whole batch's pairs and this rank holds
+    ``num_local`` of them; the rule then works from the pairs expected on this rank (`local_pairs`)."""
     from megamoe_runtime import knobs
 
+    n_pairs = local_pairs(n_pairs, num_local, num_experts)
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX

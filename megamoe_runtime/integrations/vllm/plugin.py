@@ -35,6 +35,7 @@ from ... import knobs
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
 from ..folder import QUANT_METHOD, check_folder_for_model, verify_level
+from ..warm import seed_for_folder
 
 #: under vLLM's own logger tree, so its handler prints what the plugin reports (a name outside "vllm." is dropped)
 logger = init_logger("vllm.plugins.megamoe")
@@ -397,6 +398,28 @@ def adopt_runners(model: torch.nn.Module, check_only: bool = False) -> list[str]
     return detached
 
 
+def seed_kernel_cache(folder: Path) -> Optional[Any]:
+    """The folder's shipped kernel cache (``megamoe-convert warm``: ``FOLDER/kernel-cache``, or
+    ``MEGAMOE_KERNEL_CACHE``) copied into triton's cache by the transformers integration's own function
+    (`warm.seed_for_folder`), so the first forward does not wait for the kernels to compile
+    (docs/KERNELS.md#cold-start). Called by the loader: it runs in each worker, the process that launches the
+    kernels, before its first forward; vLLM's engine process never launches them.
+
+    vLLM's torch.compile step, which comes after the load, points an unset ``TRITON_CACHE_DIR`` at a folder
+    of its compile cache (vllm/compilation/compiler_interface.py ``InductorAdaptor.initialize_cache``); the
+    kernels would then miss the folder seeded here. So once entries were seeded, an unset ``TRITON_CACHE_DIR``
+    is set to that folder, which vLLM keeps as the caller's (its inductor kernels are cached there too); a
+    value the user set is left alone. Returns the seed report (None: no cache, no CUDA, or unusable)."""
+    rep = seed_for_folder(folder)
+    if rep is None or rep.skipped:
+        return rep
+    if not os.environ.get("TRITON_CACHE_DIR", "").strip():
+        os.environ["TRITON_CACHE_DIR"] = rep.target
+    logger.info("megamoe: kernel cache %s seeded into %s (%d entries new, %d present)", rep.cache, rep.target,
+                rep.new_entries, rep.present_entries)
+    return rep
+
+
 def _is_megamoe_config(qc: Any) -> bool:
     return isinstance(qc, MegaMoEConfig)
 
@@ -426,6 +449,7 @@ class MegaMoEModelLoader(DefaultModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         ckpt, layers = self.check_experts(model, model_config)
+        seed_kernel_cache(ckpt.root)
         self._expert_files = {te.file for te in ckpt.manifest.tensors.values() if te.layer is not None}
         super().load_weights(model, model_config)  # the non-expert tensors, vLLM's way
         self.fill_experts(model, ckpt, layers)

@@ -254,3 +254,35 @@ def test_split_k_rule(_h200, shape, tokens, row, split):
     H, I, E_, K = shape
     cfg = configs.default_config(tokens * K, E_, "frag", w_kind=KINDS[row], H=H, I=I)
     assert cfg.l2_split == split and l2.l2_split(cfg, I) == split
+
+
+def test_local_pairs():
+    assert configs.local_pairs(512, 32, 256) == 64  # EP 8 of DeepSeek-V3: an eighth of the pairs is local
+    assert configs.local_pairs(8, 32, 256) == 1  # at least one
+    assert configs.local_pairs(512, 256, 256) == 512 and configs.local_pairs(512, 256) == 512  # no EP
+    assert configs.local_pairs(0, 32, 256) == 0
+
+
+@pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("shape,tokens,ep", [("dsv3", 64, 8), ("kimi-k2", 8, 8), ("qwen3-235b", 64, 4),
+                                             ("mixtral", 8, 2), ("dbrx", 64, 4)])
+def test_tile_rule_under_ep_works_from_the_local_pairs(_h200, row, shape, tokens, ep):
+    """An EP rank sees every token's top-k ids but holds E / ep experts: the rule picks the tiles of the pairs
+    expected on the rank, as a single rank with that many pairs would; without ``num_experts`` (the negative
+    control) the whole batch's pairs read as ep times the pairs per local expert."""
+    H, I, E, K = SHAPES[shape]
+    E_l = E // ep
+    kw = dict(w_kind=KINDS[row], H=H, I=I)
+    ep_cfg = configs.default_config(tokens * K, E_l, "frag", num_experts=E, **kw)
+    assert ep_cfg == configs.default_config(configs.local_pairs(tokens * K, E_l, E), E_l, "frag", **kw)
+    assert configs.default_config(tokens * K, E, "frag", num_experts=E, **kw) == \
+        configs.default_config(tokens * K, E, "frag", **kw)  # one rank: unchanged
+
+
+def test_tile_rule_under_ep_changes_the_regime(_h200):
+    """DeepSeek-V3 at 64 tokens on EP 8: 2 pairs per local expert (decode), not 16 (mid)."""
+    H, I, E, K = SHAPES["dsv3"]
+    naive = configs.default_config(64 * K, E // 8, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
+    ep_cfg = configs.default_config(64 * K, E // 8, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I, num_experts=E)
+    assert configs.frag_regime(64 * K / (E // 8)) == "mid" and ep_cfg != naive
+    assert ep_cfg == configs.default_config(64, E // 8, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
