@@ -75,12 +75,12 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BackendUnavailableError, LayerSpecError, LayoutError, MegaMoEError
-from ..format.formats import get_row
+from ..format.formats import LAYOUT_SM100, LAYOUT_SM100_PACKED_FP4, LAYOUT_SM90_BLOCK_FP8, get_row
 from ..format.roles import SHARED_ROLES
 from ..format.scales import W13_RTOL, gate_up_disagreeing
 from .reference import quantize_dispatch_nvfp4
 
-__all__ = ["DeepGemmBackend", "MegaAPI", "SM90_ENTRY", "SM90_ROW", "detect_api", "import_deep_gemm",
+__all__ = ["DeepGemmBackend", "MegaAPI", "SM90_ENTRY", "SM90_ROW", "detect_api", "import_deep_gemm", "package_layouts",
            "import_failure_message", "shared_sf_rows", "sm90_weights", "stage_sm90_inputs"]
 
 #: the block-FP8 row and the SM90 kernel that runs it (docs/KERNELS.md#sm90-fp8-mega)
@@ -154,6 +154,23 @@ class MegaAPI:
     sm90_entry: Optional[Any] = None
     sm90_buffer: Optional[Any] = None
     sm90_pre_dispatch: Optional[Any] = None
+    #: row -> the layout flavour this build's kernel for the row reads, and how that was told
+    #: (`package_layouts`; docs/LAYOUT.md#layout-flavours)
+    layouts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the package's ``__version__`` (messages only: the API is told by introspection)
+    version: Optional[str] = None
+
+    def layout_problem(self, row: str, layout: str) -> Optional[str]:
+        """Why a folder of ``row`` in layout flavour ``layout`` cannot run on this build (naming both
+        flavours), or None when the build's kernel for the row reads that flavour or has no kernel for it."""
+        theirs = self.layouts.get(row)
+        if theirs is None or theirs[0] == layout:
+            return None
+        return (f"megamoe holds row {row!r} in DeepGEMM layout {layout!r} (every folder of it: megamoe.json "
+                f"\"layout\"), but the "
+                f"installed deep_gemm{' ' + self.version if self.version else ''} reads that row in layout "
+                f"{theirs[0]!r} ({theirs[1]}); these bytes would be read in the wrong order: use a deep_gemm whose "
+                f"kernel reads {layout!r} (docs/LAYOUT.md#layout-flavours) or backend='triton' / 'reference'")
 
     def has(self, fn: str) -> bool:
         return fn in self.functions
@@ -200,6 +217,9 @@ class MegaAPI:
 
     def _entry_blocked(self, fn: str, row: Any) -> Optional[str]:
         """Why a present entry point cannot run ``row`` here ("" = silently not usable), None if it can."""
+        layout = self.layout_problem(row.name, row.layout)
+        if layout is not None:
+            return layout
         if fn == "fp8_fp4_mega_moe" and row.weight.element == "e4m3" and self.flavour != "dg-newer":
             return ""  # older builds' fp8_fp4_mega_moe takes E2M1 weights only
         if fn == "nvfp4_mega_moe" and self.nvfp4_buffer is None:
@@ -244,9 +264,51 @@ def detect_api(module: Any) -> MegaAPI:
     sm90 = [f if callable(f) else None for f in sm90]
     if flavour == "none" and sm90[0] is not None:
         flavour = "sgl-sm90"
+    version = getattr(module, "__version__", None)
     return MegaAPI(module, flavour, fns, params, factory, _params(factory) if factory else {},
                    nv_buf, _params(nv_buf) if nv_buf else {}, block_m, nv_block_m,
-                   sm90_entry=sm90[0], sm90_buffer=sm90[1], sm90_pre_dispatch=sm90[2])
+                   sm90_entry=sm90[0], sm90_buffer=sm90[1], sm90_pre_dispatch=sm90[2],
+                   layouts=package_layouts(module), version=version if isinstance(version, str) else None)
+
+
+def package_layouts(module: Any) -> dict[str, tuple[str, str]]:
+    """row -> (layout flavour, how it was told) of the kernel a ``deep_gemm`` module (real or stand-in) runs
+    that row on, for the rows it has a kernel for; read from its Python API, as the contract test
+    (tests/runtime/backends/test_deepgemm_transform.py) reads the package's own transform:
+
+    * ``fp8_mega_moe`` (SGLang's SM90 build, every version): `LAYOUT_SM90_BLOCK_FP8`.
+    * ``fp8_fp4_mega_moe`` (MXFP4 / MXFP8 weights, FP8 activations), ``bf16_mega_moe``: interleave8 in
+      every build (`LAYOUT_SM100`).
+    * NVFP4: upstream's ``fp4_fp4_mega_moe`` and vllm-project's ``nvfp4_mega_moe`` (with its
+      ``NVFP4SymmBuffer``) read interleave8; an ``nvfp4_mega_moe`` without that buffer, in a build whose
+      ``transform_weights_for_mega_moe`` takes ``mma_type`` (sgl-deep-gemm >= 0.1.7), runs the
+      ``nvfp4xnvfp4`` kind, whose transform packs gate/up in 16-row groups: `LAYOUT_SM100_PACKED_FP4`."""
+    fns = {n for n in _ENTRY_NAMES + (SM90_ENTRY,) if callable(getattr(module, n, None))}
+    out: dict[str, tuple[str, str]] = {}
+    if SM90_ENTRY in fns:
+        out[SM90_ROW] = (LAYOUT_SM90_BLOCK_FP8, f"its {SM90_ENTRY}")
+    for fn, rows in (("fp8_fp4_mega_moe", ("mxfp4", "mxfp8")), ("fp8_fp8_mega_moe", ("mxfp8",)),
+                     ("bf16_mega_moe", ("bf16",))):
+        if fn in fns:
+            for r in rows:
+                out.setdefault(r, (LAYOUT_SM100, f"its {fn}"))
+    if "fp4_fp4_mega_moe" in fns:
+        out["nvfp4"] = (LAYOUT_SM100, "its fp4_fp4_mega_moe")
+    elif "nvfp4_mega_moe" in fns:
+        transform = getattr(module, "transform_weights_for_mega_moe", None)
+        has_nv_buffer = getattr(module, "NVFP4SymmBuffer", None) is not None
+        if not has_nv_buffer:
+            try:
+                has_nv_buffer = getattr(importlib.import_module(f"{module.__name__}.mega.nvfp4"),
+                                        "NVFP4SymmBuffer", None) is not None
+            except (ImportError, AttributeError):
+                has_nv_buffer = False
+        if not has_nv_buffer and "mma_type" in _params(transform):
+            out["nvfp4"] = (LAYOUT_SM100_PACKED_FP4, "its nvfp4_mega_moe runs mma_type 'nvfp4xnvfp4', which "
+                            "transform_weights_for_mega_moe packs gate/up for in 16-row groups")
+        else:
+            out["nvfp4"] = (LAYOUT_SM100, "its nvfp4_mega_moe")
+    return out
 
 
 class _LocalGroup:

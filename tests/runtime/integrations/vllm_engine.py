@@ -74,6 +74,49 @@ def save_vllm_tiny(arch: str, path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+#: what a block-FP8 export leaves in bf16 (DeepSeek-V3's own FP8 release: router, embeddings, head, norms)
+FP8_KEPT = ("mlp.gate.", "embed_tokens", "lm_head", "norm")
+
+
+def save_fp8_block_source(src: Path, dst: Path) -> Path:
+    """A DeepSeek-V3-native block-FP8 export of BF16 model folder ``src`` at ``dst``: every linear weight
+    except `FP8_KEPT` as E4M3 with one fp32 ``weight_scale_inv`` (a multiplier) per 128x128 block, partial
+    blocks at the edges where 128 does not tile a size (576-row kv_a_proj_with_mqa: 5 row blocks), and
+    ``quantization_config: {quant_method: fp8, weight_block_size: [128, 128], activation_scheme: dynamic}``,
+    as DeepSeek-V3's released config and vLLM's Fp8Config read it. transformers' FineGrainedFP8 cannot
+    make this on a CPU for these sizes (tests/fixtures/real/README.md: it leaves the scales of the linears
+    128 does not tile uninitialised), so the blocks are quantized here by megamoe's `quantize_fp8_block`
+    (amax / 448 per block, RNE) on the zero-padded weight."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megamoe_runtime.format import codecs
+
+    shutil.copytree(src, dst)
+    for f in sorted(Path(dst).glob("*.safetensors")):
+        out = {}
+        for name, t in load_file(str(f)).items():
+            if not name.endswith(".weight") or t.dim() != 2 or any(k in name for k in FP8_KEPT):
+                out[name] = t
+                continue
+            n, k = t.shape
+            b = codecs.FP8_BLOCK
+            padded = torch.zeros(-(-n // b) * b, -(-k // b) * b)
+            padded[:n, :k] = t.float()
+            q, s = codecs.quantize_fp8_block(padded)
+            out[name] = q[:n, :k].contiguous()
+            out[name[: -len("weight")] + "weight_scale_inv"] = s
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg_path = Path(dst) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [codecs.FP8_BLOCK, codecs.FP8_BLOCK]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return Path(dst)
+
+
 def engine_env(**extra: str) -> dict:
     env = {**os.environ, **ENGINE_ENV, **extra}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
