@@ -34,7 +34,6 @@ __all__ = [
     "LAYOUT_SM100",
     "LAYOUT_SM90_BLOCK_FP8",
     "LAYOUT_SM100_PACKED_FP4",
-    "LAYOUTS_WRITTEN",
     "LAYOUT_UNRECORDED_ROWS",
     "ActivationSpec",
     "SharedSpec",
@@ -209,7 +208,7 @@ LAYOUT_SM90_BLOCK_FP8 = "sm90-block-fp8/1"
 #: the packed gate/up interleave of sgl-deep-gemm >= 0.1.7's FP4 x FP4 kinds (``mxf4xmxf4``,
 #: ``nvfp4xnvfp4``): a flavour megamoe does not write, named so that a refusal can name it
 LAYOUT_SM100_PACKED_FP4 = "sm100-packed-fp4"
-LAYOUTS_WRITTEN = (LAYOUT_SM100, LAYOUT_SM90_BLOCK_FP8)
+_LAYOUTS_WRITTEN = (LAYOUT_SM100, LAYOUT_SM90_BLOCK_FP8)
 #: rows whose folders were written before megamoe.json named a layout: a manifest without the key holds
 #: the row's layout (the only one they were ever written in); every other row's manifest must name it
 LAYOUT_UNRECORDED_ROWS = ("mxfp4", "mxfp8", "nvfp4", "bf16")
@@ -265,9 +264,9 @@ class Row:
     layout: str = ""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS_WRITTEN:
+        if self.layout not in _LAYOUTS_WRITTEN:
             raise FormatError(f"Row {self.name}: layout {self.layout!r} is not one megamoe writes "
-                              f"({', '.join(LAYOUTS_WRITTEN)})")
+                              f"({', '.join(_LAYOUTS_WRITTEN)})")
         if self.mma_type not in ("fp8xfp4", "fp8xfp8", "fp4xfp4", "bf16xbf16"):
             raise FormatError(f"Row {self.name}: unknown mma_type {self.mma_type!r}")
         if self.name not in tuple(RowName):
