@@ -47,12 +47,14 @@ def dequant_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def quant_groups(v: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-row groups of `group`: scale = max(amax, 1e-10) / 448 in fp32, E4M3 round-to-nearest with
-    saturation; returns the dequantized fp32 values (what the next GEMM multiplies)."""
+    """Per-row groups of `group`: scale = max(amax, 1e-10) / 448 in fp32 (a true division for the dispatch's
+    128-groups, a multiply by fp32(1/448) for the intermediate's 64-groups: docs/NUMERICS.md#fp8-block), E4M3
+    round-to-nearest with saturation; returns the dequantized fp32 values (what the next GEMM multiplies)."""
     t, n = v.shape
     g = v.view(t, n // group, group)
     amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
-    sf = amax * (1.0 / E4M3_MAX)
+    # a tensor divisor: on CUDA torch turns a division by a Python number into a multiply by its reciprocal
+    sf = amax / torch.tensor(E4M3_MAX, device=v.device) if group == 128 else amax * (1.0 / E4M3_MAX)
     q = (g * (1.0 / sf)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
     return (q * sf).view(t, n)
 
@@ -219,7 +221,7 @@ def main() -> int:
     # pre-dispatch check: its FP8 bytes and scales against the rule written here
     t = args.tokens
     xs = x.float().view(t, H // 128, 128)
-    sf = xs.abs().amax(-1).clamp_min(1e-10) / E4M3_MAX
+    sf = xs.abs().amax(-1).clamp_min(1e-10) / torch.tensor(E4M3_MAX, device=xs.device)
     q = (xs / sf[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     pd = {
         "x_sf_equal": bool(torch.equal(buf.x_sf[:t].view(-1).float(), sf.view(-1))),
