@@ -388,7 +388,7 @@ def _is(r: dict, kind: str, fc) -> bool:
         return (r["l1_bn"], r["warps"], r["stages"], r["gpi"]) == (fc.l1_bn, fc.warps, fc.stages, fc.gpi)
     from megamoe_runtime.backends.triton import block8
 
-    gpi, warps, stages = block8._l2_tiles(fc)
+    gpi, warps, stages = block8.l2_tiles(fc)
     return (r["l2_bn"], r["warps"], r["stages"], r["gpi"]) == (fc.l2_bn, warps, stages, gpi)
 
 

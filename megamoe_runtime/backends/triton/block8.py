@@ -296,7 +296,7 @@ class Block8Config:
     exact: bool = False
 
 
-def _l2_tiles(fc: Any) -> tuple[int, int, int]:
+def l2_tiles(fc: Any) -> tuple[int, int, int]:
     """(gpi, warps, stages) of the L2 launch."""
     def pick(name: str, base: str) -> int:
         v = getattr(fc, name, None)
@@ -321,7 +321,7 @@ def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l2_scale")
     bn = min(fc.l2_bn, H)
-    gpi, warps, stages = _l2_tiles(fc)
+    gpi, warps, stages = l2_tiles(fc)
     _l2_kernel[(H // bn, plan.max_blocks)](
         act, asf, wb, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, slots,
         H, I, K, nslot, swe, swn, se, sn, sk,
