@@ -47,12 +47,14 @@ def dequant_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def quant_groups(v: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-row groups of `group`: scale = max(amax, 1e-10) / 448 in fp32, E4M3 round-to-nearest with
-    saturation; returns the dequantized fp32 values (what the next GEMM multiplies)."""
+    """Per-row groups of `group`: scale = max(amax, 1e-10) / 448 in fp32 (a true division for the dispatch's
+    128-groups, a multiply by fp32(1/448) for the intermediate's 64-groups: docs/NUMERICS.md#fp8-block), E4M3
+    round-to-nearest with saturation; returns the dequantized fp32 values (what the next GEMM multiplies)."""
     t, n = v.shape
     g = v.view(t, n // group, group)
     amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
-    sf = amax * (1.0 / E4M3_MAX)
+    # a tensor divisor: on CUDA torch turns a division by a Python number into a multiply by its reciprocal
+    sf = amax / torch.tensor(E4M3_MAX, device=v.device) if group == 128 else amax * (1.0 / E4M3_MAX)
     q = (g * (1.0 / sf)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
     return (q * sf).view(t, n)
 
@@ -102,6 +104,8 @@ def main() -> int:
     p.add_argument("--rsf", type=float, default=2.5)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="time only: no correctness runs, negative controls or graph-reload check before the table")
     p.add_argument("--triton-budget-s", type=float, default=150.0,
                    help="stop timing the triton layer (it compiles per configuration) after this many seconds")
     p.add_argument("--layer", action="store_true", help="also time megamoe's layer (deepgemm backend) on the same bytes")
@@ -198,6 +202,10 @@ def main() -> int:
         deep_gemm.fp8_mega_moe(y, l1, l2, buf)
         return y
 
+    if args.skip_checks:
+        return bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, s2, l1w, l1s, l2w, l2s,
+                          max_tokens)
+
     # ---- correctness ----
     x, idx, w = route(args.tokens)
     t0 = time.time()
@@ -213,7 +221,7 @@ def main() -> int:
     # pre-dispatch check: its FP8 bytes and scales against the rule written here
     t = args.tokens
     xs = x.float().view(t, H // 128, 128)
-    sf = xs.abs().amax(-1).clamp_min(1e-10) / E4M3_MAX
+    sf = xs.abs().amax(-1).clamp_min(1e-10) / torch.tensor(E4M3_MAX, device=xs.device)
     q = (xs / sf[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     pd = {
         "x_sf_equal": bool(torch.equal(buf.x_sf[:t].view(-1).float(), sf.view(-1))),
@@ -293,10 +301,18 @@ def main() -> int:
     save()
     if args.skip_bench:
         return 0
-
-    # ---- timing ----
-    from triton.testing import do_bench
     del controls, bad_scale
+    return bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, s2, l1w, l1s, l2w, l2s,
+                      max_tokens)
+
+
+def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, s2, l1w, l1s, l2w, l2s,
+               max_tokens) -> int:
+    """The timing table: fp8_mega_moe direct, megamoe's layer on it and on the triton row (--layer), and
+    torch's bf16 grouped_mm, at each of --bench-tokens, in this process on this card."""
+    from triton.testing import do_bench
+    E, H, I, K = args.experts, args.hidden, args.intermediate, args.topk
+    dev = "cuda"
     torch.cuda.empty_cache()
     w1b = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev)
     w2b = torch.empty(E, H, I, dtype=torch.bfloat16, device=dev)
@@ -391,6 +407,9 @@ def main() -> int:
                     tri_layer(x, w, idx)
                 row["triton_graph_ms"] = do_bench(gt.replay, warmup=25, rep=200, return_mode="median")
                 row["triton_vs_deepgemm_rel"] = rel_err(yt, y)
+                row["triton_vs_deepgemm_calc_diff"] = calc_diff(yt, y)
+                if isinstance(row.get("layer_graph_ms"), float):
+                    row["triton_over_deepgemm_layer"] = row["triton_graph_ms"] / row["layer_graph_ms"]
             except Exception as exc:
                 row["triton_error"] = str(exc)[:300]
         yb = grouped_bf16(x, idx, w)
@@ -413,11 +432,12 @@ def main() -> int:
         return f"{v:.3f}" if isinstance(v, float) else "-"
 
     log("\n| tokens | fp8_mega_moe ms | graph ms | layer ms | layer graph ms | triton layer graph ms | "
-        "bf16 grouped_mm ms | TFLOP/s | rel err |")
-    log("|---|---|---|---|---|---|---|---|---|")
+        "triton / deepgemm layer | bf16 grouped_mm ms | TFLOP/s | rel err |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in bench:
         log(f"| {r['tokens']} | {r['deepgemm_ms']:.3f} | {ms(r['deepgemm_graph_ms'])} | {ms(r.get('layer_ms'))} | "
-            f"{ms(r.get('layer_graph_ms'))} | {ms(r.get('triton_graph_ms'))} | {r['bf16_grouped_mm_ms']:.3f} | "
+            f"{ms(r.get('layer_graph_ms'))} | {ms(r.get('triton_graph_ms'))} | "
+            f"{ms(r.get('triton_over_deepgemm_layer'))} | {r['bf16_grouped_mm_ms']:.3f} | "
             f"{r['tflops']:.0f} | {r['rel_vs_ref']} |")
     return 0
 

@@ -29,6 +29,7 @@ with an IEEE dot instead.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -106,10 +107,15 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, G: tl.constexpr, BLOCK_G: tl
 
 
 @triton.jit
-def _dot8(w, x, HW_CVT: tl.constexpr):
+def _dot8(w, x, HW_CVT: tl.constexpr, EXACT: tl.constexpr):
     """fp32 ``w @ x^T`` of E4M3 bytes ``w [R, KB]`` and ``x [BM, KB]``: the FP8 MMA on the GPU;
-    exact fp32 operands and an IEEE dot under the interpreter."""
-    if HW_CVT:
+    EXACT: the same E4M3 values as bf16 (exact) through the bf16 MMA, which sums the exact products
+    to fp32's precision (a diagnostic: it isolates the FP8 MMA's own sum); exact fp32 operands and an
+    IEEE dot under the interpreter."""
+    if HW_CVT and EXACT:
+        return tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
+                      tl.trans(x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)))
+    elif HW_CVT:
         return tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(x.to(tl.float8e4nv, bitcast=True)))
     else:
         return tl.dot(_jit.e4m3_byte_to_f32(w, False), tl.trans(_jit.e4m3_byte_to_f32(x, False)),
@@ -118,14 +124,14 @@ def _dot8(w, x, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _block(w_ptr, ws_ptr, rows, wsoff, stride_wn, ws_sk, x_ptr, xs_ptr, xrow, xsrow, mvalid, k0,
-           KB: tl.constexpr, HW_CVT: tl.constexpr):
+           KB: tl.constexpr, HW_CVT: tl.constexpr, EXACT: tl.constexpr):
     """(partial fp32 [R, BM], weight scales [R], activation scales [BM]) of the K block at k0."""
     i = tl.arange(0, KB)
     w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + i[None, :])
     x = tl.load(x_ptr + xrow[:, None] + k0 + i[None, :], mask=mvalid[:, None], other=0)
     sw = tl.load(ws_ptr + wsoff + (k0 // 128) * ws_sk)
     sx = tl.load(xs_ptr + xsrow + k0 // KB, mask=mvalid, other=0.0)
-    return _dot8(w, x, HW_CVT), sw, sx
+    return _dot8(w, x, HW_CVT, EXACT), sw, sx
 
 
 @triton.jit
@@ -137,7 +143,8 @@ def _promote(acc, p, sw, sx):
 
 @triton.jit
 def _gemm(w_ptr, ws_ptr, rows, wsoff, stride_wn, ws_sk, x_ptr, xs_ptr, xrow, xsrow, mvalid, K,
-          KB: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, GPI: tl.constexpr, HW_CVT: tl.constexpr):
+          KB: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, GPI: tl.constexpr, HW_CVT: tl.constexpr,
+          EXACT: tl.constexpr):
     """fp32 [R, BM] = sum over the KB-wide blocks of K, in ascending order, of the promoted partials.
 
     GPI (1 or 2) blocks per loop step: both MMAs are issued before the first promotion, so the
@@ -145,10 +152,10 @@ def _gemm(w_ptr, ws_ptr, rows, wsoff, stride_wn, ws_sk, x_ptr, xs_ptr, xrow, xsr
     acc = tl.zeros((R, BM), tl.float32)
     for k1 in range(0, K, KB * GPI):
         p0, w0, x0 = _block(w_ptr, ws_ptr, rows, wsoff, stride_wn, ws_sk, x_ptr, xs_ptr, xrow, xsrow, mvalid,
-                            k1, KB, HW_CVT)
+                            k1, KB, HW_CVT, EXACT)
         if GPI >= 2:
             p1, w1, x1 = _block(w_ptr, ws_ptr, rows, wsoff, stride_wn, ws_sk, x_ptr, xs_ptr, xrow, xsrow, mvalid,
-                                k1 + KB, KB, HW_CVT)
+                                k1 + KB, KB, HW_CVT, EXACT)
         acc = _promote(acc, p0, w0, x0)
         if GPI >= 2:
             acc = _promote(acc, p1, w1, x1)
@@ -169,7 +176,7 @@ def _requant(a, BN: tl.constexpr, BM: tl.constexpr, GA: tl.constexpr, HW_CVT: tl
 def _l1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr, as_ptr,
                H, I, TOPK, stride_we, stride_wn, ws_se, ws_sn, ws_sk,
                rsf, clamp_c, HAS_CLAMP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GA: tl.constexpr,
-               GPI: tl.constexpr, HW_CVT: tl.constexpr):
+               GPI: tl.constexpr, HW_CVT: tl.constexpr, EXACT: tl.constexpr):
     """h = x @ W13^T on 2*BN consecutive kernel rows (BN gate + BN up columns) of one row block,
     then the epilogue (clamp, silu(g) * u, top-k weight * rsf, E4M3 requant per GA) -> act bytes + scales."""
     pid_n = tl.program_id(0)
@@ -188,7 +195,7 @@ def _l1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr
     # kernel row r: gate (r // 8 even) or up column 8 * (r // 16) + r % 8; scales in [gate | up] rows
     srow = ((rows // 8) % 2) * (I // 128) + (8 * (rows // 16) + rows % 8) // 128
     acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, rows, srow * ws_sn, stride_wn, ws_sk,
-                x_ptr, xs_ptr, tok * H, tok * (H // 128), mvalid, H, 128, R, BM, GPI, HW_CVT)
+                x_ptr, xs_ptr, tok * H, tok * (H // 128), mvalid, H, 128, R, BM, GPI, HW_CVT, EXACT)
     a4 = tl.permute(tl.reshape(acc, (R // 16, 2, 8, BM)), (0, 2, 3, 1))  # (slab, i, token, gate/up)
     acc_g, acc_u = tl.split(a4)
     a = _silu_mul(tl.reshape(acc_g, (BN, BM)), tl.reshape(acc_u, (BN, BM)), clamp_c, HAS_CLAMP, HW_CVT)
@@ -204,7 +211,8 @@ def _l1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr
 @triton.jit
 def _l2_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, slot_ptr,
                H, I, TOPK, NSLOT, stride_we, stride_wn, ws_se, ws_sn, ws_sk,
-               BM: tl.constexpr, BN: tl.constexpr, GA: tl.constexpr, GPI: tl.constexpr, HW_CVT: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, GA: tl.constexpr, GPI: tl.constexpr, HW_CVT: tl.constexpr,
+               EXACT: tl.constexpr):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -219,7 +227,7 @@ def _l2_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, slot
     arow = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
     acc = _gemm(w_ptr + e64 * stride_we, ws_ptr + e64 * ws_se, n, (n // 128) * ws_sn, stride_wn, ws_sk,
-                act_ptr, as_ptr, arow * I, arow * (I // GA), mvalid, I, GA, BN, BM, GPI, HW_CVT)
+                act_ptr, as_ptr, arow * I, arow * (I // GA), mvalid, I, GA, BN, BM, GPI, HW_CVT, EXACT)
     slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
     tl.store(slot_ptr + slot[None, :] * H + n[:, None], _jit.bf16r(acc, HW_CVT).to(tl.bfloat16),
              mask=mvalid[None, :])
@@ -267,6 +275,36 @@ def _weight_bytes(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return (b, b.stride(0), b.stride(1)) if b.dim() == 3 else (b, 0, b.stride(0))
 
 
+@dataclass(frozen=True)
+class Block8Config:
+    """Tiles of this row. The first five fields are ``mma8.Fp8Config``'s (which is accepted too, through
+    ``KernelConfig.fp8``): ``l1_bn`` intermediate columns (2x kernel rows) per L1 program, ``l2_bn``
+    output rows per L2 program, ``gpi`` K blocks per loop step, warps and pipeline stages. ``l2_*``
+    give the L2 its own where they differ (None: the L1's); ``block_m`` the token row block (None:
+    ``KernelConfig.pick_block_m``; an explicit ``KernelConfig.block_m`` wins); ``exact`` runs the
+    GEMMs on the bf16 MMA instead of the FP8 one (the numerics diagnostic of ``_dot8``)."""
+
+    l1_bn: int = 64
+    l2_bn: int = 128
+    gpi: int = 1
+    warps: int = 4
+    stages: int = 4
+    l2_gpi: Optional[int] = None
+    l2_warps: Optional[int] = None
+    l2_stages: Optional[int] = None
+    block_m: Optional[int] = None
+    exact: bool = False
+
+
+def l2_tiles(fc: Any) -> tuple[int, int, int]:
+    """(gpi, warps, stages) of the L2 launch."""
+    def pick(name: str, base: str) -> int:
+        v = getattr(fc, name, None)
+        return getattr(fc, base) if v is None else v
+
+    return pick("l2_gpi", "gpi"), pick("l2_warps", "warps"), pick("l2_stages", "stages")
+
+
 def launch_l1(fc: Any, xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp: Optional[float], rsf, bm, hw):
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l1_scale")
@@ -276,38 +314,57 @@ def launch_l1(fc: Any, xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp: Option
         xq, xs, wb, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, tw, act, asf,
         H, I, K, swe, swn, se, sn, sk, rsf, c,
         HAS_CLAMP=clamp is not None, BM=bm, BN=bn, GA=INTER_GROUP, GPI=fc.gpi, HW_CVT=hw,
-        num_warps=fc.warps, num_stages=fc.stages, **_opts(hw))
+        EXACT=bool(getattr(fc, "exact", False)), num_warps=fc.warps, num_stages=fc.stages, **_opts(hw))
 
 
 def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l2_scale")
     bn = min(fc.l2_bn, H)
+    gpi, warps, stages = l2_tiles(fc)
     _l2_kernel[(H // bn, plan.max_blocks)](
         act, asf, wb, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, slots,
         H, I, K, nslot, swe, swn, se, sn, sk,
-        BM=bm, BN=bn, GA=INTER_GROUP, GPI=fc.gpi, HW_CVT=hw,
-        num_warps=fc.warps, num_stages=fc.stages, **_opts(hw))
+        BM=bm, BN=bn, GA=INTER_GROUP, GPI=gpi, HW_CVT=hw, EXACT=bool(getattr(fc, "exact", False)),
+        num_warps=warps, num_stages=stages, **_opts(hw))
 
 
-def default_config(n_pairs: int, num_local: int) -> Any:
-    """Tiles by regime (the ``mma8.Fp8Config`` fields; ``gpi`` = 128-blocks per loop step)."""
-    from .mma8 import Fp8Config
+#: tiles by regime (mean (token, expert) pairs per local expert): "decode" up to 32, "prefill" above. Prefill:
+#: the fastest L1 and L2 of ``bench/block8_gpu.py sweep`` at 4096 tokens of DeepSeek-V3's shape on an H100
+#: (64-token row blocks; L1 256 kernel rows, 8 warps, 3 stages: 6.03 ms; L2 128 rows, 4 warps, 5 stages:
+#: 3.75 ms; before, 128-token blocks with 128-row 8-warp tiles: 12.3 + 7.0 ms), bitwise the same outputs.
+#: Decode keeps its tiles: at 1024 tokens (32 pairs per expert) no tile of the sweep beat them by more than 2%.
+TILES: dict[str, Block8Config] = {
+    "decode": Block8Config(l1_bn=64, l2_bn=128, gpi=1, warps=4, stages=4),
+    "prefill": Block8Config(l1_bn=128, l2_bn=128, gpi=1, warps=8, stages=3, l2_gpi=1, l2_warps=4, l2_stages=5,
+                            block_m=64),
+}
 
-    if n_pairs / max(1, num_local) <= 32:
-        return Fp8Config(l1_bn=64, l2_bn=128, gpi=1, warps=4, stages=4)
-    return Fp8Config(l1_bn=64, l2_bn=128, gpi=1, warps=8, stages=3)
+
+def regime(n_pairs: int, num_local: int) -> str:
+    return "decode" if n_pairs / max(1, num_local) <= 32 else "prefill"
+
+
+def default_config(n_pairs: int, num_local: int) -> Block8Config:
+    """Tiles by regime (``TILES``)."""
+    return TILES[regime(n_pairs, num_local)]
 
 
 def candidate_configs(n_pairs: int, num_local: int) -> list:
     """What ``bench/kernel.py --tune`` tries for this row."""
-    from .mma8 import Fp8Config
-
     out = [default_config(n_pairs, num_local)]
     for bn1, bn2, gpi, w, st in ((64, 128, 1, 4, 3), (128, 128, 1, 4, 4), (64, 64, 1, 4, 4), (64, 128, 2, 4, 3),
                                  (64, 128, 1, 8, 4), (128, 256, 1, 8, 3)):
-        out.append(Fp8Config(bn1, bn2, gpi, w, st))
+        out.append(Block8Config(bn1, bn2, gpi, w, st))
     return out
+
+
+def pick_block_m(cfg: Any, fc: Any, n_pairs: int, num_local: int) -> int:
+    """The token row block: ``KernelConfig.block_m`` if set, else the tiles' ``block_m``, else by the
+    mean pairs per expert (``KernelConfig.pick_block_m``)."""
+    if cfg.block_m is None and getattr(fc, "block_m", None) is not None:
+        return fc.block_m
+    return cfg.pick_block_m(n_pairs, num_local)
 
 
 def routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
@@ -320,7 +377,7 @@ def routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.T
     T = x_bf16.shape[0]
     fc = cfg.fp8 or default_config(T * K, E_l)
     xq, xs = quantize_b128(x_bf16, hw)
-    bm = cfg.pick_block_m(T * K, E_l)
+    bm = pick_block_m(cfg, fc, T * K, E_l)
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.uint8, device=x_bf16.device)
     asf = torch.empty(plan.max_blocks * bm, I // INTER_GROUP, dtype=torch.float32, device=x_bf16.device)
