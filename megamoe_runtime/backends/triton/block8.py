@@ -341,13 +341,13 @@ TILES: dict[str, Block8Config] = {
 }
 
 
-def regime(n_pairs: int, num_local: int) -> str:
+def _regime(n_pairs: int, num_local: int) -> str:
     return "decode" if n_pairs / max(1, num_local) <= 32 else "prefill"
 
 
 def default_config(n_pairs: int, num_local: int) -> Block8Config:
     """Tiles by regime (``TILES``)."""
-    return TILES[regime(n_pairs, num_local)]
+    return TILES[_regime(n_pairs, num_local)]
 
 
 def candidate_configs(n_pairs: int, num_local: int) -> list:
