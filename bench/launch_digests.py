@@ -6,6 +6,7 @@ diff the two JSON files: one digest per case, the case named by its row, tokens 
 
     python bench/launch_digests.py --out a.json                  # GPU: every case
     TRITON_INTERPRET=1 python bench/launch_digests.py --out a.json --cpu   # CPU interpreter, small shapes
+                                                                  # (the FP8 path with stand-ins: interpret_fp8_path)
     python bench/launch_digests.py --out a.json --shard 0/4      # a quarter of the cases (parallel runs)
 
 Only the public forward (``moe.moe_forward``, ``moe.fold_flags``, ``KernelConfig``) is called, so the
@@ -14,7 +15,6 @@ same script runs against both trees. Unwritten slots are never hashed: only the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import sys
@@ -22,6 +22,8 @@ import time
 import types
 
 import torch
+import triton
+import triton.language as tl
 
 from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, SharedSpec
 
@@ -66,7 +68,7 @@ def cases(cpu: bool) -> list[dict]:
                     if not cpu:
                         paths += [dict(name="wtile16", wt=16), dict(name="asm_off", asm=False),
                                   dict(name="maxnreg", cfg=dict(l1_maxnreg=96, l2_maxnreg=64))]
-                    if not cpu and row in ("mxfp4", "mxfp8"):
+                    if row in ("mxfp4", "mxfp8"):
                         paths += [dict(name="mma_fp8", cfg=dict(mma="fp8")),
                                   dict(name="mma_fp8_shared", cfg=dict(mma="fp8"), shared="mxfp8", ep=(1, 2)),
                                   dict(name="mma_fp8_bm16", cfg=dict(mma="fp8", block_m=16))]
@@ -76,6 +78,39 @@ def cases(cpu: bool) -> list[dict]:
     # every row's first paths before any row's later ones: a run cut short by its time limit still covers
     # each row and token count (two trees cut alike compare on what both reached)
     return [c for _, _, c in sorted(out, key=lambda r: (r[0], r[1]))]
+
+
+def interpret_fp8_path() -> None:
+    """Under the interpreter, run the FP8 path (``mma8``) too: take it where a config asks for it (on the
+    GPU only the hardware decides), and give the device helpers' GPU branches (libdevice exp / tanh, the
+    hardware casts) their interpreter branches. Both trees get the same stand-ins, so their digests still
+    compare the code around them; the stand-ins' numerics are not the GPU's."""
+    from megamoe_runtime.backends.triton import _jit, moe
+
+    moe.fp8_selected = lambda row, hw, choice: choice == "fp8"
+    for name in ("expf", "tanhf", "bf16r", "e4m3_round"):
+        _PLAIN[name] = getattr(_jit, name)
+        setattr(_jit, name, triton.jit(globals()["_plain_" + name]))
+
+
+#: the device helpers ``interpret_fp8_path`` replaces, called with their interpreter branch
+_PLAIN: dict = {}
+
+
+def _plain_expf(x, GPU: tl.constexpr):
+    return _PLAIN["expf"](x, False)
+
+
+def _plain_tanhf(x, GPU: tl.constexpr):
+    return _PLAIN["tanhf"](x, False)
+
+
+def _plain_bf16r(x, GPU: tl.constexpr):
+    return _PLAIN["bf16r"](x, False)
+
+
+def _plain_e4m3_round(v, HW_CVT: tl.constexpr):
+    return _PLAIN["e4m3_round"](v, False)
 
 
 def run_case(c: dict, device: str, cpu: bool) -> dict:
@@ -131,6 +166,8 @@ def main(argv=None) -> int:
     import megamoe_runtime
 
     print(f"tree {megamoe_runtime.__file__}; {len(todo)} cases", file=sys.stderr, flush=True)
+    if a.cpu:
+        interpret_fp8_path()
     res = []
     t0 = time.time()
     for c in todo:
