@@ -8,9 +8,8 @@ Each maps onto its kernel parameters by name (``kernel_args``), so a launch pass
 run of positional flags. Tile choices stay in ``configs`` (`KernelConfig`): a launch reads its
 tiles from there and its operands from these.
 
-Below them the helpers they use: compile options (`opts`), byte views of the weights and of the
-MN-major scales' physical base (`bytes_if_fp8`, `scale_bytes`, `weight_strides`, `scale_stride`) and the
-scale-word choice (`scale_words`).
+Below them the helpers: compile options (`opts`), the byte view of the MN-major scales' physical
+base (`scale_bytes`) and the rules `WeightOperand.of` applies.
 """
 from __future__ import annotations
 
@@ -44,28 +43,23 @@ def scale_bytes(sf: Optional[torch.Tensor], device: torch.device) -> torch.Tenso
     return phys.view(torch.uint8)
 
 
-def _f32_host(v) -> float:
-    """A float32 value as a Python float (exactly representable, so Triton passes it unchanged)."""
-    return float(torch.as_tensor(v, dtype=torch.float32).reshape(()).cpu())
-
-
-def bytes_if_fp8(w: torch.Tensor) -> torch.Tensor:
+def _bytes_if_fp8(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
 
 
-def weight_strides(w: torch.Tensor) -> tuple[int, int]:
+def _weight_strides(w: torch.Tensor) -> tuple[int, int]:
     if w.dim() == 3:
         return w.stride(0), w.stride(1)
     return 0, w.stride(0)
 
 
-def scale_stride(sf: Optional[torch.Tensor]) -> int:
+def _scale_stride(sf: Optional[torch.Tensor]) -> int:
     if sf is None or sf.dim() == 2:
         return 0
     return sf.shape[-1] * sf.shape[-2] * 4  # bytes per expert of the physical base
 
 
-def scale_words(sword: bool, frag: bool, w_kind: int) -> bool:
+def _scale_words(sword: bool, frag: bool, w_kind: int) -> bool:
     """Scale words for the E2M1 frag kernels only: with E4M3 weights the word tensor's layout made
     Triton route the decoded operand through shared memory (PRMT/STS in the SASS, +30%
     instructions per step), so the mxfp8 row keeps its byte loads."""
@@ -130,9 +124,9 @@ class WeightOperand:
     def of(cls, w: torch.Tensor, ws: Optional[torch.Tensor], kind: int, *, asm: bool = False, frag: bool = False,
            fold: bool = False, sword: bool = False, w_tile: int = 0,
            fold_flags: Optional[torch.Tensor] = None) -> "WeightOperand":
-        swe, swn = weight_strides(w)
-        return cls(bytes_if_fp8(w), scale_bytes(ws, w.device), swe, swn, scale_stride(ws), kind, bool(asm),
-                   bool(frag), bool(fold and frag and asm), scale_words(sword, frag, kind), int(w_tile), fold_flags)
+        swe, swn = _weight_strides(w)
+        return cls(_bytes_if_fp8(w), scale_bytes(ws, w.device), swe, swn, _scale_stride(ws), kind, bool(asm),
+                   bool(frag), bool(fold and frag and asm), _scale_words(sword, frag, kind), int(w_tile), fold_flags)
 
     def kernel_args(self, dummy: torch.Tensor) -> dict:
         """The weight parameters of ``l1._l1_kernel`` / ``l2._l2_kernel`` (``dummy``: any tensor, for the

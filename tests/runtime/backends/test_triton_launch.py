@@ -125,7 +125,7 @@ def test_weight_operand_applies_the_rules_that_make_a_choice_take_effect():
     w, ws = _weights(configs.W_E4M3_MX)
     op = WeightOperand.of(w, ws, configs.W_E4M3_MX, asm=True, frag=True, fold=True, sword=True)
     assert op.weight.dtype == torch.uint8 and op.weight.data_ptr() == w.data_ptr()  # E4M3 read as bytes
-    assert op.fold and not op.sword  # scale words only for the E2M1 frag kernels (launch.scale_words)
+    assert op.fold and not op.sword  # scale words only for the E2M1 frag kernels (launch._scale_words)
     assert (op.stride_e, op.stride_n) == (w.stride(0), w.stride(1))
     assert op.scale_stride_e == ws.shape[-1] * ws.shape[-2] * 4
     assert not WeightOperand.of(w, ws, configs.W_E4M3_MX, asm=False, frag=True, fold=True).fold  # fold needs asm
