@@ -18,7 +18,7 @@ from . import _jit
 from .configs import KernelConfig
 from .launch import L2Epilogue, Rows, WeightOperand, opts
 from .operands import (
-    NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, mm_block, slot_of, utccp, x_tiles,
+    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, slot_rows, utccp, x_tiles,
 )
 
 
@@ -47,8 +47,7 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     if past:
         return
     pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
-    arow = act_rows(pid_m, tok, SHARED, BM)
-    slot = slot_of(pair, tok, TOPK, NSLOT, SHARED)
+    arow, slot = slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED, BM)
     e64 = e.to(tl.int64)
     fflag = fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
     n = pid_n * BN + tl.arange(0, BN)

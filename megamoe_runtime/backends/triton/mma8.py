@@ -33,7 +33,7 @@ import triton.language as tl
 from . import _jit
 from .l1 import activation
 from .launch import L1Epilogue, Rows, WeightOperand
-from .operands import act_rows, block_expert, block_rows, slot_of, utccp
+from .operands import act_rows, block_expert, block_rows, slot_rows, utccp
 
 # weight kinds (same numbers as configs.W_*)
 W_E2M1_MX = 0
@@ -192,8 +192,7 @@ def _l2_fp8_kernel(act_ptr, asf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr
     if past:
         return
     pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
-    arow = act_rows(pid_m, tok, SHARED, BM)
-    slot = slot_of(pair, tok, TOPK, NSLOT, SHARED)
+    arow, slot = slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED, BM)
     e64 = e.to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
     acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, n, utccp(n), H, stride_wn,

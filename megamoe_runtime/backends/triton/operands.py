@@ -1,6 +1,6 @@
 """Device helpers the L1 and L2 kernels share: row blocks, operand tiles and the fold flags.
 
-The rows of a program (`block_expert`, `block_rows`, `act_rows`, `slot_of`: a routing plan's row
+The rows of a program (`block_expert`, `block_rows`, `act_rows`, `slot_rows`: a routing plan's row
 blocks, or every token once for the shared expert), the activation tiles (`x_tiles`), the weight
 tiles decoded to bf16 in the split / natural order (`_w_tiles`) and in the frag order (`_w_frag`,
 `_w_frag8`, plain or fold decode), the UTCCP row map of the scales (`utccp`), one K block's MMA
@@ -63,12 +63,13 @@ def act_rows(pid_m, tok, SHARED: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def slot_of(pair, tok, TOPK, NSLOT, SHARED: tl.constexpr):
-    """int64 slot ``token * NSLOT + k`` each row writes: k of its pair; SHARED: slot ``TOPK``."""
+def slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED: tl.constexpr, BM: tl.constexpr):
+    """(intermediate rows, slots) of an L2 row block: the rows ``act_rows`` gives and the int64 slot
+    ``token * NSLOT + k`` each row writes, k of its pair (SHARED: slot ``TOPK``)."""
     if SHARED:
-        return tok.to(tl.int64) * NSLOT + TOPK
+        return act_rows(pid_m, tok, SHARED, BM), tok.to(tl.int64) * NSLOT + TOPK
     else:
-        return tok.to(tl.int64) * NSLOT + pair % TOPK
+        return act_rows(pid_m, tok, SHARED, BM), tok.to(tl.int64) * NSLOT + pair % TOPK
 
 
 @triton.jit
