@@ -12,9 +12,12 @@ import triton
 import triton.language as tl
 
 from . import _jit
-from .configs import resolve_l1_gu
-from .launch import bytes_if_fp8, opts, scale_bytes, scale_stride, scale_words, weight_strides
-from .operands import FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, fold_flag, fold_redo, mm_block, utccp, x_tiles
+from .configs import KernelConfig, resolve_l1_gu
+from .launch import L1Epilogue, Rows, WeightOperand, opts
+from .operands import (
+    FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, mm_block, utccp,
+    x_tiles,
+)
 
 
 @triton.jit
@@ -125,25 +128,10 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m = tl.arange(0, BM)
-    if SHARED:
-        e = pid_m * 0
-        tok = pid_m * BM + m
-        mvalid = tok < T
-        tok = tl.where(mvalid, tok, 0)
-        pair = tok
-    else:
-        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
-        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
-        # from sinking the expert's load below the exit
-        nb = tl.load(nblk_ptr)
-        e = tl.load(blk_ptr + pid_m)
-        if (pid_m >= nb) | (e < 0):
-            return
-        pair = tl.load(pair_ptr + pid_m * BM + m)
-        mvalid = pair >= 0
-        pair = tl.where(mvalid, pair, 0)
-        tok = pair // TOPK
+    e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
+    if past:
+        return
+    pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
     e64 = e.to(tl.int64)
     fflag = fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
     xrow = tok.to(tl.int64) * H
@@ -197,10 +185,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     else:
         inv_a2 = 1.0
     q = _requant(a, inv_a2, REQ, BN, BM, HW_CVT)
-    if SHARED:
-        orow = tok.to(tl.int64)
-    else:
-        orow = (pid_m * BM + m).to(tl.int64)
+    orow = act_rows(pid_m, tok, SHARED, BM)
     if SPLIT_OUT == 2:  # frag K order: the next GEMM's e2m1 weights read 16-byte runs (_w_frag)
         col = _jit.frag_pos(j)
     elif SPLIT_OUT == 3:  # E4M3 frag K order (_w_frag8)
@@ -212,24 +197,14 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     tl.store(act_ptr + orow[None, :] * I + col[:, None], q, mask=mvalid[None, :])
 
 
-def launch_l1(cfg, x, xts, w, ws, alpha, plan, tw, act, T, H, I, K, spec_act, rsf, a2,
-               w_kind, nv_in, req, apply_w, shared, split_out, bm, hw, asm, frag=False, fold=False, sword=False,
-               wt=0, fflags=None):
-    act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
-    swe, swn = weight_strides(w)
+def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: Rows, epi: L1Epilogue,
+              act: torch.Tensor, H: int, I: int, hw: bool) -> None:
+    """One L1 launch: ``rows`` of ``x`` (the staged activations, in the K order ``weight`` reads) through
+    ``weight``'s gate/up rows and ``epi`` into ``act`` ``[rows, I]``; tiles from ``cfg``."""
     bn = min(cfg.l1_bn, I)
-    grid = (I // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
-    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
-    _l1_kernel[grid](
-        x, xts, bytes_if_fp8(w), scale_bytes(ws, w.device), alpha, x if fflags is None else fflags,
-        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
-        dummy_i32 if shared else plan.num_blocks, tw, act,
-        T, H, I, K, swe, swn, scale_stride(ws),
-        rsf, c, a_alpha, a_beta, sb, slb, a2,
-        W_KIND=w_kind, NV_IN=nv_in, ACT=act_kind, HAS_CLAMP=has_clamp, REQ=req, APPLY_W=apply_w,
-        SHARED=shared, SPLIT_OUT=(2 if frag else 1) if split_out else (3 if frag else 0), BM=bm, BN=bn,
-        BK=128 if frag or H % cfg.l1_bk else cfg.l1_bk,
-        HW_CVT=hw, ASM=asm, FRAG=frag, FOLD=bool(fold and frag and asm), SWORD=scale_words(sword, frag, w_kind),
-        GU=bool(frag and resolve_l1_gu(cfg) and not shared), WT=wt, FFLAGS=fflags is not None,
-        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages,
-        **opts(cfg.l1_maxnreg))
+    dummy_f = torch.empty(1, dtype=torch.float32, device=act.device)
+    _l1_kernel[(I // bn, rows.grid_m())](
+        x_ptr=x, act_ptr=act, H=H, I=I, **rows.kernel_args(act.device), **weight.kernel_args(x),
+        **epi.kernel_args(dummy_f), BN=bn, BK=128 if weight.frag or H % cfg.l1_bk else cfg.l1_bk, HW_CVT=hw,
+        GU=bool(weight.frag and resolve_l1_gu(cfg) and not rows.shared),
+        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg))

@@ -8,13 +8,18 @@ slot order in fp32, with the routed scaling factor where the row applies it in t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _jit
-from .launch import bytes_if_fp8, opts, scale_bytes, scale_stride, scale_words, weight_strides
-from .operands import NV_REDO_SCALE, fold_flag, fold_redo, mm_block, utccp, x_tiles
+from .configs import KernelConfig
+from .launch import L2Epilogue, Rows, WeightOperand, opts
+from .operands import (
+    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, slot_rows, utccp, x_tiles,
+)
 
 
 # --------------------------------------------------------------------------- L2
@@ -38,28 +43,11 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    m = tl.arange(0, BM)
-    if SHARED:
-        e = pid_m * 0
-        tok = pid_m * BM + m
-        mvalid = tok < T
-        tok = tl.where(mvalid, tok, 0)
-        arow = tok.to(tl.int64)
-        slot = tok.to(tl.int64) * NSLOT + TOPK
-        pair = tok
-    else:
-        # block count and expert id go out together (blk holds max_blocks entries, this grid's size) instead
-        # of one round trip after the other; ``e < 0`` never holds for a routed block, it keeps the compiler
-        # from sinking the expert's load below the exit
-        nb = tl.load(nblk_ptr)
-        e = tl.load(blk_ptr + pid_m)
-        if (pid_m >= nb) | (e < 0):
-            return
-        pair = tl.load(pair_ptr + pid_m * BM + m)
-        mvalid = pair >= 0
-        pair = tl.where(mvalid, pair, 0)
-        arow = (pid_m * BM + m).to(tl.int64)
-        slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
+    e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
+    if past:
+        return
+    pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
+    arow, slot = slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED, BM)
     e64 = e.to(tl.int64)
     fflag = fold_flag(fflag_ptr, e64, FOLD, FFLAGS)
     n = pid_n * BN + tl.arange(0, BN)
@@ -168,33 +156,33 @@ def l2_split(cfg, I: int) -> int:
     return s if s > 1 and I % (128 * s) == 0 else 1
 
 
-def launch_l2(cfg, act, w, ws, plan, tw, l2s, slots, T, H, I, K, nslot, a2, w_kind, nv_epi, shared, bm, hw, asm,
-               frag=False, fold=False, sword=False, wt=0, fflags=None, part=None):
-    """One L2 launch. ``part`` (fp32 ``[KSPLIT, T * nslot, H]``, routed launches only): write the K slices'
-    partials there instead of bf16 slots; ``reduce_l2_split`` then ends every launch of the forward at once."""
-    swe, swn = weight_strides(w)
+def launch_l2(cfg: KernelConfig, act: torch.Tensor, weight: WeightOperand, rows: Rows, epi: L2Epilogue,
+              slots: torch.Tensor, H: int, I: int, hw: bool, part: Optional[torch.Tensor] = None) -> None:
+    """One L2 launch: ``rows`` of the intermediate ``act`` through ``weight`` and ``epi`` into the bf16
+    ``slots [T, nslot, H]``. ``part`` (fp32 ``[KSPLIT, T * nslot, H]``, routed launches only): write the K
+    slices' partials there instead; ``reduce_l2_split`` then ends every launch of the forward at once."""
     bn = min(cfg.l2_bn, H)
     ks = 1 if part is None else part.shape[0]
-    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks, ks)
-    dummy_i32 = act.new_empty(1, dtype=torch.int32) if shared else None
-    _l2_kernel[grid](
-        act, bytes_if_fp8(w), scale_bytes(ws, w.device), act if fflags is None else fflags,
-        dummy_i32 if shared else plan.sorted_pairs, dummy_i32 if shared else plan.block_expert,
-        dummy_i32 if shared else plan.num_blocks, tw, l2s, slots if part is None else part,
-        T, H, I, K, nslot, swe, swn, scale_stride(ws), a2,
-        W_KIND=w_kind, NV_EPI=nv_epi, SHARED=shared, BM=bm, BN=bn,
-        BK=128 if frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, ASM=asm, FRAG=frag,
-        FOLD=bool(fold and frag and asm), SWORD=scale_words(sword, frag, w_kind),
-        WT=wt, FFLAGS=fflags is not None, KSPLIT=ks, num_warps=cfg.l2_warps,
-        num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
+    dummy_f = torch.empty(1, dtype=torch.float32, device=act.device)
+    _l2_kernel[(H // bn, rows.grid_m(), ks)](
+        act_ptr=act, slot_ptr=slots if part is None else part, H=H, I=I, NSLOT=slots.shape[1],
+        **rows.kernel_args(act.device), **weight.kernel_args(act), **epi.kernel_args(dummy_f),
+        BN=bn, BK=128 if weight.frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, KSPLIT=ks,
+        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
 
 
-def reduce_l2_split(part, ids, tw, l2s, a2, slots, T, H, K, nslot, e_lo, E_l, nv_epi, hw) -> None:
-    """The routed slots from the split L2's partials (``_l2_split_reduce``), after all its launches."""
+def reduce_l2_split(part: torch.Tensor, ids: torch.Tensor, epi: L2Epilogue, slots: torch.Tensor, e_lo: int,
+                    E_l: int, hw: bool) -> None:
+    """The routed slots from the split L2's partials (``_l2_split_reduce``), after all its launches:
+    ``epi`` is the routed launches' epilogue, ``ids`` the global top-k ids ``[T, K]``."""
+    T, nslot, H = slots.shape
+    K = ids.shape[1]
     bh = min(1024, triton.next_power_of_2(H))
+    dummy_f = torch.empty(1, dtype=torch.float32, device=slots.device)
+    a = epi.kernel_args(dummy_f)
     _l2_split_reduce[(T * K, triton.cdiv(H, bh))](
-        part, ids, tw, l2s, a2, slots, H, e_lo, E_l, nslot, T * nslot,
-        TOPK=K, KSPLIT=part.shape[0], NV_EPI=nv_epi, BH=bh, HW_CVT=hw, num_warps=4, **opts())
+        part, ids, a["tw_ptr"], a["l2s_ptr"], a["a2_ptr"], slots, H, e_lo, E_l, nslot, T * nslot,
+        TOPK=K, KSPLIT=part.shape[0], NV_EPI=epi.nv_epi, BH=bh, HW_CVT=hw, num_warps=4, **opts())
 
 
 def combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from . import _jit
 from .l1 import activation
-from .operands import utccp
+from .launch import L1Epilogue, Rows, WeightOperand
+from .operands import act_rows, block_expert, block_rows, slot_rows, utccp
 
 # weight kinds (same numbers as configs.W_*)
 W_E2M1_MX = 0
@@ -151,21 +152,10 @@ def _l1_fp8_kernel(x_ptr, xsf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     epilogue (bf16 g/u, clamp, activation, top-k weight, MXFP8 requant) -> act bytes + scales."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m = tl.arange(0, BM)
-    if SHARED:
-        e = pid_m * 0
-        tok = pid_m * BM + m
-        mvalid = tok < T
-        tok = tl.where(mvalid, tok, 0)
-        pair = tok
-    else:
-        if pid_m >= tl.load(nblk_ptr):
-            return
-        e = tl.load(blk_ptr + pid_m)
-        pair = tl.load(pair_ptr + pid_m * BM + m)
-        mvalid = pair >= 0
-        pair = tl.where(mvalid, pair, 0)
-        tok = pair // TOPK
+    e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
+    if past:
+        return
+    pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
     e64 = e.to(tl.int64)
     R: tl.constexpr = 2 * BN
     rows = pid_n * R + tl.arange(0, R)
@@ -182,10 +172,7 @@ def _l1_fp8_kernel(x_ptr, xsf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr, 
         w = tl.load(tw_ptr + pair, mask=mvalid, other=0.0) * rsf
         a = a * w[None, :]
     q, sb = _requant_mx8(a, BN, BM, True)
-    if SHARED:
-        orow = tok.to(tl.int64)
-    else:
-        orow = (pid_m * BM + m).to(tl.int64)
+    orow = act_rows(pid_m, tok, SHARED, BM)
     j = pid_n * BN + tl.arange(0, BN)
     tl.store(act_ptr + orow[None, :] * I + j[:, None], q.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
              mask=mvalid[None, :])
@@ -201,23 +188,11 @@ def _l2_fp8_kernel(act_ptr, asf_ptr, w_ptr, wsb_ptr, pair_ptr, blk_ptr, nblk_ptr
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m = tl.arange(0, BM)
-    if SHARED:
-        e = pid_m * 0
-        tok = pid_m * BM + m
-        mvalid = tok < T
-        tok = tl.where(mvalid, tok, 0)
-        arow = tok.to(tl.int64)
-        slot = tok.to(tl.int64) * NSLOT + TOPK
-    else:
-        if pid_m >= tl.load(nblk_ptr):
-            return
-        e = tl.load(blk_ptr + pid_m)
-        pair = tl.load(pair_ptr + pid_m * BM + m)
-        mvalid = pair >= 0
-        pair = tl.where(mvalid, pair, 0)
-        arow = (pid_m * BM + m).to(tl.int64)
-        slot = (pair // TOPK).to(tl.int64) * NSLOT + pair % TOPK
+    e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
+    if past:
+        return
+    pair, mvalid, tok = block_rows(pair_ptr, pid_m, T, TOPK, SHARED, BM)
+    arow, slot = slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED, BM)
     e64 = e.to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
     acc = _gemm8(w_ptr + e64 * stride_we, wsb_ptr + e64 * stride_wse, n, utccp(n), H, stride_wn,
@@ -276,29 +251,22 @@ def candidate_fp8_configs(n_pairs: int, num_local: int) -> list[Fp8Config]:
     return out
 
 
-def launch_l1(fc: Fp8Config, xq, xsf, w, ws_bytes, ws_stride, plan, tw, act8, asf, T, H, I, K, spec_act, rsf,
-              w_kind, apply_w, shared, bm, asm):
-    act_kind, has_clamp, c, a_alpha, a_beta, sb, slb = spec_act
-    swe, swn = (w.stride(0), w.stride(1)) if w.dim() == 3 else (0, w.stride(0))
+def launch_l1(fc: Fp8Config, x: torch.Tensor, x_sf: torch.Tensor, weight: WeightOperand, rows: Rows,
+              epi: L1Epilogue, act8: torch.Tensor, asf: torch.Tensor, H: int, I: int) -> None:
+    """One FP8 L1 launch: E4M3 activation bytes ``x`` with UE8M0 bytes ``x_sf`` through ``weight`` and the
+    epilogue's activation and top-k weight (its requant is always MXFP8 here) into ``act8`` + ``asf``."""
     bn = min(fc.l1_bn, I)
-    grid = (I // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
-    d = act8.new_empty(1, dtype=torch.int32)
-    _l1_fp8_kernel[grid](
-        xq, xsf, w, ws_bytes, d if shared else plan.sorted_pairs, d if shared else plan.block_expert,
-        d if shared else plan.num_blocks, tw, act8, asf,
-        T, H, I, K, swe, swn, ws_stride, rsf, c, a_alpha, a_beta, sb, slb,
-        W_KIND=w_kind, ACT=act_kind, HAS_CLAMP=has_clamp, APPLY_W=apply_w, SHARED=shared, BM=bm, BN=bn,
-        GPI=fc.gpi, ASM=asm, num_warps=fc.warps, num_stages=fc.stages, enable_fp_fusion=False)
-
-
-def launch_l2(fc: Fp8Config, act8, asf, w, ws_bytes, ws_stride, plan, slots, T, H, I, K, nslot, w_kind, shared,
-              bm, asm):
-    swe, swn = (w.stride(0), w.stride(1)) if w.dim() == 3 else (0, w.stride(0))
-    bn = min(fc.l2_bn, H)
-    grid = (H // bn, triton.cdiv(T, bm) if shared else plan.max_blocks)
-    d = act8.new_empty(1, dtype=torch.int32)
-    _l2_fp8_kernel[grid](
-        act8, asf, w, ws_bytes, d if shared else plan.sorted_pairs, d if shared else plan.block_expert,
-        d if shared else plan.num_blocks, slots, T, H, I, K, nslot, swe, swn, ws_stride,
-        W_KIND=w_kind, SHARED=shared, BM=bm, BN=bn, GPI=fc.gpi, ASM=asm,
+    _l1_fp8_kernel[(I // bn, rows.grid_m())](
+        x_ptr=x, xsf_ptr=x_sf, act_ptr=act8, asf_ptr=asf, H=H, I=I, **rows.kernel_args(act8.device),
+        **weight.fp8_kernel_args(), **epi.act.kernel_args(), **epi.weight_args(), BN=bn, GPI=fc.gpi,
         num_warps=fc.warps, num_stages=fc.stages, enable_fp_fusion=False)
+
+
+def launch_l2(fc: Fp8Config, act8: torch.Tensor, asf: torch.Tensor, weight: WeightOperand, rows: Rows,
+              slots: torch.Tensor, H: int, I: int) -> None:
+    """One FP8 L2 launch: the MXFP8 intermediate through ``weight`` into the bf16 ``slots [T, nslot, H]``."""
+    bn = min(fc.l2_bn, H)
+    _l2_fp8_kernel[(H // bn, rows.grid_m())](
+        act_ptr=act8, asf_ptr=asf, slot_ptr=slots, H=H, I=I, NSLOT=slots.shape[1], **rows.kernel_args(act8.device),
+        **weight.fp8_kernel_args(), BN=bn, GPI=fc.gpi, num_warps=fc.warps, num_stages=fc.stages,
+        enable_fp_fusion=False)

@@ -1,9 +1,11 @@
-"""Device helpers the L1 and L2 kernels share: operand tiles and the fold flags.
+"""Device helpers the L1 and L2 kernels share: row blocks, operand tiles and the fold flags.
 
-The activation tiles (`x_tiles`), the weight tiles decoded to bf16 in the split / natural order
-(`_w_tiles`) and in the frag order (`_w_frag`, `_w_frag8`, plain or fold decode), the UTCCP row
-map of the scales (`utccp`), one K block's MMA (`mm_block`), and the per-tile fold checks
-(`_fold_bad`, `fold_flag`, `fold_redo`; flag values `FOLD_OK` / `FOLD_REDO` / `FOLD_SCAN`).
+The rows of a program (`block_expert`, `block_rows`, `act_rows`, `slot_rows`: a routing plan's row
+blocks, or every token once for the shared expert), the activation tiles (`x_tiles`), the weight
+tiles decoded to bf16 in the split / natural order (`_w_tiles`) and in the frag order (`_w_frag`,
+`_w_frag8`, plain or fold decode), the UTCCP row map of the scales (`utccp`), one K block's MMA
+(`mm_block`), and the per-tile fold checks (`_fold_bad`, `fold_flag`, `fold_redo`; flag values
+`FOLD_OK` / `FOLD_REDO` / `FOLD_SCAN`).
 Imports `_jit` and `decode_asm` only.
 """
 from __future__ import annotations
@@ -15,6 +17,59 @@ from . import _jit, decode_asm
 
 
 # --------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def block_expert(blk_ptr, nblk_ptr, pid_m, SHARED: tl.constexpr):
+    """(local expert, past) of row block ``pid_m``; the kernel returns at once where ``past`` holds.
+
+    Routed launches (a routing plan's blocks): the block count and the expert id go out together
+    (``blk`` holds ``max_blocks`` entries, the grid's size) instead of one round trip after the other;
+    ``e < 0`` never holds for a routed block, it keeps the compiler from sinking the expert's load below
+    the exit. SHARED (every token once, the shared expert): expert 0, never past."""
+    if SHARED:
+        return pid_m * 0, pid_m < 0
+    else:
+        nb = tl.load(nblk_ptr)
+        e = tl.load(blk_ptr + pid_m)
+        return e, (pid_m >= nb) | (e < 0)
+
+
+@triton.jit
+def block_rows(pair_ptr, pid_m, T, TOPK, SHARED: tl.constexpr, BM: tl.constexpr):
+    """(pairs ``t * TOPK + k``, valid, tokens) of row block ``pid_m``: a routed block's padding (-1)
+    masked and clamped to pair 0. SHARED: tokens ``pid_m * BM ..`` (their own pairs), those past ``T``
+    masked and clamped to token 0."""
+    if SHARED:
+        tok = pid_m * BM + tl.arange(0, BM)
+        mvalid = tok < T
+        tok = tl.where(mvalid, tok, 0)
+        return tok, mvalid, tok
+    else:
+        pair = tl.load(pair_ptr + pid_m * BM + tl.arange(0, BM))
+        mvalid = pair >= 0
+        pair = tl.where(mvalid, pair, 0)
+        return pair, mvalid, pair // TOPK
+
+
+@triton.jit
+def act_rows(pid_m, tok, SHARED: tl.constexpr, BM: tl.constexpr):
+    """int64 rows of the intermediate that row block ``pid_m`` writes (L1) and reads (L2): a routed
+    block's own ``BM`` rows of the plan; SHARED: its tokens."""
+    if SHARED:
+        return tok.to(tl.int64)
+    else:
+        return (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+
+
+@triton.jit
+def slot_rows(pid_m, pair, tok, TOPK, NSLOT, SHARED: tl.constexpr, BM: tl.constexpr):
+    """(intermediate rows, slots) of an L2 row block: the rows ``act_rows`` gives and the int64 slot
+    ``token * NSLOT + k`` each row writes, k of its pair (SHARED: slot ``TOPK``)."""
+    if SHARED:
+        return act_rows(pid_m, tok, SHARED, BM), tok.to(tl.int64) * NSLOT + TOPK
+    else:
+        return act_rows(pid_m, tok, SHARED, BM), tok.to(tl.int64) * NSLOT + pair % TOPK
 
 
 @triton.jit

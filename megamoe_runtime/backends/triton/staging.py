@@ -496,7 +496,7 @@ def bf16_passthrough(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- routing
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoutingPlan:
     """Device-side routing metadata for a grouped GEMM over local experts.
 

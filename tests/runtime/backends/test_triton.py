@@ -199,11 +199,10 @@ def test_frag_k_order_bitwise(row, T, bm):
         moe_mod.resolve_k_order = lambda cfg, w_kind, H, I: "split" if cfg.k_order == "bad" else real(cfg, w_kind, H, I)
         orig_l1 = moe_mod.launch_l1
 
-        def bad_l1(*a, **k):
-            a = list(a)
-            if len(a) == 26:  # the routed launch: frag kernels on split-order activations
-                a[-1] = True
-            return orig_l1(*a, **k)
+        def bad_l1(cfg, x, weight, rows, *a, **k):
+            if not rows.shared:  # the routed launch: frag kernels on split-order activations
+                weight = dataclasses.replace(weight, frag=True)
+            return orig_l1(cfg, x, weight, rows, *a, **k)
 
         moe_mod.launch_l1 = bad_l1
         bad = moe.moe_forward(spec, _Roles(lay, ""), x, tw, ids, scalars=sc, shared=_Roles(lay, "shared_"),
