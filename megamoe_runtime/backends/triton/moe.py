@@ -41,8 +41,7 @@ import torch
 
 from .configs import (
     KernelConfig, REQ_BF16, REQ_MX8, REQ_NV4, ROW_W_KIND, W_BF16, W_E2M1_MX, W_E2M1_NV, W_E4M3_B128, W_E4M3_MX,
-    default_config,
-    fp8_selected, resolve_decode, resolve_k_order, resolve_l2_fold, tail_config,
+    default_config, fp8_selected, local_pairs, resolve_decode, resolve_k_order, resolve_l2_fold, tail_config,
 )
 from .decode_check import asm_decode_ok
 from .l1 import launch_l1
@@ -148,7 +147,8 @@ def _config(spec, config: Optional[KernelConfig], T: int, w_tile: int, hw: bool)
     H, I = spec.hidden, spec.intermediate
     w_kind = ROW_W_KIND[spec.row]
     cfg = config or default_config(T * spec.top_k, spec.experts_per_rank,
-                                   resolve_k_order(KernelConfig(), w_kind, H, I), w_kind=w_kind, H=H, I=I)
+                                   resolve_k_order(KernelConfig(), w_kind, H, I), w_kind=w_kind, H=H, I=I,
+                                   num_experts=spec.num_experts)
     if w_tile and (fp8_selected(spec.row, hw, cfg.mma) or resolve_k_order(cfg, w_kind, H, I) != "frag"):
         from megamoe_runtime.errors import MegaMoEError
 
@@ -211,7 +211,7 @@ def _routed_experts(spec, kt: Any, cfg: KernelConfig, staged: _Staged, ids: torc
     frag = staged.korder == "frag"
     fold, sword = resolve_decode(cfg, w_kind) if frag else (False, False)
     fold2 = resolve_l2_fold(cfg, w_kind) if frag else False
-    bm = cfg.pick_block_m(T * K, E_l)
+    bm = cfg.pick_block_m(local_pairs(T * K, E_l, spec.num_experts), E_l)  # the pairs this rank expects
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     launches = [(cfg, plan, bm, fold, fold2)]
     tcfg = (cfg.tail or tail_config(w_kind, bm)) if frag and cfg.tail_max else None
@@ -319,7 +319,7 @@ def _forward_fp8(spec, kt, cfg: KernelConfig, x_bf16: torch.Tensor, tw: torch.Te
     T = x_bf16.shape[0]
     fc = cfg.fp8 or mma8.default_fp8_config(T * K, E_l, w_kind)
     q, sf, _ = quantize_mxfp8(x_bf16, hw_cvt=True)
-    bm = cfg.pick_block_m(T * K, E_l)
+    bm = cfg.pick_block_m(local_pairs(T * K, E_l, spec.num_experts), E_l)  # the pairs this rank expects
     rows = Rows(T, K, bm, route(ids, E_l, spec.ep_rank * E_l, bm))
     act8 = torch.empty(rows.plan.max_blocks * bm, I, dtype=torch.uint8, device=slots.device)
     asf = torch.empty(rows.plan.max_blocks * bm, I // 32, dtype=torch.uint8, device=slots.device)
