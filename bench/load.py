@@ -301,9 +301,6 @@ def _utccp(sf: torch.Tensor) -> torch.Tensor:
 
 def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.device) -> Callable[[], Any]:
     """Engine-style: checkpoint-format params, loaded, then transformed into new kernel tensors."""
-    from megamoe_runtime.files.file_io import SafetensorsFile
-    from megamoe_runtime.layer.loaders import parse_expert_weight_name
-
     files = sorted(src.glob("*.safetensors"))
 
     def run() -> Any:
@@ -317,19 +314,7 @@ def phase_original_then_transform(ck: mr.Checkpoint, src: Path, device: torch.de
                 "w2": torch.empty(s.num_experts, s.hidden, s.intermediate, dtype=torch.float8_e4m3fn, device=device),
                 "w2_s": torch.empty(s.num_experts, s.hidden, s.intermediate // 32, dtype=torch.uint8, device=device),
             }
-        for path in files:  # load the original tensors into checkpoint-format params
-            with SafetensorsFile(path) as f:
-                for name in f.keys():
-                    ref = parse_expert_weight_name(name)
-                    if ref is None or ref.prefix not in orig or ref.kind not in ("weight", "scale"):
-                        continue
-                    o, t = orig[ref.prefix], f.tensor(name)
-                    i = infos[ref.prefix].spec.intermediate
-                    if ref.shard_id == "w2":
-                        (o["w2"] if ref.kind == "weight" else o["w2_s"])[ref.expert_id].copy_(t)
-                    else:
-                        rows = slice(0, i) if ref.shard_id == "w1" else slice(i, 2 * i)
-                        (o["w13"] if ref.kind == "weight" else o["w13_s"])[ref.expert_id, rows].copy_(t)
+        read_source_experts(files, orig, "w13_s", "w2_s")  # the original tensors into checkpoint-format params
         kernel = []
         for prefix, o in orig.items():  # transform into new kernel-layout tensors, then drop the originals
             l1 = _interleave8(o.pop("w13"))
@@ -597,6 +582,28 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"meta": meta, "results": all_results}, indent=1))
     return 0
 
+
+
+def read_source_experts(files, orig: dict, l1_scale: str, l2_scale: str) -> None:
+    """Copy a source's per-expert tensors into stacked buffers, gate rows above up rows: the read a loader
+    that transforms at load does before its transform. ``orig[prefix]`` holds ``w13``, ``w2`` and the two
+    scale buffers under the names given."""
+    from megamoe_runtime.files.file_io import SafetensorsFile
+    from megamoe_runtime.layer.loaders import parse_expert_weight_name
+
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                ref = parse_expert_weight_name(name)
+                if ref is None or ref.prefix not in orig or ref.kind not in ("weight", "scale"):
+                    continue
+                o, t = orig[ref.prefix], f.tensor(name)
+                if ref.shard_id == "w2":
+                    o["w2" if ref.kind == "weight" else l2_scale][ref.expert_id].copy_(t)
+                    continue
+                dst = o["w13" if ref.kind == "weight" else l1_scale]
+                n = dst.shape[1] // 2
+                dst[ref.expert_id, slice(0, n) if ref.shard_id == "w1" else slice(n, 2 * n)].copy_(t)
 
 if __name__ == "__main__":
     sys.exit(main())

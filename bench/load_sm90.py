@@ -86,8 +86,7 @@ def build(workdir: Path, layers: int, experts: int) -> tuple[Path, Path]:
 
 def source_then_transform(ck, src: Path, device: torch.device):
     """Engine-style load of the source, then the SM90 layout built from it at load."""
-    from megamoe_runtime.files.file_io import SafetensorsFile
-    from megamoe_runtime.layer.loaders import parse_expert_weight_name
+    from load import read_source_experts  # bench/load.py: the same source read
 
     try:
         import deep_gemm
@@ -114,19 +113,7 @@ def source_then_transform(ck, src: Path, device: torch.device):
                             "s13": torch.empty(e, 2 * i // 128, h // 128, dtype=torch.float32, device=device),
                             "w2": torch.empty(e, h, i, dtype=torch.float8_e4m3fn, device=device),
                             "s2": torch.empty(e, h // 128, i // 128, dtype=torch.float32, device=device)}
-        for path in files:
-            with SafetensorsFile(path) as f:
-                for name in f.keys():
-                    ref = parse_expert_weight_name(name)
-                    if ref is None or ref.prefix not in orig or ref.kind not in ("weight", "scale"):
-                        continue
-                    o, t = orig[ref.prefix], f.tensor(name)
-                    if ref.shard_id == "w2":
-                        (o["w2"] if ref.kind == "weight" else o["s2"])[ref.expert_id].copy_(t)
-                    else:
-                        n = o["w13"].shape[1] // 2 if ref.kind == "weight" else o["s13"].shape[1] // 2
-                        rows = slice(0, n) if ref.shard_id == "w1" else slice(n, 2 * n)
-                        (o["w13"] if ref.kind == "weight" else o["s13"])[ref.expert_id, rows].copy_(t)
+        read_source_experts(files, orig, "s13", "s2")
         kernel = []
         for prefix, o in orig.items():
             kernel.append(transform((o.pop("w13"), o.pop("s13")), (o.pop("w2"), o.pop("s2"))))
