@@ -40,6 +40,11 @@ ROWS=${ROWS:-mxfp4,nvfp4,mxfp8}
 WARM_TOKENS=${WARM_TOKENS:-1,2,3,4,8,16,17,32,33,64,65}
 W=/tmp/serve
 KC=/tmp/kernel-tcache
+ktable() {  # NAME SECONDS SHAPES TOKENS: bench/kernel.py with the peer in the same process, log under $LOGS
+  TRITON_CACHE_DIR=$KC $X timeout "$2" python bench/kernel.py --shapes "$3" --rows "$ROWS" --tokens "$4" \
+    --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/$1" >"$LOGS/$1.log" 2>&1
+}
+ktable_summary() { grep -v "^#" "$LOGS/$1.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200; }
 [ -d "$PEER/triton_kernels" ] || echo "# warning: $PEER holds no triton_kernels: the peer columns stay empty"
 if [ -z "$DRY" ]; then
   pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
@@ -56,6 +61,7 @@ sp=$!
 # host CPUs: the kernel table's timed pass starts after that first part (K1_DELAY s) and is stopped when the
 # prepare step ends, so the serve measurement has the machine alone
 sleep "${K1_DELAY:-25}"
+# started directly (not through ktable) so that $! is the timeout process itself, which the kill below stops
 TRITON_CACHE_DIR=$KC $X timeout "${PREP_S:-170}" python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" \
   --tokens "$TOKENS" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k1" \
   >"$LOGS/k1.log" 2>&1 &
@@ -65,7 +71,7 @@ el "prepare done; stopping the kernel table"
 kill -- "$kp" 2>/dev/null; wait "$kp" 2>/dev/null
 sleep 1
 tail -3 "$LOGS/serve_prepare.log"
-grep -v "^#" "$LOGS/k1.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
+ktable_summary k1
 
 el "serve measure"
 $X timeout "${SERVE_S:-170}" python bench/serve.py --stage measure --work $W --no-static --no-restart \
@@ -100,11 +106,9 @@ EOF
 l=$(left)
 if [ -n "$rest" ] && [ "$l" -gt 30 ]; then
   el "kernel table, decode points ($TOKENS) of $rest, ${l} s left"
-  TRITON_CACHE_DIR=$KC $X timeout $(( l - 8 )) python bench/kernel.py --shapes "$rest" --rows "$ROWS" \
-    --tokens "$TOKENS" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k2" \
-    >"$LOGS/k2.log" 2>&1
+  ktable k2 $(( l - 8 )) "$rest" "$TOKENS"
   echo "k2 rc=$?"
-  grep -v "^#" "$LOGS/k2.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
+  ktable_summary k2
 fi
 # opt-in (SPLITK_S=seconds): the mxfp8 row's split-K L2 sweep on the few-large-expert shapes (I / 128 >= 64,
 # where configs.split_k_tiles splits the E2M1 rows), L1 and L2 timed apart (bench/sweep.py), and the GPU
@@ -126,10 +130,8 @@ fi
 l=$(left)
 if [ "$l" -gt 40 ] && [ -n "$TOKENS2" ]; then
   el "kernel table, prefill points ($TOKENS2), ${l} s left"
-  TRITON_CACHE_DIR=$KC $X timeout $(( l - 8 )) python bench/kernel.py --shapes "$SHAPES" --rows "$ROWS" \
-    --tokens "$TOKENS2" --mma bf16 --korder frag --no-baseline --no-staging --peer-path "$PEER" --out "$OUT/k3" \
-    >"$LOGS/k3.log" 2>&1
+  ktable k3 $(( l - 8 )) "$SHAPES" "$TOKENS2"
   echo "k3 rc=$?"
-  grep -v "^#" "$LOGS/k3.log" | grep -v "^|" | grep -v "^peer" | cut -c1-200
+  ktable_summary k3
 fi
 el "done"
