@@ -50,7 +50,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "megamoe_runtime/backends/triton/mma8.py": ("W_E2M1_MX", "W_E4M3_MX"),
     "megamoe_runtime/backends/triton/staging.py": ("BF16X2_ABSMAX_ASM", "DEQUANT_MODES", "NVFP4_IMPLS",
         "max_blocks_for"),
-    "megamoe_runtime/format/manifest.py": ("FORMAT_NAME", "ROLES", "check_self_digest", "stored_shape_of"),
     "megamoe_runtime/integrations/folder.py": ("INDEX_NAME", "megamoe_quantization_config"),
     "megamoe_runtime/integrations/transformers/config.py": ("LOADING_ATTRIBUTES",),
     "megamoe_runtime/integrations/transformers/hooks.py": ("SOURCE_METHODS", "merge_configs"),
