@@ -674,7 +674,7 @@ class ReferenceBackend:
         convention nvfp4 layers follow. None: the one the layer's own backend
         names (``layer.backend.entry_point(spec)``, e.g. a layer built for the
         deepgemm backend on upstream DeepGEMM gets ``"fp4_fp4_mega_moe"``), else
-        `_DEFAULT_NVFP4_ENTRY`."""
+        ``"nvfp4_mega_moe"`` (`_DEFAULT_NVFP4_ENTRY`)."""
         _nvfp4_dispatch_convention(nvfp4_entry_point)
         self.nvfp4_entry_point = nvfp4_entry_point
 
