@@ -5,10 +5,10 @@ bench script, an example, a CI job, a tool or a docs page. A name that only its 
 What counts as a use, read from the source with ``ast`` (and from the text of the non-Python files):
 ``from M import name``, ``M.name`` through a module bound by an import, ``getattr`` / ``monkeypatch.setattr``
 on such a module with the name as a string, a dotted string ``"megamoe_runtime.M:name"`` or
-``"megamoe_runtime.M.name"`` (registries, entry points, patch targets), ``from M import *``; in the docs,
-pyproject.toml and the CI scripts: ``from M import name``, a dotted path, ``leaf.name`` (``layout.expert_tiles``)
-or the bare name when it reads as an identifier (has an underscore, capitals after the first letter, or is all
-capitals). The contracts external code calls are uses too: the public API (``megamoe_runtime.__all__``, the
+``"megamoe_runtime.M.name"`` (registries, entry points, patch targets), ``from M import *``, and all of these
+in Python code a string holds (a test's ``python -c`` subprocess); in the docs, pyproject.toml and the CI
+scripts: ``from M import name``, a dotted path, ``leaf.name`` (``layout.expert_tiles``) or the bare name when it
+reads as an identifier (has an underscore, capitals after the first letter, or is all capitals). The contracts external code calls are uses too: the public API (``megamoe_runtime.__all__``, the
 lazy API of ``megamoe_convert``), the entry points in pyproject.toml, and what a package ``__init__`` lists in
 its ``__all__``.
 
@@ -30,36 +30,6 @@ TEXT_SUFFIXES = {".md", ".toml", ".sh", ".txt", ".cfg", ".yaml", ".yml", ""}
 _DOTTED = re.compile(r"\b((?:megamoe_runtime|megamoe_convert)(?:\.\w+)*)(?::(\w+))?")
 _FROM_IMPORT = re.compile(r"from\s+((?:megamoe_runtime|megamoe_convert)[\w.]*)\s+import\s+\(?([\w\s,]+)")
 _IDENTIFIER_LIKE = re.compile(r"^(?:\w*_\w*|[A-Za-z]\w*[A-Z]\w*|[A-Z][A-Z0-9_]+)$")
-
-#: Public names that only their own module uses, per file, in the floors not yet tidied: this list may only
-#: get shorter (a name leaves it by becoming private or by being used elsewhere).
-ALLOWED: dict[str, tuple[str, ...]] = {
-    "megamoe_convert/cli/demo.py": ("DEMO_SIZES", "FOLDERS", "MARKER"),
-    "megamoe_convert/cli/demo_generate.py": ("DEMO_TOKENS",),
-    "megamoe_runtime/backends/deepgemm.py": ("SGL_DEEP_GEMM_FOR_TORCH_2_11", "SM90_ENTRY", "SM90_RECIPE"),
-    "megamoe_runtime/backends/reference.py": ("DEFAULT_NVFP4_ENTRY", "FP8_DISPATCH_GROUP", "NVFP4_DISPATCH_TIES",
-        "nvfp4_dispatch_convention"),
-    "megamoe_runtime/backends/triton/_jit.py": ("E2M1_FRAG_ASM", "E2M1_FRAG_FOLD_ASM", "E4M3_FRAG_ASM",
-        "E4M3_FRAG_FOLD_ASM", "E4M3_MAX"),
-    "megamoe_runtime/backends/triton/block8.py": ("AMAX_FLOOR", "BLOCK", "INTER_GROUP", "INV_E4M3_MAX",
-        "routed_slots"),
-    "megamoe_runtime/backends/triton/configs.py": ("DEFAULT_SMS", "SPLIT_K_MIN_STEPS", "SPLIT_K_SLICES",
-        "expected_blocks"),
-    "megamoe_runtime/backends/triton/decode_asm.py": ("without_bias",),
-    "megamoe_runtime/backends/triton/decode_check.py": ("frag_decode_expected",),
-    "megamoe_runtime/backends/triton/mma8.py": ("W_E2M1_MX", "W_E4M3_MX"),
-    "megamoe_runtime/backends/triton/staging.py": ("BF16X2_ABSMAX_ASM", "DEQUANT_MODES", "NVFP4_IMPLS",
-        "max_blocks_for"),
-    "megamoe_runtime/format/manifest.py": ("FORMAT_NAME", "ROLES", "check_self_digest", "stored_shape_of"),
-    "megamoe_runtime/integrations/folder.py": ("INDEX_NAME", "megamoe_quantization_config"),
-    "megamoe_runtime/integrations/transformers/config.py": ("LOADING_ATTRIBUTES",),
-    "megamoe_runtime/integrations/transformers/hooks.py": ("SOURCE_METHODS", "merge_configs"),
-    "megamoe_runtime/integrations/vllm/plugin.py": ("BACKEND_ENV", "LOAD_FORMAT", "SUPPORTED_ARCHITECTURES",
-        "VLLM_PARAM_ROLES", "adopt_runners", "check_architecture", "logger"),
-    "megamoe_runtime/integrations/vllm/reload.py": ("check_reload", "load_report", "reload_model"),
-    "megamoe_runtime/integrations/warm.py": ("run_layers",),
-}
-
 
 def module_files(root: Path = REPO) -> dict[str, Path]:
     """dotted module name -> its file, for every module of both packages."""
@@ -136,6 +106,23 @@ def _resolve_string(text: str, modules) -> list[tuple[str, str]]:
     return out
 
 
+def _code_string_uses(node, modules) -> set[tuple[str, str]]:
+    """The uses in Python code a string holds (``python -c CODE`` in a subprocess), an f-string's fields read
+    as ``0``; nothing when the string is no such code."""
+    if isinstance(node, ast.JoinedStr):
+        text = "".join(v.value if isinstance(v, ast.Constant) else "0" for v in node.values)
+    elif isinstance(node.value, str):
+        text = node.value
+    else:
+        return set()
+    if "import" not in text or not any(pkg in text for pkg in PACKAGES):
+        return set()
+    try:
+        return python_uses(text, None, False, modules)
+    except SyntaxError:
+        return set()
+
+
 def python_uses(source: str, module: str | None, is_pkg: bool, modules) -> set[tuple[str, str]]:
     """(module, name) for every name of a package module that this Python file uses."""
     tree = ast.parse(source)
@@ -169,6 +156,8 @@ def python_uses(source: str, module: str | None, is_pkg: bool, modules) -> set[t
                         bound[a.name.split(".")[0]] = a.name.split(".")[0]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             uses.update(_resolve_string(node.value, modules))
+        if isinstance(node, (ast.Constant, ast.JoinedStr)):
+            uses |= _code_string_uses(node, modules)
 
     def module_of(expr) -> str | None:
         if isinstance(expr, ast.Name):
@@ -322,23 +311,13 @@ def unused_public_names(root: Path = REPO) -> dict[str, list[str]]:
 
 def test_every_public_name_is_used_outside_its_module():
     found = unused_public_names()
-    unexpected = {f: [n for n in names if n not in ALLOWED.get(f, ())] for f, names in found.items()}
-    unexpected = {f: n for f, n in unexpected.items() if n}
-    assert unexpected == {}, ("public names only their own module uses: make them private (_name), or use "
-                              f"them elsewhere: {unexpected}")
-
-
-def test_the_allow_list_only_shrinks():
-    """A name on the allow-list that is private now, or used elsewhere, leaves the list."""
-    found = unused_public_names()
-    stale = {f: [n for n in names if n not in found.get(f, [])] for f, names in ALLOWED.items()}
-    assert {f: n for f, n in stale.items() if n} == {}
+    assert found == {}, f"public names only their own module uses: make them private (_name), or use them elsewhere: {found}"
 
 
 def test_a_planted_unused_name_is_reported(tmp_path):
-    """Negative control on a planted tree: a public helper is reported once the one docs page citing it stops;
-    the public API, a constant another module imports, the types the API takes and returns, an exception and
-    a registered class are not."""
+    """Negative control on a planted tree: a public helper is reported once the one docs page citing it and the
+    one subprocess code calling it stop; the public API, a constant another module imports, the types the API
+    takes and returns, an exception and a registered class are not."""
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()
     (tmp_path / "megamoe_runtime" / "__init__.py").write_text("_EXPORTS = {'open': 'a'}\n")
@@ -351,6 +330,11 @@ def test_a_planted_unused_name_is_reported(tmp_path):
     (tmp_path / "docs" / "PAGE" ".md").write_text("`a.helper` is cited here.\n")
     assert unused_public_names(tmp_path) == {}
     (tmp_path / "docs" / "PAGE" ".md").write_text("nothing cited\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text(
+        'n = 2\ncode = (f"import os; from megamoe_runtime import a; "\n        f"a.helper({n})")\n')
+    assert unused_public_names(tmp_path) == {}
+    (tmp_path / "tests" / "test_a.py").write_text('code = "helper(2) after the import"\n')  # not code reaching a
     assert unused_public_names(tmp_path) == {"megamoe_runtime/a.py": ["helper"]}
 
 

@@ -1,7 +1,7 @@
 """`megamoe-convert demo`: build a tiny synthetic checkpoint, convert, verify, serve and compare, in one folder.
 
 ``--keep DIR`` leaves the folders in DIR for the next steps a user tries (inspect, convert, from_pretrained).
-Running it again refreshes DIR: the demo writes a marker (`MARKER`) listing every file it wrote, and removes
+Running it again refreshes DIR: the demo writes a marker (`_MARKER`) listing every file it wrote, and removes
 those folders again only while the marker proves they are still exactly what it wrote (same files, same
 sizes). A folder it did not write, or one whose files changed since, is never touched: the run is refused
 naming it.
@@ -16,16 +16,16 @@ from typing import Callable
 
 from megamoe_runtime.errors import MegaMoEError
 
-__all__ = ["DEMO_SIZES", "FOLDERS", "MARKER", "prepare_keep", "run_demo"]
+__all__ = ["prepare_keep", "run_demo"]
 
 #: the sizes of the demo's synthetic checkpoint
-DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
+_DEMO_SIZES = dict(num_layers=2, hidden=256, intermediate=256, num_experts=8, top_k=2)
 
 #: what the demo writes into its folder: the synthetic source, its conversion, and the transformers step's
-FOLDERS = ("source", "converted", "hf-source", "hf-converted")
+_FOLDERS = ("source", "converted", "hf-source", "hf-converted")
 
 #: the file in a kept demo folder listing what the demo wrote there
-MARKER = ".megamoe-demo.json"
+_MARKER = ".megamoe-demo.json"
 
 
 def _listing(folder: Path) -> dict[str, int]:
@@ -37,7 +37,7 @@ def prepare_keep(root: Path) -> None:
     """Make ``root`` ready for a demo run: created if missing; an earlier demo's folders removed when its
     marker proves they are unchanged; MegaMoEError naming every folder the demo would need but did not
     write (or that changed since), touching nothing."""
-    marker = root / MARKER
+    marker = root / _MARKER
     written: dict[str, dict[str, int]] = {}
     if marker.is_file():
         try:
@@ -46,7 +46,7 @@ def prepare_keep(root: Path) -> None:
             raise MegaMoEError(f"{marker}: unreadable demo marker ({e}); remove {root} or pick another --keep "
                                "folder") from None
     blocked = []
-    for name in FOLDERS:
+    for name in _FOLDERS:
         p = root / name
         if not p.exists() and not p.is_symlink():
             continue
@@ -55,9 +55,9 @@ def prepare_keep(root: Path) -> None:
         elif _listing(p) != written[name]:
             blocked.append(f"{p} (changed since the demo wrote it)")
     if blocked:
-        raise MegaMoEError(f"--keep {root}: the demo writes {', '.join(FOLDERS)} there and would replace "
+        raise MegaMoEError(f"--keep {root}: the demo writes {', '.join(_FOLDERS)} there and would replace "
                            f"{'; '.join(blocked)}; move them away or pick another --keep folder")
-    for name in FOLDERS:
+    for name in _FOLDERS:
         if (root / name).exists():
             shutil.rmtree(root / name)
     marker.unlink(missing_ok=True)
@@ -66,8 +66,8 @@ def prepare_keep(root: Path) -> None:
 
 def _record(root: Path) -> None:
     """The marker: every file of every demo folder, as written (what `prepare_keep` checks next time)."""
-    written = {name: _listing(root / name) for name in FOLDERS if (root / name).is_dir()}
-    (root / MARKER).write_text(json.dumps({"written_by": "megamoe-convert demo", "written": written}, indent=1)
+    written = {name: _listing(root / name) for name in _FOLDERS if (root / name).is_dir()}
+    (root / _MARKER).write_text(json.dumps({"written_by": "megamoe-convert demo", "written": written}, indent=1)
                                + "\n")
 
 
@@ -84,7 +84,7 @@ def run_demo(root: Path, fmt: str, ep_size: int, tokens: int = 16,
 
     src, out = root / "source", root / "converted"
     try:
-        synth.build_synthetic_checkpoint(src, fmt, **DEMO_SIZES, seed=0)
+        synth.build_synthetic_checkpoint(src, fmt, **_DEMO_SIZES, seed=0)
         s = do_convert(src, out, ep_size=ep_size, log=log)
         v = verify_output(out)
         t = time.perf_counter()
@@ -95,6 +95,6 @@ def run_demo(root: Path, fmt: str, ep_size: int, tokens: int = 16,
     finally:
         _record(root)
     return {"ok": v.ok and compare["ok"] and generate["ok"], "format": fmt, "src": str(src), "out": str(out),
-            "layers": DEMO_SIZES["num_layers"], "experts_per_layer": DEMO_SIZES["num_experts"],
-            "hidden": DEMO_SIZES["hidden"], "intermediate": DEMO_SIZES["intermediate"],
+            "layers": _DEMO_SIZES["num_layers"], "experts_per_layer": _DEMO_SIZES["num_experts"],
+            "hidden": _DEMO_SIZES["hidden"], "intermediate": _DEMO_SIZES["intermediate"],
             "convert": s.to_dict(), "verify": v.to_dict(), "compare": compare, "generate": generate}

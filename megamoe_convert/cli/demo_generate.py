@@ -13,7 +13,7 @@ from typing import Callable
 
 __all__ = ["demo_generate"]
 
-DEMO_TOKENS = 8
+_DEMO_TOKENS = 8
 
 
 def demo_generate(root: Path, log: Callable[[str], None]) -> dict:
@@ -47,7 +47,7 @@ def demo_generate(root: Path, log: Callable[[str], None]) -> dict:
         if bars:
             hf_logging.enable_progress_bar()
     prompt = torch.tensor([[1, 7, 42, 9, 30, 11]])
-    gen = dict(max_new_tokens=DEMO_TOKENS, do_sample=False)
+    gen = dict(max_new_tokens=_DEMO_TOKENS, do_sample=False)
     with torch.no_grad():
         got = ours.generate(prompt, **gen)[0, prompt.shape[1]:].tolist()
         want = theirs.generate(prompt, **gen)[0, prompt.shape[1]:].tolist()

@@ -80,14 +80,14 @@ from ..format.roles import SHARED_ROLES
 from ..format.scales import W13_RTOL, gate_up_disagreeing
 from .reference import quantize_dispatch_nvfp4
 
-__all__ = ["DeepGemmBackend", "MegaAPI", "SM90_ENTRY", "SM90_ROW", "detect_api", "import_deep_gemm", "package_layouts",
+__all__ = ["DeepGemmBackend", "MegaAPI", "SM90_ROW", "detect_api", "import_deep_gemm", "package_layouts",
            "import_failure_message", "shared_sf_rows", "sm90_weights", "stage_sm90_inputs"]
 
 #: the block-FP8 row and the SM90 kernel that runs it (docs/KERNELS.md#sm90-fp8-mega)
 SM90_ROW = "fp8_block"
-SM90_ENTRY = "fp8_mega_moe"
+_SM90_ENTRY = "fp8_mega_moe"
 #: fp8_mega_moe's recipe: weights per 128x128 block, activations per 1x128
-SM90_RECIPE = (128, 128, 128)
+_SM90_RECIPE = (128, 128, 128)
 _ENTRY_NAMES = ("fp8_fp4_mega_moe", "fp8_fp8_mega_moe", "fp4_fp4_mega_moe", "nvfp4_mega_moe", "bf16_mega_moe")
 _SITU_NAMES = (("situ_beta", "situ_linear_beta"), ("activation_beta", "activation_linear_beta"))
 
@@ -105,7 +105,7 @@ def import_deep_gemm() -> Any:
 
 #: the sgl-deep-gemm build whose prebuilt extension links the libtorch symbols torch 2.11 exports
 #: (docs/KERNELS.md#sm90-fp8-mega); later builds need symbols only newer torch has
-SGL_DEEP_GEMM_FOR_TORCH_2_11 = "sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11"
+_SGL_DEEP_GEMM_FOR_TORCH_2_11 = "sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11"
 
 
 def import_failure_message(e: BaseException) -> str:
@@ -115,7 +115,7 @@ def import_failure_message(e: BaseException) -> str:
     symbol; a missing package with ModuleNotFoundError. Both need the user to install a build
     for *their* torch, so the message names it."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    hint = (f"for Hopper (the fp8_block row) with torch 2.11: pip install {SGL_DEEP_GEMM_FOR_TORCH_2_11}; "
+    hint = (f"for Hopper (the fp8_block row) with torch 2.11: pip install {_SGL_DEEP_GEMM_FOR_TORCH_2_11}; "
             f"for SM100: DeepGEMM (github.com/deepseek-ai/DeepGEMM) built against this torch")
     if "undefined symbol" in first:
         return (f"deep_gemm is built for another torch than the installed torch {torch.__version__} "
@@ -198,10 +198,10 @@ class MegaAPI:
         ``entry_preference`` this module has and can run (`_entry_blocked`)."""
         if row == SM90_ROW:
             if self.sm90_entry is not None and self.sm90_buffer is not None:
-                return SM90_ENTRY, ""
-            return None, (f"this deep_gemm has no {SM90_ENTRY} + get_symm_buffer_for_sm90_mega_moe (the SM90 "
+                return _SM90_ENTRY, ""
+            return None, (f"this deep_gemm has no {_SM90_ENTRY} + get_symm_buffer_for_sm90_mega_moe (the SM90 "
                           f"block-FP8 mega kernel of SGLang's DeepGEMM build); pip install "
-                          f"{SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
+                          f"{_SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
         try:
             r = get_row(row)
         except MegaMoEError:
@@ -259,7 +259,7 @@ def detect_api(module: Any) -> MegaAPI:
         flavour = "dg-2604"
     else:
         flavour = "none"
-    sm90 = [getattr(module, n, None) for n in (SM90_ENTRY, "get_symm_buffer_for_sm90_mega_moe",
+    sm90 = [getattr(module, n, None) for n in (_SM90_ENTRY, "get_symm_buffer_for_sm90_mega_moe",
                                                 "mega_moe_pre_dispatch_sm90")]
     sm90 = [f if callable(f) else None for f in sm90]
     if flavour == "none" and sm90[0] is not None:
@@ -283,10 +283,10 @@ def package_layouts(module: Any) -> dict[str, tuple[str, str]]:
       ``NVFP4SymmBuffer``) read interleave8; an ``nvfp4_mega_moe`` without that buffer, in a build whose
       ``transform_weights_for_mega_moe`` takes ``mma_type`` (sgl-deep-gemm >= 0.1.7), runs the
       ``nvfp4xnvfp4`` kind, whose transform packs gate/up in 16-row groups: `LAYOUT_SM100_PACKED_FP4`."""
-    fns = {n for n in _ENTRY_NAMES + (SM90_ENTRY,) if callable(getattr(module, n, None))}
+    fns = {n for n in _ENTRY_NAMES + (_SM90_ENTRY,) if callable(getattr(module, n, None))}
     out: dict[str, tuple[str, str]] = {}
-    if SM90_ENTRY in fns:
-        out[SM90_ROW] = (LAYOUT_SM90_BLOCK_FP8, f"its {SM90_ENTRY}")
+    if _SM90_ENTRY in fns:
+        out[SM90_ROW] = (LAYOUT_SM90_BLOCK_FP8, f"its {_SM90_ENTRY}")
     for fn, rows in (("fp8_fp4_mega_moe", ("mxfp4", "mxfp8")), ("fp8_fp8_mega_moe", ("mxfp8",)),
                      ("bf16_mega_moe", ("bf16",))):
         if fn in fns:
@@ -408,10 +408,10 @@ class DeepGemmBackend:
         major, minor = torch.cuda.get_device_capability(dev)
         if major == 9:
             mod = import_deep_gemm()
-            if not callable(getattr(mod, SM90_ENTRY, None)):
+            if not callable(getattr(mod, _SM90_ENTRY, None)):
                 return (f"on {torch.cuda.get_device_name(dev)} (sm_90) the deepgemm backend runs SGLang's "
-                        f"{SM90_ENTRY}, which this deep_gemm ({getattr(mod, '__file__', '?')}) lacks; "
-                        f"pip install {SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
+                        f"{_SM90_ENTRY}, which this deep_gemm ({getattr(mod, '__file__', '?')}) lacks; "
+                        f"pip install {_SGL_DEEP_GEMM_FOR_TORCH_2_11} (torch 2.11)")
             return True
         if major != 10:
             return (f"DeepGEMM mega kernels need an SM100-family GPU (B200/GB200/B300, sm_100/sm_103); "
@@ -426,10 +426,10 @@ class DeepGemmBackend:
         fn, why = api.entry_for(spec.row)
         if fn is None:
             return why
-        if self.arch is not None and (self.arch == 9) != (fn == SM90_ENTRY):
-            return (f"row {spec.row} runs on DeepGEMM's {fn}, an {'SM90' if fn == SM90_ENTRY else 'SM100'} "
+        if self.arch is not None and (self.arch == 9) != (fn == _SM90_ENTRY):
+            return (f"row {spec.row} runs on DeepGEMM's {fn}, an {'SM90' if fn == _SM90_ENTRY else 'SM100'} "
                     f"kernel; this GPU is sm_{self.arch}x (on SM90 only the {SM90_ROW} row has a mega kernel)")
-        if fn == SM90_ENTRY:
+        if fn == _SM90_ENTRY:
             return self._sm90_supports(spec)
         act = spec.activation
         if act.kind == "situ":
@@ -456,14 +456,14 @@ class DeepGemmBackend:
         multiples of 128, H <= 8192 (pre-dispatch's one thread per 8 elements), top-k <= 32."""
         act = spec.activation
         if act.kind != "swiglu" or not act.is_plain_swiglu:
-            return f"{SM90_ENTRY} runs plain SwiGLU (optional clamp) only, not {act}"
+            return f"{_SM90_ENTRY} runs plain SwiGLU (optional clamp) only, not {act}"
         if spec.hidden % 128 or spec.intermediate % 128:
-            return (f"{SM90_ENTRY} needs hidden and intermediate multiples of 128 "
+            return (f"{_SM90_ENTRY} needs hidden and intermediate multiples of 128 "
                     f"(got {spec.hidden}, {spec.intermediate})")
         if spec.hidden > 8192:
-            return f"{SM90_ENTRY}'s pre-dispatch quantizes hidden <= 8192 (got {spec.hidden})"
+            return f"{_SM90_ENTRY}'s pre-dispatch quantizes hidden <= 8192 (got {spec.hidden})"
         if spec.top_k > 32:
-            return f"{SM90_ENTRY} combines at most 32 top-k slots (got top_k={spec.top_k})"
+            return f"{_SM90_ENTRY} combines at most 32 top-k slots (got top_k={spec.top_k})"
         return True
 
     def _shared_ok(self, spec: Any) -> tuple[bool, str]:
@@ -472,8 +472,8 @@ class DeepGemmBackend:
         fn, why = self.api.entry_for(spec.row)
         if fn is None:
             return False, why
-        if fn == SM90_ENTRY:
-            return False, f"{SM90_ENTRY} has no shared-expert input; the shared expert runs outside it"
+        if fn == _SM90_ENTRY:
+            return False, f"{_SM90_ENTRY} has no shared-expert input; the shared expert runs outside it"
         prec = spec.shared.precision
         width = spec.shared.folded_intermediate
         if width % spec.intermediate:
@@ -551,7 +551,7 @@ class DeepGemmBackend:
     def _sm90_buffer(self, layer: Any) -> Any:
         spec = layer.spec
         group = self._sm90_group(spec)
-        key = (id(group), str(self.device), SM90_ENTRY, spec.num_experts, self.max_num_tokens, spec.top_k,
+        key = (id(group), str(self.device), _SM90_ENTRY, spec.num_experts, self.max_num_tokens, spec.top_k,
                spec.hidden, spec.intermediate)
         buf = _BUFFERS.get(key)
         if buf is None:
@@ -560,7 +560,7 @@ class DeepGemmBackend:
         return buf
 
     def _buffer(self, layer: Any, fn: str) -> Any:
-        if fn == SM90_ENTRY:
+        if fn == _SM90_ENTRY:
             return self._sm90_buffer(layer)
         spec = layer.spec
         api = self.api
@@ -622,7 +622,7 @@ class DeepGemmBackend:
         if T > self.max_num_tokens:
             raise MegaMoEError(f"{T} tokens exceed the deepgemm backend's max_num_tokens={self.max_num_tokens}; "
                                "build the backend with a larger max_num_tokens (backend_kwargs)")
-        if fn == SM90_ENTRY:
+        if fn == _SM90_ENTRY:
             return self._forward_sm90(layer, hidden_states, topk_weights, topk_ids)
         buf = self._buffer(layer, fn)
         if T > buf.num_max_tokens_per_rank:
@@ -739,7 +739,7 @@ class DeepGemmBackend:
             self._barrier_done = True
         clamp = spec.activation.clamp
         self.api.sm90_entry(y, l1, l2, buf, cumulative_local_expert_recv_stats=layer.expert_recv_stats,
-                            recipe=SM90_RECIPE, activation="swiglu",
+                            recipe=_SM90_RECIPE, activation="swiglu",
                             activation_clamp=None if clamp is None else float(clamp), fast_math=self.fast_math)
         return y
 
@@ -821,7 +821,7 @@ def sm90_weights(layer: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[t
                 or not t.is_contiguous()):
             desc = ("missing" if not isinstance(t, torch.Tensor) else
                     f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
-            raise LayoutError(f"{getattr(layer, 'prefix', '') or 'layer'}.{name}: {SM90_ENTRY} reads "
+            raise LayoutError(f"{getattr(layer, 'prefix', '') or 'layer'}.{name}: {_SM90_ENTRY} reads "
                               f"{dtype} {list(shape)} contiguous, the layer holds {desc}")
         got[name] = t
     return (got["l1_weight"], got["l1_scale"]), (got["l2_weight"], got["l2_scale"])

@@ -41,7 +41,7 @@ quantization follows the entry point, ``nvfp4_entry_point``, see
                 (xq, sfx, s_t) = quantize_nvfp4_per_token(x)
     unit_global (upstream ``fp4_fp4_mega_moe``): (xq, sfx) = quantize_nvfp4(x, 1.0),
                 s_t = 1.0 (the kernel has no per-token or input-global scale)
-                ties: NVFP4_DISPATCH_TIES
+                ties: _NVFP4_DISPATCH_TIES
     acc = dequant(xq, sfx) @ dequant(W13 nibbles, e4m3 sf)^T    fp32, no globals
     g   = bf16(acc_g * (s_t * l1_alpha[e,0]))         scalar product first
     u   = bf16(acc_u * (s_t * l1_alpha[e,1]))
@@ -95,7 +95,7 @@ from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX
 #: ``cvt.rn.satfinite`` (and what the triton staging kernel must reproduce);
 #: DGv's Python ``per_token_cast_to_nvfp4`` rounds ties down instead, so a
 #: comparison against x quantized by that helper has to pass "down".
-NVFP4_DISPATCH_TIES = "even"
+_NVFP4_DISPATCH_TIES = "even"
 
 #: The two NVFP4 dispatch conventions (how x reaches the L1 GEMM).
 #:
@@ -121,13 +121,13 @@ NVFP4_DISPATCH_TIES = "even"
 #: tolerance, so a kernel compared with the other convention's reference fails.
 NVFP4_DISPATCH_BY_ENTRY = {"fp4_fp4_mega_moe": "unit_global", "nvfp4_mega_moe": "per_token"}
 #: the entry point ``reference_forward`` models when none is named
-DEFAULT_NVFP4_ENTRY = "nvfp4_mega_moe"
+_DEFAULT_NVFP4_ENTRY = "nvfp4_mega_moe"
 
 
-def nvfp4_dispatch_convention(entry_point: Optional[str]) -> str:
+def _nvfp4_dispatch_convention(entry_point: Optional[str]) -> str:
     """``"per_token"`` or ``"unit_global"`` for an NVFP4 entry point name
-    (None: `DEFAULT_NVFP4_ENTRY`); MegaMoEError listing the known ones."""
-    name = DEFAULT_NVFP4_ENTRY if entry_point is None else entry_point
+    (None: `_DEFAULT_NVFP4_ENTRY`); MegaMoEError listing the known ones."""
+    name = _DEFAULT_NVFP4_ENTRY if entry_point is None else entry_point
     try:
         return NVFP4_DISPATCH_BY_ENTRY[name]
     except KeyError:
@@ -144,15 +144,13 @@ def quantize_dispatch_nvfp4(x: Tensor, entry_point: Optional[str] = None
     staging use, so the bytes the kernel reads are the bytes the reference
     decodes (``token_scale`` is None for ``unit_global``: the kernel takes none).
     """
-    if nvfp4_dispatch_convention(entry_point) == "per_token":
-        return codecs.quantize_nvfp4_per_token(x.to(torch.float32), NVFP4_DISPATCH_TIES)
-    packed, sf = codecs.quantize_nvfp4(x.to(torch.float32), 1.0, NVFP4_DISPATCH_TIES)
+    if _nvfp4_dispatch_convention(entry_point) == "per_token":
+        return codecs.quantize_nvfp4_per_token(x.to(torch.float32), _NVFP4_DISPATCH_TIES)
+    packed, sf = codecs.quantize_nvfp4(x.to(torch.float32), 1.0, _NVFP4_DISPATCH_TIES)
     return packed, sf, None
 
 __all__ = [
-    "DEFAULT_NVFP4_ENTRY",
     "NVFP4_DISPATCH_BY_ENTRY",
-    "NVFP4_DISPATCH_TIES",
     "NvScalars",
     "ReferenceBackend",
     "ReferenceSlots",
@@ -160,7 +158,6 @@ __all__ = [
     "apply_clamp",
     "block_scaled_mm",
     "combine_slots",
-    "nvfp4_dispatch_convention",
     "quantize_dispatch_nvfp4",
     "reference_forward",
     "reference_pairs",
@@ -387,7 +384,7 @@ def shared_slot(spec: LayerSpec, shared: Any, hidden_states: Tensor,
 
 
 #: per-token group of the block-FP8 row's dispatch quantization, and of its intermediate's requantization
-FP8_DISPATCH_GROUP = 128
+_FP8_DISPATCH_GROUP = 128
 FP8_INTERMEDIATE_GROUP = 64
 
 
@@ -470,7 +467,7 @@ def _pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids: Tensor,
         x_l1 = rows.to(torch.float32)
     elif row.weight.block_scaled:
         _check_plain_swiglu(spec)
-        x_q, x_s = codecs.quantize_fp8_act(rows, FP8_DISPATCH_GROUP, reciprocal_scale=False)
+        x_q, x_s = codecs.quantize_fp8_act(rows, _FP8_DISPATCH_GROUP, reciprocal_scale=False)
         x_q = codecs.e4m3_decode(x_q)
     else:
         x_l1 = _mxfp8_qdq(rows)
@@ -538,7 +535,7 @@ def reference_pairs(spec: LayerSpec, kt: Any, rows: Tensor, weights: Tensor, ids
         raise MegaMoEError(f"pair {i} names expert {int(ids[i])}, which rank {spec.ep_rank} of "
                            f"{spec.ep_size} does not own; valid: {loc.start}..{loc.stop - 1}")
     _check_routed(spec, kt, scalars)
-    nvfp4_dispatch_convention(nvfp4_entry_point)  # an unknown name fails before any work
+    _nvfp4_dispatch_convention(nvfp4_entry_point)  # an unknown name fails before any work
     return _pairs(spec, kt, rows, weights, ids, scalars, fast_math, nvfp4_entry_point)
 
 
@@ -559,7 +556,7 @@ def reference_slots(spec: LayerSpec, kt: Any, hidden_states: Tensor, topk_weight
     """
     _check_inputs(spec, hidden_states, topk_weights, topk_ids)
     _check_routed(spec, kt, scalars)
-    nvfp4_dispatch_convention(nvfp4_entry_point)
+    _nvfp4_dispatch_convention(nvfp4_entry_point)
     if shared is not None and spec.shared is None:
         raise LayerSpecError("shared kernel tensors were given but the layer spec has no shared "
                              "experts (spec.shared is None); pass shared=None or set spec.shared")
@@ -677,8 +674,8 @@ class ReferenceBackend:
         convention nvfp4 layers follow. None: the one the layer's own backend
         names (``layer.backend.entry_point(spec)``, e.g. a layer built for the
         deepgemm backend on upstream DeepGEMM gets ``"fp4_fp4_mega_moe"``), else
-        `DEFAULT_NVFP4_ENTRY`."""
-        nvfp4_dispatch_convention(nvfp4_entry_point)
+        ``"nvfp4_mega_moe"`` (`_DEFAULT_NVFP4_ENTRY`)."""
+        _nvfp4_dispatch_convention(nvfp4_entry_point)
         self.nvfp4_entry_point = nvfp4_entry_point
 
     def entry_point_for(self, layer: Any) -> str:
@@ -687,7 +684,7 @@ class ReferenceBackend:
             return self.nvfp4_entry_point
         own = getattr(getattr(layer, "backend", None), "entry_point", None)
         name = own(layer.spec) if callable(own) else None
-        return name if name in NVFP4_DISPATCH_BY_ENTRY else DEFAULT_NVFP4_ENTRY
+        return name if name in NVFP4_DISPATCH_BY_ENTRY else _DEFAULT_NVFP4_ENTRY
 
     def supports(self, spec: LayerSpec) -> bool | str:
         return True

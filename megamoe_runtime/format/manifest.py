@@ -49,12 +49,12 @@ from .roles import (  # the role table and storage orders (re-exported: the mani
 )
 from ..files.safetensors_header import DTYPE_BITS, DTYPES
 
-FORMAT_NAME = "megamoe"
+_FORMAT_NAME = "megamoe"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "megamoe.json"
 
 #: every role a manifest tensor may have
-ROLES = EXPERT_ROLES + SHARED_ROLES + (PASSTHROUGH_ROLE,)
+_ROLES = EXPERT_ROLES + SHARED_ROLES + (PASSTHROUGH_ROLE,)
 
 # DTYPES (safetensors name -> torch dtype) and DTYPE_BITS live with the header parser.
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -109,7 +109,7 @@ def kernel_strides_of(storage: str, kernel_shape: Iterable[int]) -> tuple[int, .
     raise LayoutError(f"unknown storage {storage!r}; valid: {', '.join(STORAGES)}")
 
 
-def stored_shape_of(storage: str, kernel_shape: Iterable[int]) -> tuple[int, ...]:
+def _stored_shape_of(storage: str, kernel_shape: Iterable[int]) -> tuple[int, ...]:
     """Shape of the contiguous file tensor for a kernel shape."""
     shape = tuple(int(s) for s in kernel_shape)
     if storage == STORAGE_MN_MAJOR:
@@ -462,7 +462,7 @@ class Manifest:
     # ---- (de)serialisation
     def to_dict(self) -> dict:
         d = {
-            "format": FORMAT_NAME,
+            "format": _FORMAT_NAME,
             "format_version": self.format_version,
             "converter_version": self.converter_version,
             "source": self.source.to_dict(),
@@ -546,7 +546,7 @@ def with_self_digest(d: dict) -> dict:
     return {**{k: v for k, v in d.items() if k != SELF_DIGEST_KEY}, SELF_DIGEST_KEY: _self_digest(d)}
 
 
-def check_self_digest(d: dict, where: str) -> str:
+def _check_self_digest(d: dict, where: str) -> str:
     """The manifest's own digest; ManifestError if it is absent or does not match. Mandatory for every
     format_version this code reads (1): every converter that writes version 1 writes it, so a manifest without
     it was edited by hand (e.g. to change a scale) and is refused rather than served unchecked."""
@@ -605,7 +605,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     inside_folder(directory, MANIFEST_NAME, ManifestError)
     d = read_json(path, error=ManifestError, expect=None)
     m = _parse_manifest(d, str(path))
-    m.self_digest = check_self_digest(d, str(path))
+    m.self_digest = _check_self_digest(d, str(path))
     return m
 
 
@@ -658,8 +658,8 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
     if not isinstance(d, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(d).__name__}")
     fmt = d.get("format")
-    if fmt != FORMAT_NAME:
-        raise ManifestError(f"{where}: 'format' is {fmt!r}, expected {FORMAT_NAME!r}")
+    if fmt != _FORMAT_NAME:
+        raise ManifestError(f"{where}: 'format' is {fmt!r}, expected {_FORMAT_NAME!r}")
     version = _need(d, "format_version", int, where)
     if version > FORMAT_VERSION:
         raise ManifestError(
@@ -747,8 +747,8 @@ def _parse_manifest(d: Any, where: str) -> Manifest:
 
 
 def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, layers: set) -> None:
-    if t.role not in ROLES:
-        raise ManifestError(f"{w}.role: {t.role!r}, valid: {', '.join(ROLES)}")
+    if t.role not in _ROLES:
+        raise ManifestError(f"{w}.role: {t.role!r}, valid: {', '.join(_ROLES)}")
     if t.dtype not in DTYPE_BITS:
         raise ManifestError(f"{w}.dtype: {t.dtype!r}, valid: {', '.join(sorted(DTYPE_BITS))}")
     if t.storage not in STORAGES:
@@ -774,7 +774,7 @@ def _check_tensor(t: TensorEntry, key: str, w: str, ep_size: int, files: dict, l
     if len(t.kernel_shape) != len(t.kernel_strides):
         raise ManifestError(f"{w}: kernel_shape and kernel_strides differ in length")
     try:
-        want_stored = stored_shape_of(t.storage, t.kernel_shape)
+        want_stored = _stored_shape_of(t.storage, t.kernel_shape)
         want_strides = kernel_strides_of(t.storage, t.kernel_shape)
     except LayoutError as e:
         raise ManifestError(f"{w}: {e}") from None

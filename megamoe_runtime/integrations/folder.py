@@ -20,11 +20,11 @@ from ..format.manifest import MANIFEST_NAME
 from ..load.checkpoint import Checkpoint, open_checkpoint
 from ..load.load_checks import DEFAULT_VERIFY, VERIFY_LEVELS
 
-__all__ = ["QUANT_METHOD", "VERIFY_ENV", "config_value", "check_folder_for_model", "megamoe_quantization_config",
+__all__ = ["QUANT_METHOD", "VERIFY_ENV", "config_value", "check_folder_for_model",
            "verify_level", "weights_folder"]
 
 #: the weight index an engine resolves shard names through
-INDEX_NAME = "model.safetensors.index.json"
+_INDEX_NAME = "model.safetensors.index.json"
 
 #: the ``quantization_config.quant_method`` a converted folder's config.json names
 QUANT_METHOD = "megamoe"
@@ -50,7 +50,7 @@ def config_value(config: Mapping[str, Any], fact: str) -> Optional[Any]:
     return None
 
 
-def megamoe_quantization_config(config: Mapping[str, Any]) -> Optional[dict]:
+def _megamoe_quantization_config(config: Mapping[str, Any]) -> Optional[dict]:
     """The config's ``quantization_config`` when it names the megamoe method, else None."""
     qc = config.get("quantization_config")
     if isinstance(qc, Mapping) and qc.get("quant_method") == QUANT_METHOD:
@@ -78,7 +78,7 @@ def weights_folder(files: list, model_path: Optional[Union[str, os.PathLike]] = 
         if os.path.commonpath([real_root, real]) == real_root:
             continue
         entry = os.path.relpath(p, root)
-        index = root / INDEX_NAME
+        index = root / _INDEX_NAME
         mapped = []
         if index.is_file():
             from ..files.json_io import read_json
@@ -120,7 +120,7 @@ def check_folder_for_model(folder: Union[str, os.PathLike], config: Mapping[str,
             f"{root} is not a megamoe output folder (no {MANIFEST_NAME}); convert the checkpoint first: "
             f"megamoe-convert convert SRC {root}")
     ckpt = open_checkpoint(root) if verify is None else open_checkpoint(root, verify=verify)
-    qc = megamoe_quantization_config(config)
+    qc = _megamoe_quantization_config(config)
     if qc is None:
         got = config.get("quantization_config")
         got = got.get("quant_method") if isinstance(got, Mapping) else got

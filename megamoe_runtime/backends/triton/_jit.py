@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import decode_asm
 
-E4M3_MAX = tl.constexpr(448.0)
+_E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_SUB = tl.constexpr(0.001953125)  # 2^-9
 
 
@@ -52,7 +52,7 @@ def inv_pow2_from_byte(e):
 @triton.jit
 def e4m3_round(v, HW_CVT: tl.constexpr):
     """Round fp32 to the nearest E4M3fn value (RNE, saturating to +-448); returns fp32."""
-    v = tl.minimum(tl.maximum(v, -E4M3_MAX), E4M3_MAX)
+    v = tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)
     if HW_CVT:
         return v.to(tl.float8e4nv).to(tl.float32)
     else:
@@ -188,7 +188,7 @@ _E2M1_ASM_C = tl.constexpr(decode_asm.E2M1_PRMT)
 # per k16 step the k pairs 2q, 2q+1 and 2q+8, 2q+9, q = lane % 4) then owns over 8 k16 steps
 # exactly the 32 weights of MX group q of its rows: 4 contiguous words of E2M1 nibbles, one
 # scale; and each bf16x2 register of the operand holds nibbles j and j+4 of one word, which
-# two shifts and two masks extract (E2M1_FRAG_ASM). Our staging and L1 epilogue write the
+# two shifts and two masks extract (_E2M1_FRAG_ASM). Our staging and L1 epilogue write the
 # activations in this order, so the GEMM still sums every weight with its own activation.
 
 
@@ -201,8 +201,8 @@ def frag_pos(c):
 
 
 # the decodes' PTX (and why each instruction is there) lives in ``decode_asm``
-E2M1_FRAG_ASM = tl.constexpr(decode_asm.E2M1_FRAG)
-E2M1_FRAG_FOLD_ASM = tl.constexpr(decode_asm.E2M1_FRAG_FOLD)
+_E2M1_FRAG_ASM = tl.constexpr(decode_asm.E2M1_FRAG)
+_E2M1_FRAG_FOLD_ASM = tl.constexpr(decode_asm.E2M1_FRAG_FOLD)
 
 
 @triton.jit
@@ -211,10 +211,10 @@ def e2m1_frag_words(wd, sc2, FOLD: tl.constexpr = False):
     whose bits are both halves of int32 ``sc2``; returns 8 bf16 tensors of wd's shape:
     nibbles (n0, n4, n1, n5, n2, n6, n3, n7). FOLD: ``sc2`` already holds scale * 2^126."""
     if FOLD:
-        return tl.inline_asm_elementwise(E2M1_FRAG_FOLD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
+        return tl.inline_asm_elementwise(_E2M1_FRAG_FOLD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
+        return tl.inline_asm_elementwise(_E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
@@ -232,8 +232,8 @@ def frag8_pos(c):
     return (c - m) + 16 * ((m // 4) % 8) + 8 * (b % 2) + 2 * (m // 32) + b // 2
 
 
-E4M3_FRAG_ASM = tl.constexpr(decode_asm.E4M3_FRAG)
-E4M3_FRAG_FOLD_ASM = tl.constexpr(decode_asm.E4M3_FRAG_FOLD)
+_E4M3_FRAG_ASM = tl.constexpr(decode_asm.E4M3_FRAG)
+_E4M3_FRAG_FOLD_ASM = tl.constexpr(decode_asm.E4M3_FRAG_FOLD)
 
 
 @triton.jit
@@ -241,8 +241,8 @@ def e4m3_frag_words(wd, sc2, FOLD: tl.constexpr = False):
     """Decode int32 words of 4 E4M3 bytes times the bf16 scale in both halves of ``sc2``;
     returns 4 bf16 tensors of wd's shape: bytes (0, 2, 1, 3). FOLD: ``sc2`` holds scale * 2^120."""
     if FOLD:
-        return tl.inline_asm_elementwise(E4M3_FRAG_FOLD_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
+        return tl.inline_asm_elementwise(_E4M3_FRAG_FOLD_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
                                          dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(E4M3_FRAG_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
+        return tl.inline_asm_elementwise(_E4M3_FRAG_ASM, "=h,=h,=h,=h,r,r", [wd, sc2],
                                          dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)

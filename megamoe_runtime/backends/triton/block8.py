@@ -43,14 +43,14 @@ from . import _jit
 from .configs import W_E4M3_B128  # noqa: F401  (the weight kind of this row)
 
 #: K per weight scale block and per dispatch scale
-BLOCK = 128
+_BLOCK = 128
 
 
 # --------------------------------------------------------------------------- rounding rules
 
 #: fp32 values of the reference's constants (``codecs.quantize_fp8_act``), exact as Triton constants
-AMAX_FLOOR = tl.constexpr(float(torch.tensor(FP8_ACT_AMAX_FLOOR, dtype=torch.float32)))
-INV_E4M3_MAX = tl.constexpr(float(torch.tensor(1.0 / 448.0, dtype=torch.float32)))
+_AMAX_FLOOR = tl.constexpr(float(torch.tensor(FP8_ACT_AMAX_FLOOR, dtype=torch.float32)))
+_INV_E4M3_MAX = tl.constexpr(float(torch.tensor(1.0 / 448.0, dtype=torch.float32)))
 
 
 @triton.jit
@@ -58,9 +58,9 @@ def _scale_and_inverse(amax, RECIPROCAL: tl.constexpr):
     """(s, 1/s) of a 1xG block with absolute maximum ``amax``: ``m = max(amax, 1e-10)``, then
     ``s = m / 448`` (a true division: the dispatch) or ``s = m * fp32(1/448)`` (RECIPROCAL: the
     intermediate), and a true reciprocal (``codecs.quantize_fp8_act``)."""
-    a = tl.maximum(amax, AMAX_FLOOR)
+    a = tl.maximum(amax, _AMAX_FLOOR)
     if RECIPROCAL:
-        s = a * INV_E4M3_MAX
+        s = a * _INV_E4M3_MAX
     else:
         s = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
     inv = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), s)
@@ -237,7 +237,7 @@ def _l2_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, slot
 
 
 #: the intermediate's requant group (per token, along I): the L2 promotes once per such block of its K
-INTER_GROUP = FP8_INTERMEDIATE_GROUP
+_INTER_GROUP = FP8_INTERMEDIATE_GROUP
 
 
 def _opts(hw: bool) -> dict:
@@ -249,11 +249,11 @@ def quantize_b128(x: torch.Tensor, hw_cvt: bool = True) -> tuple[torch.Tensor, t
     128 columns: ``codecs.quantize_fp8_act(x, 128, reciprocal_scale=False)`` to the bit."""
     T, H = x.shape
     q = torch.empty(T, H, dtype=torch.uint8, device=x.device)
-    s = torch.empty(T, H // BLOCK, dtype=torch.float32, device=x.device)
+    s = torch.empty(T, H // _BLOCK, dtype=torch.float32, device=x.device)
     if T:
-        bg = min(8, triton.next_power_of_2(H // BLOCK))
-        _quant_kernel[(T, triton.cdiv(H // BLOCK, bg))](
-            x, q, s, H, x.stride(0), G=BLOCK, BLOCK_G=bg, HW_CVT=hw_cvt,
+        bg = min(8, triton.next_power_of_2(H // _BLOCK))
+        _quant_kernel[(T, triton.cdiv(H // _BLOCK, bg))](
+            x, q, s, H, x.stride(0), G=_BLOCK, BLOCK_G=bg, HW_CVT=hw_cvt,
             num_warps=4, **_opts(hw_cvt))
     return q, s
 
@@ -308,12 +308,12 @@ def l2_tiles(fc: Any) -> tuple[int, int, int]:
 def launch_l1(fc: Any, xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp: Optional[float], rsf, bm, hw):
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l1_scale")
-    bn = max(min(fc.l1_bn, I), INTER_GROUP)  # a tile holds whole requant groups of the intermediate
+    bn = max(min(fc.l1_bn, I), _INTER_GROUP)  # a tile holds whole requant groups of the intermediate
     c = 0.0 if clamp is None else float(torch.tensor(float(clamp), dtype=torch.float32))  # the fp32 clamp
     _l1_kernel[(I // bn, plan.max_blocks)](
         xq, xs, wb, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, tw, act, asf,
         H, I, K, swe, swn, se, sn, sk, rsf, c,
-        HAS_CLAMP=clamp is not None, BM=bm, BN=bn, GA=INTER_GROUP, GPI=fc.gpi, HW_CVT=hw,
+        HAS_CLAMP=clamp is not None, BM=bm, BN=bn, GA=_INTER_GROUP, GPI=fc.gpi, HW_CVT=hw,
         EXACT=bool(getattr(fc, "exact", False)), num_warps=fc.warps, num_stages=fc.stages, **_opts(hw))
 
 
@@ -325,7 +325,7 @@ def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
     _l2_kernel[(H // bn, plan.max_blocks)](
         act, asf, wb, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, slots,
         H, I, K, nslot, swe, swn, se, sn, sk,
-        BM=bm, BN=bn, GA=INTER_GROUP, GPI=gpi, HW_CVT=hw, EXACT=bool(getattr(fc, "exact", False)),
+        BM=bm, BN=bn, GA=_INTER_GROUP, GPI=gpi, HW_CVT=hw, EXACT=bool(getattr(fc, "exact", False)),
         num_warps=warps, num_stages=stages, **_opts(hw))
 
 
@@ -367,7 +367,7 @@ def pick_block_m(cfg: Any, fc: Any, n_pairs: int, num_local: int) -> int:
     return cfg.pick_block_m(n_pairs, num_local)
 
 
-def routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
+def _routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
                  slots: torch.Tensor, rsf: float, hw: bool) -> None:
     """The routed experts' bf16 slot outputs of this rank into ``slots [T, nslot, H]``."""
     from .staging import route
@@ -380,7 +380,7 @@ def routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.T
     bm = pick_block_m(cfg, fc, T * K, E_l)
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.uint8, device=x_bf16.device)
-    asf = torch.empty(plan.max_blocks * bm, I // INTER_GROUP, dtype=torch.float32, device=x_bf16.device)
+    asf = torch.empty(plan.max_blocks * bm, I // _INTER_GROUP, dtype=torch.float32, device=x_bf16.device)
     launch_l1(fc, xq, xs, kt.l1_weight, kt.l1_scale, plan, tw, act, asf, H, I, K, spec.activation.clamp, rsf, bm, hw)
     launch_l2(fc, act, asf, kt.l2_weight, kt.l2_scale, plan, slots, H, I, K, slots.shape[1], bm, hw)
 
@@ -398,6 +398,6 @@ def forward(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.Tensor
                              f"{spec.activation.to_dict()}")
     T, H = x_bf16.shape
     slots = torch.empty(T, nslot, H, dtype=torch.bfloat16, device=x_bf16.device)
-    routed_slots(spec, kt, cfg, x_bf16, tw, ids, slots, rsf, hw)
+    _routed_slots(spec, kt, cfg, x_bf16, tw, ids, slots, rsf, hw)
     combine(spec, cfg, slots, ids, out, False, rsf, hw)
     return (out, slots) if return_slots else out

@@ -198,14 +198,14 @@ TAIL_TILES = {("mid", W_E2M1_NV): FragTiles(32, False, 128, 4, 3, 128, 4, 3, "fo
 #: L1 under a 128-register cap fits four per SM)
 FILL_CTAS_PER_SM = 4
 #: SMs when no CUDA device can be asked (an H200 / H100 SXM has 132)
-DEFAULT_SMS = 132
+_DEFAULT_SMS = 132
 _SMS: dict = {}
 
 
 def sm_count() -> int:
-    """SMs of the current CUDA device (cached), else ``DEFAULT_SMS``."""
+    """SMs of the current CUDA device (cached), else ``_DEFAULT_SMS``."""
     if "n" not in _SMS:
-        n = DEFAULT_SMS
+        n = _DEFAULT_SMS
         try:
             if torch.cuda.is_available():
                 n = int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
@@ -248,7 +248,7 @@ def wave_efficiency(ctas: float, slots: int) -> float:
     return ctas / (math.ceil(ctas / slots) * slots)
 
 
-def expected_blocks(n_pairs: int, num_local: int, block_m: int) -> float:
+def _expected_blocks(n_pairs: int, num_local: int, block_m: int) -> float:
     """Row blocks a batch is expected to route into: at least one per expert touched, at least the pairs
     over the row block (the grid rules size the launches from this; the host never sees the routing)."""
     import math
@@ -277,7 +277,7 @@ def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_l
     sms = sms or sm_count()
     slots = FILL_CTAS_PER_SM * sms
     bm = cfg.block_m or 16
-    blocks = expected_blocks(n_pairs, num_local, bm)
+    blocks = _expected_blocks(n_pairs, num_local, bm)
     if regime in ("few", "decode") and cfg.l1_bn == 64:
         n64 = blocks * (I // 64)
         if n64 < 2 * slots and wave_efficiency(2 * n64, slots) > 1.05 * wave_efficiency(n64, slots):
@@ -288,8 +288,8 @@ def shape_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_l
 
 
 #: the split-K rule's slices, and the K loop (128-blocks of I) it needs before it splits
-SPLIT_K_SLICES = 4
-SPLIT_K_MIN_STEPS = 64
+_SPLIT_K_SLICES = 4
+_SPLIT_K_MIN_STEPS = 64
 
 
 def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num_local: int, H: int, I: int,
@@ -297,15 +297,15 @@ def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num
     """The split-K part of the tile rule (docs/KERNELS.md "Split-K L2"): a few large experts (I / 128 >=
     64: Mixtral, DBRX) at decode and mid sizes give the L2 too few tiles, each with a long K loop. When
     the L2 would run under two CTAs per SM with 128-column tiles (``blocks * H / 128 < 2 * SMs``, row
-    blocks as in ``shape_tiles``), split its K into ``SPLIT_K_SLICES`` slices. Measured on the H200 for
+    blocks as in ``shape_tiles``), split its K into ``_SPLIT_K_SLICES`` slices. Measured on the H200 for
     the E2M1 rows (docs/bench-log/kernels.md: Mixtral 1 / 8 / 64 tokens 1.35 / 1.04 / 1.18x mxfp4, 1.11 / 1.04 /
     1.09x nvfp4; DBRX one token 1.14x mxfp4); mxfp8 was not swept and keeps one pass."""
     steps = I // 128 if I else 0
     if kind not in (W_E2M1_MX, W_E2M1_NV) or regime not in ("few", "decode", "mid") or not H \
-            or steps < SPLIT_K_MIN_STEPS or steps % SPLIT_K_SLICES:
+            or steps < _SPLIT_K_MIN_STEPS or steps % _SPLIT_K_SLICES:
         return cfg
-    if expected_blocks(n_pairs, num_local, cfg.block_m or 16) * (H // 128) < 2 * (sms or sm_count()):
-        cfg = dataclasses.replace(cfg, l2_split=SPLIT_K_SLICES)
+    if _expected_blocks(n_pairs, num_local, cfg.block_m or 16) * (H // 128) < 2 * (sms or sm_count()):
+        cfg = dataclasses.replace(cfg, l2_split=_SPLIT_K_SLICES)
     return cfg
 
 

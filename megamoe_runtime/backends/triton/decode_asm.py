@@ -9,7 +9,7 @@ the inputs, in the order of each wrapper in ``_jit``.
 """
 from __future__ import annotations
 
-__all__ = ["E2M1_PRMT", "E2M1_FRAG", "E2M1_FRAG_FOLD", "E4M3_FRAG", "E4M3_FRAG_FOLD", "without_bias",
+__all__ = ["E2M1_PRMT", "E2M1_FRAG", "E2M1_FRAG_FOLD", "E4M3_FRAG", "E4M3_FRAG_FOLD",
            "NV_FOLD_SCALE_MUL", "NV_FOLD_SCALE_ADD", "NV_FOLD_SCALE_BYTES"]
 
 # E2M1 -> bf16 by byte permutes (PRMT as an 8-entry lookup table), then one
@@ -112,7 +112,7 @@ mov.b32 {$6, $7}, r;
 # plain decode's second multiply does). Only valid where scale * 2^126 is a finite bf16:
 # UE8M0 bytes <= 128 (E4M3 weights: <= 134); the kernels check that and redo a tile with
 # the plain decode otherwise (docs/KERNELS.md "Hopper triton kernels: the frag K order").
-def without_bias(asm: str) -> str:
+def _without_bias(asm: str) -> str:
     """The fold variant of a frag decode: the same asm without its bias register and the
     ``mul.bf16x2`` by it (the caller's scale operand carries the bias instead)."""
     return "\n".join(ln.replace(", bias;", ";") if ln.startswith(".reg") else ln
@@ -120,7 +120,7 @@ def without_bias(asm: str) -> str:
 
 
 
-E2M1_FRAG_FOLD = without_bias(E2M1_FRAG)
+E2M1_FRAG_FOLD = _without_bias(E2M1_FRAG)
 
 
 # Bytes (0, 2) and (1, 3) of a word -> two bf16x2 registers: the 7 magnitude bits (exponent,
@@ -150,7 +150,7 @@ mov.b32 {$2, $3}, r;
 """
 
 
-E4M3_FRAG_FOLD = without_bias(E4M3_FRAG)
+E4M3_FRAG_FOLD = _without_bias(E4M3_FRAG)
 
 
 # The NVFP4 fold decode's scale operand, from the E4M3 byte by one integer multiply-add

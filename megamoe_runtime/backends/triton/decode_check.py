@@ -51,7 +51,7 @@ def _frag8_decode_check_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr, FOLD: tl
         tl.store(out_ptr + i * 4 + k, outs[k])
 
 
-def frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tensor:
+def _frag_decode_expected(b_all: torch.Tensor, s_rep: torch.Tensor) -> torch.Tensor:
     """int16 bits of what ``_jit.e2m1_frag_words`` must return for bytes ``b_all`` (whole
     little-endian words) and one bf16 scale per word: per word, nibbles (0, 4, 1, 5, 2, 6, 3, 7)
     decoded by ``codecs`` times the scale."""
@@ -89,7 +89,7 @@ def asm_decode_check(device: torch.device, mx_bytes=None, nv_bytes=None) -> dict
                      "arith_lo": int((o[2] != wl).sum()), "arith_hi": int((o[3] != wh).sum())}
         fr = torch.empty(2 * b_all.numel(), dtype=torch.bfloat16, device=device)
         _frag_decode_check_kernel[(1,)](b_all.view(torch.int32), s_rep, fr, NW=b_all.numel() // 4, **opts())
-        fw = frag_decode_expected(b_all, s_rep)
+        fw = _frag_decode_expected(b_all, s_rep)
         res[name]["frag"] = int((fr.view(torch.int16) != fw).sum())
         if name == "ue8m0":  # E4M3 weights (no NaN bytes) in the E4M3 frag order: bytes (0, 2, 1, 3)
             e8 = b_all.clone()
@@ -132,7 +132,7 @@ def _fold_decode_check(name: str, byts: torch.Tensor, device: torch.device) -> d
         fr = torch.empty(2 * b_all.numel(), dtype=torch.bfloat16, device=device)
         _frag_decode_check_kernel[(1,)](b_all.view(torch.int32), o_rep, fr, NW=b_all.numel() // 4, FOLD=True,
                                         **opts())
-        out["frag_fold"] += int((fr.view(torch.int16) != frag_decode_expected(b_all, s_rep)).sum())
+        out["frag_fold"] += int((fr.view(torch.int16) != _frag_decode_expected(b_all, s_rep)).sum())
     if name == "ue8m0":
         out["frag8_fold"] = 0
         e8 = torch.arange(0, 135, dtype=torch.int32, device=device)

@@ -31,13 +31,10 @@ import triton
 import triton.language as tl
 
 from . import _jit
+from .configs import W_E2M1_MX, W_E4M3_MX
 from .l1 import activation
 from .launch import L1Epilogue, Rows, WeightOperand
 from .operands import act_rows, block_expert, block_rows, slot_rows, utccp
-
-# weight kinds (same numbers as configs.W_*)
-W_E2M1_MX = 0
-W_E4M3_MX = 1
 
 # E2M1 nibble pairs -> E4M3 bytes of (value * 2^-6), four packed bytes per register:
 # low nibbles (even k): ((b << 2) & 0x1C) | ((b << 4) & 0x80); high nibbles (odd k):

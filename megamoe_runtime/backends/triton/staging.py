@@ -37,7 +37,6 @@ __all__ = [
     "RoutingPlan",
     "route",
     "route_slice",
-    "max_blocks_for",
 ]
 
 
@@ -55,7 +54,7 @@ def _launch_opts() -> dict:
 
 # --------------------------------------------------------------------------- MXFP8
 
-DEQUANT_MODES = (None, "natural", "split", "frag", "frag8")
+_DEQUANT_MODES = (None, "natural", "split", "frag", "frag8")
 
 
 @triton.jit
@@ -96,9 +95,9 @@ def _mxfp8_kernel(x_ptr, q_ptr, sf_ptr, xd_ptr, H, stride_x, stride_q, stride_sf
 
 
 def _dq_code(dequant) -> int:
-    if dequant not in DEQUANT_MODES:
+    if dequant not in _DEQUANT_MODES:
         raise _err(f"dequant={dequant!r}; valid: None, 'natural', 'split', 'frag', 'frag8'")
-    return DEQUANT_MODES.index(dequant)
+    return _DEQUANT_MODES.index(dequant)
 
 
 #: (groups of 32 per program, warps). Plain quantization: (64, 4), the fastest shape on the
@@ -211,7 +210,7 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
 #   than half an ulp of m). Three compares (binary search over the 7 midpoints)
 #   give the magnitude code. Proven on the GPU by bench/staging.py and the tests.
 
-BF16X2_ABSMAX_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x7FFF7FFF; max.bf16x2 $0, $1, t; }")
+_BF16X2_ABSMAX_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x7FFF7FFF; max.bf16x2 $0, $1, t; }")
 
 
 @triton.jit
@@ -223,7 +222,7 @@ def _nv_load(x_row, OFF: tl.constexpr, NBP: tl.constexpr):
 
 @triton.jit
 def _bf16x2_absmax_step(m, w):
-    return tl.inline_asm_elementwise(BF16X2_ABSMAX_ASM, "=r,r,r", [m, w], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_BF16X2_ABSMAX_ASM, "=r,r,r", [m, w], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -362,7 +361,7 @@ def _nvfp4_row_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_
 #: The largest row the row kernel holds in registers, and its piece count.
 _NV_ROW_MAX_H = 8192
 _NV_ROW_MAX_PIECES = 4
-NVFP4_IMPLS = ("row", "chunk")
+_NVFP4_IMPLS = ("row", "chunk")
 
 
 def _nv_pieces(H: int) -> list[int] | None:
@@ -443,8 +442,8 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
     sf = torch.empty(T, H // 16, dtype=torch.uint8, device=x.device)
     ts = torch.empty(T, dtype=torch.float32, device=x.device)
     xd = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if dq else packed
-    if impl not in (None,) + NVFP4_IMPLS:
-        raise _err(f"quantize_nvfp4_per_token: impl={impl!r}; valid: {', '.join(NVFP4_IMPLS)}")
+    if impl not in (None,) + _NVFP4_IMPLS:
+        raise _err(f"quantize_nvfp4_per_token: impl={impl!r}; valid: {', '.join(_NVFP4_IMPLS)}")
     pieces = _nv_pieces(H) if impl != "chunk" else None
     if impl == "row" and pieces is None:
         raise _err(f"quantize_nvfp4_per_token: impl='row' cannot hold H={H} "
@@ -517,7 +516,7 @@ class RoutingPlan:
     top_k: int
 
 
-def max_blocks_for(n_pairs: int, num_local: int, block_m: int) -> int:
+def _max_blocks_for(n_pairs: int, num_local: int, block_m: int) -> int:
     return n_pairs // block_m + min(n_pairs, num_local)
 
 
@@ -654,7 +653,7 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     T, K = topk_ids.shape
     n = T * K
     dev = topk_ids.device
-    mb = max_blocks_for(n, num_local, block_m)
+    mb = _max_blocks_for(n, num_local, block_m)
     sorted_pairs = torch.empty(max(mb * block_m, 1), dtype=torch.int32, device=dev)
     block_expert = torch.empty(max(mb, 1), dtype=torch.int32, device=dev)
     # the routing kernel stores the block count unconditionally: a zero fill (one more launch in

@@ -31,7 +31,7 @@ def register() -> None:
     """Register the ``megamoe`` method with transformers (idempotent: a second call changes nothing).
 
     ``quantization_config=MegaMoEConfig(backend=..., verify=...)`` passed to ``from_pretrained`` is merged
-    into the folder's config (`hooks.merge_configs`), so both can be chosen per load."""
+    into the folder's config (`hooks`), so both can be chosen per load."""
     from transformers.quantizers import auto
 
     from ..folder import QUANT_METHOD

@@ -5,7 +5,7 @@ The converter writes ``{"quant_method": "megamoe", "format_version", "row", "man
 registered quantizer (`quantizer.MegaMoEHfQuantizer`) reads it. ``backend`` and ``verify`` are the loading
 attributes a user sets (``from_pretrained(OUT, quantization_config=MegaMoEConfig(backend="triton",
 verify="checksums"))``); the converter never writes them, ``MEGAMOE_BACKEND`` / ``MEGAMOE_VERIFY`` set them
-from the environment, and one the user passes wins over the folder's (`hooks.merge_configs`).
+from the environment, and one the user passes wins over the folder's (`hooks`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ __all__ = ["MegaMoEConfig", "BACKENDS"]
 BACKENDS = ("auto", "deepgemm", "triton", "reference")
 
 #: the attributes a user chooses per load (everything else is the converter's record of the folder)
-LOADING_ATTRIBUTES = ("backend", "verify")
+_LOADING_ATTRIBUTES = ("backend", "verify")
 
 
 class MegaMoEConfig(QuantizationConfigMixin):
@@ -38,7 +38,7 @@ class MegaMoEConfig(QuantizationConfigMixin):
         self.manifest = manifest
         self.source_quantization_config = source_quantization_config
         #: what the user (or config.json) named, before the environment's and the defaults' fill-in
-        self.chosen = {k: v for k, v in (("backend", backend), ("verify", verify)) if v is not None}
+        self.chosen = {k: v for k, v in zip(_LOADING_ATTRIBUTES, (backend, verify)) if v is not None}
         self.backend = backend or knobs.get("MEGAMOE_BACKEND") or "auto"
         if self.backend not in BACKENDS:
             raise ValueError(f"megamoe backend {self.backend!r} is unknown; valid: {', '.join(BACKENDS)}")

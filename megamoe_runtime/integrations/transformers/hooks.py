@@ -27,10 +27,10 @@ from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_NAME
 from ..folder import QUANT_METHOD, config_value
 
-__all__ = ["install", "SOURCE_METHODS"]
+__all__ = ["install"]
 
 #: the quant_method values of the producer exports ``megamoe-convert convert`` reads
-SOURCE_METHODS = ("modelopt", "quark", "compressed-tensors")
+_SOURCE_METHODS = ("modelopt", "quark", "compressed-tensors")
 
 _WRAPPED = "__megamoe_wrapped__"
 
@@ -60,9 +60,9 @@ def _wrap(original: Callable) -> Callable:
                 + f", not {QUANT_METHOD!r}: loaded so, its experts would be random; restore the config.json the "
                 "converter wrote (or convert again)")
         if method == QUANT_METHOD and isinstance(quantization_config, MegaMoEConfig):
-            holder.quantization_config = merge_configs(stored, quantization_config)
+            holder.quantization_config = _merge_configs(stored, quantization_config)
             quantization_config = None  # merged: transformers' own merge (and its warning) has nothing to do
-        if folder is None or converted or method not in SOURCE_METHODS or not _is_moe(config):
+        if folder is None or converted or method not in _SOURCE_METHODS or not _is_moe(config):
             return original(config, quantization_config, *args, **kwargs)
         hint = (f"to serve this {method} MoE export with megamoe, convert it first: megamoe-convert convert "
                 f"{folder} OUT, then from_pretrained(OUT)")
@@ -81,7 +81,7 @@ def _wrap(original: Callable) -> Callable:
     return get_hf_quantizer
 
 
-def merge_configs(stored: Any, chosen: Any) -> dict:
+def _merge_configs(stored: Any, chosen: Any) -> dict:
     """The folder's config (a dict, or a MegaMoEConfig) with the loading attributes ``chosen`` names, as the
     dict transformers expects to find in config.json."""
     base = dict(stored) if isinstance(stored, dict) else stored.to_dict()

@@ -38,14 +38,14 @@ from ..folder import QUANT_METHOD, check_folder_for_model, verify_level
 from ..warm import seed_for_folder
 
 #: under vLLM's own logger tree, so its handler prints what the plugin reports (a name outside "vllm." is dropped)
-logger = init_logger("vllm.plugins.megamoe")
+_logger = init_logger("vllm.plugins.megamoe")
 
 #: the name of the load format this plugin registers (the quantization method is `folder.QUANT_METHOD`)
-LOAD_FORMAT = "megamoe"
+_LOAD_FORMAT = "megamoe"
 
 #: the model classes whose MoE blocks this plugin fills (vLLM architecture names; config.json's
 #: ``architectures``). Kimi-K2 checkpoints name DeepseekV3ForCausalLM.
-SUPPORTED_ARCHITECTURES = (
+_SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -55,29 +55,29 @@ SUPPORTED_ARCHITECTURES = (
 
 #: vLLM's parameter names (its own DeepGemmMegaMoEExperts, vllm/model_executor/layers/fused_moe/
 #: deep_gemm_mega_moe.py ``_create_weights``) -> the megamoe role holding the same bytes, shape and strides
-VLLM_PARAM_ROLES = (("w13_weight", "l1_weight"), ("w13_weight_scale", "l1_scale"),
+_VLLM_PARAM_ROLES = (("w13_weight", "l1_weight"), ("w13_weight_scale", "l1_scale"),
                     ("w2_weight", "l2_weight"), ("w2_weight_scale", "l2_scale"))
 
 #: which megamoe backend runs the experts: "auto" follows the device (deepgemm on SM100, triton on Hopper,
 #: reference on the CPU); a name forces one
-BACKEND_ENV = "MEGAMOE_BACKEND"  # the same variable the transformers integration reads
+_BACKEND_ENV = "MEGAMOE_BACKEND"  # the same variable the transformers integration reads
 
 
 def register_all() -> None:
     register_quantization_config(QUANT_METHOD)(MegaMoEConfig)
-    register_model_loader(LOAD_FORMAT)(MegaMoEModelLoader)
+    register_model_loader(_LOAD_FORMAT)(MegaMoEModelLoader)
 
 
 # --------------------------------------------------------------------------- folder checks
 
 
-def check_architecture(config: dict, where: str) -> str:
+def _check_architecture(config: dict, where: str) -> str:
     """The one architecture of ``config`` this plugin serves; CheckpointError naming it otherwise."""
     archs = list(config.get("architectures") or [])
-    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    known = [a for a in archs if a in _SUPPORTED_ARCHITECTURES]
     if not known:
         raise CheckpointError(
-            f"{where}: architectures {archs} -- the megamoe vLLM plugin serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
+            f"{where}: architectures {archs} -- the megamoe vLLM plugin serves {', '.join(_SUPPORTED_ARCHITECTURES)}; "
             "another architecture's MoE blocks are not known to it")
     return known[0]
 
@@ -168,7 +168,7 @@ class MegaMoEConfig(QuantizationConfig):
         """Check the folder against the model vLLM is about to build (config time: no weight exists yet)."""
         folder, local = _local_folder(model_name, revision)
         config = model_config_dict(folder, hf_config)
-        check_architecture(config, str(folder / "config.json"))
+        _check_architecture(config, str(folder / "config.json"))
         self.checkpoint = check_folder_for_model(folder, config, dry_run=local, verify=self.verify)
         rsf = config.get("routed_scaling_factor")
         if rsf is not None:
@@ -308,10 +308,10 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
             raise CheckpointError(f"{ckpt.root}: layer {self.layer_index} ({self.prefix}, EP rank {ep_rank} of "
                                   f"{ep_size}): " + "; ".join(bad))
         device = torch.get_default_device()
-        backend = knobs.get(BACKEND_ENV) or "auto"
+        backend = knobs.get(_BACKEND_ENV) or "auto"
         mm = ckpt.allocate_layer(self.layer_index, device=device, backend=backend, ep_rank=ep_rank, ep_size=ep_size)
         layer.register_module("megamoe_experts", mm)
-        for name, role in VLLM_PARAM_ROLES:
+        for name, role in _VLLM_PARAM_ROLES:
             p = getattr(mm, role, None)
             if p is not None:
                 p.weight_loader = _refuse_raw_load
@@ -322,7 +322,7 @@ class MegaMoEFusedMoEMethod(FusedMoEMethodBase):
         if mm.load_generation == 0:
             raise CheckpointError(
                 f"{self.prefix}: its routed experts were never loaded; a megamoe folder is served with "
-                f"--load-format {LOAD_FORMAT} (the default loader does not read the kernel-layout shards)")
+                f"--load-format {_LOAD_FORMAT} (the default loader does not read the kernel-layout shards)")
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
@@ -366,7 +366,7 @@ def _ep_rank_partial(mm: Any, x: torch.Tensor, w: torch.Tensor, ids: torch.Tenso
 # --------------------------------------------------------------------------- model loader
 
 
-def adopt_runners(model: torch.nn.Module, check_only: bool = False) -> list[str]:
+def _adopt_runners(model: torch.nn.Module, check_only: bool = False) -> list[str]:
     """Fit vLLM's MoE runners to the megamoe layers they drive; returns the runners whose shared MLP was
     detached.
 
@@ -415,7 +415,7 @@ def seed_kernel_cache(folder: Path) -> Optional[Any]:
         return rep
     if not os.environ.get("TRITON_CACHE_DIR", "").strip():
         os.environ["TRITON_CACHE_DIR"] = rep.target
-    logger.info("megamoe: kernel cache %s seeded into %s (%d entries new, %d present)", rep.cache, rep.target,
+    _logger.info("megamoe: kernel cache %s seeded into %s (%d entries new, %d present)", rep.cache, rep.target,
                 rep.new_entries, rep.present_entries)
     return rep
 
@@ -459,7 +459,7 @@ class MegaMoEModelLoader(DefaultModelLoader):
         folder identity, every file's header and length): all or nothing, before the first byte is copied."""
         layers = self._megamoe_layers(model)
         if not layers:
-            raise CheckpointError(f"--load-format {LOAD_FORMAT}: {model_config.model} built no megamoe MoE layer "
+            raise CheckpointError(f"--load-format {_LOAD_FORMAT}: {model_config.model} built no megamoe MoE layer "
                                   f"(quantization {model_config.quantization!r}; its config.json must name "
                                   f"quant_method {QUANT_METHOD!r})")
         qc = layers[0][1].quant_method.quant_config
@@ -469,12 +469,12 @@ class MegaMoEModelLoader(DefaultModelLoader):
             qc.shards_checked = True
         for name, m in layers:
             ckpt.check_load(m.megamoe_experts).raise_if_failed(f"{ckpt.root}: {name}")
-        adopt_runners(model, check_only=True)
+        _adopt_runners(model, check_only=True)
         return ckpt, layers
 
     def fill_experts(self, model: torch.nn.Module, ckpt: Any, layers: list) -> int:
         """Every MoE layer from its pre-laid shards (megamoe's ``load_layer``: one copy per stored tensor into
-        the parameter, no transform; this rank's files only), then the runners fitted (`adopt_runners`)."""
+        the parameter, no transform; this rank's files only), then the runners fitted (`_adopt_runners`)."""
         self.expert_files_opened: list[str] = []
         copied = 0
         for name, m in layers:
@@ -484,7 +484,7 @@ class MegaMoEModelLoader(DefaultModelLoader):
         # what this rank read, for the worker extension's load report (integrations/vllm/reload.py)
         model.megamoe_load_report = {"folder": str(ckpt.root), "expert_files_opened": list(self.expert_files_opened),
                                      "expert_bytes": copied}
-        self.detached_shared = adopt_runners(model)
-        logger.info("megamoe: %d MoE layers filled from %s (%d bytes from %s)", len(layers), ckpt.root, copied,
+        self.detached_shared = _adopt_runners(model)
+        _logger.info("megamoe: %d MoE layers filled from %s (%d bytes from %s)", len(layers), ckpt.root, copied,
                     ", ".join(self.expert_files_opened))
         return copied

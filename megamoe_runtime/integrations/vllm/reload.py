@@ -35,7 +35,7 @@ from ...load.reload import verify_reload
 from ..folder import check_folder_for_model
 from .plugin import MegaMoEFusedMoEMethod, model_config_dict
 
-__all__ = ["WORKER_EXTENSION", "MegaMoEWorkerExtension", "reload_model", "load_report"]
+__all__ = ["WORKER_EXTENSION", "MegaMoEWorkerExtension"]
 
 #: the qualified name vLLM's ``worker_extension_cls`` takes
 WORKER_EXTENSION = "megamoe_runtime.integrations.vllm.reload.MegaMoEWorkerExtension"
@@ -74,7 +74,7 @@ def _dense_tensors(ckpt: Any, names: dict[str, tuple]) -> Iterator[tuple[str, to
                 yield n, f.get_tensor(n)
 
 
-def check_reload(model: torch.nn.Module, vllm_config: Any, folder: str) -> tuple[Any, dict, dict, str]:
+def _check_reload(model: torch.nn.Module, vllm_config: Any, folder: str) -> tuple[Any, dict, dict, str]:
     """(new checkpoint, its non-expert headers, this rank's megamoe layers, dry-run summary) once ``folder``
     passed every check of the module doc; CheckpointError naming the folder and the problem otherwise."""
     new_root = Path(folder)
@@ -123,10 +123,10 @@ def _dense_checksum_problems(ckpt: Any) -> list[str]:
     return check_checksums([SimpleNamespace(entry=te) for te in entries], headers)
 
 
-def reload_model(model_runner: Any, folder: str) -> dict:
+def _reload_model(model_runner: Any, folder: str) -> dict:
     """Reload this rank's model from converted folder ``folder`` (see the module doc); a report dict."""
     model, vllm_config = model_runner.get_model(), model_runner.vllm_config
-    new, dense, layers, summary = check_reload(model, vllm_config, folder)
+    new, dense, layers, summary = _check_reload(model, vllm_config, folder)
     model_runner.reload_weights(weights_iterator=_dense_tensors(new, dense), is_checkpoint_format=True)
     copied, files = 0, []
     for _, layer in layers.items():
@@ -137,7 +137,7 @@ def reload_model(model_runner: Any, folder: str) -> dict:
     return model.megamoe_load_report
 
 
-def load_report(model: torch.nn.Module) -> dict:
+def _load_report(model: torch.nn.Module) -> dict:
     """What this rank's megamoe loader (or the last reload) read: folder, expert files opened, bytes."""
     return dict(getattr(model, "megamoe_load_report", {}) or {})
 
@@ -146,9 +146,9 @@ class MegaMoEWorkerExtension:
     """Methods vLLM adds to every worker (``worker_extension_cls``), called through ``collective_rpc``."""
 
     def megamoe_reload_weights(self, folder: str) -> dict:
-        return reload_model(self.model_runner, folder)
+        return _reload_model(self.model_runner, folder)
 
     def megamoe_load_report(self) -> dict:
-        report = load_report(self.model_runner.get_model())
+        report = _load_report(self.model_runner.get_model())
         pc = self.model_runner.vllm_config.parallel_config
         return {**report, "rank": int(getattr(self, "rank", 0)), "tp_size": int(pc.tensor_parallel_size)}
