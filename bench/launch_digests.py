@@ -67,7 +67,7 @@ def cases(cpu: bool) -> list[dict]:
                                    act="situ" if row.startswith("mx") else "swiglu")]
                     if not cpu:
                         paths += [dict(name="wtile16", wt=16), dict(name="asm_off", asm=False),
-                                  dict(name="maxnreg", cfg=dict(l1_maxnreg=96, l2_maxnreg=64))]
+                                  dict(name="maxnreg", cfg=dict(l1_maxnreg=96, l2_maxnreg=96))]  # 64: ptxas needs 94+ at prefill
                     if row in ("mxfp4", "mxfp8"):
                         paths += [dict(name="mma_fp8", cfg=dict(mma="fp8")),
                                   dict(name="mma_fp8_shared", cfg=dict(mma="fp8"), shared="mxfp8", ep=(1, 2)),

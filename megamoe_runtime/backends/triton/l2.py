@@ -135,7 +135,8 @@ def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
     for k in tl.static_range(TOPK):
         le = tl.load(ids_ptr + t * TOPK + k).to(tl.int32) - e_lo
         ok = (le >= 0) & (le < E_l)
-        s = tl.load(base + k * H + h, mask=hm & ok, other=0.0).to(tl.float32)
+        # where(ok, hm, False), not hm & ok: Triton 3.9's interpreter makes an integer mask of the latter
+        s = tl.load(base + k * H + h, mask=tl.where(ok, hm, False), other=0.0).to(tl.float32)
         acc = acc + tl.where(ok, s, 0.0)
     if NV:
         r = _jit.bf16r(acc, GPU)
