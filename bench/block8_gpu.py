@@ -6,6 +6,7 @@ and its tiles at prefill.
     python bench/block8_gpu.py diag --out DIR       # DeepSeek-V3-width layer: FP8 vs exact-sum MMA, tiles, controls
     python bench/block8_gpu.py sweep --out DIR      # L1 / L2 tiles at 4096 tokens, DeepSeek-V3's shape
     python bench/block8_gpu.py sweep --tokens 2048,4096 --jobs 12 --out DIR
+    python bench/block8_gpu.py sweep --grid split --tokens 2048,4096 --bm 32,64,128 --baseline MODULE --out DIR
 
 Why each part:
 
@@ -24,7 +25,9 @@ Why each part:
   each configuration's output bytes compared with the current default's of the same row block (the
   reduction order per element is the same, so they must be equal). Kernels are compiled first in
   ``--jobs`` worker processes on a 4-expert copy of the shape (the triton cache is on disk, so the timed
-  process finds them compiled).
+  process finds them compiled). ``--baseline MODULE``: an importable copy of an earlier ``block8`` (same
+  package, e.g. saved as ``megamoe_runtime/backends/triton/_block8_base.py`` on the machine), timed with its
+  prefill tiles in the same process, its outputs compared with the new default's (rows matched by pair).
 Results go to ``DIR/<part>.json``; a short table is printed last.
 """
 from __future__ import annotations
@@ -351,7 +354,7 @@ def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, com
             if baseline is not None and bm == baseline.TILES["prefill"].block_m:
                 try:
                     res.setdefault("baseline", {})[str(T)] = bl = baseline_point(
-                        pr, baseline, T, xq, xs, tw, ids, reps, dict(block_m=bm, act=ref_act, asf=ref_asf, slots=ref_slots))
+                        pr, baseline, T, xq, xs, tw, ids, reps, dict(block_m=bm, act=ref_act, asf=ref_asf, slots=ref_slots, pairs=p.sorted_pairs))
                     log(f"T={T} baseline {baseline.__name__}: {bl}")
                 except Exception as exc:
                     res.setdefault("baseline", {})[str(T)] = {"error": repr(exc)[:300]}
@@ -432,8 +435,8 @@ def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, com
 
 def baseline_point(pr: "Problem", mod, T: int, xq, xs, tw, ids, reps: int, new: dict) -> dict:
     """The kernels of ``mod`` (the previous block8) with its prefill tiles at T tokens: L1 and L2 times, and
-    whether their outputs equal the new default's (``new``: act, asf, slots of the same row block) on the rows
-    that hold a pair (the previous L1 leaves padding rows unwritten; its act scales are row-major)."""
+    whether their outputs equal the new default's (``new``: act, asf, slots and the plan's pairs, same row
+    block), row by pair (the previous L1 leaves padding rows unwritten; its act scales are row-major)."""
     fc = mod.TILES["prefill"]
     bm = fc.block_m
     bp = Problem.__new__(Problem)
@@ -445,10 +448,17 @@ def baseline_point(pr: "Problem", mod, T: int, xq, xs, tw, ids, reps: int, new: 
     ms2 = _time(lambda: bp.l2(fc, act, asf, p, slots, bm), reps)
     out = {"block_m": bm, "tiles": fc.__dict__, "l1_ms": ms1, "l2_ms": ms2}
     if new.get("block_m") == bm:
-        v = p.sorted_pairs >= 0
+        # rows matched by pair: the order of pairs within an expert's run differs between two routings
+        def by_pair(pairs, a, s_rows):
+            v = (pairs >= 0).nonzero().flatten()
+            o = v[torch.argsort(pairs[v])]
+            return a[o], s_rows[o]
+
         rows = act.shape[0]
-        out["act_equal"] = bool(torch.equal(act[v], new["act"][v]))
-        out["asf_equal"] = bool(torch.equal(asf.view(rows, -1)[v], new["asf"].view(-1, rows).t()[v]))
+        a0, s0 = by_pair(p.sorted_pairs, act, asf.view(rows, -1))
+        a1, s1 = by_pair(new["pairs"], new["act"], new["asf"].view(-1, rows).t())
+        out["act_equal"] = bool(torch.equal(a0, a1))
+        out["asf_equal"] = bool(torch.equal(s0, s1))
         out["slots_equal"] = bool(torch.equal(slots, new["slots"]))
     return out
 
