@@ -6,6 +6,7 @@ and its tiles at prefill.
     python bench/block8_gpu.py diag --out DIR       # DeepSeek-V3-width layer: FP8 vs exact-sum MMA, tiles, controls
     python bench/block8_gpu.py sweep --out DIR      # L1 / L2 tiles at 4096 tokens, DeepSeek-V3's shape
     python bench/block8_gpu.py sweep --tokens 2048,4096 --jobs 12 --out DIR
+    python bench/block8_gpu.py sweep --grid split --tokens 2048,4096 --bm 32,64,128 --baseline MODULE --out DIR
 
 Why each part:
 
@@ -24,7 +25,9 @@ Why each part:
   each configuration's output bytes compared with the current default's of the same row block (the
   reduction order per element is the same, so they must be equal). Kernels are compiled first in
   ``--jobs`` worker processes on a 4-expert copy of the shape (the triton cache is on disk, so the timed
-  process finds them compiled).
+  process finds them compiled). ``--baseline MODULE``: an importable copy of an earlier ``block8`` (same
+  package, e.g. saved as ``megamoe_runtime/backends/triton/_block8_base.py`` on the machine), timed with its
+  prefill tiles in the same process, its outputs compared with the new default's (rows matched by pair).
 Results go to ``DIR/<part>.json``; a short table is printed last.
 """
 from __future__ import annotations
@@ -183,13 +186,16 @@ def diag(out: str) -> None:
 # --------------------------------------------------------------------------- sweep
 
 
-#: the tile grids: "full" (the first sweep), "fine" (around its winners: deeper pipelines, 32-token blocks)
-GRIDS = {"full": (((64, 128), (4, 8), (2, 3, 4), (1, 2)), ((64, 128, 256), (4, 8), (2, 3, 4), (1, 2))),
-         "fine": (((64, 128), (4, 8), (3, 4, 5), (1,)), ((128, 256), (4, 8), (3, 4, 5), (1,)))}
+#: the tile grids: "full" (the first sweep), "fine" (around its winners: deeper pipelines, 32-token blocks);
+#: the L1's last axis is ``paired`` (gate and up dots issued together, or one after the other)
+GRIDS = {"full": (((64, 128), (4, 8), (2, 3, 4), (1, 0)), ((64, 128, 256), (4, 8), (2, 3, 4), (1, 2))),
+         "fine": (((64, 128), (4, 8), (3, 4, 5), (1,)), ((128, 256), (4, 8), (3, 4, 5), (1,))),
+         "split": (((64, 128), (4, 8), (2, 3, 4), (1, 0)), ((64, 128, 256), (4, 8), (3, 4, 5), (1, 2)))}
 
 
 def l1_grid() -> list[dict]:
-    g = [dict(l1_bn=bn, warps=w, stages=st, gpi=g) for bn, w, st, g in itertools.product(*GRIDS.get(GRID, GRIDS["full"])[0])]
+    g = [dict(l1_bn=bn, warps=w, stages=st, paired=p) for bn, w, st, p in
+         itertools.product(*GRIDS.get(GRID, GRIDS["full"])[0])]
     return g if GRID in GRIDS else g[:2]
 
 
@@ -202,15 +208,17 @@ def _fc(kind: str, c: dict):
     from megamoe_runtime.backends.triton import block8
 
     if kind == "l1":
-        return block8.Block8Config(l1_bn=c["l1_bn"], gpi=c["gpi"], warps=c["warps"], stages=c["stages"])
+        return block8.Block8Config(l1_bn=c["l1_bn"], paired=bool(c["paired"]), warps=c["warps"], stages=c["stages"])
     return block8.Block8Config(l2_bn=c["l2_bn"], gpi=c["gpi"], warps=c["warps"], stages=c["stages"])
 
 
 class Problem:
     """DeepSeek-V3's routed experts (``experts`` of them) with random E4M3 bytes and fp32 block scales."""
 
-    def __init__(self, experts: int, seed: int = 0):
+    def __init__(self, experts: int, seed: int = 0, module=None):
         from megamoe_runtime.backends.triton import block8
+
+        block8 = module or block8
 
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.E = experts
@@ -243,11 +251,17 @@ class Problem:
         from megamoe_runtime.backends.triton.staging import route
 
         p = route(ids, self.E, 0, bm)
+        self._rows_key = None  # the row-ordered scales of ``l1`` belong to one plan
         act = torch.zeros(p.max_blocks * bm, I, dtype=torch.uint8, device=DEV)
         asf = torch.zeros(p.max_blocks * bm, I // 64, dtype=torch.float32, device=DEV)
         return p, act, asf
 
     def l1(self, fc, xq, xs, tw, p, act, asf, bm):
+        if hasattr(self.block8, "row_scales"):  # the L1 reads the dispatch scales in row order
+            key = (id(p), id(xs))
+            if getattr(self, "_rows_key", None) != key:
+                self._rows, self._rows_key = self.block8.row_scales(xs, p, K, DEV == "cuda"), key
+            xs = self._rows
         self.block8.launch_l1(fc, xq, xs, self.w1, self.s1, p, tw, act, asf, H, I, K, None, 2.5, bm, DEV == "cuda")
 
     def l2(self, fc, act, asf, p, slots, bm):
@@ -294,8 +308,14 @@ def _time(fn, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, compile_only: bool = False) -> None:
+def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, compile_only: bool = False,
+          baseline: str | None = None) -> None:
     from megamoe_runtime.backends.triton import block8
+
+    if baseline:  # an importable copy of an earlier block8 (same package), timed and compared in this process
+        import importlib
+
+        baseline = importlib.import_module(baseline)
 
     work = [("l1", bm, c) for bm in bms for c in l1_grid()] + [("l2", bm, c) for bm in bms for c in l2_grid()]
     t0 = time.time()
@@ -331,6 +351,14 @@ def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, com
             ref_act, ref_asf = act.clone(), asf.clone()
             pr.l2(base, act, asf, p, slots, bm)
             ref_slots = slots.clone()
+            if baseline is not None and bm == baseline.TILES["prefill"].block_m:
+                try:
+                    res.setdefault("baseline", {})[str(T)] = bl = baseline_point(
+                        pr, baseline, T, xq, xs, tw, ids, reps, dict(block_m=bm, act=ref_act, asf=ref_asf, slots=ref_slots, pairs=p.sorted_pairs))
+                    log(f"T={T} baseline {baseline.__name__}: {bl}")
+                except Exception as exc:
+                    res.setdefault("baseline", {})[str(T)] = {"error": repr(exc)[:300]}
+                    log(f"T={T} baseline failed: {exc!r}")
             rows = []
             for kind, grid in (("l1", l1_grid()), ("l2", l2_grid())):
                 for c in grid:
@@ -365,31 +393,74 @@ def sweep(out: str, tokens: list[int], bms: list[int], jobs: int, reps: int, com
             del act, asf, slots, ref_act, ref_asf, ref_slots
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    # the tiles to adopt: the fastest L1 + L2 pair at the largest token count, with its row block
-    pt = res["points"][str(max(tokens))]
-    bm = min(pt, key=lambda b: pt[b]["best_ms"])
-    l1, l2 = pt[bm]["l1"][0], pt[bm]["l2"][0]
-    base_ms = [r["ms"] for r in pt[str(bms[-1])]["l1"] if _is(r, "l1", base)] + \
-              [r["ms"] for r in pt[str(bms[-1])]["l2"] if _is(r, "l2", base)]
-    pin = dict(l1_bn=l1["l1_bn"], gpi=l1["gpi"], warps=l1["warps"], stages=l1["stages"], l2_bn=l2["l2_bn"],
-               l2_gpi=l2["gpi"], l2_warps=l2["warps"], l2_stages=l2["stages"],
+    # the tiles to adopt: per row block the L1 and the L2 configuration fastest over all token counts (sum of
+    # their times), bitwise equal to the default at every point; then the row block whose pair is fastest
+    def total(kind: str, bm: str, c: dict):
+        ms = []
+        for T in tokens:
+            r = [r for r in res["points"][str(T)][bm][kind] if all(r.get(k) == v for k, v in c.items())]
+            if not r or not r[0].get("equal_default"):
+                return None
+            ms.append(r[0]["ms"])
+        return sum(ms)
+
+    best = {}
+    for bm in (str(b) for b in bms):
+        pick = {}
+        for kind, grid in (("l1", l1_grid()), ("l2", l2_grid())):
+            tots = [(total(kind, bm, c), c) for c in grid]
+            tots = [t for t in tots if t[0] is not None]
+            if tots:
+                pick[kind] = min(tots, key=lambda t: t[0])
+        if len(pick) == 2:
+            best[bm] = (pick["l1"][0] + pick["l2"][0], pick["l1"][1], pick["l2"][1])
+    if not best:
+        log("adopt: nothing bitwise equal at every point")
+        dump(out, "sweep.json", res)
+        return
+    bm = min(best, key=lambda b: best[b][0])
+    _, l1, l2 = best[bm]
+    pin = dict(l1_bn=l1["l1_bn"], paired=bool(l1["paired"]), warps=l1["warps"], stages=l1["stages"],
+               l2_bn=l2["l2_bn"], l2_gpi=l2["gpi"], l2_warps=l2["warps"], l2_stages=l2["stages"],
                block_m=None if int(bm) == 128 else int(bm))  # 128: what pick_block_m takes above 64 pairs
-    res["pin"] = {"tiles": pin, "ms": pt[bm]["best_ms"], "default_ms": sum(base_ms) if len(base_ms) == 2 else None,
-                  "bitwise_equal_default": bool(l1["equal_default"] and l2["equal_default"])}
+    per_t = {T: {k: [r["ms"] for r in res["points"][str(T)][bm][k] if all(r.get(x) == v for x, v in c.items())][0]
+                 for k, c in (("l1", l1), ("l2", l2))} for T in tokens}
+    res["pin"] = {"tiles": pin, "ms_per_tokens": per_t, "totals_by_block_m": {b: v[0] for b, v in best.items()},
+                  "baseline": res.get("baseline")}
     log(f"adopt: {res['pin']}")
     with open(os.path.join(out, "pin.json"), "w") as f:
         json.dump(pin, f)
     dump(out, "sweep.json", res)
 
 
-def _is(r: dict, kind: str, fc) -> bool:
-    """Whether sweep row ``r`` is tile config ``fc``'s ``kind`` launch."""
-    if kind == "l1":
-        return (r["l1_bn"], r["warps"], r["stages"], r["gpi"]) == (fc.l1_bn, fc.warps, fc.stages, fc.gpi)
-    from megamoe_runtime.backends.triton import block8
+def baseline_point(pr: "Problem", mod, T: int, xq, xs, tw, ids, reps: int, new: dict) -> dict:
+    """The kernels of ``mod`` (the previous block8) with its prefill tiles at T tokens: L1 and L2 times, and
+    whether their outputs equal the new default's (``new``: act, asf, slots and the plan's pairs, same row
+    block), row by pair (the previous L1 leaves padding rows unwritten; its act scales are row-major)."""
+    fc = mod.TILES["prefill"]
+    bm = fc.block_m
+    bp = Problem.__new__(Problem)
+    bp.__dict__.update(pr.__dict__)
+    bp.block8 = mod
+    p, act, asf = bp.plan(ids, bm)
+    slots = torch.zeros(T, K, H, dtype=torch.bfloat16, device=DEV)
+    ms1 = _time(lambda: bp.l1(fc, xq, xs, tw, p, act, asf, bm), reps)
+    ms2 = _time(lambda: bp.l2(fc, act, asf, p, slots, bm), reps)
+    out = {"block_m": bm, "tiles": fc.__dict__, "l1_ms": ms1, "l2_ms": ms2}
+    if new.get("block_m") == bm:
+        # rows matched by pair: the order of pairs within an expert's run differs between two routings
+        def by_pair(pairs, a, s_rows):
+            v = (pairs >= 0).nonzero().flatten()
+            o = v[torch.argsort(pairs[v])]
+            return a[o], s_rows[o]
 
-    gpi, warps, stages = block8.l2_tiles(fc)
-    return (r["l2_bn"], r["warps"], r["stages"], r["gpi"]) == (fc.l2_bn, warps, stages, gpi)
+        rows = act.shape[0]
+        a0, s0 = by_pair(p.sorted_pairs, act, asf.view(rows, -1))
+        a1, s1 = by_pair(new["pairs"], new["act"], new["asf"].view(-1, rows).t())
+        out["act_equal"] = bool(torch.equal(a0, a1))
+        out["asf_equal"] = bool(torch.equal(s0, s1))
+        out["slots_equal"] = bool(torch.equal(slots, new["slots"]))
+    return out
 
 
 def main() -> None:
@@ -403,6 +474,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--grid", choices=tuple(GRIDS), default="full")
     ap.add_argument("--compile-only", action="store_true", help="sweep: only compile (in --jobs workers)")
+    ap.add_argument("--baseline", help="sweep: module path of an earlier block8 to time and compare with")
     ap.add_argument("--dry", action="store_true", help="small shape and grid (a CPU run under TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global H, I, E, GRID
@@ -416,7 +488,7 @@ def main() -> None:
         diag(args.out)
     else:
         sweep(args.out, [int(t) for t in args.tokens.split(",")], [int(b) for b in args.bm.split(",")], args.jobs,
-              args.reps, args.compile_only)
+              args.reps, args.compile_only, args.baseline)
 
 
 if __name__ == "__main__":

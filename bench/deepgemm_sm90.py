@@ -109,6 +109,10 @@ def main() -> int:
     p.add_argument("--triton-budget-s", type=float, default=150.0,
                    help="stop timing the triton layer (it compiles per configuration) after this many seconds")
     p.add_argument("--layer", action="store_true", help="also time megamoe's layer (deepgemm backend) on the same bytes")
+    p.add_argument("--vs-reference", default="",
+                   help="token counts (comma-separated) at which the triton and the deepgemm outputs are each compared "
+                        "with megamoe's reference backend on the same layer (--layer)")
+    p.add_argument("--skip-bf16", action="store_true", help="no bf16 grouped_mm timing (saves 22 GB and time)")
     args = p.parse_args()
     results: dict = {"args": vars(args)}
 
@@ -314,11 +318,12 @@ def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, 
     E, H, I, K = args.experts, args.hidden, args.intermediate, args.topk
     dev = "cuda"
     torch.cuda.empty_cache()
-    w1b = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev)
-    w2b = torch.empty(E, H, I, dtype=torch.bfloat16, device=dev)
-    for e in range(E):
-        w1b[e] = dequant_blocks(w1[e], s1[e]).bfloat16()
-        w2b[e] = dequant_blocks(w2[e], s2[e]).bfloat16()
+    if not args.skip_bf16:
+        w1b = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev)
+        w2b = torch.empty(E, H, I, dtype=torch.bfloat16, device=dev)
+        for e in range(E):
+            w1b[e] = dequant_blocks(w1[e], s1[e]).bfloat16()
+            w2b[e] = dequant_blocks(w2[e], s2[e]).bfloat16()
 
     def grouped_bf16(x, idx, w):
         t = x.shape[0]
@@ -412,12 +417,16 @@ def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, 
                     row["triton_over_deepgemm_layer"] = row["triton_graph_ms"] / row["layer_graph_ms"]
             except Exception as exc:
                 row["triton_error"] = str(exc)[:300]
-        yb = grouped_bf16(x, idx, w)
-        row["bf16_grouped_mm_ms"] = do_bench(lambda: grouped_bf16(x, idx, w), warmup=25, rep=200,
-                                             return_mode="median")
+        if tri_layer is not None and str(t) in args.vs_reference.split(","):
+            row["vs_reference"] = vs_reference(tri_layer, x, w, idx, y)
+            log(f"{t} tokens against the reference backend: {row['vs_reference']}")
+        if not args.skip_bf16:
+            yb = grouped_bf16(x, idx, w)
+            row["bf16_grouped_mm_ms"] = do_bench(lambda: grouped_bf16(x, idx, w), warmup=25, rep=200,
+                                                 return_mode="median")
         ref = reference(x[:64], idx[:64], w[:64], args.rsf, w1, s1, w2, s2) if t <= 512 else None
         row["rel_vs_ref"] = rel_err(y[:64], ref) if ref is not None else None
-        row["bf16_rel_vs_ref"] = rel_err(yb[:64], ref) if ref is not None else None
+        row["bf16_rel_vs_ref"] = rel_err(yb[:64], ref) if ref is not None and not args.skip_bf16 else None
         # fewest bytes: weights of the experts the batch touches, once
         touched = int(idx.unique().numel())
         row["experts_touched"] = touched
@@ -437,9 +446,37 @@ def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, 
     for r in bench:
         log(f"| {r['tokens']} | {r['deepgemm_ms']:.3f} | {ms(r['deepgemm_graph_ms'])} | {ms(r.get('layer_ms'))} | "
             f"{ms(r.get('layer_graph_ms'))} | {ms(r.get('triton_graph_ms'))} | "
-            f"{ms(r.get('triton_over_deepgemm_layer'))} | {r['bf16_grouped_mm_ms']:.3f} | "
+            f"{ms(r.get('triton_over_deepgemm_layer'))} | {ms(r.get('bf16_grouped_mm_ms'))} | "
             f"{r['tflops']:.0f} | {r['rel_vs_ref']} |")
     return 0
+
+
+def vs_reference(tri_layer, x, w, idx, y_deepgemm) -> dict:
+    """The triton layer's output and DeepGEMM's (``y_deepgemm``, same inputs) each against megamoe's reference
+    backend on the triton layer's bytes (fp32 promotions per 128-block, docs/NUMERICS.md#fp8-block): which of
+    the two kernels sits where."""
+    try:
+        from megamoe_runtime.backends.reference import ReferenceBackend
+
+        yt = tri_layer(x, w, idx)
+        yr = ReferenceBackend().forward(tri_layer, x, w, idx)
+        torch.cuda.synchronize()
+
+        def same(a, b):
+            return float((a.view(torch.int16) == b.view(torch.int16)).float().mean())
+
+        per_tok_t = ((yt.double() - yr.double()).norm(dim=1) / yr.double().norm(dim=1).clamp_min(1e-30))
+        per_tok_d = ((y_deepgemm.double() - yr.double()).norm(dim=1) / yr.double().norm(dim=1).clamp_min(1e-30))
+        return {"triton_calc_diff": calc_diff(yt, yr), "deepgemm_calc_diff": calc_diff(y_deepgemm, yr),
+                "triton_vs_deepgemm_calc_diff": calc_diff(yt, y_deepgemm),
+                "triton_rel": rel_err(yt, yr), "deepgemm_rel": rel_err(y_deepgemm, yr),
+                "triton_bitwise": same(yt, yr), "deepgemm_bitwise": same(y_deepgemm, yr),
+                "triton_tok_rel_max": float(per_tok_t.max()), "deepgemm_tok_rel_max": float(per_tok_d.max()),
+                "deepgemm_tok_rel_max_at": int(per_tok_d.argmax()),
+                "deepgemm_tokens_rel_over_1e-2": int((per_tok_d > 1e-2).sum()),
+                "triton_tokens_rel_over_1e-2": int((per_tok_t > 1e-2).sum())}
+    except Exception as exc:
+        return {"error": "".join(traceback.format_exception(exc))[-1500:]}
 
 
 if __name__ == "__main__":

@@ -123,8 +123,33 @@ def _report(**kw) -> None:
 # --------------------------------------------------------------------------- CPU: the interpreter
 
 
+def check_row_scales() -> None:
+    """``block8.row_scales``: row r of the plan gets its token's dispatch scales (K-block major), a padding row
+    zeros; a plan built for other routing must not match."""
+    from megamoe_runtime.backends.triton import block8, synth
+    from megamoe_runtime.backends.triton.staging import route
+
+    T, E, K, H = 9, 4, 2, 384
+    xs = torch.rand(T, H // 128, generator=torch.Generator().manual_seed(5)) + 0.5
+    tw, ids = synth.random_routing(T, E, K, "cpu", seed=6, mask_frac=0.2, zero_tokens=1)
+    plan = route(ids, E, 0, 16)
+    got = block8.row_scales(xs, plan, K, False)
+    pairs = plan.sorted_pairs.long()
+    want = torch.where((pairs >= 0)[:, None], xs[pairs.clamp_min(0) // K], torch.zeros(()))
+    assert got.shape == (H // 128, pairs.shape[0]) and torch.equal(got, want.t()), "row_scales"
+    assert bool((pairs >= 0).any()) and bool((pairs < 0).any()), "the case needs padding and real rows"
+    other = route(synth.random_routing(T, E, K, "cpu", seed=7, mask_frac=0.2)[1], E, 0, 16)
+    bad = block8.row_scales(xs, other, K, False)
+    assert bad.shape != got.shape or not torch.equal(bad, got), "row_scales ignores the plan"
+
+
 def run_interpreted() -> str:
     """The tiny-layer check the CPU test runs under ``TRITON_INTERPRET=1`` (a subprocess)."""
+    import dataclasses
+
+    from megamoe_runtime.backends.triton import block8, configs
+
+    check_row_scales()
     res = []
     for T, ep, act in ((6, (0, 1), "swiglu_clamp"), (9, (1, 2), "swiglu")):
         spec, lay, x, tw, ids = _case(T, "cpu", H=256, I=128, E=4, K=2, ep=ep, act=act, zero_tokens=1)
@@ -132,6 +157,9 @@ def run_interpreted() -> str:
         d, bw = check(_triton_forward(lay, x, tw, ids), ref, 1e-7)
         ctl = check_controls(lay, x, tw, ids, ref, _triton_forward, 1e-7)
         res.append(f"T={T} ep={ep} calc_diff={d:.2e} bitwise={bw:.4f} controls={len(ctl)}")
+        # the prefill tiles, and the L1 promoting its gate dot before issuing its up dot
+        for fc in (block8.TILES["prefill"], dataclasses.replace(block8.TILES["prefill"], paired=False)):
+            check(_triton_forward(lay, x, tw, ids, configs.KernelConfig(fp8=fc)), ref, 1e-7)
     return "; ".join(res)
 
 
