@@ -168,11 +168,16 @@ class FragTiles(NamedTuple):
 #: the few experts touched (1 token: nvfp4 112.9 -> 103.6 us, mxfp8 169.6 -> 158.8; mxfp4 keeps 64).
 #: mxfp8 decode: 32-row, 3-stage L1 tiles (8 tokens 818.8 -> 762.0 us, 64 tokens 3134.5 -> 3024.5;
 #: the fp4 rows' 64-row tiles stay fastest there).
+#: Decode sizes, 8 and 64 tokens of DeepSeek-V3 and Qwen3-30B on the H200 (BENCHMARKS.md "Decode at the
+#: bandwidth limit"): a 4-stage mxfp4 L1 (42.5 KB of shared memory, still four CTAs per SM) was as fast or
+#: faster at every point (302.9 / 52.6 / 1105.9 / 99.8 -> 302.7 / 48.8 / 1095.6 / 95.8 us; 2 stages lost
+#: 5-17%), and the fold decode for the mxfp8 L2 1.0-1.2% faster at every point (251.3 / 37.6 / 960.5 / 78.3
+#: -> 248.7 / 37.2 / 948.7 / 77.4 us).
 FRAG_TILES = {
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
-    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
-    ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "plain", 128),
+    ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "fold", 128),
     ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E2M1_NV): FragTiles(32, True, 32, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
@@ -183,11 +188,12 @@ FRAG_TILES = {
     ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
     ("prefill", W_E4M3_MX): FragTiles(128, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
-#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there); nvfp4 starts from
+#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there; the 3-stage L1 the
+#: decode entry had when the few regime was measured: 4 stages were not timed at one or two tokens); nvfp4 starts from
 #: its decode tiles there too, and the grid-fill rule (``shape_tiles``) picks 32-row L1 / 64-column L2
 #: tiles from the shape (the "few" entry it replaces was the rule's choice at one token of
 #: DeepSeek-V3, and lost 5-13% on the few large experts of Mixtral / DBRX)
-FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]
+FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]._replace(l1_stages=3)
 FRAG_TILES[("few", W_E2M1_NV)] = FRAG_TILES[("decode", W_E2M1_NV)]
 #: the tail launches' tiles (``tail_config``) where they differ from the regime-below entry: the
 #: nvfp4 mid-size L1 went to 32-row one-dot tiles (a sweep, docs/bench-log/kernels.md); its tails keep the tiles they
