@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}
 PEER=${PEER:-.peer-tk}
 TOTAL_S=${TOTAL_S:-400}
 mkdir -p "$OUT"
-PHASES=${PHASES:-build,fp4,fp8,split,bits,ncu,peer}
+PHASES=${PHASES:-build,fp4,fp8,split,bits,ncu,peer}  # also: ahead (scale bytes one K step ahead vs byte loads)
 on() { [[ ",$PHASES," == *",$1,"* ]]; }
 t0=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - t0) )); }
@@ -50,6 +50,9 @@ read -ra a1 <<<"$L1_FP8"; read -ra a2 <<<"$L2_FP8"
 for i in "${!a1[@]}"; do build mxfp8 "$([ "$i" = 0 ] && echo qwen3-30b,)2048,768,256,8" 8,64 "${a1[$i]}" "${a2[$i]}" fp8_$i; done
 read -ra a2 <<<"$L2_SPLIT"
 for i in "${!a2[@]}"; do build mxfp8 4096,2048,8,2,4096,2048,16,4 8,64 1:32:4:3 "${a2[$i]}" split_$i; done
+if on ahead; then  # the default tiles with KernelConfig.scale_load "ahead" (env) for the "ahead" phase
+  for row in mxfp4 mxfp8; do MEGAMOE_TRITON_SCALES=ahead build $row qwen3-30b,2048,768,256,8 8,64 1:64:4:3 128:4:3 ahead_$row; done
+fi
 for p in "${pids[@]}"; do wait "$p"; done
 grep -l "Traceback" "$OUT"/build_*.log 2>/dev/null | head -3 | while read -r f; do echo "# $f:"; tail -5 "$f"; done
 echo "# build $(( $(date +%s) - t0 )) s"
@@ -70,13 +73,22 @@ on bits && [ "$(left)" -gt 40 ] && timeout $(( $(left) - 10 )) python bench/spli
   --tokens 8,64 --splits 2,4 --out "$OUT" 2>&1 | tee "$OUT/split_bits.txt"
 
 # 4. stall profiles of the default decode kernels (DeepSeek-V3, 8 tokens)
-prof() {  # tag row kernel-regex
+prof() {  # tag row kernel-regex [one_forward args]
   [ "$(left)" -lt 45 ] && { echo "# skipped ncu $1 (time)"; return; }
   timeout $(( $(left) - 5 )) ncu --clock-control none -k "regex:$3" -s 2 -c 1 --set full --import-source no \
-    -o "$OUT/ncu_$1" python bench/one_forward.py --row "$2" --tokens 8 --calls 3 >"$OUT/ncu_$1.log" 2>&1
+    -o "$OUT/ncu_$1" python bench/one_forward.py --row "$2" --tokens 8 --calls 3 "${@:4}" >"$OUT/ncu_$1.log" 2>&1
   python bench/ncu_stalls.py "$OUT/ncu_$1.ncu-rep" --top 25 2>&1 | tee "$OUT/ncu_$1.txt" | head -45
   echo "# ncu $1 done $(( $(date +%s) - t0 )) s"
 }
+# 2b. scale bytes one K step ahead against the byte loads, default tiles (docs/KERNELS.md)
+if on ahead; then
+  for sl in bytes ahead; do
+    for row in mxfp8 mxfp4; do
+      MEGAMOE_TRITON_SCALES=$sl sweep "${sl}_$row" $row dsv3,qwen3-30b 8,64 1:64:4:3 128:4:3 40
+    done
+  done
+  prof l1_mxfp8_ahead mxfp8 _l1_kernel --cfg scale_load=ahead
+fi
 on ncu && prof l1_mxfp4 mxfp4 _l1_kernel
 
 # 5. the peer on the same shapes, routing and token counts (its MXFP4 weights; bench/kernel.py bench_peer)

@@ -69,8 +69,10 @@ class KernelConfig:
     #: launches, so each can take the one measured faster for it); None: ``decode``
     l2_decode: Optional[str] = None
     #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
-    #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), or
-    #: None = env ``MEGAMOE_TRITON_SCALES`` (default ``DEFAULT_SCALE_LOAD``).
+    #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), "ahead"
+    #: (the byte loads of the next K step issued one step early, MX rows' one-dot L1 and L2;
+    #: docs/KERNELS.md "Scale bytes one K step ahead"), or None = env ``MEGAMOE_TRITON_SCALES``
+    #: (default ``DEFAULT_SCALE_LOAD``).
     scale_load: Optional[str] = None
     #: frag L1 as one dot over the tile's 2*BN gate/up kernel rows (``_l1_kernel`` GU) instead
     #: of a gate dot and an up dot; None = env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off
@@ -485,7 +487,7 @@ def resolve_w_tile(spec: Any, device: Any, cfg: Optional["KernelConfig"] = None)
 #: frag-path decode and scale loads when neither the config nor the environment names one
 DECODES = ("fold", "plain")
 DEFAULT_SCALE_LOAD = "bytes"  # "words" routed the E2M1 operand through shared memory with triton 3.6
-SCALE_LOADS = ("words", "bytes")
+SCALE_LOADS = ("words", "bytes", "ahead")
 
 
 def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str) -> str:
@@ -514,6 +516,13 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[b
         raise MegaMoEError(f"triton decode {d!r}; valid: {', '.join(DECODES)}")
     return (d == "fold",
             _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "words")
+
+
+def resolve_scale_ahead(cfg: "KernelConfig") -> bool:
+    """Whether the frag kernels load each K step's scale bytes one step ahead (``scale_load`` "ahead",
+    ``KernelConfig.scale_load`` else env ``MEGAMOE_TRITON_SCALES``; ``launch.WeightOperand`` takes it for
+    the MX rows only)."""
+    return _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "ahead"
 
 
 def resolve_l2_fold(cfg: "KernelConfig", w_kind: Optional[int] = None) -> bool:
