@@ -70,7 +70,7 @@ class KernelConfig:
     l2_decode: Optional[str] = None
     #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
     #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), "ahead"
-    #: (the byte loads of the next K step issued one step early, MX rows' one-dot L1 and L2;
+    #: (the byte loads of the next K step issued one step early, mxfp8's one-dot L1 and L2;
     #: docs/KERNELS.md "Scale bytes one K step ahead"), or None = env ``MEGAMOE_TRITON_SCALES``
     #: (default ``DEFAULT_SCALE_LOAD``).
     scale_load: Optional[str] = None
@@ -521,7 +521,7 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[b
 def resolve_scale_ahead(cfg: "KernelConfig") -> bool:
     """Whether the frag kernels load each K step's scale bytes one step ahead (``scale_load`` "ahead",
     ``KernelConfig.scale_load`` else env ``MEGAMOE_TRITON_SCALES``; ``launch.WeightOperand`` takes it for
-    the MX rows only)."""
+    the mxfp8 row only)."""
     return _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "ahead"
 
 

@@ -127,7 +127,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     (never taken by real weights, so it costs only the check). NVFP4: the
     accumulators are value * 2^-8 exactly and get the 2^8 back here. FFLAGS: ``fflag_ptr`` holds the
     per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan. SAHEAD
-    (GU, MX weights): each K step's scale bytes are loaded one step ahead (``mx_scales``)."""
+    (GU, E4M3 weights): each K step's scale bytes are loaded one step ahead (``mx_scales``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)

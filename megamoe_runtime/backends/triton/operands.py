@@ -167,9 +167,9 @@ def _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD: tl.constexpr):
 
 @triton.jit
 def mx_scales(wsb_ptr, srows, NROWS, k0, k_last, SAHEAD: tl.constexpr):
-    """The UE8M0 bytes ``[BN, 4]`` of K-block ``min(k0, k_last)`` for a frag kernel that loads its scales one
-    K step ahead (SAHEAD; else 0, unused). Why: a tile of 64 kernel rows has 2 scale bytes per thread, under
-    cp.async's 4-byte minimum, so Triton leaves that load out of its software pipeline and every K step
+    """The UE8M0 bytes ``[BN, 4]`` of K-block ``min(k0, k_last)`` for an E4M3 frag kernel that loads its scales
+    one K step ahead (SAHEAD; else 0, unused). Why: a tile of 64 kernel rows has 2 scale bytes per thread,
+    under cp.async's 4-byte minimum, so Triton leaves that load out of its software pipeline and every K step
     waits one DRAM latency for it (Nsight: 32% of the decode-size mxfp8 L1's stall samples,
     docs/KERNELS.md "Scale bytes one K step ahead"). Loaded here, one step before its use, the latency
     hides behind the step in between. ``k_last``: the loop's last block (the step after it reloads that
@@ -227,8 +227,7 @@ def _nv_fold_scale_bits(b):
 @triton.jit
 def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             W_KIND: tl.constexpr, BN: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
-            FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0, s_ahead=0,
-            SAHEAD: tl.constexpr = False):
+            FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0):
     """E2M1 weight tile ``[BN, 128]`` of K-block k0 (128 wide), decoded to bf16 in the frag K order.
 
     The bytes are read as ``[BN, 4, 16]``: row n, MX group q, 16 contiguous bytes (32 weights).
@@ -242,14 +241,10 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
     operand is E4M3 scale * 2^118 (always a finite bf16: the scale is < 2^9), so the decoded
     weight is value * scale * 2^-8, and the caller multiplies the fp32 accumulator by 2^8
     (exact: every product and partial sum is the plain path's times 2^-8, far from fp32's
-    subnormals and overflow). SAHEAD (MX only): ``s_ahead`` holds this block's scale bytes, loaded by
-    the caller one K step earlier (``mx_scales``)."""
+    subnormals and overflow)."""
     q = tl.arange(0, 4)
     if W_KIND == 0:  # UE8M0 per 32: group q of the block
-        if SAHEAD:
-            s = s_ahead
-        else:
-            s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
+        s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
         sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]; 2^(s-127) exactly, byte 0 -> 0.0
     else:  # NVFP4: E4M3 per 16, two per run of 16 bytes
         if SWORD:  # the 8 bytes of the block are 2 int32 words per row
@@ -343,7 +338,7 @@ def mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
               W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
               WT: tl.constexpr = 0, s_ahead=0, SAHEAD: tl.constexpr = False):
-    """acc + W[rows, k0:k0+BK] @ x^T (WT: ``_w_run``; frag only; SAHEAD: the MX scale bytes of the block
+    """acc + W[rows, k0:k0+BK] @ x^T (WT: ``_w_run``; frag only; SAHEAD, E4M3 only: the block's scale bytes
     are ``s_ahead``, ``mx_scales``)."""
     if FRAG:  # activations stored in the frag K order of the weight kind, BK == 128
         if W_KIND == 1:
@@ -351,7 +346,7 @@ def mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
                           s_ahead, SAHEAD)
         else:
             wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM, FOLD,
-                         SWORD, WT, s_ahead, SAHEAD)
+                         SWORD, WT)
         if HW_CVT:
             acc = tl.dot(wf, tl.trans(xa), acc)
         else:
