@@ -45,13 +45,14 @@ on build && build() {  # row shapes tokens l1 l2 tag
 read -ra a1 <<<"$L1_FP4"; read -ra a2 <<<"$L2_FP4"
 # (a small shape with DeepSeek-V3's experts and top-k gives the same kernels; Qwen3-30B's own routing
 # kernels in the first process only)
-for i in "${!a1[@]}"; do build mxfp4 "$([ "$i" = 0 ] && echo qwen3-30b,)2048,768,256,8" 8,64 "${a1[$i]}" "${a2[$i]}" fp4_$i; done
+on fp4 && for i in "${!a1[@]}"; do build mxfp4 "$([ "$i" = 0 ] && echo qwen3-30b,)2048,768,256,8" 8,64 "${a1[$i]}" "${a2[$i]}" fp4_$i; done
 read -ra a1 <<<"$L1_FP8"; read -ra a2 <<<"$L2_FP8"
-for i in "${!a1[@]}"; do build mxfp8 "$([ "$i" = 0 ] && echo qwen3-30b,)2048,768,256,8" 8,64 "${a1[$i]}" "${a2[$i]}" fp8_$i; done
+on fp8 && for i in "${!a1[@]}"; do build mxfp8 "$([ "$i" = 0 ] && echo qwen3-30b,)2048,768,256,8" 8,64 "${a1[$i]}" "${a2[$i]}" fp8_$i; done
 read -ra a2 <<<"$L2_SPLIT"
-for i in "${!a2[@]}"; do build mxfp8 4096,2048,8,2,4096,2048,16,4 8,64 1:32:4:3 "${a2[$i]}" split_$i; done
+on split && for i in "${!a2[@]}"; do build mxfp8 4096,2048,8,2,4096,2048,16,4 8,64 1:32:4:3 "${a2[$i]}" split_$i; done
 if on ahead; then  # the default tiles with KernelConfig.scale_load "ahead" (env) for the "ahead" phase
   MEGAMOE_TRITON_SCALES=ahead build mxfp8 qwen3-30b,2048,768,256,8 8,64 1:32:4:3 64:4:3 ahead_mxfp8
+  MEGAMOE_TRITON_SCALES=bytes build mxfp8 qwen3-30b,2048,768,256,8 8,64 1:32:4:3 64:4:3 bytes_mxfp8
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 grep -l "Traceback" "$OUT"/build_*.log 2>/dev/null | head -3 | while read -r f; do echo "# $f:"; tail -5 "$f"; done
