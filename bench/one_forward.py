@@ -5,7 +5,7 @@
     ncu -k regex:swiglu -c 1 --section WarpStateStats python bench/one_forward.py --peer-path .peer-tk --tokens 8
 
 Same layer, weights and routing as ``bench/kernel.py`` (random valid kernel-layout bytes,
-uniform top-k); no timing of its own.
+uniform top-k; weights in the tiled arrangement a loaded layer reads, ``--w-tile``); no timing of its own.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--peer-path", default=None, help="run the peer's MoE (bench/kernel.py Peer) instead")
+    ap.add_argument("--w-tile", type=int, default=16,
+                    help="rows per tile of the weight arrangement (what a loaded layer derives: 16); 0: as converted")
     ap.add_argument("--cfg", default=None,
                     help="KernelConfig fields over the default, e.g. block_m=128,l1_warps=4,decode=plain")
     args = ap.parse_args()
@@ -50,6 +52,11 @@ def main() -> None:
     spec = LayerSpec(args.row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
     lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
     kt = _Roles(lay, "")
+    if args.w_tile:  # the arrangement a loaded layer reads (configs.resolve_w_tile)
+        from megamoe_runtime.format import weight_tiles
+
+        weight_tiles.tile_in_place(kt.l1_weight, args.w_tile)
+        weight_tiles.tile_in_place(kt.l2_weight, args.w_tile)
     sc = _NvScalars(lay) if get_row(args.row).has_alphas else None
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +66,7 @@ def main() -> None:
         k, v = kv.split("=")  # numbers as ints, anything else (decode, scale_load, ...) as text
         cfg = dataclasses.replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v})
     for _ in range(args.calls):
-        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff, config=cfg)
+        moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, fold_flags=ff, config=cfg, w_tile=args.w_tile)
     torch.cuda.synchronize()
     print(f"{args.row} T={args.tokens}: {cfg}")
 

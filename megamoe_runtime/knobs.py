@@ -89,7 +89,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          default_doc="per row and token regime"),
     Knob("MEGAMOE_TRITON_SCALES", "triton", str, None,
          "how the triton kernels load block scales when `KernelConfig.scale_load` names none",
-         choices=("words", "bytes"), default_doc="`bytes`"),
+         choices=("words", "bytes", "ahead"), default_doc="`bytes`"),
     Knob("MEGAMOE_TRITON_L1GU", "triton", str, None,
          "`1` runs the triton L1 as one gate/up dot, `0` (or `false`, `no`, empty) as two, when the config "
          "names neither", default_doc="per row and token regime"),

@@ -69,8 +69,10 @@ class KernelConfig:
     #: launches, so each can take the one measured faster for it); None: ``decode``
     l2_decode: Optional[str] = None
     #: how the frag paths read the weight scales: "words" (one int32 per row and 128-wide K
-    #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), or
-    #: None = env ``MEGAMOE_TRITON_SCALES`` (default ``DEFAULT_SCALE_LOAD``).
+    #: block, a 4-byte load that is software-pipelined), "bytes" (per-group byte loads), "ahead"
+    #: (the byte loads of the next K step issued one step early, mxfp8's one-dot L1 and L2;
+    #: docs/KERNELS.md "Scale bytes one K step ahead"), or None = env ``MEGAMOE_TRITON_SCALES``
+    #: (default ``DEFAULT_SCALE_LOAD``).
     scale_load: Optional[str] = None
     #: frag L1 as one dot over the tile's 2*BN gate/up kernel rows (``_l1_kernel`` GU) instead
     #: of a gate dot and an up dot; None = env ``MEGAMOE_TRITON_L1GU`` ("1"/"0"), else off
@@ -168,11 +170,16 @@ class FragTiles(NamedTuple):
 #: the few experts touched (1 token: nvfp4 112.9 -> 103.6 us, mxfp8 169.6 -> 158.8; mxfp4 keeps 64).
 #: mxfp8 decode: 32-row, 3-stage L1 tiles (8 tokens 818.8 -> 762.0 us, 64 tokens 3134.5 -> 3024.5;
 #: the fp4 rows' 64-row tiles stay fastest there).
+#: Decode sizes, 8 and 64 tokens of DeepSeek-V3 and Qwen3-30B on the H200 (BENCHMARKS.md "Decode at the
+#: bandwidth limit"): a 4-stage mxfp4 L1 (42.5 KB of shared memory, still four CTAs per SM) was as fast or
+#: faster at every point (302.9 / 52.6 / 1105.9 / 99.8 -> 302.7 / 48.8 / 1095.6 / 95.8 us; 2 stages lost
+#: 5-17%), and the fold decode for the mxfp8 L2 1.0-1.2% faster at every point (251.3 / 37.6 / 960.5 / 78.3
+#: -> 248.7 / 37.2 / 948.7 / 77.4 us).
 FRAG_TILES = {
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
-    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128),
     ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
-    ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "plain", 128),
+    ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "fold", 128),
     ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E2M1_NV): FragTiles(32, True, 32, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
@@ -183,11 +190,12 @@ FRAG_TILES = {
     ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
     ("prefill", W_E4M3_MX): FragTiles(128, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
 }
-#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there); nvfp4 starts from
+#: mxfp4 keeps its decode tiles for one or two tokens (the 32-row tiles lose there; the 3-stage L1 the
+#: decode entry had when the few regime was measured: 4 stages were not timed at one or two tokens); nvfp4 starts from
 #: its decode tiles there too, and the grid-fill rule (``shape_tiles``) picks 32-row L1 / 64-column L2
 #: tiles from the shape (the "few" entry it replaces was the rule's choice at one token of
 #: DeepSeek-V3, and lost 5-13% on the few large experts of Mixtral / DBRX)
-FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]
+FRAG_TILES[("few", W_E2M1_MX)] = FRAG_TILES[("decode", W_E2M1_MX)]._replace(l1_stages=3)
 FRAG_TILES[("few", W_E2M1_NV)] = FRAG_TILES[("decode", W_E2M1_NV)]
 #: the tail launches' tiles (``tail_config``) where they differ from the regime-below entry: the
 #: nvfp4 mid-size L1 went to 32-row one-dot tiles (a sweep, docs/bench-log/kernels.md); its tails keep the tiles they
@@ -479,7 +487,7 @@ def resolve_w_tile(spec: Any, device: Any, cfg: Optional["KernelConfig"] = None)
 #: frag-path decode and scale loads when neither the config nor the environment names one
 DECODES = ("fold", "plain")
 DEFAULT_SCALE_LOAD = "bytes"  # "words" routed the E2M1 operand through shared memory with triton 3.6
-SCALE_LOADS = ("words", "bytes")
+SCALE_LOADS = ("words", "bytes", "ahead")
 
 
 def _pick(value: Optional[str], env: str, default: str, valid: tuple, what: str) -> str:
@@ -508,6 +516,13 @@ def resolve_decode(cfg: "KernelConfig", w_kind: Optional[int] = None) -> tuple[b
         raise MegaMoEError(f"triton decode {d!r}; valid: {', '.join(DECODES)}")
     return (d == "fold",
             _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "words")
+
+
+def resolve_scale_ahead(cfg: "KernelConfig") -> bool:
+    """Whether the frag kernels load each K step's scale bytes one step ahead (``scale_load`` "ahead",
+    ``KernelConfig.scale_load`` else env ``MEGAMOE_TRITON_SCALES``; ``launch.WeightOperand`` takes it for
+    the mxfp8 row only)."""
+    return _pick(cfg.scale_load, "MEGAMOE_TRITON_SCALES", DEFAULT_SCALE_LOAD, SCALE_LOADS, "scale_load") == "ahead"
 
 
 def resolve_l2_fold(cfg: "KernelConfig", w_kind: Optional[int] = None) -> bool:

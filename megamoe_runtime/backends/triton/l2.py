@@ -18,7 +18,7 @@ from . import _jit
 from .configs import KernelConfig
 from .launch import L2Epilogue, Rows, WeightOperand, opts
 from .operands import (
-    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, slot_rows, utccp, x_tiles,
+    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, mx_scales, slot_rows, utccp, x_tiles,
 )
 
 
@@ -31,9 +31,10 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
                W_KIND: tl.constexpr, NV_EPI: tl.constexpr, SHARED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1):
+               WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1,
+               SAHEAD: tl.constexpr = False):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
-    (FOLD, SWORD and FFLAGS as in ``_l1_kernel``).
+    (FOLD, SWORD, FFLAGS and SAHEAD as in ``_l1_kernel``).
 
     KSPLIT > 1 (routed launches only): program ``(n, m, s)`` sums K slice ``s`` of ``I / KSPLIT`` and
     stores its fp32 partial at ``slot_ptr[s, slot, n]`` (an fp32 ``[KSPLIT, T * NSLOT, H]`` buffer);
@@ -63,10 +64,14 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     else:  # slices of whole 128-blocks (l2_split checks)
         k_lo = tl.multiple_of(pid_k * (I // KSPLIT), 128)
         k_hi = k_lo + I // KSPLIT
+    s_next = mx_scales(wse, sn, H, k_lo, k_hi - BK, SAHEAD)
     for k0 in range(k_lo, k_hi, BK):
+        s_cur = s_next
+        if SAHEAD:  # the next step's scale bytes, used one iteration later
+            s_next = mx_scales(wse, sn, H, k0 + BK, k_hi - BK, SAHEAD)
         xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
         acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
-                        WT)
+                        WT, s_cur, SAHEAD)
     if FOLD:
         if fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import triton
 
-from .configs import W_E2M1_MX, W_E2M1_NV
+from .configs import W_E2M1_MX, W_E2M1_NV, W_E4M3_MX
 from .staging import RoutingPlan, hw_cvt_default
 
 
@@ -66,6 +66,14 @@ def _scale_words(sword: bool, frag: bool, w_kind: int) -> bool:
     return bool(sword and frag and w_kind in (W_E2M1_MX, W_E2M1_NV))
 
 
+def _scale_ahead(ahead: bool, frag: bool, w_kind: int) -> bool:
+    """Scale bytes one K step ahead for the E4M3 (mxfp8) frag kernels only: the E2M1 tiles' scale loads
+    are cp.async-pipelined already (4 bytes per thread at 128 rows), and carrying them sent the mxfp4
+    one-dot L1's decoded operand through shared memory (sm_90 SASS: 427 -> 783 instructions per step,
+    288 bytes of spills)."""
+    return bool(ahead and frag and w_kind == W_E4M3_MX)
+
+
 # --------------------------------------------------------------------------- launch types
 
 
@@ -103,9 +111,10 @@ class Rows:
 class WeightOperand:
     """One GEMM's weights as the kernels read them: the bytes (E4M3 as uint8), the physical base of
     the MN-major scales as bytes, their per-expert strides, the weight kind (``configs.W_*``) and the
-    decode choices (``frag`` K order, ``fold`` decode, ``sword`` scale words, ``asm`` inline-asm decode,
-    ``w_tile`` tiled arrangement, ``fold_flags`` per-expert flags). Build it with ``of``: it applies the
-    rules that make a choice take effect (fold needs frag and asm; scale words only for E2M1 frag)."""
+    decode choices (``frag`` K order, ``fold`` decode, ``sword`` scale words, ``sahead`` scale bytes one
+    K step ahead, ``asm`` inline-asm decode, ``w_tile`` tiled arrangement, ``fold_flags`` per-expert
+    flags). Build it with ``of``: it applies the rules that make a choice take effect (fold needs frag and
+    asm; scale words only for E2M1 frag; scales ahead only for E4M3 frag)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -119,14 +128,16 @@ class WeightOperand:
     sword: bool = False
     w_tile: int = 0
     fold_flags: Optional[torch.Tensor] = None
+    sahead: bool = False
 
     @classmethod
     def of(cls, w: torch.Tensor, ws: Optional[torch.Tensor], kind: int, *, asm: bool = False, frag: bool = False,
            fold: bool = False, sword: bool = False, w_tile: int = 0,
-           fold_flags: Optional[torch.Tensor] = None) -> "WeightOperand":
+           fold_flags: Optional[torch.Tensor] = None, sahead: bool = False) -> "WeightOperand":
         swe, swn = _weight_strides(w)
         return cls(_bytes_if_fp8(w), scale_bytes(ws, w.device), swe, swn, _scale_stride(ws), kind, bool(asm),
-                   bool(frag), bool(fold and frag and asm), _scale_words(sword, frag, kind), int(w_tile), fold_flags)
+                   bool(frag), bool(fold and frag and asm), _scale_words(sword, frag, kind), int(w_tile), fold_flags,
+                   _scale_ahead(sahead, frag, kind))
 
     def kernel_args(self, dummy: torch.Tensor) -> dict:
         """The weight parameters of ``l1._l1_kernel`` / ``l2._l2_kernel`` (``dummy``: any tensor, for the
@@ -135,7 +146,7 @@ class WeightOperand:
                     fflag_ptr=dummy if self.fold_flags is None else self.fold_flags,
                     stride_we=self.stride_e, stride_wn=self.stride_n, stride_wse=self.scale_stride_e,
                     W_KIND=self.kind, ASM=self.asm, FRAG=self.frag, FOLD=self.fold, SWORD=self.sword,
-                    WT=self.w_tile, FFLAGS=self.fold_flags is not None)
+                    WT=self.w_tile, FFLAGS=self.fold_flags is not None, SAHEAD=self.sahead)
 
     def fp8_kernel_args(self) -> dict:
         """The weight parameters of the FP8 path's kernels (``mma8``: no decode choices)."""

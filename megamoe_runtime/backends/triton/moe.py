@@ -41,7 +41,8 @@ import torch
 
 from .configs import (
     KernelConfig, REQ_BF16, REQ_MX8, REQ_NV4, ROW_W_KIND, W_BF16, W_E2M1_MX, W_E2M1_NV, W_E4M3_B128, W_E4M3_MX,
-    default_config, fp8_selected, local_pairs, resolve_decode, resolve_k_order, resolve_l2_fold, tail_config,
+    default_config, fp8_selected, local_pairs, resolve_decode, resolve_k_order, resolve_l2_fold, resolve_scale_ahead,
+    tail_config,
 )
 from .decode_check import asm_decode_ok
 from .l1 import launch_l1
@@ -211,6 +212,7 @@ def _routed_experts(spec, kt: Any, cfg: KernelConfig, staged: _Staged, ids: torc
     frag = staged.korder == "frag"
     fold, sword = resolve_decode(cfg, w_kind) if frag else (False, False)
     fold2 = resolve_l2_fold(cfg, w_kind) if frag else False
+    ahead = resolve_scale_ahead(cfg) if frag else False
     bm = cfg.pick_block_m(local_pairs(T * K, E_l, spec.num_experts), E_l)  # the pairs this rank expects
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     launches = [(cfg, plan, bm, fold, fold2)]
@@ -225,9 +227,9 @@ def _routed_experts(spec, kt: Any, cfg: KernelConfig, staged: _Staged, ids: torc
     for lcfg, lplan, lbm, lfold, lfold2 in launches:
         rows = Rows(T, K, lbm, lplan)
         w1 = WeightOperand.of(kt.l1_weight, kt.l1_scale, w_kind, asm=asm, frag=frag, fold=lfold, sword=sword,
-                              w_tile=w_tile, fold_flags=ff1)
+                              w_tile=w_tile, fold_flags=ff1, sahead=ahead)
         w2 = WeightOperand.of(kt.l2_weight, kt.l2_scale, w_kind, asm=asm, frag=frag, fold=lfold2, sword=sword,
-                              w_tile=w_tile, fold_flags=ff2)
+                              w_tile=w_tile, fold_flags=ff2, sahead=ahead)
         act = torch.empty(lplan.max_blocks * lbm, I, dtype=torch.bfloat16, device=slots.device)
         launch_l1(lcfg, staged.x, w1, rows, staged.l1, act, H, I, hw)
         launch_l2(lcfg, act, w2, rows, staged.l2, slots, H, I, hw, part=part)

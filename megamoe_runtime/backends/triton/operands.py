@@ -166,6 +166,21 @@ def _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD: tl.constexpr):
 
 
 @triton.jit
+def mx_scales(wsb_ptr, srows, NROWS, k0, k_last, SAHEAD: tl.constexpr):
+    """The UE8M0 bytes ``[BN, 4]`` of K-block ``min(k0, k_last)`` for an E4M3 frag kernel that loads its scales
+    one K step ahead (SAHEAD; else 0, unused). Why: a tile of 64 kernel rows has 2 scale bytes per thread,
+    under cp.async's 4-byte minimum, so Triton leaves that load out of its software pipeline and every K step
+    waits one DRAM latency for it (Nsight: 32% of the decode-size mxfp8 L1's stall samples,
+    docs/KERNELS.md "Scale bytes one K step ahead"). Loaded here, one step before its use, the latency
+    hides behind the step in between. ``k_last``: the loop's last block (the step after it reloads that
+    block instead of reading past the expert's scales)."""
+    if SAHEAD:
+        return _scale_bytes_mx(wsb_ptr, srows, srows, NROWS, tl.minimum(k0, k_last), False)
+    else:
+        return 0
+
+
+@triton.jit
 def _w_run(rows, k0, stride, RB: tl.constexpr, WT: tl.constexpr):
     """Offset (in the unit of ``stride``) of the ``RB`` units of each kernel row in K-block k0
     (128 wide). WT 0: the converted layout, rows of ``stride`` units. WT > 0: the tiled Hopper
@@ -284,13 +299,17 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
 
 @triton.jit
 def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr, HW_CVT: tl.constexpr,
-             ASM: tl.constexpr, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0):
+             ASM: tl.constexpr, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False, WT: tl.constexpr = 0,
+             s_ahead=0, SAHEAD: tl.constexpr = False):
     """E4M3 weight tile ``[BN, 128]`` of K-block k0, decoded to bf16 in the E4M3 frag K order
     (``_jit.frag8_pos``): per row and thread, 32 contiguous bytes with one UE8M0 scale. FOLD (asm
     only): the 2^120 bias rides on the scale operand, exact for UE8M0 bytes <= 134, which the
-    caller checks (``_fold_bad``)."""
+    caller checks (``_fold_bad``). SAHEAD: ``s_ahead`` holds the block's scale bytes (``mx_scales``)."""
     q = tl.arange(0, 4)
-    s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
+    if SAHEAD:
+        s = s_ahead
+    else:
+        s = _scale_bytes_mx(wsb_ptr, rows, srows, NROWS, k0, SWORD)
     sc = _jit.pow2_from_byte(s).to(tl.bfloat16)  # [BN, 4]
     if ASM:
         if FOLD:  # bf16 bits of 2^(s-7) = scale * 2^120
@@ -318,11 +337,13 @@ def _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN: tl.constexpr
 def mm_block(acc, w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, xa, xb,
               W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
               FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
-              WT: tl.constexpr = 0):
-    """acc + W[rows, k0:k0+BK] @ x^T (WT: ``_w_run``; frag only)."""
+              WT: tl.constexpr = 0, s_ahead=0, SAHEAD: tl.constexpr = False):
+    """acc + W[rows, k0:k0+BK] @ x^T (WT: ``_w_run``; frag only; SAHEAD, E4M3 only: the block's scale bytes
+    are ``s_ahead``, ``mx_scales``)."""
     if FRAG:  # activations stored in the frag K order of the weight kind, BK == 128
         if W_KIND == 1:
-            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM, FOLD, SWORD, WT)
+            wf = _w_frag8(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, BN, HW_CVT, ASM, FOLD, SWORD, WT,
+                          s_ahead, SAHEAD)
         else:
             wf = _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0, W_KIND, BN, HW_CVT, ASM, FOLD,
                          SWORD, WT)

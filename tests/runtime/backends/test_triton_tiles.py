@@ -127,12 +127,12 @@ def test_default_decode_by_row(row, fold, monkeypatch):
 
 
 def test_decode_env_overrides_the_table(monkeypatch):
-    """The measured per-kernel decode (mxfp8 mid sizes: plain L1, fold L2) gives way to
+    """The measured per-kernel decode (mxfp8 decode and mid sizes: plain L1, fold L2) gives way to
     ``MEGAMOE_TRITON_DECODE`` on both kernels; a config's own decode wins over all of it."""
     w = configs.W_E4M3_MX
     mid = configs.default_config(512 * 8, E, "frag", w_kind=w)
     dec = configs.default_config(8 * 8, E, "frag", w_kind=w)
-    assert (mid.decode, mid.l2_decode, dec.decode, dec.l2_decode) == ("plain", "fold", "plain", None)
+    assert (mid.decode, mid.l2_decode, dec.decode, dec.l2_decode) == ("plain", "fold", "plain", "fold")
     assert (configs.resolve_decode(mid, w)[0], configs.resolve_l2_fold(mid, w)) == (False, True)
     for d in ("plain", "fold"):
         monkeypatch.setenv("MEGAMOE_TRITON_DECODE", d)
