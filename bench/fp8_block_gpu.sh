@@ -10,23 +10,8 @@ set -u
 OUT=${OUT:-/tmp/fp8_block_out}
 D=$OUT/d
 mkdir -p "$D"
-exec > >(tee -a "$OUT/run.log") 2>&1
-T0=$(date +%s)
-DEADLINE=$((T0 + ${BUDGET_S:-350}))
-el() { echo "[$(($(date +%s) - T0))s] $*"; }
-tmo() { local l=$((DEADLINE - $(date +%s) - 12)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
-PY=${PY:-python}
-
-if [ -n "${WHL:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || el "wheel install failed"
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-[ -f "${DG_CACHE_TGZ:-}" ] && tar xzf "$DG_CACHE_TGZ" -C /tmp && export DG_JIT_CACHE_DIR=/tmp/dgcache
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+BUDGET_S=${BUDGET_S:-350} MARGIN_S=${MARGIN_S:-12}
+source "$(dirname "$0")/gpu_setup.sh"
 CONFIRM=${CONFIRM:-0}
 GRID=${SWEEP_GRID:-full}
 SWEEP_TOKENS=${SWEEP_TOKENS:-4096}

@@ -202,6 +202,25 @@ def expert_bytes(row: str, H: int, I: int) -> int:
     return per(2 * I, H) + per(H, I)
 
 
+def random_layer(row: str, H: int, I: int, E: int, K: int, w_tile: int = 0):
+    """(spec, layer, kernel tensors, nvfp4 scalars or None) of a benchmark-sized layer on the GPU: random valid
+    kernel-layout bytes (no quantization: fast at any size), SwiGLU clamped at 10, routed scaling 2.5; its
+    routed weights arranged in ``w_tile``-row tiles where asked (what a layer loaded for the frag path reads,
+    ``configs.resolve_w_tile``)."""
+    from megamoe_runtime.backends.triton import synth
+    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
+    from megamoe_runtime.format import weight_tiles
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
+
+    spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
+    lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
+    kt = _Roles(lay, "")
+    if w_tile:
+        weight_tiles.tile_in_place(kt.l1_weight, w_tile)
+        weight_tiles.tile_in_place(kt.l2_weight, w_tile)
+    return spec, lay, kt, (_NvScalars(lay) if get_row(row).has_alphas else None)
+
+
 def routing(T, E, K, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(torch.int64).cuda()

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import SHAPES, Peer, routing  # noqa: E402
+from kernel import SHAPES, Peer, random_layer, routing  # noqa: E402
 
 
 def main() -> None:
@@ -43,21 +43,11 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"peer T={args.tokens}")
         return
-    from megamoe_runtime.backends.triton import configs, moe, synth
-    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.backends.triton import configs, moe
 
     sh = SHAPES[args.shape]
     H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
-    spec = LayerSpec(args.row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
-    lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
-    kt = _Roles(lay, "")
-    if args.w_tile:  # the arrangement a loaded layer reads (configs.resolve_w_tile)
-        from megamoe_runtime.format import weight_tiles
-
-        weight_tiles.tile_in_place(kt.l1_weight, args.w_tile)
-        weight_tiles.tile_in_place(kt.l2_weight, args.w_tile)
-    sc = _NvScalars(lay) if get_row(args.row).has_alphas else None
+    spec, lay, kt, sc = random_layer(args.row, H, I, E, K, args.w_tile)  # w_tile: as a loaded layer reads
     tw, ids = routing(args.tokens, E, K, seed=args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     ff = moe.fold_flags(spec, kt)  # as a loaded layer passes them

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import parse_shapes, routing  # noqa: E402
+from kernel import parse_shapes, random_layer, routing  # noqa: E402
 
 
 def main() -> None:
@@ -36,23 +36,14 @@ def main() -> None:
     ap.add_argument("--w-tile", type=int, default=16, help="weight arrangement (0: as converted)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    from megamoe_runtime.backends.triton import configs, l2, moe, synth
-    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.format import weight_tiles
-    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.backends.triton import configs, l2, moe
     from megamoe_runtime.testing import calc_diff
 
     res = []
     for s, sh in parse_shapes(args.shapes):
         H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
         for row in args.rows.split(","):
-            spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
-            lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
-            kt = _Roles(lay, "")
-            if args.w_tile:
-                weight_tiles.tile_in_place(kt.l1_weight, args.w_tile)
-                weight_tiles.tile_in_place(kt.l2_weight, args.w_tile)
-            sc = _NvScalars(lay) if get_row(row).has_alphas else None
+            spec, lay, kt, sc = random_layer(row, H, I, E, K, args.w_tile)
             ff = moe.fold_flags(spec, kt)
             for T in (int(t) for t in args.tokens.split(",")):
                 tw, ids = routing(T, E, K, seed=T)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import (SHAPES, _bench, bench_peer, copy_bandwidth, expert_bytes, kernel_breakdown,  # noqa: E402
+from kernel import (SHAPES, _bench, bench_peer, copy_bandwidth, expert_bytes, kernel_breakdown, random_layer,  # noqa: E402
                     parse_shapes, routing)
 
 #: (one-dot L1, L1 pairs per tile, warps, stages, decode or None) by regime; ``sweep_point`` puts the
@@ -236,10 +236,7 @@ def main() -> None:
             if p.returncode:
                 print(f"# compile job rc={p.returncode}: {err[-800:]}", flush=True)
         print(f"# compile pass: {time.time() - t_start:.0f} s in {args.jobs} processes", flush=True)
-    from megamoe_runtime.backends.triton import configs, synth
-    from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
-    from megamoe_runtime.format import weight_tiles
-    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, get_row
+    from megamoe_runtime.backends.triton import configs
 
     shapes = parse_shapes(args.shapes)
     rows_ = args.rows.split(",")
@@ -259,14 +256,7 @@ def main() -> None:
     layers = {}
     for s, sh, row in jobs:
         H, I, E, K = sh["H"], sh["I"], sh["E"], sh["K"]
-        spec = LayerSpec(row, H, I, E, K, ActivationSpec("swiglu", clamp=10.0), routed_scaling_factor=2.5)
-        lay = synth.random_kernel_bytes(spec, "cuda", seed=1)
-        kt = _Roles(lay, "")
-        if args.w_tile:
-            weight_tiles.tile_in_place(kt.l1_weight, args.w_tile)
-            weight_tiles.tile_in_place(kt.l2_weight, args.w_tile)
-        sc = _NvScalars(lay) if get_row(row).has_alphas else None
-        layers[(s, row)] = (spec, lay, kt, sc)
+        layers[(s, row)] = random_layer(row, H, I, E, K, args.w_tile)
     out, peers = [], {}
     if args.peer_path and not args.compile_only:
         for s, sh in shapes:
