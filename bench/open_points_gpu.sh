@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU call for what the tree still owes a GPU (BENCHMARKS.md names each as "not yet timed"): the GPU kernel
+# tests on the tree as it is, the block-FP8 layer at decode sizes beside DeepGEMM (its gate/up kernels were timed
+# at 512-4096 tokens only), KernelConfig.scale_load "ahead" against the byte loads on the mxfp8 row, and the
+# decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
+# everything comes back as $OUT/all.tgz (the device hands back only a few files).
+#   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
+# SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64).
+set -u
+OUT=${OUT:-/tmp/open_points}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-430} MARGIN_S=${MARGIN_S:-10}
+source "$(dirname "$0")/gpu_setup.sh"
+PEER=${PEER:-.peer-tk}
+SHAPES=${SHAPES:-dsv3,qwen3-30b}
+TOKENS=${TOKENS:-8,64}
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
+       --no-baseline --no-staging)
+for sl in ahead bytes; do  # the scale-load comparison's kernels, as bench/decode_bw.sh builds them
+  MEGAMOE_TRITON_SCALES=$sl $PY bench/sweep.py --compile-only --rows mxfp8 --shapes qwen3-30b,2048,768,256,8 \
+    --tokens 8,64 --w-tile 16 --l1 1:32:4:3 --l2 64:4:3 --out "" >"$OUT/build_$sl.log" 2>&1 &
+done
+for j in 0 1 2 3; do
+  $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/4" --out "" >"$OUT/build_table_$j.log" 2>&1 &
+done
+el "1: GPU kernel tests"
+timeout "$(tmo 200)" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
+echo "rc=$?"; tail -3 "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/kernels.log" | head -20
+el "2: block-FP8 layer at decode sizes beside DeepGEMM"
+timeout "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
+  --out "$OUT/block8_decode" >"$OUT/block8_decode.log" 2>&1; echo "rc=$?"
+grep -vE "^\{" "$OUT/block8_decode.log" | tail -10
+el "3: scale_load ahead vs bytes (mxfp8)"
+OUT=$OUT/decode_bw PHASES=ahead TOTAL_S=90 timeout "$(tmo 110)" bash bench/decode_bw.sh 2>&1 | grep -v "^#   bm=" | tail -30
+el "4: decode table with the peer (% of copy)"
+wait
+timeout "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
+grep -vE "^\{" "$OUT/table.log" | tail -40
+el "done"
+rm -f "$OUT"/build_*.log
+tar czf /tmp/open_points.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/open_points.tgz "$OUT/all.tgz"
