@@ -12,6 +12,15 @@ the GPU's.
 
     python tools/sm90_compile.py                 # every case, a table of registers / spills / shared
     python tools/sm90_compile.py --only mxfp4 --json out.json --jobs 2
+    python tools/sm90_compile.py --only layer_default --sass _l1_kernel   # + the K loop's instruction mix
+
+``--sass``: for the specializations whose kernel name holds the substring, the cubin's SASS is read
+back (cuobjdump) and the main K loop -- the backward branch whose body holds the most asynchronous
+copies and MMAs -- is counted by instruction class, per warp and iteration. With the weight bytes one
+iteration consumes (from the tile's constexprs, ``weight_bytes_per_step``) that gives warp instructions
+per weight byte, and the bandwidth at which the SM schedulers' issue slots would be full
+(``issue_bound_gbs``). Why: at decode sizes the quantized GEMMs are bound by instruction issue, not
+by memory (docs/bench-log/kernels.md), so instructions per byte is the figure to drive down.
 """
 from __future__ import annotations
 
@@ -157,8 +166,119 @@ def _resources(cubin: bytes) -> dict:
     return res
 
 
-def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, attrs: dict, options: dict) -> dict:
-    """Compile one recorded specialization for sm_90: its resources, or the compiler's error."""
+#: instruction classes of ``loop_mix``, by SASS opcode (the mnemonic before its first dot)
+SASS_CLASSES = {
+    "mma": {"HGMMA", "WGMMA", "HMMA", "IMMA", "QGMMA"},
+    "global/async load": {"LDG", "LDGSTS", "UTMALDG", "LDGDEPBAR"},
+    "shared load/store": {"LDS", "LDSM", "STS", "STSM"},
+    "other memory": {"STG", "LD", "ST", "LDL", "STL", "RED", "ATOM", "ATOMG", "LDC", "ULDC"},
+    "sync": {"BAR", "DEPBAR", "WARPSYNC", "WARPGROUP", "ARRIVES", "SYNCS", "MEMBAR", "ERRBAR", "CCTL"},
+    "branch": {"BRA", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "JMP", "BREAK", "YIELD"},
+    "bit ops": {"PRMT", "LOP3", "LOP", "SHF", "SHL", "SHR", "BFE", "BFI", "BMSK", "SGXT", "POPC", "FLO", "BREV"},
+    "conversion": {"F2F", "I2F", "F2I", "F2FP", "I2I", "I2IP", "FRND"},
+    "half2 math": {"HMUL2", "HFMA2", "HADD2", "HMNMX2", "HSETP2", "HSET2"},
+    "int alu": {"IMAD", "IADD3", "IADD", "LEA", "ISETP", "IMNMX", "SEL", "MOV", "IABS", "ISCADD", "PLOP3", "P2R",
+                "R2P", "VIADD", "VIMNMX", "ICMP", "IDP", "IMUL"},
+    "fp alu": {"FADD", "FMUL", "FFMA", "FSETP", "FMNMX", "FSEL", "MUFU", "FCHK", "FSET", "DADD", "DMUL", "DFMA"},
+}
+#: SM schedulers of the H200 / H100 SXM (132 SMs x 4) and the SM clock the issue bound assumes: the H200's
+#: boost clock, 1980 MHz (nvidia-smi's max SM clock; BENCHMARKS.md's H200 runs were unlocked, so a kernel
+#: bound by issue runs near it while the card stays under its power limit)
+SCHEDULERS = 132 * 4
+CLOCK_HZ = 1.98e9
+#: copy bandwidth of the H200 the decode-size goals are stated against (BENCHMARKS.md, read + write)
+COPY_GBS = 4274.0
+
+
+def sass_class(instr: str) -> str:
+    """The ``SASS_CLASSES`` class of one SASS instruction (predicate guard and modifiers dropped); uniform-
+    datapath instructions (``U...`` that are not in a class themselves) are "uniform", the rest "other"."""
+    op = instr.split()[1] if instr.startswith("@") else instr.split()[0]
+    op = op.split(".")[0]
+    for name, ops in SASS_CLASSES.items():
+        if op in ops:
+            return name
+    return "uniform" if op.startswith("U") and op[1:] and op not in ("UNKNOWN",) else "other"
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) of each SASS line of ``cuobjdump --dump-sass`` output."""
+    import re
+
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def main_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the main K loop: of the regions a backward branch closes (its target up to the
+    branch), the one with the most asynchronous loads and MMAs (a fold decode's never-taken redo loop is
+    unpipelined, an epilogue loop has neither), the longest on a tie; [] for a kernel without a loop."""
+    import re
+
+    best: tuple = ((-1, -1), [])
+    for addr, text in ins:
+        m = re.search(r"\bBRA(?:\.\w+)*\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if m and m.group(1) and int(m.group(1), 16) < addr:  # (a branch to itself is the trap after EXIT)
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            heavy = sum(sass_class(t) == "mma" or "LDGSTS" in t or "UTMALDG" in t for t in body)
+            if (heavy, len(body)) > best[0]:
+                best = ((heavy, len(body)), body)
+    return best[1]
+
+
+def named(arg_names: list, constexprs: dict) -> dict:
+    """``constexprs`` as the JIT records them (keyed by argument index paths) keyed by argument name."""
+    return {(arg_names[k[0]] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in constexprs.items()}
+
+
+def weight_bytes_per_step(qualname: str, constexprs: dict) -> int | None:
+    """Weight and weight-scale bytes one iteration of a frag L1 / L2 kernel's K loop reads (the whole CTA):
+    ``rows x BK`` weights and their scales, rows = 2 BN for the L1 (gate and up, one dot or two), BN for
+    the L2; ``constexprs`` by name (``named``). None for any other kernel."""
+    cx = constexprs
+    if not ({"W_KIND", "BN", "BK"} <= set(cx) and qualname.endswith(("_l1_kernel", "_l2_kernel"))):
+        return None
+    rows = (2 if qualname.endswith("_l1_kernel") else 1) * cx["BN"]
+    bk = cx["BK"]
+    per_row = {0: bk // 2 + bk // 32, 1: bk + bk // 32, 2: bk // 2 + bk // 16, 3: 2 * bk}.get(cx["W_KIND"])
+    return None if per_row is None else rows * per_row
+
+
+def loop_mix(cubin: bytes, warps: int, weight_bytes: int | None) -> dict:
+    """The main K loop's instruction mix (per warp and iteration, by ``SASS_CLASSES`` class and by opcode),
+    and with ``weight_bytes`` per iteration: warp instructions per weight byte for the CTA (``warps`` warps
+    each run the loop) and the bandwidth at which every issue slot of the GPU would be busy."""
+    import collections
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    body = main_loop(sass_instructions(sass))
+    ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body)
+    classes = collections.Counter(sass_class(t) for t in body)
+    out = dict(loop_instr=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()),
+               predicated=sum(t.startswith("@") for t in body), weight_bytes=weight_bytes)
+    if body and weight_bytes:
+        per_byte = len(body) * warps / weight_bytes
+        out.update(instr_per_byte=round(per_byte, 4),
+                   issue_bound_gbs=round(SCHEDULERS * CLOCK_HZ / per_byte / 1e9, 1))
+    return out
+
+
+def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, attrs: dict, options: dict,
+                sass: bool = False) -> dict:
+    """Compile one recorded specialization for sm_90: its resources (and with ``sass`` the K loop's
+    instruction mix, ``loop_mix``), or the compiler's error."""
     import importlib
 
     import triton
@@ -173,23 +293,49 @@ def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, a
         k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*SM90), options=options)
     except Exception as e:  # the compiler's message is the result
         return dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:], seconds=round(time.time() - t0, 2))
-    return dict(ok=True, shared=int(k.metadata.shared), seconds=round(time.time() - t0, 2), **_resources(k.asm["cubin"]))
+    res = dict(ok=True, shared=int(k.metadata.shared), seconds=round(time.time() - t0, 2), **_resources(k.asm["cubin"]))
+    if sass:
+        res["loop"] = loop_mix(k.asm["cubin"], options.get("num_warps", 4), weight_bytes_per_step(qualname, named(fn.arg_names, constexprs)))
+    return res
 
 
-def compile_all(launches: dict, jobs: int) -> list[dict]:
-    """Compile every recorded launch (``jobs`` worker processes); one result per launch."""
+def _tile(ln: Launch) -> dict:
+    """The tile constexprs a loop report names (those the kernel has)."""
+    cx = named(ln.fn.arg_names, ln.constexprs)
+    keep = ("W_KIND", "BM", "BN", "BK", "GU", "FOLD", "SWORD", "WT", "SAHEAD", "KSPLIT")
+    return {k: cx[k] for k in keep if k in cx}
+
+
+def compile_all(launches: dict, jobs: int, sass: str = "") -> list[dict]:
+    """Compile every recorded launch (``jobs`` worker processes); one result per launch. ``sass``: a
+    substring of the kernel names whose K loops are counted (``loop_mix``)."""
     work = []
     for (name, _), ln in launches.items():
         module, qualname = ln.fn.fn.__module__, ln.fn.fn.__qualname__
-        work.append((ln, (module, qualname, ln.signature, ln.constexprs, ln.attrs, ln.options)))
+        work.append((ln, (module, qualname, ln.signature, ln.constexprs, ln.attrs, ln.options,
+                          bool(sass) and sass in ln.kernel)))
     out = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as ex:
         futs = [(ln, ex.submit(compile_one, *args)) for ln, args in work]
         for ln, f in futs:
             r = f.result()
             out.append(dict(kernel=ln.kernel, warps=ln.options.get("num_warps"), stages=ln.options.get("num_stages"),
-                            maxnreg=ln.options.get("maxnreg"), cases=len(ln.cases), first_case=ln.cases[0], **r))
+                            maxnreg=ln.options.get("maxnreg"), cases=len(ln.cases), first_case=ln.cases[0],
+                            all_cases=ln.cases, tile=_tile(ln), **r))
     return out
+
+
+def _loop_line(r: dict) -> str:
+    """One ``--sass`` report line: the tile, instructions per iteration by class, per weight byte, the bound."""
+    lp = r["loop"]
+    tile = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in r["tile"].items())
+    mix = ", ".join(f"{k} {v}" for k, v in lp["classes"].items())
+    head = f"{r['kernel'].rsplit('.', 1)[-1]} w{r['warps']} s{r['stages']} [{tile}] ({', '.join(sorted(set(r['all_cases'])))})"
+    if "instr_per_byte" not in lp:
+        return f"{head}\n    loop {lp['loop_instr']} instr/warp/iter: {mix}"
+    return (f"{head}\n    loop {lp['loop_instr']} instr/warp/iter x {r['warps']} warps / {lp['weight_bytes']} weight B "
+            f"= {lp['instr_per_byte']:.3f} instr/B -> issue bound {lp['issue_bound_gbs']:.0f} GB/s "
+            f"({100 * lp['issue_bound_gbs'] / COPY_GBS:.0f}% of copy)\n    {mix}")
 
 
 def main(argv=None) -> int:
@@ -197,17 +343,22 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="substring a case must hold (e.g. a row name)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
     ap.add_argument("--json", default="", help="write every launch's result here")
+    ap.add_argument("--sass", default="", metavar="KERNEL_SUBSTRING",
+                    help="count the K loop's SASS instructions of the kernels whose name holds this (e.g. _l1_kernel)")
     a = ap.parse_args(argv)
     t0 = time.time()
     launches = record(a.only)
     t1 = time.time()
-    res = compile_all(launches, a.jobs)
+    res = compile_all(launches, a.jobs, a.sass)
     bad = [r for r in res if not r["ok"]]
     for r in sorted(res, key=lambda r: (r["kernel"], r.get("regs") or 0)):
         short = r["kernel"].rsplit(".", 2)[-2:]
         cell = (f"regs {r['regs']:>3} local {r['local']:>4} shared {r['shared']:>6}" if r["ok"]
                 else "FAILED " + r["error"].splitlines()[-1][:120])
         print(f"{'.'.join(short):40s} w{r['warps']} s{r['stages']} {cell}  ({r['first_case']}, {r['cases']} cases)")
+    for r in res:
+        if "loop" in r:
+            print(_loop_line(r))
     print(f"{len(res)} specializations recorded in {t1 - t0:.1f}s, compiled in {time.time() - t1:.1f}s; "
           f"{len(bad)} failed", file=sys.stderr)
     if a.json:

@@ -105,3 +105,83 @@ def test_the_compile_check_catches_what_the_interpreter_lets_through(tmp_path):
     assert res["fine_kernel"]["ok"], res["fine_kernel"]
     assert not res["global_kernel"]["ok"] and "NOT_CONSTEXPR" in res["global_kernel"]["error"], res["global_kernel"]
     assert not res["bad_ptx_kernel"]["ok"] and "ptxas" in res["bad_ptx_kernel"]["error"].lower(), res["bad_ptx_kernel"]
+
+
+_LOOPED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot_loop_kernel(a_ptr, b_ptr, c_ptr, K, BK: tl.constexpr):
+    """[64, K] @ [K, 16]: per K step one 64x16xBK wgmma product, BK / 16 HGMMA instructions."""
+    m = tl.arange(0, 64)
+    n = tl.arange(0, 16)
+    k = tl.arange(0, BK)
+    acc = tl.zeros((64, 16), tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptr + m[:, None] * K + k0 + k[None, :])
+        b = tl.load(b_ptr + (k0 + k[:, None]) * 16 + n[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + m[:, None] * 16 + n[None, :], acc)
+
+
+@triton.jit
+def no_loop_kernel(a_ptr, b_ptr, c_ptr, K, BK: tl.constexpr):
+    m = tl.arange(0, 64)
+    n = tl.arange(0, 16)
+    k = tl.arange(0, BK)
+    acc = tl.dot(tl.load(a_ptr + m[:, None] * K + k[None, :]), tl.load(b_ptr + k[:, None] * 16 + n[None, :]))
+    tl.store(c_ptr + m[:, None] * 16 + n[None, :], acc)
+
+
+@triton.jit
+def add_loop_kernel(a_ptr, b_ptr, c_ptr, K, BK: tl.constexpr):
+    k = tl.arange(0, BK)
+    acc = tl.zeros((BK,), tl.float32)
+    for k0 in range(0, K, BK):
+        acc += tl.load(a_ptr + k0 + k).to(tl.float32)
+    tl.store(c_ptr + k, acc)
+'''
+
+
+def test_sass_loop_mix_counts_the_k_loop(tmp_path):
+    """``--sass``'s loop finder and counts on planted kernels: the K loop of a 64x16xBK dot holds BK / 16
+    HGMMAs and its cp.async copies, and nothing else of the kernel; negative controls: a kernel without
+    a loop reports none, a loop without a dot has no MMA in it. The weight bytes per step follow the
+    tile (2 BN kernel rows for the L1, BN for the L2, E2M1 half a byte per weight plus its scales)."""
+    (tmp_path / "looped_kernels.py").write_text(_LOOPED)
+    script = textwrap.dedent(f"""
+        import json, runpy
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import looped_kernels as lk
+        tool = runpy.run_path({str(TOOL)!r})
+        sig = {{"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "K": "i32", "BK": "constexpr"}}
+        out = {{}}
+        for name in ("dot_loop_kernel", "no_loop_kernel", "add_loop_kernel"):
+            k = triton.compile(ASTSource(getattr(lk, name), sig, {{(4,): 64}}, {{(i,): [["tt.divisibility", 16]]
+                               for i in range(4)}}), target=GPUTarget(*tool["SM90"]), options=dict(num_warps=4))
+            out[name] = tool["loop_mix"](k.asm["cubin"], 4, 64 * 64 * 2)
+        cx = dict(W_KIND=0, BN=64, BK=128)
+        out["bytes"] = [tool["weight_bytes_per_step"]("m._l1_kernel", cx), tool["weight_bytes_per_step"]("m._l2_kernel", cx),
+                        tool["weight_bytes_per_step"]("m._l2_kernel", dict(cx, W_KIND=1)),
+                        tool["weight_bytes_per_step"]("m._combine_kernel", cx)]
+        out["classes"] = [tool["sass_class"](s) for s in ("@!P3 BRA 0x1100", "HGMMA.64x16x16.F32.BF16 R32, R96, gdesc[UR16], R32",
+                          "LOP3.LUT R40, R80, 0xf000f, RZ, 0xc0, !PT", "LDGSTS.E.BYPASS.128 [R17], desc[UR16][R18.64]",
+                          "UIADD3 UR5, UR5, 0x80, URZ", "HMUL2.BF16_V2 R96, R41, R90")]
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(str(tmp_path)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    loop = res["dot_loop_kernel"]
+    assert loop["loop_instr"] > 0 and loop["opcodes"].get("HGMMA") == 64 // 16, loop
+    assert loop["classes"]["global/async load"] >= 1 and loop["classes"]["branch"] >= 1, loop
+    assert loop["instr_per_byte"] == round(loop["loop_instr"] * 4 / (64 * 64 * 2), 4), loop
+    assert res["no_loop_kernel"]["loop_instr"] == 0 and "instr_per_byte" not in res["no_loop_kernel"]
+    assert res["add_loop_kernel"]["loop_instr"] > 0 and "mma" not in res["add_loop_kernel"]["classes"]
+    assert res["bytes"] == [128 * (64 + 4), 64 * (64 + 4), 64 * (128 + 4), None]
+    assert res["classes"] == ["branch", "mma", "bit ops", "global/async load", "uniform", "half2 math"]
