@@ -47,6 +47,13 @@ class KernelConfig:
     #: frag path: the routed L2 in this many K slices (fp32 partials, added in order by one reduce launch;
     #: docs/KERNELS.md "Split-K L2"); 1 = one pass over K. Taken only where it cuts I into whole 128-blocks.
     l2_split: int = 1
+    #: frag path: K blocks (128 wide) per trip of the one-dot L1's and the L2's K loop, 1 or 2; 2 only where
+    #: the loop's K is a multiple of 256 (else 1). The same dots in the same order (bitwise the same output)
+    #: with the loop's fixed cost per trip (stage counters, predicates, fences) paid once per two blocks;
+    #: the mxfp8 L1 also issues both blocks' scale loads before the first block's wgmmas. Off: compiled
+    #: for sm_90 (fewer instructions per weight byte), not timed (docs/bench-log/kernels.md, "CPU: SASS audit
+    #: of the decode-size frag kernels").
+    k_unroll: int = 1
     combine_bh: int = 1024
     #: GEMM path of the MX rows: "fp8" (E4M3 wgmma, ``mma8``), "bf16" (decode to bf16) or
     #: None = env ``MEGAMOE_TRITON_MMA`` (default "auto" = bf16, the exact path). Other rows: bf16.
@@ -99,6 +106,15 @@ class KernelConfig:
             if mean <= bm:
                 return bm
         return 128
+
+
+def k_unroll(cfg: "KernelConfig", K: int) -> int:
+    """K blocks per trip of a frag K loop over ``K``: ``cfg.k_unroll`` where it divides K into whole
+    128-blocks per trip, else 1 (a loop with a remainder block would need a second, unrolled-once copy)."""
+    ku = cfg.k_unroll
+    if ku not in (1, 2):
+        raise ValueError(f"KernelConfig.k_unroll must be 1 or 2, got {ku}")
+    return ku if K % (128 * ku) == 0 else 1
 
 
 def resolve_l1_gu(cfg: Optional["KernelConfig"] = None) -> bool:

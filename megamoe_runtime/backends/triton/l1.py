@@ -12,11 +12,11 @@ import triton
 import triton.language as tl
 
 from . import _jit
-from .configs import KernelConfig, resolve_l1_gu
+from .configs import KernelConfig, k_unroll, resolve_l1_gu
 from .launch import L1Epilogue, Rows, WeightOperand, opts
 from .operands import (
     FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, mm_block,
-    mx_scales, utccp, x_tiles,
+    mx_scales, trip_block, utccp, x_tiles,
 )
 
 
@@ -107,7 +107,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
                GU: tl.constexpr = False, WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False,
-               SAHEAD: tl.constexpr = False):
+               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -127,7 +127,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     (never taken by real weights, so it costs only the check). NVFP4: the
     accumulators are value * 2^-8 exactly and get the 2^8 back here. FFLAGS: ``fflag_ptr`` holds the
     per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan. SAHEAD
-    (GU, E4M3 weights): each K step's scale bytes are loaded one step ahead (``mx_scales``)."""
+    (GU, E4M3 weights): each K step's scale bytes are loaded one step ahead (``mx_scales``). KU (GU): K
+    blocks per loop trip (``KernelConfig.k_unroll``; H a multiple of KU * BK)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
@@ -151,13 +152,15 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
         s2 = utccp(r2)
         acc = tl.zeros((2 * BN, BM), tl.float32)
         s_next = mx_scales(wse, s2, NROWS, 0, H - BK, SAHEAD)
-        for k0 in range(0, H, BK):
-            s_cur = s_next
-            if SAHEAD:  # the next step's scale bytes, used one iteration later
-                s_next = mx_scales(wse, s2, NROWS, k0 + BK, H - BK, SAHEAD)
-            xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
-            acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
-                            FRAG, FOLD, SWORD, WT, s_cur, SAHEAD)
+        for kk in range(0, H, BK * KU):
+            for u in tl.static_range(KU):
+                k0 = trip_block(kk, u, BK)
+                s_cur = s_next
+                if SAHEAD:  # the next step's scale bytes, used one iteration later
+                    s_next = mx_scales(wse, s2, NROWS, k0 + BK, H - BK, SAHEAD)
+                xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
+                acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
+                                FRAG, FOLD, SWORD, WT, s_cur, SAHEAD)
         if FOLD:
             if fold_redo(fflag, wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale the fold cannot take: plain again
                 acc = tl.zeros((2 * BN, BM), tl.float32)
@@ -210,10 +213,11 @@ def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: R
     bn = min(cfg.l1_bn, I)
     dummy_f = torch.empty(1, dtype=torch.float32, device=act.device)
     gu = bool(weight.frag and resolve_l1_gu(cfg) and not rows.shared)
+    ku = k_unroll(cfg, H) if gu else 1
     wargs = weight.kernel_args(x)
     wargs["SAHEAD"] = wargs["SAHEAD"] and gu  # the two-dot L1 loads its scales in the step
     _l1_kernel[(I // bn, rows.grid_m())](
         x_ptr=x, act_ptr=act, H=H, I=I, **rows.kernel_args(act.device), **wargs,
         **epi.kernel_args(dummy_f), BN=bn, BK=128 if weight.frag or H % cfg.l1_bk else cfg.l1_bk, HW_CVT=hw,
-        GU=gu,
+        GU=gu, KU=ku,
         num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg))

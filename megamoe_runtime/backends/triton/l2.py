@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from . import _jit
-from .configs import KernelConfig
+from .configs import KernelConfig, k_unroll
 from .launch import L2Epilogue, Rows, WeightOperand, opts
 from .operands import (
-    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, mx_scales, slot_rows, utccp, x_tiles,
+    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, mx_scales, slot_rows, trip_block,
+    utccp, x_tiles,
 )
 
 
@@ -32,9 +33,9 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
                WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1,
-               SAHEAD: tl.constexpr = False):
+               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
-    (FOLD, SWORD, FFLAGS and SAHEAD as in ``_l1_kernel``).
+    (FOLD, SWORD, FFLAGS, SAHEAD and KU as in ``_l1_kernel``; KU: the K slice a multiple of KU * BK).
 
     KSPLIT > 1 (routed launches only): program ``(n, m, s)`` sums K slice ``s`` of ``I / KSPLIT`` and
     stores its fp32 partial at ``slot_ptr[s, slot, n]`` (an fp32 ``[KSPLIT, T * NSLOT, H]`` buffer);
@@ -65,13 +66,15 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
         k_lo = tl.multiple_of(pid_k * (I // KSPLIT), 128)
         k_hi = k_lo + I // KSPLIT
     s_next = mx_scales(wse, sn, H, k_lo, k_hi - BK, SAHEAD)
-    for k0 in range(k_lo, k_hi, BK):
-        s_cur = s_next
-        if SAHEAD:  # the next step's scale bytes, used one iteration later
-            s_next = mx_scales(wse, sn, H, k0 + BK, k_hi - BK, SAHEAD)
-        xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-        acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD, SWORD,
-                        WT, s_cur, SAHEAD)
+    for kk in range(k_lo, k_hi, BK * KU):
+        for u in tl.static_range(KU):
+            k0 = trip_block(kk, u, BK)
+            s_cur = s_next
+            if SAHEAD:  # the next step's scale bytes, used one iteration later
+                s_next = mx_scales(wse, sn, H, k0 + BK, k_hi - BK, SAHEAD)
+            xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
+            acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD,
+                            SWORD, WT, s_cur, SAHEAD)
     if FOLD:
         if fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
             acc = tl.zeros((BN, BM), tl.float32)
@@ -174,6 +177,7 @@ def launch_l2(cfg: KernelConfig, act: torch.Tensor, weight: WeightOperand, rows:
         act_ptr=act, slot_ptr=slots if part is None else part, H=H, I=I, NSLOT=slots.shape[1],
         **rows.kernel_args(act.device), **weight.kernel_args(act), **epi.kernel_args(dummy_f),
         BN=bn, BK=128 if weight.frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, KSPLIT=ks,
+        KU=k_unroll(cfg, I // ks) if weight.frag else 1,
         num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
 
 

@@ -1,8 +1,8 @@
 """Device helpers the L1 and L2 kernels share: row blocks, operand tiles and the fold flags.
 
 The rows of a program (`block_expert`, `block_rows`, `act_rows`, `slot_rows`: a routing plan's row
-blocks, or every token once for the shared expert), the activation tiles (`x_tiles`), the weight
-tiles decoded to bf16 in the split / natural order (`_w_tiles`) and in the frag order (`_w_frag`,
+blocks, or every token once for the shared expert), the K blocks of a loop trip (`trip_block`), the
+activation tiles (`x_tiles`), the weight tiles decoded to bf16 in the split / natural order (`_w_tiles`) and in the frag order (`_w_frag`,
 `_w_frag8`, plain or fold decode), the UTCCP row map of the scales (`utccp`), one K block's MMA
 (`mm_block`), and the per-tile fold checks (`_fold_bad`, `fold_flag`, `fold_redo`; flag values
 `FOLD_OK` / `FOLD_REDO` / `FOLD_SCAN`).
@@ -178,6 +178,13 @@ def mx_scales(wsb_ptr, srows, NROWS, k0, k_last, SAHEAD: tl.constexpr):
         return _scale_bytes_mx(wsb_ptr, srows, srows, NROWS, tl.minimum(k0, k_last), False)
     else:
         return 0
+
+
+@triton.jit
+def trip_block(kk, u: tl.constexpr, BK: tl.constexpr):
+    """K offset of block ``u`` of a K-loop trip that starts at ``kk`` (``KernelConfig.k_unroll``: KU blocks
+    per trip, the same blocks in the same order as one per trip)."""
+    return kk + u * BK
 
 
 @triton.jit
