@@ -109,7 +109,8 @@ def recording(case: str, into: dict) -> Iterator[None]:
 
 def _cases(only: str) -> list[dict]:
     """The launch-digest cases (every row x token count x code path, GPU shapes), plus each row's default
-    forward on tiled weights (``resolve_w_tile``: what a layer loaded on a GPU runs)."""
+    forward on tiled weights (``resolve_w_tile``: what a layer loaded on a GPU runs) and its decode tiles
+    with two K blocks per loop trip (``KernelConfig.k_unroll``)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     import launch_digests
     from megamoe_runtime.backends.triton.configs import DEFAULT_W_TILE
@@ -118,6 +119,9 @@ def _cases(only: str) -> list[dict]:
     for row in ("mxfp4", "mxfp8", "nvfp4"):
         for T in (1, 8, 64, 300):
             out.append(dict(row=row, T=T, name="layer_default", wt=DEFAULT_W_TILE))
+        # two K blocks per loop trip (off by default, so no default case reaches it)
+        out.append(dict(row=row, T=8, name="k_unroll", wt=DEFAULT_W_TILE,
+                        cfg=dict(k_unroll=2, l1_gu=True, block_m=16, l1_bn=64, l2_bn=128)))
     return [c for c in out if only in json.dumps(c)]
 
 
@@ -146,9 +150,8 @@ def record(only: str = "") -> dict:
     return launches
 
 
-def _resources(cubin: bytes) -> dict:
-    """Registers, spill bytes and static shared memory of a cubin, from ``cuobjdump --dump-resource-usage``."""
-    import re
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump FLAG`` of a cubin (the one in Triton's package), as text."""
     import subprocess
     import tempfile
 
@@ -158,7 +161,14 @@ def _resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        txt = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _resources(cubin: bytes) -> dict:
+    """Registers, spill bytes and static shared memory of a cubin, from ``cuobjdump --dump-resource-usage``."""
+    import re
+
+    txt = _cuobjdump(cubin, "--dump-resource-usage")
     res = {}
     for key, pat in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"), ("local", r"LOCAL:(\d+)")):
         m = re.search(pat, txt)
@@ -182,8 +192,8 @@ SASS_CLASSES = {
     "fp alu": {"FADD", "FMUL", "FFMA", "FSETP", "FMNMX", "FSEL", "MUFU", "FCHK", "FSET", "DADD", "DMUL", "DFMA"},
 }
 #: SM schedulers of the H200 / H100 SXM (132 SMs x 4) and the SM clock the issue bound assumes: the H200's
-#: boost clock, 1980 MHz (nvidia-smi's max SM clock; BENCHMARKS.md's H200 runs were unlocked, so a kernel
-#: bound by issue runs near it while the card stays under its power limit)
+#: maximum SM clock, 1980 MHz (BENCHMARKS.md's H200 runs, clocks not locked: an issue-bound kernel runs at
+#: most that fast, less where the card meets its power limit)
 SCHEDULERS = 132 * 4
 CLOCK_HZ = 1.98e9
 #: copy bandwidth of the H200 the decode-size goals are stated against (BENCHMARKS.md, read + write)
@@ -198,7 +208,7 @@ def sass_class(instr: str) -> str:
     for name, ops in SASS_CLASSES.items():
         if op in ops:
             return name
-    return "uniform" if op.startswith("U") and op[1:] and op not in ("UNKNOWN",) else "other"
+    return "uniform" if op.startswith("U") else "other"
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str]]:
@@ -237,15 +247,16 @@ def named(arg_names: list, constexprs: dict) -> dict:
 
 def weight_bytes_per_step(qualname: str, constexprs: dict) -> int | None:
     """Weight and weight-scale bytes one iteration of a frag L1 / L2 kernel's K loop reads (the whole CTA):
-    ``rows x BK`` weights and their scales, rows = 2 BN for the L1 (gate and up, one dot or two), BN for
-    the L2; ``constexprs`` by name (``named``). None for any other kernel."""
+    ``KU x rows x BK`` weights and their scales, rows = 2 BN for the L1 (gate and up, one dot or two), BN for
+    the L2, KU the K blocks per loop trip (``KernelConfig.k_unroll``); ``constexprs`` by name (``named``).
+    None for any other kernel."""
     cx = constexprs
     if not ({"W_KIND", "BN", "BK"} <= set(cx) and qualname.endswith(("_l1_kernel", "_l2_kernel"))):
         return None
     rows = (2 if qualname.endswith("_l1_kernel") else 1) * cx["BN"]
     bk = cx["BK"]
     per_row = {0: bk // 2 + bk // 32, 1: bk + bk // 32, 2: bk // 2 + bk // 16, 3: 2 * bk}.get(cx["W_KIND"])
-    return None if per_row is None else rows * per_row
+    return None if per_row is None else rows * per_row * cx.get("KU", 1)
 
 
 def loop_mix(cubin: bytes, warps: int, weight_bytes: int | None) -> dict:
@@ -253,17 +264,8 @@ def loop_mix(cubin: bytes, warps: int, weight_bytes: int | None) -> dict:
     and with ``weight_bytes`` per iteration: warp instructions per weight byte for the CTA (``warps`` warps
     each run the loop) and the bandwidth at which every issue slot of the GPU would be busy."""
     import collections
-    import subprocess
-    import tempfile
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    body = main_loop(sass_instructions(sass))
+    body = main_loop(sass_instructions(_cuobjdump(cubin, "--dump-sass")))
     ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body)
     classes = collections.Counter(sass_class(t) for t in body)
     out = dict(loop_instr=len(body), classes=dict(classes.most_common()), opcodes=dict(ops.most_common()),
@@ -302,7 +304,7 @@ def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, a
 def _tile(ln: Launch) -> dict:
     """The tile constexprs a loop report names (those the kernel has)."""
     cx = named(ln.fn.arg_names, ln.constexprs)
-    keep = ("W_KIND", "BM", "BN", "BK", "GU", "FOLD", "SWORD", "WT", "SAHEAD", "KSPLIT")
+    keep = ("W_KIND", "BM", "BN", "BK", "GU", "FOLD", "SWORD", "WT", "SAHEAD", "KSPLIT", "KU")
     return {k: cx[k] for k in keep if k in cx}
 
 

@@ -167,7 +167,8 @@ def test_sass_loop_mix_counts_the_k_loop(tmp_path):
         cx = dict(W_KIND=0, BN=64, BK=128)
         out["bytes"] = [tool["weight_bytes_per_step"]("m._l1_kernel", cx), tool["weight_bytes_per_step"]("m._l2_kernel", cx),
                         tool["weight_bytes_per_step"]("m._l2_kernel", dict(cx, W_KIND=1)),
-                        tool["weight_bytes_per_step"]("m._combine_kernel", cx)]
+                        tool["weight_bytes_per_step"]("m._combine_kernel", cx),
+                        tool["weight_bytes_per_step"]("m._l1_kernel", dict(cx, KU=2))]
         out["classes"] = [tool["sass_class"](s) for s in ("@!P3 BRA 0x1100", "HGMMA.64x16x16.F32.BF16 R32, R96, gdesc[UR16], R32",
                           "LOP3.LUT R40, R80, 0xf000f, RZ, 0xc0, !PT", "LDGSTS.E.BYPASS.128 [R17], desc[UR16][R18.64]",
                           "UIADD3 UR5, UR5, 0x80, URZ", "HMUL2.BF16_V2 R96, R41, R90")]
@@ -183,5 +184,5 @@ def test_sass_loop_mix_counts_the_k_loop(tmp_path):
     assert loop["instr_per_byte"] == round(loop["loop_instr"] * 4 / (64 * 64 * 2), 4), loop
     assert res["no_loop_kernel"]["loop_instr"] == 0 and "instr_per_byte" not in res["no_loop_kernel"]
     assert res["add_loop_kernel"]["loop_instr"] > 0 and "mma" not in res["add_loop_kernel"]["classes"]
-    assert res["bytes"] == [128 * (64 + 4), 64 * (64 + 4), 64 * (128 + 4), None]
+    assert res["bytes"] == [128 * (64 + 4), 64 * (64 + 4), 64 * (128 + 4), None, 2 * 128 * (64 + 4)]
     assert res["classes"] == ["branch", "mma", "bit ops", "global/async load", "uniform", "half2 math"]
