@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for what the tree still owes a GPU (BENCHMARKS.md names each as "not yet timed"): the GPU kernel
 # tests on the tree as it is, the block-FP8 layer at decode sizes beside DeepGEMM (its gate/up kernels were timed
-# at 512-4096 tokens only), KernelConfig.scale_load "ahead" against the byte loads on the mxfp8 row, and the
-# decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
+# at 512-4096 tokens only), the off-by-default KernelConfig options (scale_load "ahead" on mxfp8, k_unroll 2)
+# against the default tiles, and the decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
 # SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64).
@@ -17,10 +17,6 @@ TOKENS=${TOKENS:-8,64}
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
        --no-baseline --no-staging)
-for sl in ahead bytes; do  # the scale-load comparison's kernels, as bench/decode_bw.sh builds them
-  MEGAMOE_TRITON_SCALES=$sl $PY bench/sweep.py --compile-only --rows mxfp8 --shapes qwen3-30b,2048,768,256,8 \
-    --tokens 8,64 --w-tile 16 --l1 1:32:4:3 --l2 64:4:3 --out "" >"$OUT/build_$sl.log" 2>&1 &
-done
 for j in 0 1 2 3; do
   $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/4" --out "" >"$OUT/build_table_$j.log" 2>&1 &
 done
@@ -31,8 +27,11 @@ el "2: block-FP8 layer at decode sizes beside DeepGEMM"
 timeout "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
   --out "$OUT/block8_decode" >"$OUT/block8_decode.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/block8_decode.log" | tail -10
-el "3: scale_load ahead vs bytes (mxfp8)"
-OUT=$OUT/decode_bw PHASES=ahead TOTAL_S=90 timeout "$(tmo 110)" bash bench/decode_bw.sh 2>&1 | grep -v "^#   bm=" | tail -30
+el "3: the off-by-default kernel options against the default tiles, whole layer (bench/config_pair.py)"
+timeout "$(tmo 70)" $PY bench/config_pair.py --set scale_load=ahead --rows mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
+  --rounds 2 --json "$OUT/scale_load_ahead.json" 2>&1 | tail -6
+timeout "$(tmo 90)" $PY bench/config_pair.py --set k_unroll=2 --rows mxfp4,mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
+  --rounds 2 --json "$OUT/k_unroll.json" 2>&1 | tail -10
 el "4: decode table with the peer (% of copy)"
 wait
 timeout "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
