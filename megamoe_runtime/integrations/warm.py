@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -105,8 +106,14 @@ def _new_cache_target(cache: Path) -> tuple[Path, bool]:
         return cache, False
     if not cache.parent.is_dir():
         raise kc.KernelCacheError(f"{cache.parent}: no such folder to create the kernel cache in")
-    tmp = cache.parent / f".{cache.name}.partial-{os.getpid()}"
-    (tmp / kc.ENTRIES_DIR).mkdir(parents=True)
+    # a folder of a new, unique name (never one a killed earlier build or anyone else left: it is deleted on
+    # failure and renamed into the cache on success)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.partial-", dir=cache.parent))
+    except OSError as e:
+        raise kc.KernelCacheError(f"{cache.parent}: cannot create the kernel cache there ({e.strerror or e}); "
+                                  "name a writable folder with --cache") from None
+    (tmp / kc.ENTRIES_DIR).mkdir()
     return tmp, True
 
 

@@ -190,3 +190,24 @@ def test_shipped_cache_leaves_nothing_to_compile(tmp_path, ckpts):
 
     assert fresh_run("1, 5", tmp_path / "t1") == shipped
     assert fresh_run("64", tmp_path / "t2") - shipped  # not in the cache: compiled at first use
+
+
+def test_build_cache_never_takes_over_a_folder_it_did_not_make(tmp_path, ckpts, gpu_env):
+    """A leftover ``.kc.partial-<pid>`` (a killed earlier build, whose pid a container's next process gets again;
+    or anyone's folder of that name) is neither written into, renamed into the cache, nor deleted on failure,
+    and it does not block the build."""
+    import os
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    stale = tmp_path / f".kc.partial-{os.getpid()}"
+    stale.mkdir()
+    (stale / "notes.txt").write_text("keep")
+    with pytest.raises(kc.KernelCacheError, match="warm worker failed"):
+        warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="no-such-backend", device="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stale.name]
+    assert [p.name for p in stale.iterdir()] == ["notes.txt"] and (stale / "notes.txt").read_text() == "keep"
+    (stale / kc.ENTRIES_DIR).mkdir()  # what a killed build leaves: the next one still builds
+    res = warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="reference", device="cpu")
+    assert res["ok"] and kc.read_manifest(tmp_path / "kc")["tokens"] == [1]
+    assert sorted(p.name for p in stale.iterdir()) == sorted([kc.ENTRIES_DIR, "notes.txt"])
+    assert not (tmp_path / "kc" / "notes.txt").exists()
