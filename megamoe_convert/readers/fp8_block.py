@@ -19,6 +19,8 @@ scales finite and > 0, no E4M3 NaN byte in a weight).
 
 from __future__ import annotations
 
+import json
+
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, quant_config_of
 from .deepseek_v4 import looks_v4
@@ -52,6 +54,8 @@ def _is_block_fp8(source) -> bool:
 def block_fp8_reason(what: str, block, fmt=None) -> str | None:
     """Why a block-FP8 declaration cannot be the fp8_block row, or None."""
     if block != _BLOCK:
+        if not isinstance(block, list):  # '"[128, 128]"' (a string) printed bare would read as the right value
+            block = f"{json.dumps(block)} (not a list [rows, cols])"
         return (f"{what} declares weight blocks of {block}; the fp8_block row (DeepGEMM's SM90 fp8_mega_moe, recipe "
                 f"(128, 128, 128)) takes exactly {_BLOCK}. Re-export with 128x128 blocks (transformers "
                 "FineGrainedFP8Config(weight_block_size=(128, 128)), llm-compressor scheme FP8_BLOCK)")

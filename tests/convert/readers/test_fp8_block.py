@@ -202,6 +202,16 @@ def test_other_block_sizes_refused_with_the_values(tmp_path, block):
     assert not out.exists()
 
 
+def test_block_size_that_is_no_list_is_shown_as_json(tmp_path):
+    """A string "[128, 128]" was shown bare ("declares weight blocks of [128, 128]; ... takes exactly [128, 128]")."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = "[128, 128]"
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out")])
+    assert r.exit_code == 2 and 'weight blocks of "[128, 128]" (not a list [rows, cols])' in r.output, r.output
+
+
 def test_ct_block_structure_other_than_128_refused(tmp_path):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-fp8-block", **SIZES, seed=3)
     cfg = json.loads((src / "config.json").read_text())
