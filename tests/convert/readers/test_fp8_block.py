@@ -306,3 +306,40 @@ def test_huge_scale_over_small_or_zero_elements_still_converts(tmp_path):
     convert(src, tmp_path / "out")
     got = _files(tmp_path / "out")["model.layers.1.mlp.megamoe.l1_scale"][2]
     assert bool((got == 2.0 ** 126).any())
+
+
+@pytest.mark.parametrize("quantize", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantize_refuses_a_non_finite_source_weight(tmp_path, quantize, value):
+    """--quantize of a BF16 source holding NaN / inf: refused naming layer, expert, tensor, index and value.
+    Before: fp8_block blamed 'E4M3 weight byte(s) are NaN' (its own quantizer's output) and mxfp8 converted
+    (the layer served NaN)."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+    def put(w):
+        w = w.clone()
+        w[5, 7] = value
+        return w
+    _edit(src, _set(name, put))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--quantize", quantize])
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2 and err.startswith("error: ") and err.count("\n") == 1, r.output
+    for n in ("layer 1 expert 2 up", name, "1 non-finite value", f"first at [5, 7] = {value!r}", f"--quantize {quantize}"):
+        assert n in err, f"{n!r} not in {err!r}"
+    assert not out.exists() and not temp_dir_for(out).exists()
+
+
+def test_quantize_non_finite_in_fused_experts_names_the_expert(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7, naming="fused")
+    name = "model.layers.0.mlp.experts.down_proj"
+
+    def put(w):
+        w = w.clone()
+        w[3].view(-1)[0] = float("-inf")
+        return w
+    _edit(src, _set(name, put))
+    with pytest.raises(Exception, match=rf"layer 0 expert 3 down: {name}\[3\] .*first at \[0, 0\] = -inf"):
+        convert(src, tmp_path / "out", quantize="fp8_block")
+    assert not (tmp_path / "out").exists()
