@@ -17,8 +17,8 @@ import json
 import os
 import shutil
 import subprocess
+import secrets
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -106,13 +106,19 @@ def _new_cache_target(cache: Path) -> tuple[Path, bool]:
         return cache, False
     if not cache.parent.is_dir():
         raise kc.KernelCacheError(f"{cache.parent}: no such folder to create the kernel cache in")
-    # a folder of a new, unique name (never one a killed earlier build or anyone else left: it is deleted on
-    # failure and renamed into the cache on success)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.partial-", dir=cache.parent))
-    except OSError as e:
-        raise kc.KernelCacheError(f"{cache.parent}: cannot create the kernel cache there ({e.strerror or e}); "
-                                  "name a writable folder with --cache") from None
+    # a folder this call creates, of a name no one had (never one a killed earlier build of the same pid or
+    # anyone else left: it is deleted on failure and renamed into the cache on success); os.mkdir, not mkdtemp,
+    # so the shipped cache gets the umask's permissions (mkdtemp's 0700 would hide it from a serving user)
+    while True:
+        tmp = cache.parent / f".{cache.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(tmp)
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise kc.KernelCacheError(f"{cache.parent}: cannot create the kernel cache there ({e.strerror or e}); "
+                                      "name a writable folder with --cache") from None
     (tmp / kc.ENTRIES_DIR).mkdir()
     return tmp, True
 

@@ -211,3 +211,5 @@ def test_build_cache_never_takes_over_a_folder_it_did_not_make(tmp_path, ckpts, 
     assert res["ok"] and kc.read_manifest(tmp_path / "kc")["tokens"] == [1]
     assert sorted(p.name for p in stale.iterdir()) == sorted([kc.ENTRIES_DIR, "notes.txt"])
     assert not (tmp_path / "kc" / "notes.txt").exists()
+    (tmp_path / "plain").mkdir()  # the cache a serving user reads gets a plain folder's permissions (not 0700)
+    assert (tmp_path / "kc").stat().st_mode == (tmp_path / "plain").stat().st_mode
