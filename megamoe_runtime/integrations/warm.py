@@ -144,6 +144,11 @@ def build_cache(folder: Union[str, os.PathLike], cache: Union[str, os.PathLike, 
         raise kc.KernelCacheError("no CUDA device: a kernel cache is compiled on the GPU (architecture) it serves")
     if jobs < 1:
         raise kc.KernelCacheError(f"jobs={jobs}: expected at least 1 worker process")
+    if ckpt.ep_size != 1:  # its forwards dispatch over torch.distributed, which one worker process does not have
+        raise kc.KernelCacheError(
+            f"{folder} was converted with --ep-size {ckpt.ep_size}: warm runs single-process forwards, and an "
+            "expert-parallel layer's forward dispatches its tokens over torch.distributed; no cache is built for "
+            "it (its kernels compile at first use, as without one)")
     tokens = sorted(set(int(t) for t in tokens))
     layers = distinct_layers(ckpt)
     target, fresh = _new_cache_target(cache)

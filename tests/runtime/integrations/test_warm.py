@@ -73,6 +73,18 @@ def test_build_cache_refusals(tmp_path, ckpts, monkeypatch):
     assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.partial-*"))
 
 
+def test_build_cache_refuses_an_expert_parallel_folder_before_any_worker(tmp_path, ckpts, gpu_env, monkeypatch):
+    """An --ep-size 2 folder: before, each worker loaded its layer and failed ('warm worker failed: ... needs
+    torch.distributed initialised ... or build with ep_size=1'); now one refusal, no worker started."""
+    import subprocess
+
+    _, out = ckpts.converted("modelopt-mxfp4", ep_size=2)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(kc.KernelCacheError, match="converted with --ep-size 2: warm runs single-process forwards"):
+        warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="reference", device="cpu")
+    assert not list(tmp_path.iterdir())
+
+
 def test_build_cache_workers_and_new_folder(tmp_path, ckpts, gpu_env):
     _, out = ckpts.converted("modelopt-mxfp4")
     cache = tmp_path / "kc"
