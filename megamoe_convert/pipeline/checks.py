@@ -60,7 +60,8 @@ def _source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") ->
         if kind and kind not in n.rsplit(".", 1)[-1]:
             continue
         out.append(n)
-    return out
+    exact = [n for n in out if n.rsplit(".", 1)[-1] == kind]
+    return exact or out  # "weight" names the weight, not also its weight_scale_inv
 
 
 def _shared_source_names(info: MoELayerInfo, role: str, kind: str = "") -> list[str]:
@@ -343,7 +344,9 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
 def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
                              name_hint: Callable[[], str] | None,
                              weight: Callable[[], torch.Tensor] | None) -> None:
-    """fp32 block scales finite and > 0 (zero only over an all-zero block), E4M3 weights free of NaN bytes."""
+    """fp32 block scales finite and > 0 (zero only over an all-zero block), and small enough that the block's
+    largest E4M3 magnitude times its scale stays finite in fp32 (a finite scale such as 1e38 would dequantize
+    the block to inf, and the layer's output to NaN)."""
     s = p.scale
     w = (p.weight if weight is None else weight()).view(torch.uint8)
     full = lambda: f"{where}{name_hint() if name_hint else ''}"  # noqa: E731
@@ -360,6 +363,22 @@ def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
             f"{full()}: {int(bad.sum())} of {bad.numel()} fp32 block scale(s) are not finite and > 0 (a zero "
             f"scale only over an all-zero block); first at [row block, col block] = {list(first)} = "
             f"{float(s[first])!r}, scale shape {list(s.shape)}")
+    if float(s.max()) * _E4M3_MAX > _F32_MAX:  # only then can a block overflow: look at its magnitudes
+        # E4M3 magnitudes order as their low 7 bits, so the block's largest byte is its largest |element|
+        mag = (w & 0x7F).unflatten(-1, (-1, row.weight.scale_group)).amax(-1).unflatten(-2, (-1, b)).amax(-2)
+        top = mag.view(torch.float8_e4m3fn).float()
+        over = ~torch.isfinite(top * s)
+        if bool(over.any()):
+            first = tuple(int(i) for i in over.nonzero()[0].tolist())
+            raise ScaleError(
+                f"{full()}: {int(over.sum())} of {over.numel()} fp32 block scale(s) make their block overflow "
+                f"fp32 (largest |E4M3| of the block x scale is inf); first at [row block, col block] = "
+                f"{list(first)} = {float(s[first])!r} over |E4M3| {float(top[first])!r}, scale shape "
+                f"{list(s.shape)}")
+
+
+_E4M3_MAX = 448.0
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_e4m3_weight(weight: torch.Tensor, where: str, name_hint: Callable[[], str]) -> None:

@@ -493,14 +493,14 @@ class SchemeReader(CheckpointReader):
                     f"{self.scheme.name} tensors its quantization config declares. megamoe re-encodes that form "
                     "only for Quark MXFP8; export the model again with real quantized weights (Quark: "
                     "export_safetensors(weight_format=\"real_quantized\")), or convert the unquantized model with "
-                    "--quantize mxfp4|mxfp8|nvfp4"
+                    "--quantize mxfp4|mxfp8|nvfp4|fp8_block"
                 )
         if len(excluded) == total and not by_cfg:
             raise FormatError(
                 f"{where}: all {total} routed expert projections are stored unquantized (e.g. "
                 f"{self._where(tensors['weight'])}, {dtype}), although the quantization config declares "
                 f"{self.scheme.name}; the config does not describe these tensors. If the model is meant to be "
-                "unquantized, convert it with --format unquantized (add --quantize mxfp4|mxfp8|nvfp4 for a "
+                "unquantized, convert it with --format unquantized (add --quantize mxfp4|mxfp8|nvfp4|fp8_block for a "
                 "quantized row)"
             )
         raise FormatError(
@@ -530,7 +530,7 @@ class SchemeReader(CheckpointReader):
             raise FormatError(
                 f"{where}: quantized fused experts {names} are not supported (only plain float fused "
                 "gate_up_proj [E, 2I, H] / down_proj [E, H, I]); to convert it, export per-expert modules with the "
-                "producer, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
+                "producer, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block"
             )
         gname = gu.get("") or gu.get("weight")
         dname = dn.get("") or dn.get("weight")

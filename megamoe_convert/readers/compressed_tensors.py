@@ -131,7 +131,7 @@ def _ct_fp8_block_reason(source) -> str | None:
                 f"(weights num_bits={w.get('num_bits')} type={w.get('type')!r} strategy={strat!r}). Supported "
                 f"compressed-tensors formats: {', '.join(_SUPPORTED)} (float-quantized: strategy 'block' "
                 "[128, 128]). To convert this model: re-export it with llm-compressor scheme FP8_BLOCK, NVFP4, "
-                "MXFP4 or MXFP8, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
+                "MXFP4 or MXFP8, or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block")
     from .fp8_block import block_fp8_reason
 
     bs = w.get("block_structure")
@@ -182,7 +182,7 @@ class _CTReader(SchemeReader):
             f"compressed-tensors format {fmt!r} is not supported: {why}. "
             f"Supported compressed-tensors formats: {', '.join(_SUPPORTED)}. To convert this model: re-export it "
             "with llm-compressor scheme NVFP4, MXFP4 or MXFP8 (the weight-only NVFP4A16 / MXFP4A16 / MXFP8A16 with "
-            "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4"
+            "--accept-activation-change), or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block"
         )
 
     @classmethod

@@ -133,7 +133,7 @@ class DeepSeekV4Reader(SchemeReader):
             f"{'(scale_fmt ' + repr(sf) + ') ' if sf else ''}is per-tensor or per-channel FP8, which no MegaMoE "
             "row holds; supported FP8: 128x128 block FP8 (weight_block_size [128, 128], the fp8_block row) and "
             "DeepSeek-V4 native experts. To convert this model: re-export it with 128x128 blocks, or convert the "
-            "unquantized model with --quantize mxfp4|mxfp8|nvfp4"
+            "unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block"
         )
 
     @classmethod

@@ -14,10 +14,13 @@ copied unchanged. Detection leaves DeepSeek-V4's UE8M0 layout to its reader.
 Refused, with the values: block sizes other than [128, 128], ``fmt`` other than
 E4M3, UE8M0 scale storage (``scale_fmt: "ue8m0"`` with F8_E8M0 tensors: the dtype
 check names them), and the value checks every row has (`checks.check_expert`:
-scales finite and > 0, no E4M3 NaN byte in a weight).
+scales finite and > 0, no E4M3 NaN byte in a weight; for these fp32 scales also
+none that makes its block overflow fp32).
 """
 
 from __future__ import annotations
+
+import json
 
 from .base import register_reader
 from .common import Param, Scheme, SchemeReader, quant_config_of
@@ -52,6 +55,8 @@ def _is_block_fp8(source) -> bool:
 def block_fp8_reason(what: str, block, fmt=None) -> str | None:
     """Why a block-FP8 declaration cannot be the fp8_block row, or None."""
     if block != _BLOCK:
+        if not isinstance(block, list):  # '"[128, 128]"' (a string) printed bare would read as the right value
+            block = f"{json.dumps(block)} (not a list [rows, cols])"
         return (f"{what} declares weight blocks of {block}; the fp8_block row (DeepGEMM's SM90 fp8_mega_moe, recipe "
                 f"(128, 128, 128)) takes exactly {_BLOCK}. Re-export with 128x128 blocks (transformers "
                 "FineGrainedFP8Config(weight_block_size=(128, 128)), llm-compressor scheme FP8_BLOCK)")

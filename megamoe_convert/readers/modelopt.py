@@ -65,7 +65,7 @@ _ACTIVATIONS = {
 #: what would convert such a model instead (every remaining refusal says it)
 _CONVERTIBLE = ("re-export the BF16 model with a ModelOpt recipe these kernels read (NVFP4, MXFP4, MXFP8, "
                "W4A8_MXFP4_FP8; W4A16_NVFP4 / W4A8_NVFP4_FP8 with --accept-activation-change), or convert the "
-               "unquantized model with --quantize mxfp4|mxfp8|nvfp4")
+               "unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block")
 _WHY_NOT = {
     "W4A8_AWQ": "INT4 AWQ weights with FP8 activations are not an MX/NV FP4 format and carry pre_quant_scale",
     "NVFP4_AWQ": "its per-channel pre_quant_scale (AWQ smoothing) has no slot in the kernels",

@@ -159,7 +159,7 @@ def weight_format(source) -> str:
 
 #: how to make a Quark export megamoe reads, for the refusal of a fake-quantized one it cannot
 _REAL_EXPORT_HINT = ("re-export it with quark.torch.export_safetensors(model, out, weight_format=\"real_quantized\"), "
-                    "or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4")
+                    "or convert the unquantized model with --quantize mxfp4|mxfp8|nvfp4|fp8_block")
 
 
 def fake_quantized_to_mxfp8(w: torch.Tensor, scale: torch.Tensor, where: str, wname: str, sname: str
@@ -237,7 +237,7 @@ class _QuarkReader(SchemeReader):
             "(MXFP4), [fp4 per_group 16, fp8 per_tensor] (NVFP4), fp8_e4m3 per_group 32 e8m0 (MXFP8). To convert "
             "this model: re-export it with one of those (Quark schemes mxfp4, mxfp4_fp8, nvfp4; the weight-only "
             "mxfp4_weight_only with --accept-activation-change), or convert the unquantized model with "
-            "--quantize mxfp4|mxfp8|nvfp4"
+            "--quantize mxfp4|mxfp8|nvfp4|fp8_block"
         )
 
     @classmethod

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_runtime.errors import FormatError
+from megamoe_runtime.errors import CheckpointError, FormatError
 from megamoe_runtime.format.canonical import ExpertTensors
 from megamoe_runtime.format.formats import QUANTIZE_ROWS, get_row
 
@@ -110,9 +110,29 @@ class UnquantizedReader(SchemeReader):
             return super().read_expert(layer_index, expert)  # raises the range error
         gate, up, down = self._raw(layer_index, expert)
         where = f"{self.source.id}: layer {layer_index} expert {expert}"
+        if self.quantize:
+            self._check_finite(layer_index, expert, where, (gate, up, down))
         et = self._encode(gate, up, down)
         et.validate(self.row, info.hidden, info.intermediate, where)
         return et
+
+    def _check_finite(self, layer_index: int, expert: int, where: str, weights) -> None:
+        """A NaN or inf must not reach a quantizer: it would come out as a scale or element that hides it (an
+        inf block's scale is inf and every element NaN or 0), or as a NaN code blamed on the quantized bytes."""
+        for role, w in zip(naming.ROLES, weights):
+            bad = ~torch.isfinite(w)
+            if not bool(bad.any()):
+                continue
+            _, _, res = self._entry(layer_index)
+            if "_fused" in res:
+                gname, dname = res["_fused"]
+                name = f"{dname if role == 'down' else gname}[{expert}]"
+            else:
+                name = res[(expert, role)].names["weight"]
+            first = [int(i) for i in bad.nonzero()[0].tolist()]
+            raise CheckpointError(
+                f"{where} {role}: {name} ({w.dtype}) holds {int(bad.sum())} non-finite value(s); first at {first} "
+                f"= {float(w[tuple(first)])!r}. --quantize {self.quantize} needs finite weights: fix the source")
 
     def _encode(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
         # --quantize nvfp4: gate and up share one global scale (ExpertTensors.quantize)

@@ -176,6 +176,16 @@ def backend_status(device: Union[str, torch.device, None] = "cpu", spec: Any = N
     return out
 
 
+def _no_cuda_reason() -> Optional[str]:
+    """Why this process cannot use a CUDA device (naming the installed torch), or None when it can."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build: it has no CUDA; a GPU needs a CUDA build of "
+                "torch")
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device on this machine"
+
+
 def get_backend(name: str = "auto", device: Union[str, torch.device, None] = "cpu", *,
                 spec: Any = None, **kwargs: Any) -> Any:
     """A backend instance by name, for `device`.
@@ -195,6 +205,12 @@ def get_backend(name: str = "auto", device: Union[str, torch.device, None] = "cp
                                               f"layer: {sup}")
         return name
     dev = _as_device(device)
+    if dev.type == "cuda":
+        why = _no_cuda_reason()
+        if why is not None:  # before any backend or allocation: torch's own error names neither
+            raise BackendUnavailableError(
+                f"backend {name!r} on device {str(dev)!r}: {why}; on the CPU use device='cpu' (backend 'auto' "
+                "picks the reference backend there)")
     if name == "auto":
         reasons = []
         for cand in AUTO_ORDER:

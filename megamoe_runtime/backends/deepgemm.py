@@ -115,7 +115,13 @@ def import_failure_message(e: BaseException) -> str:
     symbol; a missing package with ModuleNotFoundError. Both need the user to install a build
     for *their* torch, so the message names it."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    hint = (f"for Hopper (the fp8_block row) with torch 2.11: pip install {_SGL_DEEP_GEMM_FOR_TORCH_2_11}; "
+    mismatch = []
+    if not torch.__version__.startswith("2.11."):
+        mismatch.append(f"that build loads only with torch 2.11, not this {torch.__version__}")
+    if torch.version.cuda is None:
+        mismatch.append("every DeepGEMM build needs a CUDA build of torch, and this one is CPU-only")
+    hint = (f"for Hopper (the fp8_block row) with torch 2.11: pip install {_SGL_DEEP_GEMM_FOR_TORCH_2_11}"
+            f"{' (' + '; '.join(mismatch) + ')' if mismatch else ''}; "
             f"for SM100: DeepGEMM (github.com/deepseek-ai/DeepGEMM) built against this torch")
     if "undefined symbol" in first:
         return (f"deep_gemm is built for another torch than the installed torch {torch.__version__} "

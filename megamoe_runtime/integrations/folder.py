@@ -166,8 +166,9 @@ def check_folder_for_model(folder: Union[str, os.PathLike], config: Mapping[str,
 
 def _report_problems(rep: Any) -> list[str]:
     out = list(rep.errors)
-    out += [f"{name}: {sum(b - a for a, b in cov.missing)} byte(s) never written"
-            for name, cov in rep.missing.items()]
+    if not out:  # a file error (missing, truncated, bad header) leaves its bytes unwritten: name the cause only
+        out += [f"{name}: {sum(b - a for a, b in cov.missing)} byte(s) never written"
+                for name, cov in rep.missing.items()]
     out += [f"unknown tensor {n}" for n in rep.unknown_names]
     out += [f"tensor {n} listed twice" for n in rep.duplicate_names]
     return out or ["the reload dry run failed"]

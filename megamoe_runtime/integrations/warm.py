@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import secrets
 import sys
 import time
 import warnings
@@ -105,8 +106,20 @@ def _new_cache_target(cache: Path) -> tuple[Path, bool]:
         return cache, False
     if not cache.parent.is_dir():
         raise kc.KernelCacheError(f"{cache.parent}: no such folder to create the kernel cache in")
-    tmp = cache.parent / f".{cache.name}.partial-{os.getpid()}"
-    (tmp / kc.ENTRIES_DIR).mkdir(parents=True)
+    # a folder this call creates, of a name no one had (never one a killed earlier build of the same pid or
+    # anyone else left: it is deleted on failure and renamed into the cache on success); os.mkdir, not mkdtemp,
+    # so the shipped cache gets the umask's permissions (mkdtemp's 0700 would hide it from a serving user)
+    while True:
+        tmp = cache.parent / f".{cache.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(tmp)
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise kc.KernelCacheError(f"{cache.parent}: cannot create the kernel cache there ({e.strerror or e}); "
+                                      "name a writable folder with --cache") from None
+    (tmp / kc.ENTRIES_DIR).mkdir()
     return tmp, True
 
 
@@ -131,6 +144,11 @@ def build_cache(folder: Union[str, os.PathLike], cache: Union[str, os.PathLike, 
         raise kc.KernelCacheError("no CUDA device: a kernel cache is compiled on the GPU (architecture) it serves")
     if jobs < 1:
         raise kc.KernelCacheError(f"jobs={jobs}: expected at least 1 worker process")
+    if ckpt.ep_size != 1:  # its forwards dispatch over torch.distributed, which one worker process does not have
+        raise kc.KernelCacheError(
+            f"{folder} was converted with --ep-size {ckpt.ep_size}: warm runs single-process forwards, and an "
+            "expert-parallel layer's forward dispatches its tokens over torch.distributed; no cache is built for "
+            "it (its kernels compile at first use, as without one)")
     tokens = sorted(set(int(t) for t in tokens))
     layers = distinct_layers(ckpt)
     target, fresh = _new_cache_target(cache)

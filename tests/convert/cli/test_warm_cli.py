@@ -67,3 +67,25 @@ def test_success_output(ckpts, monkeypatch, tmp_path):
     assert seen == {"folder": out, "cache": tmp_path / "c", "tokens": [1, 8], "jobs": 3}
     r = run_cli("warm", out)
     assert r.exit_code == 0 and "12 kernels" in r.stdout and seen["cache"] is None
+
+
+def test_read_only_folder_one_line_naming_cache(ckpts, monkeypatch, tmp_path):
+    """FOLDER where the cache cannot be created (read-only image layer, a mount): one error line naming the
+    folder and --cache, exit 2, nothing written (the read-only folder is simulated: tests may run as root)."""
+    import os
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(ENV))
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *a, **k):
+        if os.path.dirname(os.fspath(path)) == str(out):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    before = sorted(p.name for p in out.iterdir())
+    r = run_cli("warm", out)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert r.stderr.startswith(f"error: {out}: cannot create the kernel cache there (Permission denied)")
+    assert "--cache" in r.stderr and sorted(p.name for p in out.iterdir()) == before

@@ -255,6 +255,12 @@ BAD = [
     ("wrong shape", "modelopt-mxfp4", dict(wrong_shape=(0, 3, "down")), None,
      ["layer 0 expert 3 down", "model.layers.0.mlp.experts.3.down_proj.weight", "255"]),
     ("unsupported format", "modelopt-nvfp4", {}, _unsupported, []),
+    # block FP8 (the experts the converter reads in place): the same refusals before anything is written
+    ("truncated fp8-block shard", "fp8-block", {}, _truncate, []),
+    ("missing fp8-block expert", "fp8-block", dict(missing_expert=(1, 3)), None,
+     ["layer 1 is missing expert(s) [3] of 4", "model.layers.1.mlp.experts.3"]),
+    ("missing ct-fp8-block expert", "ct-fp8-block", dict(missing_expert=(0, 0)), None,
+     ["layer 0 is missing expert(s) [0] of 4", "model.layers.0.mlp.experts.0"]),
     ("row-incompatible size", "modelopt-nvfp4", dict(hidden=192), None,
      ["MoE layer 0", "hidden=192 is not a multiple of 128", "128 or 256"]),
 ]

@@ -135,6 +135,12 @@ def _nan_byte(w):
     return w.view(torch.float8_e4m3fn)
 
 
+def _nan_byte_7f(w):
+    w = w.view(torch.uint8).clone()
+    w[3, 5] = 0x7F
+    return w.view(torch.float8_e4m3fn)
+
+
 def _scale(v):
     def f(s):
         s = s.clone()
@@ -156,6 +162,12 @@ BAD = [
      ["MoE layer 1", "expert 2", "down", "0.0", "all-zero block"]),
     ("E4M3 NaN weight byte", _set(f"{P}.up_proj.weight", _nan_byte),
      ["MoE layer 1", "expert 2", "up weight", f"{P}.up_proj.weight in", "NaN", "[3, 5]", "0xFF"]),
+    ("E4M3 NaN weight byte 0x7F", _set(f"{P}.down_proj.weight", _nan_byte_7f),
+     ["MoE layer 1", "expert 2", "down weight", f"(source tensor {P}.down_proj.weight in model.safetensors)",
+      "[3, 5]", "0x7F"]),
+    ("scale whose block overflows fp32", _set(f"{P}.gate_proj.weight_scale_inv", _scale(2.0 ** 126)),
+     ["MoE layer 1", "expert 2", "gate scale", f"{P}.gate_proj.weight_scale_inv", "[0, 0] = 8.507059173023462e+37 over |E4M3| 448.0",
+      "make their block overflow fp32"]),
     ("mixed formats: one expert BF16", _set(f"{P}.up_proj.weight", lambda w: w.float().to(torch.bfloat16)),
      ["layer 1", "1 of 12 routed expert projection(s) stored unquantized", f"{P}.up_proj.weight"]),
     ("mixed formats: UE8M0 scale", _set(f"{P}.gate_proj.weight_scale_inv",
@@ -188,6 +200,16 @@ def test_other_block_sizes_refused_with_the_values(tmp_path, block):
     r = CliRunner().invoke(main, ["convert", str(src), str(out)])
     assert r.exit_code == 2 and f"weight blocks of {block}" in r.output and "[128, 128]" in r.output, r.output
     assert not out.exists()
+
+
+def test_block_size_that_is_no_list_is_shown_as_json(tmp_path):
+    """A string "[128, 128]" was shown bare ("declares weight blocks of [128, 128]; ... takes exactly [128, 128]")."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = "[128, 128]"
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out")])
+    assert r.exit_code == 2 and 'weight blocks of "[128, 128]" (not a list [rows, cols])' in r.output, r.output
 
 
 def test_ct_block_structure_other_than_128_refused(tmp_path):
@@ -266,3 +288,58 @@ def test_quantize_bf16_source_into_the_row(tmp_path):
     assert torch.equal(got["model.layers.1.mlp.megamoe.l2_scale"][3], scale)
     assert torch.equal(got["model.layers.1.mlp.megamoe.l2_weight"][3].view(torch.uint8), codes.view(torch.uint8))
     assert all(r.ok for r in compare_with_source(src, out, quantize="fp8_block"))
+
+
+def test_huge_scale_over_small_or_zero_elements_still_converts(tmp_path):
+    """The overflow refusal looks at each block's largest element: 2**126 over an all-zero block, or over
+    elements of at most 1.75 (1.75 * 2**126 is finite in fp32), converts unchanged."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
+
+    def fn(t):
+        w = t[f"{P}.gate_proj.weight"].view(torch.uint8).clone()
+        w[:, :128] = 0
+        w[:, 128:] = torch.where((w[:, 128:] & 0x7F) > 0x3E, w[:, 128:] & 0x80 | 0x3E, w[:, 128:])  # |x| <= 1.75
+        t[f"{P}.gate_proj.weight"] = w.view(torch.float8_e4m3fn)
+        t[f"{P}.gate_proj.weight_scale_inv"] = torch.full_like(t[f"{P}.gate_proj.weight_scale_inv"], 2.0 ** 126)
+    _edit(src, fn)
+    assert float(torch.tensor(0x3E, dtype=torch.uint8).view(torch.float8_e4m3fn).float()) == 1.75
+    convert(src, tmp_path / "out")
+    got = _files(tmp_path / "out")["model.layers.1.mlp.megamoe.l1_scale"][2]
+    assert bool((got == 2.0 ** 126).any())
+
+
+@pytest.mark.parametrize("quantize", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantize_refuses_a_non_finite_source_weight(tmp_path, quantize, value):
+    """--quantize of a BF16 source holding NaN / inf: refused naming layer, expert, tensor, index and value.
+    Before: fp8_block blamed 'E4M3 weight byte(s) are NaN' (its own quantizer's output) and mxfp8 converted
+    (the layer served NaN)."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+    def put(w):
+        w = w.clone()
+        w[5, 7] = value
+        return w
+    _edit(src, _set(name, put))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--quantize", quantize])
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2 and err.startswith("error: ") and err.count("\n") == 1, r.output
+    for n in ("layer 1 expert 2 up", name, "1 non-finite value", f"first at [5, 7] = {value!r}", f"--quantize {quantize}"):
+        assert n in err, f"{n!r} not in {err!r}"
+    assert not out.exists() and not temp_dir_for(out).exists()
+
+
+def test_quantize_non_finite_in_fused_experts_names_the_expert(tmp_path):
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7, naming="fused")
+    name = "model.layers.0.mlp.experts.down_proj"
+
+    def put(w):
+        w = w.clone()
+        w[3].view(-1)[0] = float("-inf")
+        return w
+    _edit(src, _set(name, put))
+    with pytest.raises(Exception, match=rf"layer 0 expert 3 down: {name}\[3\] .*first at \[0, 0\] = -inf"):
+        convert(src, tmp_path / "out", quantize="fp8_block")
+    assert not (tmp_path / "out").exists()

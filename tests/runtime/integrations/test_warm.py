@@ -73,6 +73,18 @@ def test_build_cache_refusals(tmp_path, ckpts, monkeypatch):
     assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.partial-*"))
 
 
+def test_build_cache_refuses_an_expert_parallel_folder_before_any_worker(tmp_path, ckpts, gpu_env, monkeypatch):
+    """An --ep-size 2 folder: before, each worker loaded its layer and failed ('warm worker failed: ... needs
+    torch.distributed initialised ... or build with ep_size=1'); now one refusal, no worker started."""
+    import subprocess
+
+    _, out = ckpts.converted("modelopt-mxfp4", ep_size=2)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(kc.KernelCacheError, match="converted with --ep-size 2: warm runs single-process forwards"):
+        warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="reference", device="cpu")
+    assert not list(tmp_path.iterdir())
+
+
 def test_build_cache_workers_and_new_folder(tmp_path, ckpts, gpu_env):
     _, out = ckpts.converted("modelopt-mxfp4")
     cache = tmp_path / "kc"
@@ -190,3 +202,26 @@ def test_shipped_cache_leaves_nothing_to_compile(tmp_path, ckpts):
 
     assert fresh_run("1, 5", tmp_path / "t1") == shipped
     assert fresh_run("64", tmp_path / "t2") - shipped  # not in the cache: compiled at first use
+
+
+def test_build_cache_never_takes_over_a_folder_it_did_not_make(tmp_path, ckpts, gpu_env):
+    """A leftover ``.kc.partial-<pid>`` (a killed earlier build, whose pid a container's next process gets again;
+    or anyone's folder of that name) is neither written into, renamed into the cache, nor deleted on failure,
+    and it does not block the build."""
+    import os
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    stale = tmp_path / f".kc.partial-{os.getpid()}"
+    stale.mkdir()
+    (stale / "notes.txt").write_text("keep")
+    with pytest.raises(kc.KernelCacheError, match="warm worker failed"):
+        warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="no-such-backend", device="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stale.name]
+    assert [p.name for p in stale.iterdir()] == ["notes.txt"] and (stale / "notes.txt").read_text() == "keep"
+    (stale / kc.ENTRIES_DIR).mkdir()  # what a killed build leaves: the next one still builds
+    res = warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="reference", device="cpu")
+    assert res["ok"] and kc.read_manifest(tmp_path / "kc")["tokens"] == [1]
+    assert sorted(p.name for p in stale.iterdir()) == sorted([kc.ENTRIES_DIR, "notes.txt"])
+    assert not (tmp_path / "kc" / "notes.txt").exists()
+    (tmp_path / "plain").mkdir()  # the cache a serving user reads gets a plain folder's permissions (not 0700)
+    assert (tmp_path / "kc").stat().st_mode == (tmp_path / "plain").stat().st_mode
