@@ -1,0 +1,119 @@
+"""The Gluon L2 experiment of the block-FP8 row (``bench/gluon_block8.py``) compiles for Hopper (sm_90) on a
+machine without a GPU, without spills, and its K loop keeps one wgmma group in flight while it promotes.
+
+Why: the experiment exists to get ``wgmma.wait_group 1`` into the L2's K loop (docs/KERNELS.md "Where prefill
+still loses to DeepGEMM": Triton waits for every dot before its promotion), and ptxas may still serialize the
+MMAs of a kernel it cannot prove safe (its C7514 / C7515 notes, which Triton does not show), so both the PTX
+and the SASS K loop are checked. Negative control: the same kernel with ``WAIT=0`` must fail the check. That
+the kernel's output bytes equal block8's is the GPU run's part (``--gpu``), not checked here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[3]
+BENCH = ROOT / "bench" / "gluon_block8.py"
+
+
+def _gluon_and_ptxas() -> str:
+    """Why the check cannot run here, or ''."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        path = get_ptxas(90).path
+    except Exception as exc:  # noqa: BLE001
+        return f"Gluon / Triton's CUDA backend unavailable: {exc!r}"
+    return "" if path and os.path.exists(path) else "no ptxas"
+
+
+def _compile(tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run([sys.executable, str(BENCH), "--compile-only", "--json", str(out), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert out.exists(), (r.stdout[-2000:], r.stderr[-3000:])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    why = _gluon_and_ptxas()
+    if why:
+        pytest.skip(why)
+    return {"wait1": _compile(tmp_path_factory.mktemp("wait1")),
+            "wait0": _compile(tmp_path_factory.mktemp("wait0"), "--wait", "0")}
+
+
+def _by_kernel(res: list, name: str) -> dict:
+    (r,) = [x for x in res if x["kernel"] == name]
+    assert "error" not in r, r["error"]
+    return r
+
+
+def test_gluon_l2_keeps_one_wgmma_in_flight(compiled):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gluon_block8
+
+    g = _by_kernel(compiled["wait1"], "_l2_gluon_kernel")
+    assert g["spill_bytes"] == 0 and g["stack"] == 0, g
+    assert g["tile"] == dict(BM=32, BN=128, GA=64, UNROLL=gluon_block8.UNROLL, WAIT=1), g["tile"]
+    # PTX: the K loop holds the MMAs and waits with one group outstanding; SASS: ptxas kept those waits
+    assert g["ptx_waits"]["loop_mma"] > 0 and g["ptx_waits"]["loop"].get("1", 0) >= g["ptx_waits"]["loop_mma"] // 2 - 1, g
+    assert g["sass_loop_waits"].get("1", 0) > 0, g
+    assert not g["ptxas_warnings"], g["ptxas_warnings"]
+    assert g["fma_in_ptx"] == 0, g  # the promotions are separate multiplies and adds, as block8's
+    assert gluon_block8.pipelined(g)
+    # block8's prefill L2 beside it: compiled, no spills, and the wait for every dot the experiment removes
+    b = _by_kernel(compiled["wait1"], "_l2_kernel")
+    assert b["spill_bytes"] == 0 and b["ptx_waits"]["loop"] == {"0": 1}, b
+    assert not gluon_block8.pipelined(b)
+
+
+def test_negative_control_wait0_fails_the_check(compiled):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gluon_block8
+
+    g = _by_kernel(compiled["wait0"], "_l2_gluon_kernel")
+    assert g["tile"]["WAIT"] == 0
+    assert g["ptx_waits"]["loop"].get("1", 0) == 0 and g["sass_loop_waits"].get("1", 0) == 0, g
+    assert not gluon_block8.pipelined(g)
+    # and a kernel ptxas serialized fails it too, whatever its PTX says
+    ok = _by_kernel(compiled["wait1"], "_l2_gluon_kernel")
+    serialized = dict(ok, ptxas_warnings=["ptxas info : (C7514) Potential Performance Loss: wgmma.mma_async "
+                                          "instructions are serialized due to ..."])
+    assert gluon_block8.pipelined(ok) and not gluon_block8.pipelined(serialized)
+
+
+def test_wgmma_wait_counter_reads_the_loop():
+    """``wgmma_waits`` on planted PTX: the waits inside the loop holding the MMAs, not those around it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    if _gluon_and_ptxas().startswith("Gluon"):
+        pytest.skip("Gluon unavailable")
+    import gluon_block8
+
+    ptx = "\n".join([
+        "wgmma.wait_group.sync.aligned 0;",
+        "$L__BB0_3:",
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 0, 1, 1;",
+        "wgmma.wait_group.sync.aligned 1;",
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%r2}, %rd1, %rd2, 0, 1, 1;",
+        "wgmma.wait_group.sync.aligned 1;",
+        "@%p1 bra $L__BB0_3;",
+        "$L__BB0_5:",
+        "add.s32 %r3, %r3, 1;",
+        "@%p2 bra $L__BB0_5;",
+        "wgmma.wait_group.sync.aligned 0;",
+    ])
+    w = gluon_block8.wgmma_waits(ptx)
+    assert w == dict(kernel={"0": 2, "1": 2}, loop={"1": 2}, loop_mma=2), w
