@@ -231,7 +231,7 @@ def launch_l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait: int = 1, s
 # --------------------------------------------------------------------------- compile for sm_90 on a CPU
 
 
-def _record(bm: int, wait: int, unroll: int = UNROLL, rows: int = 38400) -> list:
+def _record(bm: int, wait: int, unroll: int = UNROLL, maxnreg=None, rows: int = 38400) -> list:
     """The Launch records (``tools/sm90_compile.recording``) of block8's prefill L2 and of the Gluon L2 at
     DeepSeek-V3's shape, on CPU tensors (nothing runs)."""
     import sm90_compile as sc
@@ -251,7 +251,7 @@ def _record(bm: int, wait: int, unroll: int = UNROLL, rows: int = 38400) -> list
     with sc.recording("block8", rec):
         block8.launch_l2(fc, act, asf, w, ws, plan, slots, H, I, K, K, bm, True)
     with sc.recording("gluon", rec):
-        launch_l2(act, asf, w, ws, plan, slots, H, I, K, K, bm, wait=wait, unroll=unroll)
+        launch_l2(act, asf, w, ws, plan, slots, H, I, K, K, bm, wait=wait, unroll=unroll, maxnreg=maxnreg)
     return list(rec.values())
 
 
@@ -309,7 +309,9 @@ def compile_launch(ln) -> dict:
                 sass_loop_waits=_sass_waits(body), sass_loop_instr=mix["loop_instr"],
                 sass_loop_opcodes=dict(list(mix["opcodes"].items())[:12]),
                 ptxas_warnings=ptxas_warnings(k.asm["ptx"]),
-                fma_in_ptx=len(re.findall(r"\bfma\.rn\.f32\b", k.asm["ptx"])))
+                fma_in_ptx=len(re.findall(r"\bfma\.rn\.f32\b", k.asm["ptx"])),
+                wgmma_forms=sorted(set(re.findall(r"wgmma\.mma_async\.[\w.]+", k.asm["ptx"]))),
+                bf16_cvt=sorted(set(re.findall(r"cvt\.\w+\.bf16(?:x2)?\.f32", k.asm["ptx"]))))
 
 
 def ptxas_warnings(ptx: str) -> list:
@@ -332,11 +334,11 @@ def ptxas_warnings(ptx: str) -> list:
             if "warning" in x.lower() or "performance loss" in x.lower()]
 
 
-def compile_only(bm: int, wait: int = 1, unroll: int = UNROLL) -> list[dict]:
+def compile_only(bm: int, wait: int = 1, unroll: int = UNROLL, maxnreg=None) -> list[dict]:
     """Both L2 kernels' prefill specializations compiled for sm_90 (with ``wait`` the Gluon loop's outstanding
     groups): one result each, block8 first; a kernel that does not compile gives its error."""
     out = []
-    for ln in _record(bm, wait, unroll):
+    for ln in _record(bm, wait, unroll, maxnreg):
         try:
             out.append(compile_launch(ln))
         except Exception as exc:  # the compiler's message is the result
@@ -412,10 +414,14 @@ def _time(fn, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-#: the Gluon configurations ``--gpu`` times: (name, wait, stages, unroll, maxnreg); "wait0" is the negative
-#: control (the same kernel with every wgmma waited for at once: no overlap inside the warpgroup)
+#: the Gluon configurations ``--gpu`` times: (name, wait, stages, unroll, maxnreg). Registers decide how many
+#: programs share an SM (block8's 96 allow five; 174 allow two), so capped variants too (sm_90 compile: no
+#: spills at a cap of 96 or 128, but more instructions per K block). "wait0": the negative controls (the same
+#: kernels with every wgmma waited for at once: no overlap inside the warpgroup)
 VARIANTS = (("u8", 1, 4, 8, None), ("u2", 1, 4, 2, None), ("u4", 1, 4, 4, None), ("u16", 1, 4, 16, None),
-            ("u8_s6", 1, 6, 8, None), ("u4_r128", 1, 4, 4, 128), ("u8_wait0", 0, 4, 8, None))
+            ("u8_s6", 1, 6, 8, None), ("u2_r128", 1, 4, 2, 128), ("u4_r128", 1, 4, 4, 128),
+            ("u8_r128", 1, 4, 8, 128), ("u2_r96", 1, 4, 2, 96), ("u4_r96", 1, 4, 4, 96),
+            ("u8_wait0", 0, 4, 8, None), ("u4_r128_wait0", 0, 4, 4, 128))
 
 
 def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
@@ -486,7 +492,8 @@ def _fmt(r: dict) -> str:
     if "error" in r:
         return f"{r['kernel']:18s} FAILED {r['error'].splitlines()[-1][:200]}"
     tile = " ".join(f"{k}={v}" for k, v in r["tile"].items())
-    return (f"{r['kernel']:18s} [{tile}] w{r['warps']} s{r['stages']} regs {r['regs']:>3} spill {r['spill_bytes']} "
+    cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
+    return (f"{r['kernel']:18s} [{tile}] w{r['warps']} s{r['stages']}{cap} regs {r['regs']:>3} spill {r['spill_bytes']} "
             f"smem {r['shared']:>6}  PTX wgmma.wait_group kernel {r['ptx_waits']['kernel']} loop {r['ptx_waits']['loop']} "
             f"({r['ptx_waits']['loop_mma']} wgmma in loop)  SASS loop DEPBAR gsb0 {r['sass_loop_waits']} "
             f"({r['sass_loop_instr']} instr)  ptxas warnings {len(r['ptxas_warnings'])}  fma {r['fma_in_ptx']}")
@@ -501,13 +508,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--wait", type=int, default=1, help="--compile-only: outstanding wgmma groups in the loop")
     ap.add_argument("--unroll", type=int, default=UNROLL, help="--compile-only: K blocks per loop trip")
+    ap.add_argument("--maxnreg", type=int, default=None, help="--compile-only: register cap of the Gluon kernel")
     ap.add_argument("--json", default="", help="write the results here")
     a = ap.parse_args(argv)
     if a.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)
         from megamoe_runtime.backends.triton import block8
 
-        res = compile_only(block8.TILES["prefill"].block_m, a.wait, a.unroll)
+        res = compile_only(block8.TILES["prefill"].block_m, a.wait, a.unroll, a.maxnreg)
         for r in res:
             print(_fmt(r))
         gl_res = [r for r in res if r["kernel"] == "_l2_gluon_kernel"]

@@ -78,6 +78,10 @@ def test_gluon_l2_keeps_one_wgmma_in_flight(compiled):
     b = _by_kernel(compiled["wait1"], "_l2_kernel")
     assert b["spill_bytes"] == 0 and b["ptx_waits"]["loop"] == {"0": 1}, b
     assert not gluon_block8.pipelined(b)
+    # the same MMA instruction (m64n32k32 e4m3 -> f32) and the same round-to-nearest bf16 conversion as block8
+    assert g["wgmma_forms"] == b["wgmma_forms"] == ["wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3"], (g, b)
+    assert {c.replace("bf16x2", "bf16") for c in g["bf16_cvt"]} == {c.replace("bf16x2", "bf16") for c in b["bf16_cvt"]} \
+        == {"cvt.rn.bf16.f32"}, (g["bf16_cvt"], b["bf16_cvt"])
 
 
 def test_negative_control_wait0_fails_the_check(compiled):
