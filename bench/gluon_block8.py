@@ -9,7 +9,9 @@ outstanding (``wgmma.wait_group 1``: block k's MMA is done, block k+1's still ru
 meanwhile. Loads: TMA into a ring of ``STAGES`` shared-memory slots (weight tile ``[BN, GA]`` and token tile
 ``[BM, GA]``, E4M3), one mbarrier per slot; a slot is refilled once the MMA that read it has completed. The
 scales (one weight scale per K block, the intermediate's per token and GA) are read from global memory two K
-blocks ahead of their promotion.
+blocks ahead of their promotion. The loop runs ``UNROLL`` K blocks per trip and lets the last MMA of a trip
+finish before the next trip: with an MMA in flight across the back edge ptxas serializes every wgmma of the
+kernel (docs/bench-log/kernels.md, the Gluon L2 entry), so one promotion in UNROLL is not overlapped.
 
 Per output element the operations are block8's on the GPU (HW_CVT, not EXACT): per GA-wide K block one fresh
 FP8 wgmma sum (the same ``m64n{BM}k32`` e4m3 instructions: two per block, the first with a zero accumulator),
@@ -157,8 +159,7 @@ if GLUON_ERROR is None:  # the kernel and its helpers (module-level functions al
         # them: an accumulator in flight is never copied). Inside a trip one MMA is always running while the
         # other partial is promoted; the trip's last block is promoted with none running, so that no wgmma is in
         # flight across the loop's back edge (with one, ptxas serializes every wgmma of the kernel, its C7514).
-        # I is a multiple of 128 and UNROLL an even power of two up to 2048 / GA: NK = I / GA is a multiple of it
-        # for the shapes of the rows (the host checks).
+        # NK is a multiple of UNROLL (the host checks).
         for k0 in range(0, NK, UNROLL):
             p_a = _mma(w_s, x_s, bars, k0, p_a, STAGES)
             for i in gl.static_range(UNROLL // 2):
@@ -356,14 +357,13 @@ def pipelined(r: dict) -> bool:
 # --------------------------------------------------------------------------- GPU
 
 
-def _problem(T: int, seed: int = 0):
+def _problem(T: int, seed: int = 0, dev: str = "cuda"):
     """DeepSeek-V3's L2 at T tokens: random E4M3 weight bytes (no NaN codes) and power-of-two block scales,
     a uniform top-8 routing, and a random E4M3 intermediate with positive per-(row, 64) scales; padding rows
     zero, as the L1 writes them."""
     from megamoe_runtime.backends.triton import block8
     from megamoe_runtime.backends.triton.staging import route
 
-    dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def e4m3(*shape):
@@ -373,7 +373,7 @@ def _problem(T: int, seed: int = 0):
 
     w2 = torch.empty(E, H, I, dtype=torch.uint8, device=dev)
     for i in range(0, E, 16):
-        w2[i:i + 16] = e4m3(16, H, I)
+        w2[i:i + 16] = e4m3(min(16, E - i), H, I)
     s2 = torch.exp2(torch.randint(-12, -7, (E, H // WBLOCK, I // WBLOCK), generator=g, device=dev).float())
     ids = torch.argsort(torch.rand(T, E, generator=g, device=dev), dim=1)[:, :K].to(torch.int64)
     bm = block8.TILES["prefill"].block_m
