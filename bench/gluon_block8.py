@@ -1,33 +1,39 @@
 #!/usr/bin/env python
-"""An experiment: the block-FP8 row's L2 (``block8._l2_kernel``) in Gluon, with explicit asynchronous wgmma.
+"""An experiment: the block-FP8 row's prefill L2 and L1 (``block8._l2_kernel``, ``_l1_kernel``) in Gluon, with
+explicit asynchronous wgmma.
 
-Why (docs/KERNELS.md "Where prefill still loses to DeepGEMM"): every 64 of K the L2 must promote the block's
-fp32 partial (``acc + p * (s_w * s_x)``), and Triton places ``wgmma.wait_group 0`` right after every dot whose
-result feeds anything but another dot's accumulator, so the tensor cores idle while the warpgroup promotes.
-Here the kernel keeps two partial accumulators: it issues the MMA of K block k+1, waits with one group still
-outstanding (``wgmma.wait_group 1``: block k's MMA is done, block k+1's still runs) and promotes block k
-meanwhile. Loads: TMA into a ring of ``STAGES`` shared-memory slots (weight tile ``[BN, GA]`` and token tile
-``[BM, GA]``, E4M3), one mbarrier per slot; a slot is refilled once the MMA that read it has completed. The
-scales (one weight scale per K block, the intermediate's per token and GA) are read from global memory two K
-blocks ahead of their promotion. The loop runs ``UNROLL`` K blocks per trip and lets the last MMA of a trip
-finish before the next trip: with an MMA in flight across the back edge ptxas serializes every wgmma of the
-kernel (docs/bench-log/kernels.md, the Gluon L2 entry), so one promotion in UNROLL is not overlapped.
+Why (docs/KERNELS.md "Where prefill still loses to DeepGEMM"): every K block the kernels must promote the
+block's fp32 partial (``acc + p * (s_w * s_x)``), and Triton places ``wgmma.wait_group 0`` right after every dot
+whose result feeds anything but another dot's accumulator, so the tensor cores idle while the warpgroup
+promotes. Here each kernel keeps two sets of partial accumulators: it issues the MMA of K block k+1, waits with
+its groups still outstanding (``wgmma.wait_group 1``, the L1 ``2``: block k's MMAs are done, block k+1's still
+run) and promotes block k meanwhile. The scales are read from global memory two K blocks ahead. The loops run
+``UNROLL`` K blocks per trip and let the trip's last MMA finish before the next trip: with an MMA in flight
+across the back edge ptxas serializes every wgmma of the kernel (docs/bench-log/kernels.md, the Gluon entry),
+so one promotion in UNROLL is not overlapped.
 
-Per output element the operations are block8's on the GPU (HW_CVT, not EXACT): per GA-wide K block one fresh
-FP8 wgmma sum (the same ``m64n{BM}k32`` e4m3 instructions: two per block, the first with a zero accumulator),
-then ``acc = acc + p * (s_w * s_x)`` in ascending K, each operation rounded (no fp contraction), and the bf16
-slot output by ``cvt.rn``. So the slot bytes must equal block8's; ``--gpu`` checks that. Only the prefill
-tile: BN = 128 weight rows (one weight scale per K block), one warpgroup (4 warps), ``BM`` tokens per row
-block as ``block8.TILES["prefill"]``. It is not wired into the runtime.
+* L2: TMA loads into a ring of ``STAGES`` shared-memory slots (weight tile ``[BN, GA]``, token tile ``[BM, GA]``,
+  E4M3), one mbarrier per slot, a slot refilled once the MMA that read it has completed; one warpgroup.
+* L1: gate and up dots of 128 rows each (block8's interleaved kernel rows), K blocks of 128, two warpgroups;
+  cp.async loads (the token rows are gathered) with one CTA barrier per block; block8's epilogue.
 
-    python bench/gluon_block8.py --compile-only [--json out.json]   # sm_90 cubins on a CPU: regs, spills, smem,
-                                                                      # wgmma waits in the PTX and SASS K loop
-    python bench/gluon_block8.py --gpu [--tokens 2048,4096] [--json out.json]   # bitwise vs block8, times
+Per output element the operations are block8's on the GPU (HW_CVT, not EXACT): per K block one fresh FP8 wgmma
+sum per dot (the same ``m64n32k32`` e4m3 instructions, the first k32 step from zero), then the promotions in
+ascending K, each operation rounded (no fp contraction), and the same epilogue roundings. So the output bytes
+must equal block8's; ``--gpu`` checks that. Only the prefill tiles (``block8.TILES["prefill"]``: 32-token row
+blocks, 128 rows per dot). Not wired into the runtime.
 
-The kernel's arguments are ``block8._l2_kernel``'s except that the activation bytes and the weight bytes come
-as TMA descriptors (E4M3-typed views: ``act [rows, I]`` and ``w`` as ``[E * H, I]``), ``WROWS`` (weight rows
-per expert in that view) stands for the weight strides, and ``GPI``/``HW_CVT``/``EXACT`` are gone (the GPU
-path, one promotion per GA).
+    python bench/gluon_block8.py --compile-only [--kernels l2,l1] [--control] [--json out.json]
+        # sm_90 cubins on a CPU, beside block8's: registers, spills, shared memory, wgmma waits in the PTX and
+        # SASS K loops, ptxas' notes
+    python bench/gluon_block8.py --gpu [--tokens 2048,4096] [--json out.json]
+        # SM90 GPU: bytes differing from block8's, median times, TFLOP/s, ratios, for each configuration
+
+The L2 kernel's arguments are ``block8._l2_kernel``'s except that the activation bytes and the weight bytes
+come as TMA descriptors (E4M3-typed views: ``act [rows, I]`` and ``w`` as ``[E * H, I]``), ``WROWS`` (weight
+rows per expert in that view) stands for the weight strides, and ``GPI``/``HW_CVT``/``EXACT`` are gone; the L1
+kernel's are ``block8._l1_kernel``'s without ``PAIRED``/``HW_CVT``/``EXACT``. Both add ``STAGES``, ``UNROLL``
+and ``WAIT`` (outstanding groups while promoting; 0 is the negative control).
 """
 from __future__ import annotations
 
@@ -395,7 +401,6 @@ def launch_l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait: int = 1, s
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
-
 #: the Gluon L1's defaults (block8's prefill L1: 128 intermediate columns = two 128-row dots, 8 warps, 3 stages):
 #: 4 slots of 36 KiB (two blocks of look-ahead), 4 K blocks per trip, no register cap. sm_90 compile: 255
 #: registers, no spills (one program per SM, block8's take two); capped at 128 (two per SM, as block8's) it
@@ -421,6 +426,7 @@ def launch_l1(xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp, rsf, bm, wait: 
         plan.max_blocks * bm, H, I, K, swe, swn, se, sn, sk, rsf, c,
         HAS_CLAMP=clamp is not None, BM=bm, BN=128, GA=GA, STAGES=stages, UNROLL=unroll, WAIT=wait, num_warps=8,
         enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+
 
 # --------------------------------------------------------------------------- compile for sm_90 on a CPU
 
@@ -473,7 +479,7 @@ def _record_l1(bm: int, control: bool = False, unroll: int = L1_UNROLL, maxnreg=
     rec: dict = {}
     if baseline:
         with sc.recording("block8", rec):
-                block8.launch_l1(block8.TILES["prefill"], xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm, True)
+            block8.launch_l1(block8.TILES["prefill"], xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm, True)
     with sc.recording("gluon", rec):
         launch_l1(xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm, wait=0 if control else 2,
                   stages=stages, unroll=unroll, maxnreg=maxnreg)
@@ -481,8 +487,9 @@ def _record_l1(bm: int, control: bool = False, unroll: int = L1_UNROLL, maxnreg=
 
 
 def wgmma_waits(ptx: str) -> dict:
-    """``wgmma.wait_group.sync.aligned N`` counts by N (a string, as JSON keys) in the PTX: in the whole kernel, and in its main loop (the
-    body of the PTX loop -- a label some later branch jumps back to -- holding the most ``wgmma.mma_async``)."""
+    """``wgmma.wait_group.sync.aligned N`` counts by N (a string, as JSON keys) in the PTX: in the whole kernel,
+    and in its main loop (the body of the PTX loop -- a label some later branch jumps back to -- holding the most
+    ``wgmma.mma_async``)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\$L__\w+):", ln))}
     best: tuple = (-1, [])
@@ -834,9 +841,9 @@ def _fmt(r: dict) -> str:
         return f"{r['kernel']:18s} FAILED {r['error'].splitlines()[-1][:200]}"
     tile = " ".join(f"{k}={v}" for k, v in r["tile"].items())
     cap = f" maxnreg {r['maxnreg']}" if r.get("maxnreg") else ""
-    return (f"{r['kernel']:18s} [{tile}] w{r['warps']} s{r['stages']}{cap} regs {r['regs']:>3} spill {r['spill_bytes']} "
-            f"stack {r['stack']} "
-            f"smem {r['shared']:>6}  PTX wgmma.wait_group kernel {r['ptx_waits']['kernel']} loop {r['ptx_waits']['loop']} "
+    return (f"{r['kernel']:18s} [{tile}] w{r['warps']} s{r['stages']}{cap} regs {r['regs']:>3} "
+            f"spill {r['spill_bytes']} stack {r['stack']} smem {r['shared']:>6}  "
+            f"PTX wgmma.wait_group kernel {r['ptx_waits']['kernel']} loop {r['ptx_waits']['loop']} "
             f"({r['ptx_waits']['loop_mma']} wgmma in loop)  SASS loop DEPBAR gsb0 {r['sass_loop_waits']} "
             f"({r['sass_loop_instr']} instr)  fma {r['fma_in_ptx']}  ptxas notes {len(r['ptxas_warnings'])}"
             + "".join(f"\n    {n[:200]}" for n in r["ptxas_warnings"]))

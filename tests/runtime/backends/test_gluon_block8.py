@@ -79,7 +79,8 @@ def test_gluon_l2_keeps_one_wgmma_in_flight(compiled):
     assert g["spill_bytes"] == 0 and g["stack"] == 0, g
     assert g["tile"] == dict(BM=32, BN=128, GA=64, UNROLL=gluon_block8.UNROLL, WAIT=1), g["tile"]
     # PTX: the K loop holds the MMAs and waits with one group outstanding; SASS: ptxas kept those waits
-    assert g["ptx_waits"]["loop_mma"] > 0 and g["ptx_waits"]["loop"].get("1", 0) >= g["ptx_waits"]["loop_mma"] // 2 - 1, g
+    waits = g["ptx_waits"]
+    assert waits["loop_mma"] > 0 and waits["loop"].get("1", 0) >= waits["loop_mma"] // 2 - 1, g
     assert g["sass_loop_waits"].get("1", 0) > 0, g
     # ptxas' notes: at most the wgmma wait it adds at the loop's back edge, where none is in flight (C7517)
     assert all("C7517" in n for n in g["ptxas_warnings"]), g["ptxas_warnings"]
@@ -91,8 +92,10 @@ def test_gluon_l2_keeps_one_wgmma_in_flight(compiled):
     assert not gluon_block8.pipelined(b)
     # the same MMA instruction (m64n32k32 e4m3 -> f32) and the same round-to-nearest bf16 conversion as block8
     assert g["wgmma_forms"] == b["wgmma_forms"] == ["wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3"], (g, b)
-    assert {c.replace("bf16x2", "bf16") for c in g["bf16_cvt"]} == {c.replace("bf16x2", "bf16") for c in b["bf16_cvt"]} \
-        == {"cvt.rn.bf16.f32"}, (g["bf16_cvt"], b["bf16_cvt"])
+    def cvts(r):
+        return {c.replace("bf16x2", "bf16") for c in r["bf16_cvt"]}
+
+    assert cvts(g) == cvts(b) == {"cvt.rn.bf16.f32"}, (g["bf16_cvt"], b["bf16_cvt"])
 
 
 def test_gluon_l1_keeps_its_wgmmas_in_flight(compiled):
