@@ -74,6 +74,9 @@ GA, WBLOCK = 64, 128
 BN, WARPS, STAGES = 128, 4, 4
 #: K blocks per trip of the Gluon kernel's loop (one promotion per trip runs with no MMA in flight)
 UNROLL = 8
+#: where ``--gpu`` builds its problems; "cpu" only for the CPU test of its flow (interpreter, Gluon launches
+#: stood in for by block8's)
+DEV = "cuda"
 
 
 # --------------------------------------------------------------------------- kernel
@@ -610,13 +613,14 @@ def pipelined(r: dict) -> bool:
 # --------------------------------------------------------------------------- GPU
 
 
-def _problem(T: int, seed: int = 0, dev: str = "cuda"):
+def _problem(T: int, seed: int = 0, dev: str = ""):
     """DeepSeek-V3's L2 at T tokens: random E4M3 weight bytes (no NaN codes) and power-of-two block scales,
     a uniform top-8 routing, and a random E4M3 intermediate with positive per-(row, 64) scales; padding rows
     zero, as the L1 writes them."""
     from megamoe_runtime.backends.triton import block8
     from megamoe_runtime.backends.triton.staging import route
 
+    dev = dev or DEV
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def e4m3(*shape):
@@ -639,8 +643,24 @@ def _problem(T: int, seed: int = 0, dev: str = "cuda"):
     return dict(w=w2, ws=s2, plan=plan, act=act, asf=asf, bm=bm, T=T)
 
 
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEV == "cuda" else DEV
+
+
 def _time(fn, reps: int) -> float:
-    """Median ms of ``fn`` replayed in a CUDA graph (falls back to CUDA events if capture fails)."""
+    """Median ms of ``fn`` replayed in a CUDA graph (falls back to CUDA events if capture fails); on the CPU
+    one wall-clock run."""
+    if DEV != "cuda":
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     fn()
     torch.cuda.synchronize()
     try:
@@ -682,7 +702,7 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
     from megamoe_runtime.backends.triton import block8
 
     fc = block8.TILES["prefill"]
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    res: dict = {"device": _device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "shape": dict(H=H, I=I, E=E, K=K), "block8_tile": fc.__dict__,
                  "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4]) for v in variants},
                  "points": {}}
@@ -691,17 +711,17 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
         plan, act, asf, w, ws, bm = pr["plan"], pr["act"], pr["asf"], pr["w"], pr["ws"], pr["bm"]
         pt: dict = {"block_m": bm, "rows": plan.max_blocks * bm}
         flops = 2.0 * T * K * H * I
-        ref = torch.zeros(T, K, H, dtype=torch.bfloat16, device="cuda")
+        ref = torch.zeros(T, K, H, dtype=torch.bfloat16, device=DEV)
 
         def run_b8():
-            block8.launch_l2(fc, act, asf, w, ws, plan, ref, H, I, K, K, bm, True)
+            block8.launch_l2(fc, act, asf, w, ws, plan, ref, H, I, K, K, bm, DEV == "cuda")
 
         try:
             ms = _time(run_b8, reps)
             pt["block8"] = dict(ms=ms, tflops=flops / ms / 1e9)
             ref.zero_()
             run_b8()
-            torch.cuda.synchronize()
+            _sync()
         except Exception as exc:
             traceback.print_exc()
             pt["block8"] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
@@ -714,7 +734,7 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
 
             try:
                 run()
-                torch.cuda.synchronize()
+                _sync()
                 diff = int((got.view(torch.uint8) != ref.view(torch.uint8)).sum())
                 ms = _time(run, reps)
                 pt[name] = dict(ms=ms, tflops=flops / ms / 1e9, differing_bytes=diff, bytes=got.numel() * 2)
@@ -727,7 +747,8 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
         res["points"][str(T)] = pt
         _print_point("L2", T, pt)
         del pr, act, asf, w, ref
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 
@@ -738,13 +759,14 @@ L1_VARIANTS = (("s4_u4", 2, 4, 4, None), ("s4_u2", 2, 4, 2, None), ("s3_u4", 2, 
                ("s5_u4", 2, 5, 4, None), ("s3_u2_r128", 2, 3, 2, 128), ("s4_u4_wait0", 0, 4, 4, None))
 
 
-def _problem_l1(T: int, seed: int = 1, dev: str = "cuda"):
+def _problem_l1(T: int, seed: int = 1, dev: str = ""):
     """DeepSeek-V3's L1 at T tokens: bf16 tokens through block8's dispatch quantizer and row-ordered scales,
     random E4M3 gate / up weight bytes (kernel layout is just bytes here) with power-of-two block scales, a
     uniform top-8 routing with softmax weights."""
     from megamoe_runtime.backends.triton import block8
     from megamoe_runtime.backends.triton.staging import route
 
+    dev = dev or DEV
     g = torch.Generator(device=dev).manual_seed(seed)
     hw = dev == "cuda"
     w1 = torch.empty(E, 2 * I, H, dtype=torch.uint8, device=dev)
@@ -768,7 +790,7 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
     from megamoe_runtime.backends.triton import block8
 
     fc = block8.TILES["prefill"]
-    res: dict = {"device": torch.cuda.get_device_name(), "block8_tile": fc.__dict__, "rsf": rsf,
+    res: dict = {"device": _device_name(), "block8_tile": fc.__dict__, "rsf": rsf,
                  "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4]) for v in variants},
                  "points": {}}
     for T in tokens:
@@ -777,12 +799,12 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
         rows = plan.max_blocks * bm
         pt: dict = {"block_m": bm, "rows": rows}
         flops = 2.0 * T * K * 2 * I * H
-        act = torch.zeros(rows, I, dtype=torch.uint8, device="cuda")
-        asf = torch.zeros(I // GA, rows, dtype=torch.float32, device="cuda")
+        act = torch.zeros(rows, I, dtype=torch.uint8, device=DEV)
+        asf = torch.zeros(I // GA, rows, dtype=torch.float32, device=DEV)
         args = (pr["xq"], pr["xs"], pr["w"], pr["ws"], plan, pr["tw"])
 
         def run_b8():
-            block8.launch_l1(fc, *args, act, asf, H, I, K, None, rsf, bm, True)
+            block8.launch_l1(fc, *args, act, asf, H, I, K, None, rsf, bm, DEV == "cuda")
 
         try:
             ms = _time(run_b8, reps)
@@ -790,7 +812,7 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
             act.zero_()
             asf.zero_()
             run_b8()
-            torch.cuda.synchronize()
+            _sync()
         except Exception as exc:
             traceback.print_exc()
             pt["block8"] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
@@ -803,7 +825,7 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
 
             try:
                 run()
-                torch.cuda.synchronize()
+                _sync()
                 da = int((a2 != act).sum())
                 ds = int((s2.view(torch.int32) != asf.view(torch.int32)).sum())
                 ms = _time(run, reps)
@@ -818,7 +840,8 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
         res["points"][str(T)] = pt
         _print_point("L1", T, pt)
         del pr, act, asf, args
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 

@@ -160,3 +160,50 @@ def test_wgmma_wait_counter_reads_the_loop():
     ])
     w = gluon_block8.wgmma_waits(ptx)
     assert w == dict(kernel={"0": 2, "1": 2}, loop={"1": 2}, loop_mma=2), w
+
+
+_FLOW = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import gluon_block8 as g
+from megamoe_runtime.backends.triton import block8
+
+g.DEV, g.H, g.I, g.E = "cpu", 256, 128, 8
+
+
+def l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait=1, stages=4, unroll=8, maxnreg=None):
+    if unroll == 16:
+        raise RuntimeError("planted failure")
+    block8.launch_l2(block8.TILES["prefill"], act, asf, w, ws, plan, slots, H, I, K, nslot, bm, False)
+    if stages == 6:
+        slots.view(-1)[0] += 1  # a planted difference
+
+
+def l1(xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp, rsf, bm, wait=2, stages=4, unroll=4, maxnreg=None):
+    block8.launch_l1(block8.TILES["prefill"], xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp, rsf, bm, False)
+    if stages == 5:
+        asf.view(-1)[0] *= 2  # a planted difference
+
+
+g.launch_l2, g.launch_l1 = l2, l1
+print(json.dumps(dict(l2=g.gpu([16], 1), l1=g.gpu_l1([16], 1)), default=str))
+"""
+
+
+def test_gpu_flow_on_the_cpu():
+    """``--gpu``'s flow at a small shape under the interpreter, the Gluon launches stood in for by block8's (what
+    the CPU can run): every configuration is compared with block8's output and timed; a configuration that
+    raises is reported and the others still run; planted differences are counted (negative controls)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    r = subprocess.run([sys.executable, "-c", _FLOW.format(bench=str(ROOT / "bench"))], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    l2, l1 = res["l2"]["points"]["16"], res["l1"]["points"]["16"]
+    assert "ms" in l2["block8"] and "ms" in l1["block8"]
+    assert "planted failure" in l2["u16"]["error"]
+    assert l2["u8_s6"]["differing_bytes"] > 0 and l1["s5_u4"]["scales_differing"] == 1
+    for pt, planted in ((l2, {"u16", "u8_s6"}), (l1, {"s5_u4"})):
+        rest = [k for k, v in pt.items() if isinstance(v, dict) and k != "block8" and k not in planted]
+        assert len(rest) >= 4 and all(pt[k]["differing_bytes"] == 0 and pt[k]["ms"] > 0 for k in rest), pt
