@@ -141,7 +141,8 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
         """y = act @ W2^T for BN output rows of one row block -> bf16 slot outputs (block8._l2_kernel's result).
 
         WAIT: wgmma groups left outstanding while a partial is promoted (1; 0 is the serialized negative control)."""
-        gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert((NW == 4) | (NW == 8), "one or two warpgroups (64 weight rows each at 8 warps)")
         gl.static_assert(BN == 128, "one weight scale per K block")
         gl.static_assert(UNROLL % 2 == 0, "pairs of K blocks")
         pid_n = gl.program_id(0)
@@ -150,7 +151,7 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
         e = gl.load(blk_ptr + pid_m)
         if (pid_m >= nb) | (e < 0):
             return
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 32])
         col: gl.constexpr = gl.SliceLayout(0, mma)
         arow = pid_m * BM + gl.arange(0, BM, layout=col)
         swp = ws_ptr + e.to(gl.int64) * ws_se + ((pid_n * BN) // 128) * ws_sn
@@ -183,6 +184,8 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
                 p_b = _mma(w_s, x_s, bars, k + 1, p_b, STAGES)
                 p_a = warpgroup_mma_wait(num_outstanding=WAIT, deps=[p_a])  # block k done, k + 1 running
                 acc, p_a = _promote_now(acc, p_a, sw_a, sx_a, WAIT)
+                if NW > 4:  # the other warpgroup may still read the slot: both must have retired block k
+                    gl.thread_barrier()
                 _issue(w_desc, x_desc, w_s, x_s, bars, k + STAGES, wrow, xrow, GA, STAGES, k + STAGES < NK)
                 sw_a, sx_a = _scales(swp, as_ptr, arow, k + 2, NK, NROWS, ws_sk, GA)
                 if i + 1 < UNROLL // 2:
@@ -191,13 +194,15 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
                 else:
                     p_b = warpgroup_mma_wait(num_outstanding=0, deps=[p_b])  # the trip's last block: none running
                 acc, p_b = _promote_now(acc, p_b, sw_b, sx_b, WAIT)
+                if NW > 4:
+                    gl.thread_barrier()
                 _issue(w_desc, x_desc, w_s, x_s, bars, k + 1 + STAGES, wrow, xrow, GA, STAGES, k + 1 + STAGES < NK)
                 sw_b, sx_b = _scales(swp, as_ptr, arow, k + 3, NK, NROWS, ws_sk, GA)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
         # bf16 (cvt.rn) slot outputs; output rows are contiguous in memory, so 8 of them per thread and store
-        out: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+        out: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NW], [0, 1])
         y = gl.convert_layout(acc.to(gl.bfloat16), out)
         n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out))
         pair = gl.load(pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, out)))
@@ -386,9 +391,10 @@ def _descs(act: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
 
 
 def launch_l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait: int = 1, stages: int = STAGES,
-              unroll: int = UNROLL, maxnreg=None):
+              unroll: int = UNROLL, maxnreg=None, warps: int = WARPS):
     """``block8.launch_l2``'s arguments (prefill tile, GPU path), through the Gluon kernel; ``wait``, ``stages``,
-    ``unroll``: the kernel's WAIT, STAGES, UNROLL; ``maxnreg``: a register cap (None: ptxas' choice)."""
+    ``unroll``: the kernel's WAIT, STAGES, UNROLL; ``maxnreg``: a register cap (None: ptxas' choice); ``warps``
+    4 or 8 (two warpgroups of 64 weight rows each)."""
     from megamoe_runtime.backends.triton import block8
 
     if GLUON_ERROR is not None:
@@ -400,7 +406,7 @@ def launch_l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait: int = 1, s
     _l2_gluon_kernel[(H // BN, plan.max_blocks)](
         x_desc, asf, w_desc, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, slots,
         plan.max_blocks * bm, H, I, K, nslot, wrows, se, sn, sk,
-        BM=bm, BN=BN, GA=GA, STAGES=stages, UNROLL=unroll, WAIT=wait, num_warps=WARPS, enable_fp_fusion=False,
+        BM=bm, BN=BN, GA=GA, STAGES=stages, UNROLL=unroll, WAIT=wait, num_warps=warps, enable_fp_fusion=False,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
@@ -443,7 +449,7 @@ def _plan_cpu(bm: int, rows: int):
 
 
 def _record(bm: int, control: bool = False, unroll: int = UNROLL, maxnreg=None, rows: int = 38400,
-            baseline: bool = True) -> list:
+            baseline: bool = True, warps: int = WARPS) -> list:
     """The Launch records (``tools/sm90_compile.recording``) of block8's prefill L2 and of the Gluon L2 at
     DeepSeek-V3's shape, on CPU tensors (nothing runs); ``control``: the Gluon kernel with WAIT 0."""
     import sm90_compile as sc
@@ -461,7 +467,7 @@ def _record(bm: int, control: bool = False, unroll: int = UNROLL, maxnreg=None, 
             block8.launch_l2(block8.TILES["prefill"], act, asf, w, ws, plan, slots, H, I, K, K, bm, True)
     with sc.recording("gluon", rec):
         launch_l2(act, asf, w, ws, plan, slots, H, I, K, K, bm, wait=0 if control else 1, unroll=unroll,
-                  maxnreg=maxnreg)
+                  maxnreg=maxnreg, warps=warps)
     return list(rec.values())
 
 
@@ -582,13 +588,13 @@ def ptxas_report(ptx: str) -> dict:
 
 
 def compile_only(bm: int, control: bool = False, unroll=None, maxnreg=None, kernels=("l2", "l1"),
-                 baseline: bool = True) -> list[dict]:
+                 baseline: bool = True, warps: int = WARPS) -> list[dict]:
     """block8's (``baseline``) and the Gluon kernels' prefill specializations compiled for sm_90, L2 then L1
-    (``control``: the Gluon kernels with WAIT 0; ``unroll``, ``maxnreg``: theirs, None for the defaults): one
-    result each, a kernel that does not compile gives its error."""
+    (``control``: the Gluon kernels with WAIT 0; ``unroll``, ``maxnreg``: theirs, None for the defaults;
+    ``warps``: the Gluon L2's): one result each, a kernel that does not compile gives its error."""
     lns = []
     if "l2" in kernels:
-        lns += _record(bm, control, UNROLL if unroll is None else unroll, maxnreg, baseline=baseline)
+        lns += _record(bm, control, UNROLL if unroll is None else unroll, maxnreg, baseline=baseline, warps=warps)
     if "l1" in kernels:
         lns += _record_l1(bm, control, L1_UNROLL if unroll is None else unroll,
                           L1_MAXNREG if maxnreg is None else maxnreg, baseline=baseline)
@@ -640,7 +646,31 @@ def _problem(T: int, seed: int = 0, dev: str = ""):
     act = e4m3(rows, I) * valid[:, None].to(torch.uint8)
     asf = torch.exp2(torch.randint(-10, -2, (I // GA, rows), generator=g, device=dev).float()) * valid[None, :]
     asf[:, ~valid] = torch.finfo(torch.float32).tiny  # padding rows: zero bytes, finite scales
-    return dict(w=w2, ws=s2, plan=plan, act=act, asf=asf, bm=bm, T=T)
+    return dict(w=w2, ws=s2, plan=plan, act=act, asf=asf, bm=bm, T=T, ids=ids)
+
+
+def _rows_for(pr: dict, bm: int):
+    """(plan, act, asf) of ``pr``'s intermediate in the row order of ``bm``-token row blocks: each (token, slot)
+    pair's row moved to its row in the new plan (padding rows zero bytes and tiny scales), so that the slot
+    outputs, indexed by pair, compare with those of ``pr``'s own row blocks."""
+    from megamoe_runtime.backends.triton.staging import route
+
+    if bm == pr["bm"]:
+        return pr["plan"], pr["act"], pr["asf"]
+    old, act, asf = pr["plan"].sorted_pairs, pr["act"], pr["asf"]
+    plan = route(pr["ids"], E, 0, bm)
+    new = plan.sorted_pairs
+    row_of = torch.full((pr["T"] * K,), -1, dtype=torch.int64, device=act.device)
+    ok = old >= 0
+    row_of[old[ok].long()] = torch.nonzero(ok).flatten()
+    rows = plan.max_blocks * bm
+    valid = new[:rows] >= 0
+    src = row_of[new[:rows][valid].long()]
+    act2 = torch.zeros(rows, I, dtype=act.dtype, device=act.device)
+    asf2 = torch.full((I // GA, rows), torch.finfo(torch.float32).tiny, dtype=asf.dtype, device=asf.device)
+    act2[valid] = act[src]
+    asf2[:, valid] = asf[:, src]
+    return plan, act2, asf2
 
 
 def _sync() -> None:
@@ -687,13 +717,18 @@ def _time(fn, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-#: the Gluon configurations ``--gpu`` times: (name, wait, stages, unroll, maxnreg). Registers decide how many
-#: programs share an SM (block8's 96 allow five; 174 allow two, 128 four), so capped variants too (sm_90
-#: compile: at 128, UNROLL 2 spills 16 bytes, UNROLL 4 148; at 96 they spill hundreds). "wait0": the negative
-#: control (the same kernel with every wgmma waited for at once: no overlap inside the warpgroup)
-VARIANTS = (("u8", 1, 4, 8, None), ("u2", 1, 4, 2, None), ("u4", 1, 4, 4, None), ("u16", 1, 4, 16, None),
-            ("u8_s6", 1, 6, 8, None), ("u2_r128", 1, 4, 2, 128), ("u4_r128", 1, 4, 4, 128),
-            ("u8_wait0", 0, 4, 8, None))
+#: the Gluon configurations ``--gpu`` times: (name, wait, stages, unroll, maxnreg, warps, bm). Registers decide
+#: how many programs share an SM (block8's 96 allow five; 174 allow two, 128 four; at 8 warps 128 allow two),
+#: so capped variants too (sm_90 compile: at 128 and 4 warps, UNROLL 2 spills 16 bytes, UNROLL 4 148; at 8
+#: warps and BM 32 none). 8 warps: two warpgroups of 64 weight rows. BM 64: half the weight reads per token
+#: (its inputs are the same pairs in 64-token row blocks; 182 registers, one program per SM). "wait0": the
+#: negative control (the same kernel with every wgmma waited for at once: no overlap inside the warpgroup)
+VARIANTS = (("u8", 1, 4, 8, None, 4, 32), ("u2", 1, 4, 2, None, 4, 32), ("u4", 1, 4, 4, None, 4, 32),
+            ("u16", 1, 4, 16, None, 4, 32), ("u8_s6", 1, 6, 8, None, 4, 32), ("u2_r128", 1, 4, 2, 128, 4, 32),
+            ("u4_r128", 1, 4, 4, 128, 4, 32), ("w8_u8_r128", 1, 4, 8, 128, 8, 32),
+            ("w8_u4_r128", 1, 4, 4, 128, 8, 32), ("w8_bm64_u8", 1, 4, 8, None, 8, 64),
+            ("w8_bm64_u4_s6", 1, 6, 4, None, 8, 64), ("u8_wait0", 0, 4, 8, None, 4, 32),
+            ("w8_u8_r128_wait0", 0, 4, 8, 128, 8, 32))
 
 
 def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
@@ -704,7 +739,8 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
     fc = block8.TILES["prefill"]
     res: dict = {"device": _device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "shape": dict(H=H, I=I, E=E, K=K), "block8_tile": fc.__dict__,
-                 "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4]) for v in variants},
+                 "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4], warps=v[5], bm=v[6])
+                              for v in variants},
                  "points": {}}
     for T in tokens:
         pr = _problem(T)
@@ -725,12 +761,19 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
         except Exception as exc:
             traceback.print_exc()
             pt["block8"] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
-        for name, wait, stages, unroll, maxnreg in variants:
+        for name, wait, stages, unroll, maxnreg, warps, vbm in variants:
             got = torch.zeros_like(ref)
+            try:
+                vplan, vact, vasf = _rows_for(pr, vbm)
+            except Exception as exc:
+                traceback.print_exc()
+                pt[name] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
+                continue
 
-            def run(wait=wait, stages=stages, unroll=unroll, maxnreg=maxnreg, got=got):
-                launch_l2(act, asf, w, ws, plan, got, H, I, K, K, bm, wait=wait, stages=stages, unroll=unroll,
-                          maxnreg=maxnreg)
+            def run(wait=wait, stages=stages, unroll=unroll, maxnreg=maxnreg, warps=warps, vbm=vbm, got=got,
+                    vplan=vplan, vact=vact, vasf=vasf):
+                launch_l2(vact, vasf, w, ws, vplan, got, H, I, K, K, vbm, wait=wait, stages=stages, unroll=unroll,
+                          maxnreg=maxnreg, warps=warps)
 
             try:
                 run()
@@ -743,7 +786,7 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
             except Exception as exc:  # a configuration that fails still leaves the others and block8's time
                 traceback.print_exc()
                 pt[name] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
-            del got
+            del got, vplan, vact, vasf
         res["points"][str(T)] = pt
         _print_point("L2", T, pt)
         del pr, act, asf, w, ref
@@ -883,6 +926,8 @@ def main(argv=None) -> int:
     ap.add_argument("--control", action="store_true", help="--compile-only: the Gluon kernels with WAIT 0")
     ap.add_argument("--unroll", type=int, default=None, help="--compile-only: K blocks per loop trip")
     ap.add_argument("--maxnreg", type=int, default=None, help="--compile-only: register cap of the Gluon kernels")
+    ap.add_argument("--warps", type=int, default=WARPS, help="--compile-only: warps of the Gluon L2 (4 or 8)")
+    ap.add_argument("--bm", type=int, default=None, help="--compile-only: tokens per row block (default: block8's)")
     ap.add_argument("--json", default="", help="write the results here")
     a = ap.parse_args(argv)
     kernels = tuple(a.kernels.split(","))
@@ -890,7 +935,8 @@ def main(argv=None) -> int:
         os.environ.pop("TRITON_INTERPRET", None)
         from megamoe_runtime.backends.triton import block8
 
-        res = compile_only(block8.TILES["prefill"].block_m, a.control, a.unroll, a.maxnreg, kernels)
+        res = compile_only(a.bm or block8.TILES["prefill"].block_m, a.control, a.unroll, a.maxnreg, kernels,
+                           warps=a.warps)
         for r in res:
             print(_fmt(r))
         gl_res = [r for r in res if r["kernel"].endswith("_gluon_kernel")]

@@ -42,7 +42,9 @@ sys.path.insert(0, {bench!r})
 import gluon_block8 as g
 out = dict(pipelined=g.compile_only(32),
            control=g.compile_only(32, control=True, baseline=False),
-           capped=g.compile_only(32, maxnreg=128, kernels=("l1",), baseline=False))
+           capped=g.compile_only(32, maxnreg=128, kernels=("l1",), baseline=False),
+           w8=g.compile_only(32, maxnreg=128, kernels=("l2",), baseline=False, warps=8)
+           + g.compile_only(64, kernels=("l2",), baseline=False, warps=8))
 print(json.dumps(out))
 """
 
@@ -62,7 +64,7 @@ def compiled() -> dict:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"wait1": res["pipelined"], "wait0": res["control"], "capped": res["capped"]}
+    return {"wait1": res["pipelined"], "wait0": res["control"], "capped": res["capped"], "w8": res["w8"]}
 
 
 def _by_kernel(res: list, name: str) -> dict:
@@ -131,6 +133,18 @@ def test_negative_control_wait0_fails_the_check(compiled):
     assert gluon_block8.pipelined(ok) and not gluon_block8.pipelined(serialized)
 
 
+def test_gluon_l2_two_warpgroups(compiled):
+    """The 8-warp L2 ``--gpu`` times (two warpgroups of 64 weight rows): capped at 128 registers with 32-token
+    row blocks, and uncapped with 64, it compiles without spills and keeps its wgmma group in flight."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gluon_block8
+
+    for r in compiled["w8"]:
+        assert "error" not in r, r["error"]
+        assert r["warps"] == 8 and r["spill_bytes"] == 0 and gluon_block8.pipelined(r), r
+    assert [r["tile"]["BM"] for r in compiled["w8"]] == [32, 64] and compiled["w8"][0]["regs"] <= 128
+
+
 def test_spills_are_seen(compiled):
     """Negative control of the spill check: capped at 128 registers the Gluon L1 spills, which ptxas reports and
     cuobjdump's resource summary shows only as a stack frame (LOCAL stays 0)."""
@@ -171,7 +185,7 @@ from megamoe_runtime.backends.triton import block8
 g.DEV, g.H, g.I, g.E = "cpu", 256, 128, 8
 
 
-def l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait=1, stages=4, unroll=8, maxnreg=None):
+def l2(act, asf, w, ws, plan, slots, H, I, K, nslot, bm, wait=1, stages=4, unroll=8, maxnreg=None, warps=4):
     if unroll == 16:
         raise RuntimeError("planted failure")
     block8.launch_l2(block8.TILES["prefill"], act, asf, w, ws, plan, slots, H, I, K, nslot, bm, False)
@@ -192,8 +206,9 @@ print(json.dumps(dict(l2=g.gpu([16], 1), l1=g.gpu_l1([16], 1)), default=str))
 
 def test_gpu_flow_on_the_cpu():
     """``--gpu``'s flow at a small shape under the interpreter, the Gluon launches stood in for by block8's (what
-    the CPU can run): every configuration is compared with block8's output and timed; a configuration that
-    raises is reported and the others still run; planted differences are counted (negative controls)."""
+    the CPU can run): every configuration is compared with block8's output and timed, the 64-token row block
+    ones on the same pairs moved to that plan's rows; a configuration that raises is reported and the others
+    still run; planted differences are counted (negative controls)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     r = subprocess.run([sys.executable, "-c", _FLOW.format(bench=str(ROOT / "bench"))], cwd=ROOT, env=env,
@@ -204,6 +219,11 @@ def test_gpu_flow_on_the_cpu():
     assert "ms" in l2["block8"] and "ms" in l1["block8"]
     assert "planted failure" in l2["u16"]["error"]
     assert l2["u8_s6"]["differing_bytes"] > 0 and l1["s5_u4"]["scales_differing"] == 1
-    for pt, planted in ((l2, {"u16", "u8_s6"}), (l1, {"s5_u4"})):
+    cfg2, cfg1 = res["l2"]["variants"], res["l1"]["variants"]
+    planted2 = {k for k, v in cfg2.items() if v["unroll"] == 16 or v["stages"] == 6}
+    planted1 = {k for k, v in cfg1.items() if v["stages"] == 5}
+    assert all(l2[k].get("differing_bytes", 1) > 0 or "error" in l2[k] for k in planted2)
+    for pt, planted in ((l2, planted2), (l1, planted1)):
         rest = [k for k, v in pt.items() if isinstance(v, dict) and k != "block8" and k not in planted]
         assert len(rest) >= 4 and all(pt[k]["differing_bytes"] == 0 and pt[k]["ms"] > 0 for k in rest), pt
+    assert res["l2"]["variants"]["w8_bm64_u8"]["bm"] == 64 and "w8_bm64_u8" in l2
