@@ -731,9 +731,10 @@ VARIANTS = (("u8", 1, 4, 8, None, 4, 32), ("u2", 1, 4, 2, None, 4, 32), ("u4", 1
             ("w8_u8_r128_wait0", 0, 4, 8, 128, 8, 32))
 
 
-def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
+def gpu(tokens: list[int], reps: int, variants=VARIANTS, save=None) -> dict:
     """block8's prefill L2 and the Gluon L2 configurations on the same inputs: differing slot bytes against
-    block8's, median times, TFLOP/s, ratio to block8 (a failing configuration is reported and skipped)."""
+    block8's, median times, TFLOP/s, ratio to block8 (a failing configuration is reported and skipped); ``save``
+    is called with the results after each token count."""
     from megamoe_runtime.backends.triton import block8
 
     fc = block8.TILES["prefill"]
@@ -789,6 +790,8 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS) -> dict:
             del got, vplan, vact, vasf
         res["points"][str(T)] = pt
         _print_point("L2", T, pt)
+        if save:
+            save(res)
         del pr, act, asf, w, ref
         if DEV == "cuda":
             torch.cuda.empty_cache()
@@ -827,9 +830,10 @@ def _problem_l1(T: int, seed: int = 1, dev: str = ""):
     return dict(w=w1, ws=s1, xq=xq, xs=block8.row_scales(xs, plan, K, hw), tw=tw, plan=plan, bm=bm, T=T)
 
 
-def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5) -> dict:
+def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5, save=None) -> dict:
     """block8's prefill L1 and the Gluon L1 configurations on the same inputs: differing act bytes and scale
-    words against block8's (every row, padding included), median times, TFLOP/s, ratio to block8."""
+    words against block8's (every row, padding included), median times, TFLOP/s, ratio to block8; ``save`` as
+    ``gpu``'s."""
     from megamoe_runtime.backends.triton import block8
 
     fc = block8.TILES["prefill"]
@@ -882,6 +886,8 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5)
             del a2, s2
         res["points"][str(T)] = pt
         _print_point("L1", T, pt)
+        if save:
+            save(res)
         del pr, act, asf, args
         if DEV == "cuda":
             torch.cuda.empty_cache()
@@ -928,6 +934,10 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="--compile-only: register cap of the Gluon kernels")
     ap.add_argument("--warps", type=int, default=WARPS, help="--compile-only: warps of the Gluon L2 (4 or 8)")
     ap.add_argument("--bm", type=int, default=None, help="--compile-only: tokens per row block (default: block8's)")
+    ap.add_argument("--variants", default="",
+                    help="--gpu: only these configurations (names, comma-separated; one no configuration has, e.g. "
+                         "'none': block8 alone)")
+    ap.add_argument("--skip-compile", action="store_true", help="--gpu: not the sm_90 compile figures at the end")
     ap.add_argument("--json", default="", help="write the results here")
     a = ap.parse_args(argv)
     kernels = tuple(a.kernels.split(","))
@@ -950,14 +960,27 @@ def main(argv=None) -> int:
             return 2
         tokens = [int(t) for t in a.tokens.split(",")]
         out = {}
+
+        def save(part):
+            def put(res):
+                out[part] = res
+                if a.json:  # after every token count: a later fault leaves what was measured
+                    with open(a.json, "w") as f:
+                        json.dump(out, f, indent=1, default=str)
+            return put
+
+        names = set(filter(None, a.variants.split(",")))
         if "l2" in kernels:
-            out["gpu"] = gpu(tokens, a.reps)
+            out["gpu"] = gpu(tokens, a.reps, [v for v in VARIANTS if not names or v[0] in names], save("gpu"))
         if "l1" in kernels:
-            out["gpu_l1"] = gpu_l1(tokens, a.reps)
+            out["gpu_l1"] = gpu_l1(tokens, a.reps, [v for v in L1_VARIANTS if not names or v[0] in names],
+                                   save=save("gpu_l1"))
         ok = all("ms" in v and v.get("differing_bytes", 0) == 0 for part in ("gpu", "gpu_l1") if part in out
                  for p in out[part]["points"].values() for v in p.values() if isinstance(v, dict))
         # the sm_90 compile figures of the same kernels, last: the recording replaces the process's driver
         try:
+            if a.skip_compile:
+                raise RuntimeError("skipped (--skip-compile)")
             out["compile"] = compile_only(32, kernels=kernels)
             for r in out["compile"]:
                 print(_fmt(r))
