@@ -13,7 +13,8 @@ across the back edge ptxas serializes every wgmma of the kernel (docs/bench-log/
 so one promotion in UNROLL is not overlapped.
 
 * L2: TMA loads into a ring of ``STAGES`` shared-memory slots (weight tile ``[BN, GA]``, token tile ``[BM, GA]``,
-  E4M3), one mbarrier per slot, a slot refilled once the MMA that read it has completed; one warpgroup.
+  E4M3), one mbarrier per slot, a slot refilled once the MMAs that read it have completed; one warpgroup
+  (block8's prefill tile) or two (8 warps, 64 weight rows each).
 * L1: gate and up dots of 128 rows each (block8's interleaved kernel rows), K blocks of 128, two warpgroups;
   cp.async loads (the token rows are gathered) with one CTA barrier per block; block8's epilogue.
 
