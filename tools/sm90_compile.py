@@ -277,22 +277,31 @@ def loop_mix(cubin: bytes, warps: int, weight_bytes: int | None) -> dict:
     return out
 
 
+def compile_kernel(fn: Any, signature: dict, constexprs: dict, attrs: dict, options: dict):
+    """One specialization of a ``@triton.jit`` or ``@gluon.jit`` function compiled for sm_90 (Triton's CUDA
+    backend and ptxas): the CompiledKernel, its ``asm`` holding ttgir, ptx and cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget(*SM90), options=options)
+
+
 def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, attrs: dict, options: dict,
                 sass: bool = False) -> dict:
     """Compile one recorded specialization for sm_90: its resources (and with ``sass`` the K loop's
     instruction mix, ``loop_mix``), or the compiler's error."""
     import importlib
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
     t0 = time.time()
     try:
-        k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*SM90), options=options)
+        k = compile_kernel(fn, signature, constexprs, attrs, options)
     except Exception as e:  # the compiler's message is the result
         return dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:], seconds=round(time.time() - t0, 2))
     res = dict(ok=True, shared=int(k.metadata.shared), seconds=round(time.time() - t0, 2), **_resources(k.asm["cubin"]))
