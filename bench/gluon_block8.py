@@ -536,12 +536,12 @@ def _sass_waits(body: list) -> dict:
 def compile_launch(ln) -> dict:
     """Compile one recorded launch for sm_90 (``sm90_compile.compile_kernel``): resources (``spill_bytes``: ptxas'
     spill stores + loads), the PTX's and the SASS K loop's wgmma waits, the loop's instruction mix, and ptxas'
-    notes (``ptxas_report``)."""
+    notes (``sm90_compile.ptxas_report``)."""
     import sm90_compile as sc
 
     k = sc.compile_kernel(ln.fn, ln.signature, ln.constexprs, ln.attrs, ln.options)
     res = sc._resources(k.asm["cubin"])
-    rep = ptxas_report(k.asm["ptx"])
+    rep = sc.ptxas_report(k.asm["ptx"])
     body = sc.main_loop(sc.sass_instructions(sc._cuobjdump(k.asm["cubin"], "--dump-sass")))
     mix = sc.loop_mix(k.asm["cubin"], ln.options.get("num_warps", 4), None)
     cx = sc.named(ln.fn.arg_names, ln.constexprs)
@@ -558,34 +558,6 @@ def compile_launch(ln) -> dict:
                 fma_in_ptx=len(re.findall(r"\bfma\.rn\.f32\b", k.asm["ptx"])),
                 wgmma_forms=sorted(set(re.findall(r"wgmma\.mma_async\.[\w.]+", k.asm["ptx"]))),
                 bf16_cvt=sorted(set(re.findall(r"cvt\.\w+\.bf16(?:x2)?\.f32", k.asm["ptx"]))))
-
-
-def ptxas_report(ptx: str) -> dict:
-    """ptxas rerun on the PTX with Triton's flags (sm_90a; the PTX carries any ``.maxnreg``): registers, stack
-    frame and spill bytes as ptxas counts them (cuobjdump's LOCAL stays 0 for stack-frame spills), and its
-    warnings and C75xx notes, which Triton does not show (e.g. C7514 / C7515: "wgmma.mma_async instructions are
-    serialized", C7517: a wgmma wait it injected)."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([ptxas, "-lineinfo", "--fmad=false", "-v", "--gpu-name=sm_90a", src, "-o",
-                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
-    log = r.stdout + r.stderr
-
-    def num(pat):
-        m = re.search(pat, log)
-        return int(m.group(1)) if m else None
-
-    return dict(regs=num(r"Used (\d+) registers"), stack_frame=num(r"(\d+) bytes stack frame"),
-                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
-                notes=[x.strip() for x in log.splitlines() if "warning" in x.lower() or re.search(r"\(C7\d\d\d\)", x)])
 
 
 def compile_only(bm: int, control: bool = False, unroll=None, maxnreg=None, kernels=("l2", "l1"),

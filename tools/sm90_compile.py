@@ -13,6 +13,10 @@ the GPU's.
     python tools/sm90_compile.py                 # every case, a table of registers / spills / shared
     python tools/sm90_compile.py --only mxfp4 --json out.json --jobs 2
     python tools/sm90_compile.py --only layer_default --sass _l1_kernel   # + the K loop's instruction mix
+    python tools/sm90_compile.py --only layer_default --ptxas   # + ptxas' notes: wgmma serialized?
+
+Spills are the cubin's stack frame (cuobjdump's STACK): ptxas puts spilled registers there, and equal to its
+own "bytes spill stores" for every specialization here; cuobjdump's LOCAL stays 0 for them.
 
 ``--sass``: for the specializations whose kernel name holds the substring, the cubin's SASS is read
 back (cuobjdump) and the main K loop -- the backward branch whose body holds the most asynchronous
@@ -21,6 +25,11 @@ iteration consumes (from the tile's constexprs, ``weight_bytes_per_step``) that 
 per weight byte, and the bandwidth at which the SM schedulers' issue slots would be full
 (``issue_bound_gbs``). Why: at decode sizes the quantized GEMMs are bound by instruction issue, not
 by memory (docs/bench-log/kernels.md), so instructions per byte is the figure to drive down.
+
+``--ptxas``: ptxas is run again on each kernel's PTX with ``-v`` for what Triton does not show: its
+"wgmma.mma_async instructions are serialized" notes (C7511 / C7512 / C7514 / C7515). A serialized kernel
+computes the same bits but waits for each wgmma before going on (docs/KERNELS.md "Compiling for Hopper
+without a GPU").
 """
 from __future__ import annotations
 
@@ -290,10 +299,44 @@ def compile_kernel(fn: Any, signature: dict, constexprs: dict, attrs: dict, opti
     return triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget(*SM90), options=options)
 
 
+def ptxas_report(ptx: str) -> dict:
+    """ptxas rerun on the PTX with Triton's flags (sm_90a; the PTX carries any ``.maxnreg``): registers, stack
+    frame and spill bytes as ptxas counts them, and its warnings and C75xx notes, which Triton does not show
+    (C7511 / C7512 / C7514 / C7515: "wgmma.mma_async instructions are serialized", each with its reason; C7517: a
+    wgmma wait it injected). Why rerun: a serialized wgmma waits for every MMA before the next instruction,
+    so the kernel compiles and computes the same bits but loses the overlap its PTX asked for."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-lineinfo", "--fmad=false", "-v", "--gpu-name=sm_90a", src, "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    log = r.stdout + r.stderr
+
+    def num(pat):
+        m = re.search(pat, log)
+        return int(m.group(1)) if m else None
+
+    notes = [x.strip() for x in log.splitlines() if "warning" in x.lower() or re.search(r"\(C7\d\d\d\)", x)]
+    return dict(regs=num(r"Used (\d+) registers"), stack_frame=num(r"(\d+) bytes stack frame"),
+                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
+                notes=notes, serialized=sorted({m for x in notes for m in re.findall(r"\((C75\d\d)\)", x)
+                                                if "serialized" in x}))
+
+
 def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, attrs: dict, options: dict,
-                sass: bool = False) -> dict:
-    """Compile one recorded specialization for sm_90: its resources (and with ``sass`` the K loop's
-    instruction mix, ``loop_mix``), or the compiler's error."""
+                sass: bool = False, ptxas: bool = False) -> dict:
+    """Compile one recorded specialization for sm_90: its resources (``stack``: the stack frame, where ptxas
+    puts spilled registers; these kernels use it for nothing else), with ``sass`` the K loop's instruction
+    mix (``loop_mix``), with ``ptxas`` ptxas' own report (``ptxas_report``: its serialization notes), or the
+    compiler's error."""
     import importlib
 
     fn = importlib.import_module(module)
@@ -307,6 +350,8 @@ def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, a
     res = dict(ok=True, shared=int(k.metadata.shared), seconds=round(time.time() - t0, 2), **_resources(k.asm["cubin"]))
     if sass:
         res["loop"] = loop_mix(k.asm["cubin"], options.get("num_warps", 4), weight_bytes_per_step(qualname, named(fn.arg_names, constexprs)))
+    if ptxas:
+        res["ptxas"] = ptxas_report(k.asm["ptx"])
     return res
 
 
@@ -317,14 +362,15 @@ def _tile(ln: Launch) -> dict:
     return {k: cx[k] for k in keep if k in cx}
 
 
-def compile_all(launches: dict, jobs: int, sass: str = "") -> list[dict]:
+def compile_all(launches: dict, jobs: int, sass: str = "", ptxas: bool = False) -> list[dict]:
     """Compile every recorded launch (``jobs`` worker processes); one result per launch. ``sass``: a
-    substring of the kernel names whose K loops are counted (``loop_mix``)."""
+    substring of the kernel names whose K loops are counted (``loop_mix``); ``ptxas``: rerun ptxas on each
+    for its notes (``ptxas_report``; about a second per specialization)."""
     work = []
     for (name, _), ln in launches.items():
         module, qualname = ln.fn.fn.__module__, ln.fn.fn.__qualname__
         work.append((ln, (module, qualname, ln.signature, ln.constexprs, ln.attrs, ln.options,
-                          bool(sass) and sass in ln.kernel)))
+                          bool(sass) and sass in ln.kernel, ptxas)))
     out = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as ex:
         futs = [(ln, ex.submit(compile_one, *args)) for ln, args in work]
@@ -356,16 +402,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="write every launch's result here")
     ap.add_argument("--sass", default="", metavar="KERNEL_SUBSTRING",
                     help="count the K loop's SASS instructions of the kernels whose name holds this (e.g. _l1_kernel)")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="rerun ptxas on each kernel for the notes Triton hides (wgmma serialization, C75xx)")
     a = ap.parse_args(argv)
     t0 = time.time()
     launches = record(a.only)
     t1 = time.time()
-    res = compile_all(launches, a.jobs, a.sass)
+    res = compile_all(launches, a.jobs, a.sass, a.ptxas)
     bad = [r for r in res if not r["ok"]]
     for r in sorted(res, key=lambda r: (r["kernel"], r.get("regs") or 0)):
         short = r["kernel"].rsplit(".", 2)[-2:]
-        cell = (f"regs {r['regs']:>3} local {r['local']:>4} shared {r['shared']:>6}" if r["ok"]
+        cell = (f"regs {r['regs']:>3} spill {r['stack']:>4} shared {r['shared']:>6}" if r["ok"]
                 else "FAILED " + r["error"].splitlines()[-1][:120])
+        if r.get("ptxas", {}).get("serialized"):
+            cell += " wgmma serialized " + ",".join(r["ptxas"]["serialized"])
         print(f"{'.'.join(short):40s} w{r['warps']} s{r['stages']} {cell}  ({r['first_case']}, {r['cases']} cases)")
     for r in res:
         if "loop" in r:
