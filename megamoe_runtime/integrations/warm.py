@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_TOKENS", "CACHE_SUBDIR", "distinct_layers", "parse_tokens", 
 DEFAULT_TOKENS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048, 2049,
                   4096, 4097)
 #: where a folder's own kernel cache lives (what `shipped_cache` finds without the knob)
-CACHE_SUBDIR = "kernel-cache"
+CACHE_SUBDIR = kc.FOLDER_SUBDIR
 MAX_TOKENS = 1 << 16
 
 
