@@ -6,6 +6,9 @@ Exit codes (every command):
        `demo`: that, or a served layer missed its calc_diff threshold vs the source)
   2    bad input or usage (unreadable/unsupported checkpoint, failed checks,
        OUT already exists, bad option, a --shared-precision the row cannot fuse)
+  3    internal error: an exception megamoe did not expect (a bug, never a verdict
+       on the input): one line on stderr naming it and the file its traceback was
+       written to (``megamoe-convert-crash-*.txt`` in the temp folder), `_internal_error`
   130  interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (`convert` prints where
        the unfinished run is and the exact command that resumes it)
 
@@ -72,7 +75,7 @@ def _hub_options(f):
     return f
 
 
-_EXIT_OK, _EXIT_VERIFY_FAILED, _EXIT_BAD_INPUT = 0, 1, 2
+_EXIT_OK, _EXIT_VERIFY_FAILED, _EXIT_BAD_INPUT, _EXIT_INTERNAL = 0, 1, 2, 3
 _EXIT_SIGINT, _EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shell's convention
 
 
@@ -251,11 +254,54 @@ def _convert_io_failed(ctx: click.Context, out: Path):
     return message
 
 
+def _save_traceback(e: BaseException) -> str | None:
+    """Write ``e``'s traceback, with the version and command line, to a new file in the temp folder; its path,
+    or None (the traceback then goes to stderr) where no file can be written."""
+    import os
+    import traceback
+
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        from importlib.metadata import version
+
+        from ..output.output_dir import this_command  # the command line with a --token value hidden
+
+        text = (f"megamoe-convert {version('megamoe')}, Python {sys.version.split()[0]}\n"
+                f"command: {shlex.join(this_command()['argv'])}\n\n{text}")
+    except Exception:  # noqa: BLE001 - the traceback matters, the header does not
+        pass
+    try:
+        fd, path = tempfile.mkstemp(prefix="megamoe-convert-crash-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    except OSError:
+        sys.stderr.write(text)
+        return None
+
+
+def _internal_error(e: BaseException, as_json: bool) -> None:
+    """An exception no handler expected (a bug): exit 3 with one line naming it and where its traceback is,
+    never 1 (`verify`'s "verification failed") nor a bare traceback a script cannot tell from a verdict."""
+    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    what = what.splitlines()[0][:300]
+    where = _save_traceback(e)
+    msg = (f"internal error (a bug in megamoe, not a verdict on the input): {what}; the traceback is in "
+           + (f"{where}: please report it with that file" if where else "the lines above: please report it"))
+    click.echo(f"error: {msg}", err=True)
+    if as_json:
+        click.echo(json.dumps({"ok": False, "exit_code": _EXIT_INTERNAL, "error": msg, "traceback": where},
+                              indent=2))
+    sys.exit(_EXIT_INTERNAL)
+
+
 class _Group(click.Group):
     """Usage errors (unknown option, bad value) answer in JSON on stdout too
     when the command line asks for --json. Ctrl-C before a command's own
     handling starts (parsing, importing torch) exits 130 with one line, as
-    every interruption does, not click's ``Aborted!`` with 1."""
+    every interruption does, not click's ``Aborted!`` with 1. An exception no
+    command handled exits 3 (`_internal_error`); a MegaMoEError that got past
+    its command's handling is still bad input (2)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
@@ -284,8 +330,15 @@ class _Group(click.Group):
             import errno
 
             if e.errno != errno.EPIPE:
-                raise
+                _internal_error(e, as_json)
             sys.exit(1)
+        except MegaMoEError as e:
+            click.echo(f"error: {e}", err=True)
+            if as_json:
+                click.echo(json.dumps({"ok": False, "exit_code": _EXIT_BAD_INPUT, "error": str(e)}, indent=2))
+            sys.exit(_EXIT_BAD_INPUT)
+        except Exception as e:  # noqa: BLE001 - the point: anything no command expected
+            _internal_error(e, as_json)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -302,7 +355,8 @@ def main() -> None:
       megamoe-convert verify ./out
       megamoe-convert synth ./src --layers 16 --experts 64 --hidden 2048   # a large source to try
 
-    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 130 Ctrl-C, 143 SIGTERM.
+    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 internal error (a
+    bug: its traceback's file is named), 130 Ctrl-C, 143 SIGTERM.
     """
 
 
@@ -388,7 +442,7 @@ def convert(src, out, revision, cache_dir, token, local_files_only, fmt, quantiz
     that resumes it.
 
     Exit codes: 0 converted, 2 bad input or usage (nothing is left under OUT),
-    130 / 143 interrupted by Ctrl-C / SIGTERM (OUT untouched).
+    3 internal error, 130 / 143 interrupted by Ctrl-C / SIGTERM (OUT untouched).
     """
     bar = _progress("converting", no_progress)
     bar.stage("loading torch and the converter")  # a first line at once: the import takes seconds
@@ -505,7 +559,7 @@ def inspect(src, revision, cache_dir, token, local_files_only, fmt, quantize, ep
       megamoe-convert inspect ./glm-nvfp4 --on-scale-mismatch requantize   # preview the repaired run
       megamoe-convert inspect org/model --local-files-only --cache-dir /data/hf
 
-    Exit codes: 0 convertible, 2 bad input (problems listed) or usage.
+    Exit codes: 0 convertible, 2 bad input (problems listed) or usage, 3 internal error.
     """
     from ..pipeline.inspection import inspect_checkpoint
 
@@ -627,7 +681,8 @@ def verify(out, as_json, reload_dry_run, no_progress, against, tokens):
       megamoe-convert verify ./qwen3-megamoe --against ./Qwen3-30B-A3B-NVFP4
 
     Exit codes: 0 verified, 1 verification failed, 2 OUT is not a megamoe output (no
-    folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here.
+    folder, or no megamoe.json in it) or its blake3 checksums cannot be computed here,
+    3 internal error (a bug in megamoe, not a verification result).
     """
     from megamoe_runtime.format.manifest import MANIFEST_NAME
 
@@ -769,7 +824,7 @@ def synth(out, fmt, layers, experts, hidden, intermediate, top_k, shared, max_sh
       megamoe-convert synth ./src-r1ish --format modelopt-nvfp4 --layers 4 --experts 32 --shared 1
       megamoe-convert synth ./src-bf16 --format bf16 && megamoe-convert convert ./src-bf16 ./out --quantize mxfp8
 
-    Exit codes: 0 built, 2 bad option (OUT not empty, unknown format, sizes).
+    Exit codes: 0 built, 2 bad option (OUT not empty, unknown format, sizes), 3 internal error.
     """
     from ..testing import synth as synth_mod
 
@@ -869,7 +924,7 @@ def demo(fmt, keep, ep_size, tokens, as_json):
       megamoe-convert demo --keep ./demo-out --json
 
     Exit codes: 0 every layer matches, 1 verify failed or a layer missed its
-    threshold, 2 bad input or usage.
+    threshold, 2 bad input or usage, 3 internal error.
     """
     from ..testing import synth
 

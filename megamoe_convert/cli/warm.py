@@ -53,7 +53,7 @@ def warm(folder, cache, tokens, jobs, as_json):
       megamoe-convert warm ./out --cache /opt/kernels && MEGAMOE_KERNEL_CACHE=/opt/kernels python serve.py
 
     Exit codes: 0 built, 2 bad input (not a converted folder, an --ep-size > 1 folder, no GPU or triton,
-    --cache not a compatible kernel cache, a worker failed).
+    --cache not a compatible kernel cache, a worker failed), 3 internal error.
     """
     from megamoe_runtime.integrations.warm import build_cache, parse_tokens
 

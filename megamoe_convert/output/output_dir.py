@@ -35,7 +35,9 @@ Placement rules (`check_placement`): OUT (and its siblings) may not overlap
 the source in either direction after resolving symlinks (a hub source's cache
 counts as the source), and may not be the working directory or one of its
 parents. Replacement rules (`check_replaceable`): ``--overwrite`` replaces only
-an empty folder or a megamoe output whose every entry its manifest lists.
+an empty folder or a megamoe output whose every entry its manifest lists, or
+is the kernel cache ``megamoe-convert warm`` built in it (provably: its own
+manifest and only triton's entries; removed with the old shards it serves).
 Only folders that are provably ours are ever removed (`is_our_temp`,
 `_is_our_old`).
 
@@ -62,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from megamoe_runtime.backends import kernel_cache as kc
 from megamoe_runtime.errors import MegaMoEError, OutputError
 from megamoe_runtime.files.json_io import parse_json
 from megamoe_runtime.files.json_io import read_json
@@ -223,7 +226,11 @@ def _list(names: list[str], n: int = 5) -> str:
 def check_replaceable(out: Path) -> None:
     """What ``--overwrite`` may replace: an empty folder, or a megamoe output
     holding only what its manifest lists (a leftover journal/marker of our
-    own swap included). Anything else is refused, naming what is there."""
+    own swap included) and the ``kernel-cache`` ``megamoe-convert warm`` built
+    of it, when that is provably warm's own (`kernel_cache.not_own_reason`:
+    its manifest valid, only the files warm and triton write; it is removed
+    with the shards it was compiled for). Anything else is refused, naming
+    what is there."""
     if out.is_symlink() or not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder; --overwrite replaces only megamoe output folders")
     names = _entries(out)
@@ -235,12 +242,17 @@ def check_replaceable(out: Path) -> None:
             f"{out} is not a megamoe output (no readable megamoe.json) and holds {len(names)} entr"
             f"{'y' if len(names) == 1 else 'ies'} ({_list(names)}); --overwrite replaces only a folder "
             "megamoe-convert wrote: choose another OUT or move these away yourself")
-    foreign = [n for n in names if n not in listed | {JOURNAL_NAME, TMP_MARKER}
-               or not (out / n).is_file() or (out / n).is_symlink()]
+    cache_why = None
+    if kc.FOLDER_SUBDIR in names:  # `megamoe-convert warm`'s cache of the shards: ours only when provably so
+        cache_why = kc.not_own_reason(out / kc.FOLDER_SUBDIR)
+    foreign = [n for n in names if not (n == kc.FOLDER_SUBDIR and cache_why is None) and (
+               n not in listed | {JOURNAL_NAME, TMP_MARKER} or not (out / n).is_file() or (out / n).is_symlink())]
     if foreign:
         raise OutputError(
             f"{out} is a megamoe output but also holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
-            f"its manifest does not list ({_list(foreign)}); --overwrite would delete them: move them away first")
+            f"its manifest does not list ({_list(foreign)}); --overwrite would delete them: move them away first"
+            + (f" ({out / kc.FOLDER_SUBDIR} is not a kernel cache megamoe-convert warm made: {cache_why})"
+               if cache_why is not None else ""))
     changed = changed_listed_files(out)
     if changed:
         raise OutputError(

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe_runtime.backends.kernel_cache import FOLDER_SUBDIR
 from megamoe_runtime.errors import CheckpointError, MegaMoEError
 from megamoe_runtime.files import digests
 from megamoe_runtime.files.digests import SHA256
@@ -67,6 +68,7 @@ from ..output.output_dir import (
     StepHook,
     check_placement,
     ensure_parent,
+    is_megamoe_output,
     recover,
     remove_created,
     resolve_out,
@@ -224,6 +226,10 @@ def _convert_locked(src, out: Path, *, revision, format, quantize, ep_size: int,
     recovered = recover(out, log, guard)
     read_from_ns = time.time_ns()  # before the first source byte is read (temp_folder.source_unverified)
     check_output_target(out, overwrite=overwrite, resume=resume, recovered=recovered is not None)
+    if overwrite and (out / FOLDER_SUBDIR).is_dir() and is_megamoe_output(out):  # passed check_replaceable
+        log(f"note: {out / FOLDER_SUBDIR} holds the kernels megamoe-convert warm compiled for the output this "
+            f"run replaces; it goes with that output once the new one is complete: run `megamoe-convert warm "
+            f"{out}` again for the new shards")
 
     report_stage(progress, f"opening {src}")
     source = open_source(src, revision, **(hub or {}))

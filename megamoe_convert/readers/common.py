@@ -236,19 +236,25 @@ class SchemeReader(CheckpointReader):
             f = "?"
         return f"{tensor} (in {f})"
 
-    def excluded_by_config(self, module: str) -> bool:
-        """Whether the quantization config's ignore/exclude list names ``module``
+    def excluded_by_config(self, module: str) -> str | None:
+        """The entry of the quantization config's ignore/exclude list that names ``module``, or None
         (only used to word errors; the tensors decide)."""
+        for pat in self._ignore_patterns:
+            if self._ignore_names(pat, module):
+                return pat
+        return None
+
+    @staticmethod
+    def _ignore_names(pat: str, module: str) -> bool:
+        """Whether ignore-list entry ``pat`` names ``module``: compressed-tensors' / ModelOpt's / Quark's rule
+        (``re:`` + a regex matched at the start, else a glob or the exact name). A reader whose producer
+        matches otherwise overrides it."""
         from fnmatch import fnmatchcase
         import re
 
-        for pat in self._ignore_patterns:
-            if pat.startswith("re:"):
-                if re.match(pat[3:], module):
-                    return True
-            elif pat == module or fnmatchcase(module, pat) or fnmatchcase(module + ".", pat):
-                return True
-        return False
+        if pat.startswith("re:"):
+            return re.match(pat[3:], module) is not None
+        return pat == module or fnmatchcase(module, pat) or fnmatchcase(module + ".", pat)
 
     # ------------------------------------------------------------------ checks
     def _resolve(
@@ -506,7 +512,8 @@ class SchemeReader(CheckpointReader):
         raise FormatError(
             f"{where} has {len(excluded)} of {total} routed expert projection(s) stored unquantized "
             f"(e.g. {mod}.weight, {dtype})"
-            f"{' - the quantization config excludes them' if by_cfg else ''}, while the rest of the model's experts are "
+            f"{f' - the quantization config excludes them (its list of unquantized modules names {by_cfg!r})' if by_cfg else ''}"
+            f", while the rest of the model's experts are "
             f"{self.scheme.name}. A MegaMoE layer has one weight format for all its experts, and silently "
             "re-quantizing experts the producer chose to keep in high precision would change the model; "
             "quantize them with the producer"

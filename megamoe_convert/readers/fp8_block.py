@@ -11,6 +11,11 @@ weight_scale_inv``: the dequantizers of DeepSeek's inference code and of
 transformers multiply by it), which is what the SM90 kernel reads: bytes are
 copied unchanged. Detection leaves DeepSeek-V4's UE8M0 layout to its reader.
 
+``modules_to_not_convert`` (FineGrainedFP8Config's list of modules left unquantized; ``ignored_layers`` in
+MiniMax's exports) is read to word a refusal of routed experts stored unquantized: an entry names a module
+when it is the module's name, a module above it (up to a dot) or its trailing names, read as a regular
+expression matched from the start, as transformers applies the list.
+
 Refused, with the values: block sizes other than [128, 128], ``fmt`` other than
 E4M3, UE8M0 scale storage (``scale_fmt: "ue8m0"`` with F8_E8M0 tensors: the dtype
 check names them), and the value checks every row has (`checks.check_expert`:
@@ -21,9 +26,10 @@ none that makes its block overflow fp32).
 from __future__ import annotations
 
 import json
+import re
 
 from .base import register_reader
-from .common import Param, Scheme, SchemeReader, quant_config_of
+from .common import Param, Scheme, SchemeReader, ignore_list, quant_config_of
 from .deepseek_v4 import looks_v4
 from .recipe import ActivationRecipe, unknown
 
@@ -75,6 +81,22 @@ class FP8BlockReader(SchemeReader):
     scheme = _SCHEME
     direct_weight_bytes = True  # weights are the stored bytes (convert reads them in place)
 
+    def __init__(self, source) -> None:
+        super().__init__(source)
+        self._ignore_patterns = ignore_list(quant_config_of(source), "modules_to_not_convert", "ignored_layers")
+
+    @staticmethod
+    def _ignore_names(pat: str, module: str) -> bool:
+        """transformers' rule for ``modules_to_not_convert``: the module itself, a module above it, or its
+        trailing names (``"lm_head"``, ``"model.layers.1.mlp.experts"``, ``"gate"``), a regex from the start;
+        an entry ends at a dot, so ``model.layers.1`` does not name ``model.layers.10``."""
+        if pat == module or module.startswith(pat + ".") or module.endswith("." + pat):
+            return True
+        try:
+            return re.match(rf"(?:{pat})(?:\.|$)", module) is not None
+        except re.error:
+            return False
+
     @classmethod
     def detect(cls, source) -> bool:
         return _is_block_fp8(source)
@@ -99,6 +121,16 @@ class FP8BlockReader(SchemeReader):
 
     @classmethod
     def synthetic_quant_config(cls, variant: str, ignore: list[str]) -> tuple[dict | None, dict | None]:
-        """DeepSeek-V3's own ``quantization_config``."""
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        """DeepSeek-V3's own ``quantization_config``, which has no list of unquantized modules (DeepSeek
+        quantizes every expert); where ``ignore`` names expert modules (a layer's routed experts or the
+        shared experts stored unquantized), what transformers' FineGrainedFP8Config writes instead (the
+        keys of tests/fixtures/real/finegrained-fp8-*/config.json), with ``modules_to_not_convert`` holding
+        every module the synthetic checkpoint leaves unquantized, as module names (a glob's ``*`` dropped:
+        transformers reads an entry as a prefix)."""
+        if not any(".experts" in p or ".shared_experts" in p for p in ignore):
+            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(_BLOCK)}, None
+        names = list(dict.fromkeys(p.rstrip("*").rstrip(".") for p in ignore))
+        return {"activation_scheme": "dynamic", "dequantize": False, "modules_to_convert": None,
+                "modules_to_not_convert": names, "quant_method": "fp8", "scale_fmt": "float",
                 "weight_block_size": list(_BLOCK)}, None

@@ -11,6 +11,10 @@ A *kernel cache* is such a set of entries with a manifest that says what they we
     CACHE/megamoe-kernel-cache.json   # this module's manifest (``MANIFEST_NAME``)
     CACHE/triton/<key>/...            # triton's own entries, as triton wrote them
 
+and nothing else: `not_own_reason` tells a folder holding only that (what `megamoe-convert warm` and the
+triton it runs write) from one holding anything more, which is how the converter's ``--overwrite`` knows
+that a converted folder's ``kernel-cache`` (``FOLDER_SUBDIR``) is megamoe's own output and may go with it.
+
 `seed` copies the entries into the triton cache a process uses (``triton_cache_dir``) before its first
 kernel launch: only entries it lacks, file by file, never replacing a file that is there. A cache built
 with another triton, another GPU architecture or another Python is skipped with a reason: the kernels
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -36,8 +41,9 @@ from typing import Any, Optional, Union
 from ..errors import MegaMoEError
 from ..files.json_io import read_json
 
-__all__ = ["MANIFEST_NAME", "ENTRIES_DIR", "FORMAT_VERSION", "KernelCacheError", "SeedReport", "environment",
-           "triton_cache_dir", "read_manifest", "incompatibility", "seed", "write_manifest", "entry_count"]
+__all__ = ["MANIFEST_NAME", "ENTRIES_DIR", "FORMAT_VERSION", "FOLDER_SUBDIR", "KernelCacheError", "SeedReport",
+           "environment", "triton_cache_dir", "read_manifest", "incompatibility", "seed", "write_manifest",
+           "entry_count", "foreign_entries", "not_own_reason"]
 
 MANIFEST_NAME = "megamoe-kernel-cache.json"
 #: the subfolder holding triton's entries (one directory per kernel key)
@@ -45,6 +51,12 @@ ENTRIES_DIR = "triton"
 FORMAT_VERSION = 1
 #: what a cache must match to be seeded (the rest of the manifest is informational)
 MATCH_KEYS = ("triton", "capability", "python")
+#: where a converted folder's own kernel cache lives (``megamoe-convert warm FOLDER`` builds it there)
+FOLDER_SUBDIR = "kernel-cache"
+#: the temporary manifest `write_manifest` renames over the manifest (left behind by a kill between the two)
+_TMP_MANIFEST = re.compile(rf"\.{re.escape(MANIFEST_NAME)}\.tmp\.\d+")
+#: the folder triton writes an entry's file in before renaming it into the entry (left by a killed compile)
+_TRITON_TMP = re.compile(r"tmp\.pid_[0-9A-Za-z_-]+")
 
 
 class KernelCacheError(MegaMoEError):
@@ -128,6 +140,60 @@ def entry_count(cache: Union[str, os.PathLike]) -> int:
     """Kernel entries (triton cache keys) under ``cache``'s entries folder."""
     d = Path(cache) / ENTRIES_DIR
     return sum(1 for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")) if d.is_dir() else 0
+
+
+def _plain_files(folder: Path) -> list[str]:
+    """Names in ``folder`` that are not plain files (a symlink counts as not plain)."""
+    return [p.name for p in folder.iterdir() if p.is_symlink() or not p.is_file()]
+
+
+def foreign_entries(cache: Union[str, os.PathLike]) -> list[str]:
+    """What kernel cache folder ``cache`` holds besides what `build_cache` (``megamoe-convert warm``) and the
+    triton it runs write there, as paths relative to ``cache``: anything but the manifest (and a temporary
+    manifest a killed write left), the entries folder, and in it entry folders of plain files (each maybe
+    with triton's own ``tmp.pid_*`` folder of plain files, which a killed compile leaves). A symlink anywhere
+    is foreign. ``[]``: nothing in it was written by anyone else."""
+    cache = Path(cache)
+    out = []
+    for p in sorted(cache.iterdir()):
+        if p.name == ENTRIES_DIR and p.is_dir() and not p.is_symlink():
+            continue
+        if (p.name == MANIFEST_NAME or _TMP_MANIFEST.fullmatch(p.name)) and p.is_file() and not p.is_symlink():
+            continue
+        out.append(p.name)
+    entries = cache / ENTRIES_DIR
+    if entries.is_dir() and not entries.is_symlink():
+        for e in sorted(entries.iterdir()):
+            rel = f"{ENTRIES_DIR}/{e.name}"
+            if e.is_symlink() or not e.is_dir():
+                out.append(rel)
+                continue
+            for p in sorted(e.iterdir()):
+                if p.is_dir() and not p.is_symlink() and _TRITON_TMP.fullmatch(p.name):
+                    out += [f"{rel}/{p.name}/{n}" for n in _plain_files(p)]
+                elif p.is_symlink() or not p.is_file():
+                    out.append(f"{rel}/{p.name}")
+    return out
+
+
+def not_own_reason(cache: Union[str, os.PathLike]) -> Optional[str]:
+    """None when ``cache`` is provably a kernel cache megamoe wrote: a folder (not a symlink) with a valid
+    manifest (`read_manifest`) holding nothing `foreign_entries` names; else why not, for a message."""
+    cache = Path(cache)
+    if cache.is_symlink() or not cache.is_dir():
+        return "not a folder" if not cache.is_symlink() else f"a symlink (to {os.readlink(cache)})"
+    try:
+        read_manifest(cache)
+    except KernelCacheError as e:
+        return str(e)
+    try:
+        foreign = foreign_entries(cache)
+    except OSError as e:
+        return f"cannot be listed ({e.strerror or e})"
+    if foreign:
+        names = ", ".join(foreign[:5]) + (f" ... ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        return f"it also holds what neither megamoe-convert warm nor triton writes there: {names}"
+    return None
 
 
 def write_manifest(cache: Union[str, os.PathLike], env: dict, **extra: Any) -> dict:

@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_TOKENS", "CACHE_SUBDIR", "distinct_layers", "parse_tokens", 
 DEFAULT_TOKENS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048, 2049,
                   4096, 4097)
 #: where a folder's own kernel cache lives (what `shipped_cache` finds without the knob)
-CACHE_SUBDIR = "kernel-cache"
+CACHE_SUBDIR = kc.FOLDER_SUBDIR
 MAX_TOKENS = 1 << 16
 
 
@@ -123,12 +123,32 @@ def _new_cache_target(cache: Path) -> tuple[Path, bool]:
     return tmp, True
 
 
+def _merged_contents(old: dict, layers: list[dict], folder: str) -> tuple[list[dict], list[str]]:
+    """(layers, model_folders) of a cache that held what manifest ``old`` lists and now also the kernels of
+    ``layers`` of ``folder``: both lists keep what they had (a manifest of an earlier megamoe, whose layers
+    carry no folder and which names one ``model_folder``, gets that folder on its layers) and gain what is
+    new, each once."""
+    prev = old.get("model_folder") if isinstance(old.get("model_folder"), str) else None
+    folders = old.get("model_folders") if isinstance(old.get("model_folders"), list) else [prev]
+    folders = [f for f in folders if isinstance(f, str) and f]
+    merged: list[dict] = []
+    for d in [*(old.get("layers") if isinstance(old.get("layers"), list) else []), *layers]:
+        if isinstance(d, dict):
+            d = {"model_folder": prev, **d} if "model_folder" not in d and prev else d
+            if d not in merged:
+                merged.append(d)
+    return merged, list(dict.fromkeys([*folders, folder]))
+
+
 def build_cache(folder: Union[str, os.PathLike], cache: Union[str, os.PathLike, None] = None,
                 tokens: Sequence[int] = DEFAULT_TOKENS, jobs: int = 4, backend: str = "triton",
                 device: str = "cuda", log: Callable[[str], None] = lambda m: None) -> dict:
     """Compile every kernel ``folder``'s layers launch at ``tokens`` into kernel cache ``cache`` (default
     ``FOLDER/kernel-cache``): a new cache is built in a hidden folder beside it and renamed into place when
-    complete; an existing one (built for this triton, GPU and Python) gets the entries it lacks. ``jobs``
+    complete; an existing one (built for this triton, GPU and Python) gets the entries it lacks, and its
+    manifest keeps listing what it held: ``tokens``, ``layers`` (each distinct layer spec, with the
+    ``model_folder`` it was built from) and ``model_folders`` are unions over every build into it, while
+    ``model_folder``, ``built_in_s``, ``created`` and the versions describe the latest build. ``jobs``
     worker processes share the (layer, tokens) work, each compiling its part with triton's cache pointed at
     the entries folder. Refuses (KernelCacheError) a folder that is no converted checkpoint, a machine without
     CUDA or triton, and an existing ``cache`` that is not a compatible kernel cache."""
@@ -185,13 +205,16 @@ def build_cache(folder: Union[str, os.PathLike], cache: Union[str, os.PathLike, 
             shutil.rmtree(target, ignore_errors=True)
         raise
     specs = [ckpt.layer_spec(i) for i in layers]
-    if not fresh:  # the counts an existing cache was built for stay listed
-        tokens = sorted(set(tokens) | set(kc.read_manifest(target).get("tokens") or []))
-    m = kc.write_manifest(target, env, tokens=tokens,
-                          layers=[dict(index=i, row=s.row, hidden=s.hidden, intermediate=s.intermediate,
-                                       experts=s.num_experts, top_k=s.top_k, ep_size=ckpt.ep_size)
-                                  for i, s in zip(layers, specs)],
-                          model_folder=folder.resolve().name, built_in_s=round(time.perf_counter() - t0, 1))
+    name = folder.resolve().name
+    held = [dict(model_folder=name, index=i, row=s.row, hidden=s.hidden, intermediate=s.intermediate,
+                 experts=s.num_experts, top_k=s.top_k, ep_size=ckpt.ep_size) for i, s in zip(layers, specs)]
+    folders = [name]
+    if not fresh:  # what the cache held stays listed: entries are only ever added
+        old = kc.read_manifest(target)
+        tokens = sorted(set(tokens) | set(old.get("tokens") or []))
+        held, folders = _merged_contents(old, held, name)
+    m = kc.write_manifest(target, env, tokens=tokens, layers=held, model_folders=folders, model_folder=name,
+                          built_in_s=round(time.perf_counter() - t0, 1))
     if fresh:
         if cache.exists():  # another build finished first: keep its folder, drop ours
             shutil.rmtree(target, ignore_errors=True)

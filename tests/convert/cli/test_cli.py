@@ -528,3 +528,32 @@ def test_verify_against_another_source_fails(ckpts, make_ckpt):
     wider = make_ckpt("modelopt-nvfp4", intermediate=384)
     r = run_cli("verify", out, "--against", wider)
     assert r.exit_code == 2 and f"{wider} is not the source of {out}: MoE layer 0" in r.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_internal_error_exits_3_naming_its_traceback_file(ckpts, tmp_path, monkeypatch, as_json):
+    """An exception no command expects (a bug; here planted in verify) used to end in a bare traceback and exit 1,
+    which for `verify` also means "verification failed": a script took a crash for a verdict. Now exit 3, one
+    line naming the exception and the file its traceback went to (with the command line, a --token hidden)."""
+    import tempfile
+
+    import megamoe_runtime.load.verify as verify_mod
+
+    _, out = ckpts.converted("quark-mxfp4")
+
+    def planted(*a, **k):
+        raise KeyError("planted bug")
+
+    monkeypatch.setattr(verify_mod, "verify_output", planted)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_cli("verify", out, "--no-progress", *(["--json"] if as_json else []))
+    assert r.exit_code == 3, (r.output, r.exception)
+    [crash] = tmp_path.glob("megamoe-convert-crash-*.txt")
+    line = ("error: internal error (a bug in megamoe, not a verdict on the input): KeyError: 'planted bug'; the "
+            f"traceback is in {crash}: please report it with that file")
+    assert r.stderr.strip().splitlines() == [line] and "Traceback" not in r.output
+    text = crash.read_text()
+    assert "Traceback (most recent call last)" in text and "raise KeyError(\"planted bug\")" in text
+    if as_json:
+        assert json.loads(r.stdout) == {"ok": False, "exit_code": 3, "error": line[len("error: "):],
+                                        "traceback": str(crash)}

@@ -157,6 +157,114 @@ def test_a_listed_file_the_user_edited_is_not_overwritten(tmp_path, synth_ckpt, 
     assert run_cli("convert", src, out, "--overwrite").exit_code == 0 and verify_output(out).ok
 
 
+def _warmed(out: Path, monkeypatch) -> Path:
+    """``megamoe-convert warm OUT`` as it runs on a GPU machine: the real build (its worker runs the reference
+    backend on this CPU, which compiles nothing), then what triton would have written into the entries folder:
+    an entry of plain files and a ``tmp.pid_*`` folder of a compile killed mid-write."""
+    from megamoe_runtime.backends import kernel_cache as kc
+    from megamoe_runtime.integrations import warm
+
+    env = {"triton": "3.6.0", "torch": "2.11.0", "cuda": "13.0", "python": "3.12", "machine": "x86_64",
+           "capability": "sm_90", "gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(env))
+    warm.build_cache(out, tokens=[1], jobs=1, backend="reference", device="cpu")
+    entry = out / kc.FOLDER_SUBDIR / kc.ENTRIES_DIR / "K3Y"
+    (entry / "tmp.pid_41_0c5e").mkdir(parents=True)
+    for name in ("kern.cubin", "kern.json", "__grp__kern.json", "tmp.pid_41_0c5e/kern.ptx"):
+        (entry / name).write_bytes(b"compiled")
+    assert kc.not_own_reason(out / kc.FOLDER_SUBDIR) is None
+    return out / kc.FOLDER_SUBDIR
+
+
+def test_overwrite_replaces_an_output_holding_the_kernel_cache_warm_built(tmp_path, synth_ckpt, monkeypatch):
+    """The kernel cache ``megamoe-convert warm OUT`` builds in OUT is megamoe's own output, compiled for OUT's old
+    shards: --overwrite takes it with them (was refused: 'holds 1 entry its manifest does not list
+    (kernel-cache)'), saying so and how to build it again."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    _warmed(out, monkeypatch)
+    r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert f"{out / 'kernel-cache'} holds the kernels megamoe-convert warm compiled" in r.stderr
+    assert f"run `megamoe-convert warm {out}` again" in r.stderr
+    assert not (out / "kernel-cache").exists() and verify_output(out).ok and siblings(out) == []
+
+
+def test_killed_mid_swap_with_a_kernel_cache_then_rerun_leaves_no_old_folder(tmp_path, synth_ckpt, crashing_run,
+                                                                               monkeypatch):
+    """Killed with the old output (and its kernel cache) moved to .OUT.megamoe-old: the next run recognises that
+    folder as its own and removes it (a kernel cache it could not prove its own would keep it, with a warning)."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    _warmed(out, monkeypatch)
+    p = crashing_run("old-moved", 1, "convert", src, out, "--overwrite", "--no-progress")
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr
+    assert (old_dir_for(out) / "kernel-cache").is_dir()
+    r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "left alone" not in r.stderr and siblings(out) == [] and verify_output(out).ok
+
+
+def _plant_note(cache: Path) -> None:
+    (cache / "notes.txt").write_text("mine")
+
+
+def _plant_in_entries(cache: Path) -> None:
+    (cache / "triton" / "README").write_text("mine")
+
+
+def _plant_link_in_entry(cache: Path) -> None:
+    (cache / "triton" / "K3Y" / "kern.so").symlink_to(cache.parent.parent / "elsewhere.so")
+
+
+def _plant_dir_in_entry(cache: Path) -> None:
+    (cache / "triton" / "K3Y" / "sub").mkdir()
+
+
+def _drop_manifest(cache: Path) -> None:
+    (cache / "megamoe-kernel-cache.json").unlink()
+
+
+def _foreign_manifest(cache: Path) -> None:
+    (cache / "megamoe-kernel-cache.json").write_text('{"format": 99}')
+
+
+def _link_instead(cache: Path) -> None:
+    import shutil
+
+    real = cache.parent.parent / "my-kernels"
+    shutil.move(cache, real)
+    cache.symlink_to(real)
+
+
+@pytest.mark.parametrize("plant, why", [
+    (_plant_note, "also holds what neither megamoe-convert warm nor triton writes there: notes.txt"),
+    (_plant_in_entries, "triton/README"),
+    (_plant_link_in_entry, "triton/K3Y/kern.so"),
+    (_plant_dir_in_entry, "triton/K3Y/sub"),
+    (_drop_manifest, "not a megamoe kernel cache (no megamoe-kernel-cache.json"),
+    (_foreign_manifest, "kernel cache format 99"),
+    (_link_instead, "a symlink (to "),
+])
+def test_a_kernel_cache_not_provably_warms_own_is_refused_naming_it(tmp_path, synth_ckpt, monkeypatch, plant, why):
+    """Anything in OUT/kernel-cache that megamoe-convert warm and triton do not write (or one without warm's
+    valid manifest, or a link to a folder elsewhere) makes the whole folder the user's: --overwrite refuses,
+    naming the path and why, and no byte anywhere changes."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    plant(_warmed(out, monkeypatch))
+    before = tree_digest(tmp_path)
+    r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+    assert r.exit_code == 2, r.output
+    assert "its manifest does not list (kernel-cache)" in r.stderr, r.stderr
+    assert f"({out / 'kernel-cache'} is not a kernel cache megamoe-convert warm made: " in r.stderr, r.stderr
+    assert why in r.stderr, r.stderr
+    assert tree_digest(tmp_path) == before and siblings(out) == []
+
+
 def test_out_is_the_working_directory_or_above_it(tmp_path, synth_ckpt, monkeypatch):
     src = synth_ckpt("ct-mxfp8")
     work = _user_tree(tmp_path / "proj")

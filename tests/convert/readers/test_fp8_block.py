@@ -343,3 +343,46 @@ def test_quantize_non_finite_in_fused_experts_names_the_expert(tmp_path):
     with pytest.raises(Exception, match=rf"layer 0 expert 3 down: {name}\[3\] .*first at \[0, 0\] = -inf"):
         convert(src, tmp_path / "out", quantize="fp8_block")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_modules_to_not_convert_excludes_is_refused_for_that_reason(tmp_path):
+    """A FineGrainedFP8 export whose ``modules_to_not_convert`` keeps layer 1's experts in BF16: the synthetic
+    writer now writes that list as the producer does (it wrote DeepSeek-V3's config, no list at all), and the
+    refusal says the config excludes them, naming the entry (it said "the config does not describe these
+    tensors" and sent the user to --format unquantized)."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3, excluded_layer=1)
+    qc = json.loads((src / "config.json").read_text())["quantization_config"]
+    real = json.loads((REAL / "finegrained-fp8-qwen3moe" / "config.json").read_text())["quantization_config"]
+    assert sorted(qc) == sorted(real) and {k: qc[k] for k in real if k != "modules_to_not_convert"} == \
+        {k: v for k, v in real.items() if k != "modules_to_not_convert"}
+    assert "model.layers.1.mlp.experts" in qc["modules_to_not_convert"]
+    assert not any("layers.0.mlp.experts" in m or "*" in m for m in qc["modules_to_not_convert"])
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out)])
+    assert r.exit_code == 2, r.output
+    assert ("layer 1 has 12 of 12 routed expert projection(s) stored unquantized (e.g. "
+            "model.layers.1.mlp.experts.0.gate_proj.weight, BF16) - the quantization config excludes them (its list "
+            "of unquantized modules names 'model.layers.1.mlp.experts')") in r.stderr, r.stderr
+    assert "does not describe" not in r.stderr and not out.exists()
+    # MiniMax's name for the list; and without a list naming them, the tensors are still what the config
+    # does not describe
+    for qc2, said in ((dict(qc, modules_to_not_convert=None, ignored_layers=["model.layers.1.mlp.experts"]),
+                       "excludes them"), (dict(qc, modules_to_not_convert=["model.layers.10.mlp.experts"]),
+                                          "the config does not describe these tensors")):
+        (src / "config.json").write_text(json.dumps(
+            dict(json.loads((src / "config.json").read_text()), quantization_config=qc2)))
+        r = CliRunner().invoke(main, ["convert", str(src), str(out)])
+        assert r.exit_code == 2 and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("entry, named", [
+    ("model.layers.1.mlp.experts", True), ("model.layers.1", True), ("model.layers.1.mlp.experts.0.gate_proj", True),
+    ("gate_proj", True), (r"model\.layers\.\d+\.mlp\.experts", True), ("model.layers.10", False),
+    ("model.layers.1.mlp.experts.0.gate", False), ("experts.0.gate", False), ("model.layers.1.mlp.exp[", False),
+])
+def test_modules_to_not_convert_names_modules_as_transformers_does(entry, named):
+    """An entry is the module's name, a module above it, or its trailing names (a regex from the start), and it
+    ends at a dot: ``model.layers.1`` does not name ``model.layers.10``, ``...gate`` not ``...gate_proj``."""
+    from megamoe_convert.readers.fp8_block import FP8BlockReader
+
+    assert FP8BlockReader._ignore_names(entry, "model.layers.1.mlp.experts.0.gate_proj") is named

@@ -135,3 +135,26 @@ def test_triton_cache_dir_follows_triton_env(tmp_path, monkeypatch):
 def test_environment_on_this_machine():
     env = kc.environment()
     assert set(ENV) <= set(env) and env["python"].count(".") == 1
+
+
+def test_foreign_entries_and_ownership(tmp_path):
+    """A cache holds only the manifest (maybe a temporary one a killed write left) and triton's entry folders of
+    plain files (maybe with triton's ``tmp.pid_*`` folder of a killed compile): `foreign_entries` names anything
+    else, `not_own_reason` says why a folder is not provably a cache megamoe wrote (what `--overwrite` needs
+    before it removes one with the output it was built for)."""
+    c = make_cache(tmp_path / "c")
+    (c / f".{kc.MANIFEST_NAME}.tmp.4242").write_text("{}")
+    (c / kc.ENTRIES_DIR / "k1" / "tmp.pid_7_ab-cd").mkdir()
+    (c / kc.ENTRIES_DIR / "k1" / "tmp.pid_7_ab-cd" / "kern.ptx").write_text("x")
+    assert kc.foreign_entries(c) == [] and kc.not_own_reason(c) is None
+    (c / "notes.txt").write_text("mine")
+    (c / kc.ENTRIES_DIR / "loose.bin").write_bytes(b"x")
+    (c / kc.ENTRIES_DIR / "k2" / "sub").mkdir()
+    (c / kc.ENTRIES_DIR / "k1" / "tmp.pid_7_ab-cd" / "link").symlink_to(tmp_path)
+    (c / f".{kc.MANIFEST_NAME}.tmp.x").write_text("{}")
+    assert kc.foreign_entries(c) == [f".{kc.MANIFEST_NAME}.tmp.x", "notes.txt", "triton/k1/tmp.pid_7_ab-cd/link",
+                                     "triton/k2/sub", "triton/loose.bin"]
+    assert "neither megamoe-convert warm nor triton writes there: .megamoe" in kc.not_own_reason(c)
+    assert "no megamoe-kernel-cache.json" in kc.not_own_reason(tmp_path)
+    (tmp_path / "link").symlink_to(make_cache(tmp_path / "d"))
+    assert kc.not_own_reason(tmp_path / "link").startswith("a symlink (to ")

@@ -99,6 +99,31 @@ def test_build_cache_workers_and_new_folder(tmp_path, ckpts, gpu_env):
     assert res2["cache"] == str(cache) and kc.read_manifest(cache)["tokens"] == [1, 2, 3]
 
 
+def test_adding_to_a_cache_keeps_listing_what_it_held(tmp_path, ckpts, gpu_env):
+    """warm of a second folder into an existing cache adds entries and merged ``tokens``, but replaced ``layers``
+    and ``model_folder`` with the second folder's: the manifest no longer said the cache held the first
+    folder's kernels. Now ``layers`` (each with its folder) and ``model_folders`` are unions too."""
+    _, a = ckpts.converted("modelopt-mxfp4")
+    _, b = ckpts.converted("modelopt-nvfp4")  # another row: another layer spec
+    cache = tmp_path / "kc"
+    warm.build_cache(a, cache, tokens=[1], jobs=1, backend="reference", device="cpu")
+    first = kc.read_manifest(cache)
+    warm.build_cache(b, cache, tokens=[2], jobs=1, backend="reference", device="cpu")
+    m = kc.read_manifest(cache)
+    assert m["tokens"] == [1, 2] and {d["row"] for d in m["layers"]} == {"mxfp4", "nvfp4"}, m["layers"]
+    assert first["model_folders"] == [a.name] and {d["model_folder"] for d in first["layers"]} == {a.name}
+    assert m["model_folders"] == [a.name, b.name] and m["model_folder"] == b.name
+    assert m["layers"][:len(first["layers"])] == first["layers"]
+    assert {(d["model_folder"], d["row"]) for d in m["layers"]} == {(a.name, "mxfp4"), (b.name, "nvfp4")}
+    # the same folder again lists nothing twice; a manifest of an earlier megamoe (no model_folders, layers
+    # without their folder) gets its one model_folder on its layers
+    assert warm._merged_contents(m, first["layers"], a.name) == (m["layers"], m["model_folders"])
+    legacy = {"model_folder": "old", "layers": [{"index": 1, "row": "bf16"}]}
+    assert warm._merged_contents(legacy, [{"model_folder": "new", "index": 1, "row": "bf16"}], "new") == (
+        [{"model_folder": "old", "index": 1, "row": "bf16"}, {"model_folder": "new", "index": 1, "row": "bf16"}],
+        ["old", "new"])
+
+
 def test_build_cache_worker_failure_leaves_nothing(tmp_path, ckpts, gpu_env):
     _, out = ckpts.converted("modelopt-mxfp4")
     with pytest.raises(kc.KernelCacheError, match="warm worker failed"):
