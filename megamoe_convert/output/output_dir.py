@@ -9,7 +9,9 @@ siblings, which all live beside OUT (same filesystem, so renames are atomic):
 * ``.OUT.megamoe-old``  the previous OUT during an ``--overwrite`` swap;
 * ``.OUT.megamoe-lock`` the lock file: ``fcntl.flock`` held for the whole run,
   so the kernel releases it when the process dies, even by ``kill -9``; it
-  holds the holder's pid, host, start time and run id for the refusal message.
+  holds the holder's pid, host, start time and run id for the refusal message
+  (and ``command``: ``warm``, which holds the same lock while it builds
+  OUT/kernel-cache, docs/KERNELS.md#cold-start).
 
 The one-writer guarantee does not rest on that path alone (a user or a tmp
 reaper may delete or replace it under a live run). Three locks,
