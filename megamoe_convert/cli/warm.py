@@ -7,6 +7,7 @@ built in are refused while this runs, and it is refused while they run (docs/KER
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +34,49 @@ def lock_target(folder: Path, cache: Path | None) -> Path:
     if where == real or real in where.parents:
         return real
     return where.parent if (where.parent / MANIFEST_NAME).is_file() else where
+
+
+@contextlib.contextmanager
+def _locked(target: Path, log):
+    """Hold `target`'s converter lock for the build (a dead run's lock is taken over with the converter's
+    note). Where no lock file can be made beside `target` (its parent read-only: a model folder mounted
+    read-only above, writable inside), no conversion can write `target` either; the build then holds an
+    ``flock`` on `target`'s own directory, which keeps a second warm out (the kernel drops it on any death)."""
+    import fcntl
+
+    from megamoe_convert.output.output_dir import LockNotWritable, OutputError, OutputLock
+
+    lock = OutputLock(target, log, command="warm")
+    try:
+        lock.acquire()
+    except LockNotWritable as e:
+        unwritable = e
+    else:
+        try:
+            if lock.stale is not None:
+                log(lock.stale_note())
+            yield
+        finally:
+            lock.release()
+        return
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
+    except OSError:
+        raise unwritable from None  # names the place that cannot be written
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(f"another megamoe-convert warm is writing {target} right now (its lock is on the folder "
+                          "itself: no lock file can be made beside it); wait for it to finish, or stop it "
+                          "first") from None
+    except OSError:
+        os.close(fd)
+        raise unwritable from None
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
 
 
 def _fail(msg: str, as_json: bool, code: int = 2) -> None:
@@ -81,8 +125,6 @@ def warm(folder, cache, tokens, jobs, as_json):
     """
     from megamoe_runtime.integrations.warm import build_cache, parse_tokens
 
-    from megamoe_convert.output.output_dir import OutputLock
-
     log = lambda m: click.echo(m, err=True)  # noqa: E731
     try:
         toks = parse_tokens(tokens)
@@ -90,9 +132,7 @@ def warm(folder, cache, tokens, jobs, as_json):
         if not target.parent.is_dir():  # nothing to lock, nor to build in: build_cache names what is missing
             res = build_cache(folder, cache, toks, jobs=jobs, log=log)
         else:
-            with OutputLock(target, log, command="warm") as lock:
-                if lock.stale is not None:
-                    log(lock.stale_note())
+            with _locked(target, log):
                 res = build_cache(folder, cache, toks, jobs=jobs, log=log)
     except MegaMoEError as e:
         _fail(str(e), as_json)

@@ -523,6 +523,11 @@ def _read_holder(path: Path) -> LockHolder:
                       cmd if isinstance(cmd, str) and cmd.isidentifier() else None)
 
 
+class LockNotWritable(OutputError):
+    """The lock file cannot be created beside OUT (its parent is read-only or not ours to write): no
+    conversion can write OUT there either (its temp folder lives beside OUT too)."""
+
+
 class OutputLock:
     """Exclusive ``flock`` on ``.OUT.megamoe-lock``, held for a whole run, and
     the run's claim on its temp folder (`claim`, a `TempClaim`).
@@ -628,7 +633,8 @@ class OutputLock:
         except OSError as e:
             if self.path.is_symlink():
                 raise self._not_ours(f"a symlink (to {os.readlink(self.path)})") from None
-            raise OutputError(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
+            cls = LockNotWritable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OutputError
+            raise cls(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise self._not_ours("not a regular file")

@@ -459,6 +459,42 @@ def test_two_warms_on_one_folder_or_one_cache(tmp_path, synth_ckpt, monkeypatch)
     assert siblings(out) == [] and siblings(ext) == []
 
 
+def test_warm_in_a_folder_whose_parent_is_read_only(tmp_path, synth_ckpt, monkeypatch):
+    """No lock file can be made beside OUT (its parent read-only, OUT writable: a mounted model folder; no
+    conversion can write OUT there either): `warm` still builds, holding a lock on OUT's own directory, and a
+    second `warm` meanwhile is refused, naming OUT. Simulated (tests may run as root): creating the lock file
+    fails with EACCES."""
+    import errno
+
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    real_open = os.open
+
+    def open_(path, flags, *a, **k):
+        if os.fspath(path).endswith(".megamoe-lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    depth = [0]
+
+    def during(folder, cache):
+        depth[0] += 1
+        try:
+            return run_cli("warm", out) if depth[0] == 1 else None
+        finally:
+            depth[0] -= 1
+
+    seen = _warm_cli_with(monkeypatch, during)
+    r = run_cli("warm", out)
+    assert r.exit_code == 0, r.output
+    second = seen["during"]
+    assert second.exit_code == 2 and second.stderr.count("\n") == 1, second.output
+    assert second.stderr.startswith(f"error: another megamoe-convert warm is writing {out} right now"), second.stderr
+    assert siblings(out) == []
+
+
 def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path, synth_ckpt):
     """`warm` killed with SIGKILL while it holds OUT's lock: the kernel drops the flock and the lock file stays,
     naming the dead warm; the next `warm` and the next `convert --overwrite` take it over with the converter's
