@@ -9,7 +9,9 @@ siblings, which all live beside OUT (same filesystem, so renames are atomic):
 * ``.OUT.megamoe-old``  the previous OUT during an ``--overwrite`` swap;
 * ``.OUT.megamoe-lock`` the lock file: ``fcntl.flock`` held for the whole run,
   so the kernel releases it when the process dies, even by ``kill -9``; it
-  holds the holder's pid, host, start time and run id for the refusal message.
+  holds the holder's pid, host, start time and run id for the refusal message
+  (and ``command``: ``warm``, which holds the same lock while it builds
+  OUT/kernel-cache, docs/KERNELS.md#cold-start).
 
 The one-writer guarantee does not rest on that path alone (a user or a tmp
 reaper may delete or replace it under a live run). Three locks,
@@ -491,12 +493,14 @@ class LockHolder:
     pid: int | None
     host: str | None
     started: str | None
+    command: str | None = None  # the megamoe-convert command holding it, when not `convert` (`warm`)
 
     def describe(self) -> str:
         if self.pid is None:
             return "another process (its pid is not recorded)"
         return f"pid {self.pid}" + (f" on {self.host}" if self.host else "") + \
-            (f", started {self.started}" if self.started else "")
+            (f", started {self.started}" if self.started else "") + \
+            (f", running `megamoe-convert {self.command}`" if self.command else "")
 
     def alive(self) -> bool | None:
         """True/False for a pid on this host; None when it cannot be told."""
@@ -514,7 +518,14 @@ class LockHolder:
 def _read_holder(path: Path) -> LockHolder:
     d = _read_json_object(path) or {}
     pid = d.get("pid")
-    return LockHolder(pid if isinstance(pid, int) else None, d.get("host"), d.get("started"))
+    cmd = d.get("command")
+    return LockHolder(pid if isinstance(pid, int) else None, d.get("host"), d.get("started"),
+                      cmd if isinstance(cmd, str) and cmd.isidentifier() else None)
+
+
+class LockNotWritable(OutputError):
+    """The lock file cannot be created beside OUT (its parent is read-only or not ours to write): no
+    conversion can write OUT there either (its temp folder lives beside OUT too)."""
 
 
 class OutputLock:
@@ -533,10 +544,15 @@ class OutputLock:
     another live process holds whatever now lies at that name, or when the
     temp folder is no longer this run's. What actually keeps a second run out
     of a live run's files is the claim on the temp folder itself and the
-    parent-directory lock around the swap (module docstring)."""
+    parent-directory lock around the swap (module docstring).
 
-    def __init__(self, out: Path, log: Log | None = None):
+    ``command``: the megamoe-convert command taking it when that is not
+    ``convert`` (``warm``, which builds its kernel cache inside OUT under this
+    same lock): recorded in the file, so a refused run names it."""
+
+    def __init__(self, out: Path, log: Log | None = None, command: str | None = None):
         self.out = Path(out)
+        self.command = command
         self.path = lock_path_for(self.out)
         self.fd: int | None = None
         self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this run locked
@@ -588,7 +604,7 @@ class OutputLock:
         if prev.pid is not None and self.fd is None:
             self.stale = prev
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "out": str(self.out),
-                           "run_id": self.run_id,
+                           "run_id": self.run_id, **({"command": self.command} if self.command else {}),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, sort_keys=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (info + "\n").encode(), 0)
@@ -596,6 +612,13 @@ class OutputLock:
             os.close(self.fd)  # the file we held before is no longer at the path: its lock guards nothing
         self.fd, self.ident = fd, (st.st_dev, st.st_ino)
         return self
+
+    def stale_note(self) -> str | None:
+        """The note a run logs when it took over a lock file a dead run left (`stale`), else None."""
+        if self.stale is None:
+            return None
+        return (f"note: {self.path} was left by an earlier run ({self.stale.describe()}) that is no longer "
+                "running; taking it over")
 
     def _not_ours(self, what: str) -> OutputError:
         return OutputError(
@@ -610,7 +633,8 @@ class OutputLock:
         except OSError as e:
             if self.path.is_symlink():
                 raise self._not_ours(f"a symlink (to {os.readlink(self.path)})") from None
-            raise OutputError(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
+            cls = LockNotWritable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OutputError
+            raise cls(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise self._not_ours("not a regular file")

@@ -179,8 +179,7 @@ def convert(
     try:
         with OutputLock(out, log) as lock, _heap_frozen():
             if lock.stale is not None:
-                log(f"note: {lock.path} was left by an earlier run ({lock.stale.describe()}) that is no longer "
-                    "running; taking it over")
+                log(lock.stale_note())
             summary = _convert_locked(
                 src, out, revision=revision, format=format, quantize=quantize, ep_size=ep_size,
                 max_bytes=max_bytes, on_scale_mismatch=on_scale_mismatch,

@@ -365,6 +365,186 @@ def test_lock_in_process_and_stale_lock(tmp_path, synth_ckpt):
     assert verify_output(out).ok and siblings(out) == []
 
 
+# --------------------------------------------------------------------------- warm under the same lock
+
+
+def _warm_cli_with(monkeypatch, during):
+    """`megamoe-convert warm` through the CLI with its build replaced by `during(folder, cache)`, which runs
+    while the CLI holds whatever lock it takes (the real build needs a GPU): returns during's result."""
+    from megamoe_runtime.integrations import warm
+
+    seen = {}
+
+    def fake_build(folder, cache, tokens, jobs, log):
+        seen["during"] = during(folder, cache)
+        return {"ok": True, "cache": str(cache), "entries": 0, "new_entries": 0, "layers": [], "tokens": tokens,
+                "jobs": jobs, "seconds": 0.0, "triton": "3.6.0", "capability": "sm_90", "gpu": "H100",
+                "python": "3.12"}
+
+    monkeypatch.setattr(warm, "build_cache", fake_build)
+    return seen
+
+
+def test_running_warm_refuses_convert_overwrite_touching_nothing(tmp_path, synth_ckpt, monkeypatch):
+    """A `warm` building OUT/kernel-cache holds OUT's lock: `convert SRC OUT --overwrite` meanwhile is refused
+    with the converter's one-line refusal naming OUT and the warm (exit 2), and not a byte changes. Before,
+    warm took no lock and the overwrite swapped OUT under it."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+
+    def during(folder, cache):
+        before = tree_digest(tmp_path)
+        r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+        return r, before, tree_digest(tmp_path)
+
+    seen = _warm_cli_with(monkeypatch, during)
+    r = run_cli("warm", out)
+    assert r.exit_code == 0, r.output
+    inner, before, after = seen["during"]
+    assert inner.exit_code == 2, inner.output
+    assert inner.stderr.count("\n") == 1 and inner.stderr.startswith(
+        f"error: another megamoe-convert run is writing {out} right now (pid {os.getpid()} on "), inner.stderr
+    assert "running `megamoe-convert warm`" in inner.stderr
+    assert after == before
+    assert siblings(out) == [] and verify_output(out).ok  # warm released (and removed) its lock
+
+
+def test_running_convert_refuses_warm(tmp_path, synth_ckpt, monkeypatch):
+    """The converter's lock on OUT (what a running `convert` holds) refuses `warm OUT`: exit 2, the same
+    refusal, the build never started, OUT unchanged."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    seen = _warm_cli_with(monkeypatch, lambda folder, cache: "built")
+    before = tree_digest(out)
+    with OutputLock(out):
+        r = run_cli("warm", out, "--json")
+    assert r.exit_code == 2, r.output
+    err = json.loads(r.stdout)["error"]
+    assert err.startswith(f"another megamoe-convert run is writing {out} right now (pid {os.getpid()} on "), err
+    assert "during" not in seen and tree_digest(out) == before and siblings(out) == []
+
+
+def test_two_warms_on_one_folder_or_one_cache(tmp_path, synth_ckpt, monkeypatch):
+    """A second `warm` of a folder a running `warm` holds is refused naming it; so is a second build into one
+    --cache outside the folder (the cache's own lock beside it); a build into another --cache only reads the
+    folder and is not refused."""
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    ext, other = tmp_path / "kernels", tmp_path / "kernels2"
+    inner: list = []
+    depth = [0]
+
+    def during(folder, cache):  # the outer build runs the second warm; a second build that gets in does nothing
+        depth[0] += 1
+        try:
+            return run_cli("warm", out, *inner) if depth[0] == 1 else None
+        finally:
+            depth[0] -= 1
+
+    seen = _warm_cli_with(monkeypatch, during)
+    results = []
+    for outer, second in (([], []), (["--cache", ext], ["--cache", ext]), ([], ["--cache", other])):
+        inner[:] = second
+        assert run_cli("warm", out, *outer).exit_code == 0
+        results.append(seen["during"])
+    second, second_ext, third = results
+    for r, held in ((second, out), (second_ext, ext)):
+        assert r.exit_code == 2, r.output
+        assert f"another megamoe-convert run is writing {held} right now (pid {os.getpid()} on " in r.stderr
+        assert "running `megamoe-convert warm`" in r.stderr
+    assert third.exit_code == 0, third.output
+    assert siblings(out) == [] and siblings(ext) == []
+
+
+def test_warm_in_a_folder_whose_parent_is_read_only(tmp_path, synth_ckpt, monkeypatch):
+    """No lock file can be made beside OUT (its parent read-only, OUT writable: a mounted model folder; no
+    conversion can write OUT there either): `warm` still builds, holding a lock on OUT's own directory, and a
+    second `warm` meanwhile is refused, naming OUT. Simulated (tests may run as root): creating the lock file
+    fails with EACCES."""
+    import errno
+
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    real_open = os.open
+
+    def open_(path, flags, *a, **k):
+        if os.fspath(path).endswith(".megamoe-lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    depth = [0]
+
+    def during(folder, cache):
+        depth[0] += 1
+        try:
+            return run_cli("warm", out) if depth[0] == 1 else None
+        finally:
+            depth[0] -= 1
+
+    seen = _warm_cli_with(monkeypatch, during)
+    r = run_cli("warm", out)
+    assert r.exit_code == 0, r.output
+    second = seen["during"]
+    assert second.exit_code == 2 and second.stderr.count("\n") == 1, second.output
+    assert second.stderr.startswith(f"error: another megamoe-convert warm is writing {out} right now"), second.stderr
+    assert siblings(out) == []
+
+
+def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path, synth_ckpt):
+    """`warm` killed with SIGKILL while it holds OUT's lock: the kernel drops the flock and the lock file stays,
+    naming the dead warm; the next `warm` and the next `convert --overwrite` take it over with the converter's
+    stale-lock note, as after a killed convert."""
+    import signal
+    import subprocess
+    import sys
+
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    code = ("import sys, time\n"
+            "from megamoe_runtime.integrations import warm\n"
+            "def hang(*a, **k):\n"
+            "    print('building', file=sys.stderr, flush=True); time.sleep(300)\n"
+            "warm.build_cache = hang\n"
+            "from megamoe_convert.cli.main import main\n"
+            f"main(['warm', {str(out)!r}], prog_name='megamoe-convert')\n")
+    root = str(Path(__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, env=env)
+    try:
+        _wait_for(lambda: b"building" in _peek_stderr(p) or p.poll() is not None)
+        assert p.poll() is None, _peek_stderr(p)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    held = json.loads(lock_path_for(out).read_text())
+    assert held["pid"] == p.pid and held["command"] == "warm"
+    before = tree_digest(out)
+    note = (f"note: {lock_path_for(out)} was left by an earlier run (pid {p.pid} on {socket.gethostname()}, "
+            f"started {held['started']}, running `megamoe-convert warm`) that is no longer running; taking it over")
+    from megamoe_runtime.integrations import warm
+
+    real = warm.build_cache
+    try:
+        warm.build_cache = lambda *a, **k: (_ for _ in ()).throw(warm.kc.KernelCacheError("no CUDA device"))
+        r = run_cli("warm", out)
+    finally:
+        warm.build_cache = real
+    assert r.exit_code == 2 and note in r.stderr, r.output
+    assert tree_digest(out) == before and siblings(out) == []  # taken over, then released and removed
+    lock_path_for(out).write_text(json.dumps(held))  # the dead warm's lock again, for the converter
+    r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert note in r.stderr and verify_output(out).ok and siblings(out) == []
+
+
 def test_lock_path_holding_something_not_ours_is_left_alone(tmp_path, synth_ckpt):
     """A symlink planted at ``.OUT.megamoe-lock`` (e.g. in a shared /tmp, pointing at the victim's file) or a
     user's own file of that name: refused (exit 2) and not a byte of it changed. Before, the lock open followed
