@@ -7,16 +7,13 @@ imported); the GPU test adds the sizes a prefill routes.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megamoe_runtime.testing import check_routing_plan as check_plan
 from megamoe_runtime.testing import check_tail_split
+from interpreted import interpreted_output
 
 
 #: (tokens, local experts, offset of the first, row block, top-k, slice_pairs)
@@ -47,27 +44,7 @@ def run_cases(device: str) -> int:
 
 
 def test_route_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
-    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('r', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(m.run_cases('cpu'))")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", code, __file__], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=Path(__file__).resolve().parents[3])
-    if r.returncode and "only 0-dimensional arrays can be converted to Python scalars" in r.stderr:
-        # triton's CPU interpreter (3.6) holds a runtime scalar argument as a 1-element array and takes int() of
-        # it for range(); numpy >= 2.4 refuses that. The kernels run on the GPU test below either way.
-        import numpy as np
-
-        pytest.skip(f"triton {_triton_version()}'s interpreter cannot take range() over a scalar argument with "
-                    f"numpy {np.__version__}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == str(len(CASES) + len(TAIL_CASES))
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
+    assert interpreted_output(__file__, "m.run_cases('cpu')", timeout=300) == str(len(CASES) + len(TAIL_CASES))
 
 
 def test_check_plan_catches_a_wrong_plan():

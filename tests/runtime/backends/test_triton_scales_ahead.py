@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import interpreted_output
 
 try:
     import triton
@@ -81,18 +78,7 @@ def _check(res: dict, negative: bool) -> None:
 
 
 def test_scales_ahead_same_bits_under_the_interpreter():
-    pytest.importorskip("triton")
-    code = ("import importlib.util, json, sys; s = importlib.util.spec_from_file_location('t', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(json.dumps(m.run_cases('cpu')))")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", code, __file__], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=Path(__file__).resolve().parents[3])
-    if r.returncode and "only 0-dimensional arrays can be converted to Python scalars" in r.stderr:
-        import numpy as np  # as in test_triton_route: triton 3.6's interpreter with numpy >= 2.4
-
-        pytest.skip(f"triton's interpreter cannot take range() over a scalar argument with numpy {np.__version__}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    _check(json.loads(r.stdout.strip().splitlines()[-1]), True)
+    _check(json.loads(interpreted_output(__file__, "json.dumps(m.run_cases('cpu'))", timeout=600)), True)
 
 
 @pytest.mark.gpu
