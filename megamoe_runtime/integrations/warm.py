@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import secrets
 import sys
@@ -170,7 +171,7 @@ def _write_partial_marker(tmp: Path, cache: Path) -> int:
 
 def _partial_verdict(path: Path, cache_name: str) -> tuple[Optional[int], str]:
     """(the locked descriptor of ``path``'s marker, "") when ``path`` is provably the hidden folder of a build
-    of cache ``cache_name`` that no process serves any more; else (None, why not: "" for a folder that is no
+    of cache ``cache_name`` that no process writes any more; else (None, why not: "" for a folder that is no
     such build's at all). Provably a build's: the name `build_cache` gives it, a folder (no symlink) holding a
     plain-file `PARTIAL_MARKER` of the format it writes, naming the pid the name carries. Provably abandoned:
     the marker's ``flock`` is free (the build and every worker it started are gone: the kernel drops it at any
@@ -196,7 +197,7 @@ def _partial_verdict(path: Path, cache_name: str) -> tuple[Optional[int], str]:
             rec = json.loads(os.pread(fd, 4096, 0).decode()) if st.st_size <= 4096 else None
         except (OSError, ValueError):
             rec = None
-        if not (os.path.isfile(path / PARTIAL_MARKER) and isinstance(rec, dict)
+        if not (stat.S_ISREG(st.st_mode) and isinstance(rec, dict)
                 and rec.get("format") == _PARTIAL_FORMAT and rec.get("cache") == cache_name
                 and rec.get("pid") == int(m["pid"])):
             os.close(fd)
