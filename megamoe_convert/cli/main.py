@@ -84,11 +84,12 @@ def _json_mode() -> bool:
     return bool(ctx is not None and ctx.params.get("as_json"))
 
 
-def _fail(msg: str, code: int = _EXIT_BAD_INPUT, **extra) -> None:
+def _fail(msg: str, code: int = _EXIT_BAD_INPUT, as_json: bool | None = None, **extra) -> None:
     """'error: msg' on stderr and exit `code`; under --json also the error as
-    JSON on stdout (the only thing there), with `extra` fields."""
+    JSON on stdout (the only thing there), with `extra` fields. `as_json`: whether
+    --json was given, where no command's context says it (a usage error)."""
     click.echo(f"error: {msg}", err=True)
-    if _json_mode():
+    if _json_mode() if as_json is None else as_json:
         click.echo(json.dumps({"ok": False, "exit_code": code, "error": msg, **extra}, indent=2))
     sys.exit(code)
 
@@ -295,8 +296,38 @@ def _internal_error(e: BaseException, as_json: bool) -> None:
     sys.exit(_EXIT_INTERNAL)
 
 
+#: the name every message gives the command (also under ``python -m megamoe_convert``)
+_PROG = "megamoe-convert"
+
+
+def _usage_line(group: click.Group, e: click.UsageError, argv: list[str]) -> str:
+    """A usage error (missing argument, bad option value, unknown option or command) as one line naming the
+    command, the problem and where its help is: ``megamoe-convert convert: missing argument OUT (see
+    megamoe-convert convert --help)``, not click's four lines (usage, "Try --help", blank, error)."""
+    names, c = [], e.ctx
+    while c is not None and c.parent is not None:
+        names.append(c.info_name or "")
+        c = c.parent
+    if e.ctx is None:  # an option's missing value is reported by the parser, before a context exists
+        names = [next((a for a in argv if a in group.commands), "")]
+    path = " ".join([_PROG, *reversed([n for n in names if n])])
+    if isinstance(e, click.MissingParameter) and e.param is not None:
+        p = e.param
+        what = (f"missing argument {p.human_readable_name}" if isinstance(p, click.Argument)
+                else f"missing option {max(p.opts, key=len)}")
+    elif isinstance(e, click.NoSuchOption):
+        what = f"no such option {e.option_name}" + (
+            f" (did you mean {' or '.join(e.possibilities)}?)" if e.possibilities else "")
+    else:
+        what = " ".join(e.format_message().split()).rstrip(".")
+        if what[:1].isupper() and what[1:2].islower():
+            what = what[0].lower() + what[1:]
+    return f"{path}: {what} (see {path} --help)"
+
+
 class _Group(click.Group):
-    """Usage errors (unknown option, bad value) answer in JSON on stdout too
+    """Usage errors (unknown option, bad value, missing argument) are one line on stderr
+    (`_usage_line`, through `_fail`), exit 2, and answer in JSON on stdout too
     when the command line asks for --json. Ctrl-C before a command's own
     handling starts (parsing, importing torch) exits 130 with one line, as
     every interruption does, not click's ``Aborted!`` with 1. An exception no
@@ -310,6 +341,8 @@ class _Group(click.Group):
         as_json = "--json" in argv
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            _fail(_usage_line(self, e, argv), e.exit_code, as_json=as_json)
         except click.ClickException as e:
             e.show()
             if as_json:

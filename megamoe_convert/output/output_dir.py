@@ -58,11 +58,9 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -71,10 +69,16 @@ from megamoe_runtime.errors import MegaMoEError, OutputError
 from megamoe_runtime.files.json_io import parse_json
 from megamoe_runtime.files.json_io import read_json
 from megamoe_runtime.format.manifest import MANIFEST_NAME
+from megamoe_runtime.files.writer_lock import (  # the lock protocol every megamoe writer of a folder shares
+    FolderLock,
+    LockHolder,
+    lock_path_for,
+    open_dir,
+    parent_locked,
+)
 
 _TMP_SUFFIX = ".megamoe-tmp"
 _OLD_SUFFIX = ".megamoe-old"
-_LOCK_SUFFIX = ".megamoe-lock"
 #: written first into every temp folder the converter creates: what makes it provably ours
 TMP_MARKER = "megamoe-tmp.json"
 JOURNAL_NAME = "megamoe-journal.jsonl"
@@ -113,11 +117,6 @@ def temp_dir_for(out: Path) -> Path:
 def old_dir_for(out: Path) -> Path:
     """``.OUT.megamoe-old``: where the previous OUT waits during an --overwrite swap."""
     return _sibling(out, _OLD_SUFFIX)
-
-
-def lock_path_for(out: Path) -> Path:
-    """``.OUT.megamoe-lock`` beside OUT (not inside: OUT is renamed)."""
-    return _sibling(out, _LOCK_SUFFIX)
 
 
 def resolve_out(out: str | os.PathLike) -> Path:
@@ -488,49 +487,10 @@ def discard_temp(tmp: Path, out: Path | None = None, guard: "OutputLock | None" 
 # --------------------------------------------------------------------------- lock
 
 
-@dataclass
-class LockHolder:
-    pid: int | None
-    host: str | None
-    started: str | None
-    command: str | None = None  # the megamoe-convert command holding it, when not `convert` (`warm`)
-
-    def describe(self) -> str:
-        if self.pid is None:
-            return "another process (its pid is not recorded)"
-        return f"pid {self.pid}" + (f" on {self.host}" if self.host else "") + \
-            (f", started {self.started}" if self.started else "") + \
-            (f", running `megamoe-convert {self.command}`" if self.command else "")
-
-    def alive(self) -> bool | None:
-        """True/False for a pid on this host; None when it cannot be told."""
-        if self.pid is None or (self.host and self.host != socket.gethostname()):
-            return None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def _read_holder(path: Path) -> LockHolder:
-    d = _read_json_object(path) or {}
-    pid = d.get("pid")
-    cmd = d.get("command")
-    return LockHolder(pid if isinstance(pid, int) else None, d.get("host"), d.get("started"),
-                      cmd if isinstance(cmd, str) and cmd.isidentifier() else None)
-
-
-class LockNotWritable(OutputError):
-    """The lock file cannot be created beside OUT (its parent is read-only or not ours to write): no
-    conversion can write OUT there either (its temp folder lives beside OUT too)."""
-
-
-class OutputLock:
-    """Exclusive ``flock`` on ``.OUT.megamoe-lock``, held for a whole run, and
-    the run's claim on its temp folder (`claim`, a `TempClaim`).
+class OutputLock(FolderLock):
+    """The converter's lock on OUT: the shared lock file (`FolderLock`, ``.OUT.megamoe-lock`` beside OUT,
+    megamoe_runtime/files/writer_lock.py), held for a whole run, and the run's claim on its temp folder
+    (`claim`, a `TempClaim`).
 
     The kernel drops it when the holder dies (``kill -9`` included), so a
     lock file left behind by a dead run is recognised (`stale` holds who it
@@ -547,106 +507,14 @@ class OutputLock:
     parent-directory lock around the swap (module docstring).
 
     ``command``: the megamoe-convert command taking it when that is not
-    ``convert`` (``warm``, which builds its kernel cache inside OUT under this
-    same lock): recorded in the file, so a refused run names it."""
+    ``convert``: recorded in the file, so a refused run names it. ``warm``
+    (`megamoe_runtime.integrations.warm.build_cache`) takes the same file as a
+    plain `FolderLock`, so a conversion and a cache build of one OUT exclude
+    each other."""
 
     def __init__(self, out: Path, log: Log | None = None, command: str | None = None):
-        self.out = Path(out)
-        self.command = command
-        self.path = lock_path_for(self.out)
-        self.fd: int | None = None
-        self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this run locked
-        self.stale: LockHolder | None = None
-        self.run_id = new_run_id()
+        super().__init__(out, log, command=command, run_id=new_run_id())
         self.claim: TempClaim | None = None
-        self.log = log or (lambda m: None)
-
-    def acquire(self) -> "OutputLock":
-        """Lock the file (under OUT's parent lock: never in the middle of another run's swap or
-        `confirm`, so a run that re-creates its removed lock there never meets a half-made one)."""
-        with parent_locked(self.out):
-            got = self._try_lock()
-        if isinstance(got, LockHolder):
-            raise OutputError(
-                f"another megamoe-convert run is writing {self.out} right now ({got.describe()}; "
-                f"lock {self.path}); wait for it to finish, or stop it first. Two runs on one OUT are "
-                "refused: they would mix their files")
-        return self
-
-    def _try_lock(self) -> "OutputLock | LockHolder":
-        """Lock the file at `path` (created if missing): self, or the live holder that has it."""
-        import fcntl
-
-        while True:
-            fd = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return _read_holder(self.path)
-            st = os.fstat(fd)
-            try:
-                now = os.stat(self.path, follow_symlinks=False)
-                same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous holder removed the file between our open and our lock: retry
-        try:
-            raw = os.pread(fd, 4096, 0)
-        except OSError:
-            raw = b"x"
-        prev = _read_holder(self.path)
-        if raw.strip() and prev.pid is None:  # not empty (a kill between create and write) and not our JSON
-            os.close(fd)
-            raise self._not_ours("a file whose content is not a megamoe-convert lock")
-        if prev.pid is not None and self.fd is None:
-            self.stale = prev
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "out": str(self.out),
-                           "run_id": self.run_id, **({"command": self.command} if self.command else {}),
-                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, sort_keys=True)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (info + "\n").encode(), 0)
-        if self.fd is not None:
-            os.close(self.fd)  # the file we held before is no longer at the path: its lock guards nothing
-        self.fd, self.ident = fd, (st.st_dev, st.st_ino)
-        return self
-
-    def stale_note(self) -> str | None:
-        """The note a run logs when it took over a lock file a dead run left (`stale`), else None."""
-        if self.stale is None:
-            return None
-        return (f"note: {self.path} was left by an earlier run ({self.stale.describe()}) that is no longer "
-                "running; taking it over")
-
-    def _not_ours(self, what: str) -> OutputError:
-        return OutputError(
-            f"{self.path} is {what}; it is not a megamoe-convert lock and is left alone (the lock of {self.out} "
-            "lives at that name): move it away, or choose another OUT")
-
-    def _open(self) -> int:
-        """The lock file, created if missing; never through a symlink (a link planted there would make the
-        lock truncate and then overwrite its target) and only a regular file."""
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if self.path.is_symlink():
-                raise self._not_ours(f"a symlink (to {os.readlink(self.path)})") from None
-            cls = LockNotWritable if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else OutputError
-            raise cls(f"cannot open the lock file {self.path}: {e.strerror or e}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise self._not_ours("not a regular file")
-        return fd
-
-    def _still_ours(self) -> bool | None:
-        """True: the lock path names the file we locked; False: another file; None: nothing."""
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return (st.st_dev, st.st_ino) == self.ident
 
     def confirm(self, doing: str = "") -> None:
         """Before a rename or delete under OUT (`doing` names it): the lock and
@@ -668,8 +536,8 @@ class OutputLock:
 
     def _confirm(self, doing: str) -> None:
         deadline = time.monotonic() + TAKEOVER_GRACE_S
-        while self._still_ours() is not True:
-            got = self._try_lock()
+        while self.still_ours() is not True:
+            got = self.try_lock()
             if got is self:
                 self.log(f"note: {self.path} was removed or replaced while this run held it; locked again "
                          f"(run {self.run_id})")
@@ -690,22 +558,11 @@ class OutputLock:
         if self.claim is not None:
             self.claim.release()
             self.claim = None
-        if self.fd is None:
-            return
-        with parent_locked(self.out):
-            if self._still_ours():  # never remove a lock file another run put at that name
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
-            os.close(self.fd)  # closing drops the flock
-            self.fd = None
+        super().release()
 
     def __enter__(self) -> "OutputLock":
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+        self.acquire()
+        return self
 
 
 #: how long `OutputLock.confirm` waits for another holder of a replaced lock file to let go, seconds
@@ -715,17 +572,13 @@ TAKEOVER_GRACE_S = 2.0
 _NO_DIR_LOCK = {errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
-def _open_dir(path: Path) -> int:
-    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
-
-
 def temp_holder(tmp: Path) -> dict | None:
     """The marker of the live run that holds `tmp`'s claim, or None when no
     live process holds it (or it cannot be told): a probe, changing nothing."""
     import fcntl
 
     try:
-        fd = _open_dir(tmp)
+        fd = open_dir(tmp)
     except OSError:
         return None
     try:
@@ -768,7 +621,7 @@ class TempClaim:
         import fcntl
 
         try:
-            fd = _open_dir(tmp)
+            fd = open_dir(tmp)
         except OSError as e:
             raise OutputError(f"cannot open the temp folder {tmp}: {e.strerror or e}") from None
         locked = True
@@ -839,47 +692,6 @@ class TempClaim:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-_PARENT_HELD = threading.local()
-
-
-@contextlib.contextmanager
-def parent_locked(out: Path) -> Iterator[None]:
-    """Exclusive ``flock`` on OUT's parent directory for the few steps that
-    decide on and change the names beside OUT (temp folder claimed, discarded
-    or created; `recover`; the swap): two runs never interleave them, even
-    when the lock file was removed. Runs to other OUTs in the same parent wait
-    for these steps only (milliseconds; the swap's removal of an old output
-    at most). Re-entrant in a thread; a no-op where the parent cannot be
-    opened or locked (the other locks still hold)."""
-    import fcntl
-
-    parent = Path(out).parent
-    held = getattr(_PARENT_HELD, "paths", None)
-    if held is None:
-        held = _PARENT_HELD.paths = set()
-    key = str(parent)
-    if key in held:
-        yield
-        return
-    try:
-        fd = _open_dir(parent)
-    except OSError:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass  # a file system without directory locks
-        held.add(key)
-        try:
-            yield
-        finally:
-            held.discard(key)
-    finally:
-        os.close(fd)
 
 
 def _confirm(guard: "OutputLock | None", doing: str) -> None:

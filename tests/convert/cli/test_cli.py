@@ -49,6 +49,54 @@ def test_usage_errors_exit_2(tmp_path):
     assert r.exit_code == 2 and "may not overlap" in r.stderr
 
 
+def _usage_cases(name: str, cmd, tmp_path) -> list:
+    """(argv, the problem the line must name) for each kind of usage error `cmd` can have: an unknown option,
+    a missing argument (commands that take one), a bad value of an option of a checked type."""
+    import click
+
+    args = [p for p in cmd.params if isinstance(p, click.Argument)]
+    filled = [str(tmp_path / a.name) for a in args]
+    cases = [([name, *filled, "--no-such-option"], "no such option --no-such-option")]
+    if args:
+        cases.append(([name], f"missing argument {args[0].human_readable_name}"))
+    opt = next(p for p in cmd.params if isinstance(p, click.Option) and isinstance(p.type, (click.IntRange,
+                                                                                            click.Choice)))
+    cases.append(([name, *filled, opt.opts[0], "not-a-value"], f"invalid value for '{opt.opts[0]}'"))
+    return cases
+
+
+def test_every_usage_error_of_every_command_is_one_line(tmp_path):
+    """Click's usage errors printed four lines (usage, "Try --help", a blank line, the error); the project's
+    standard for bad input is one line: it names the command and the problem and points at the command's
+    --help, exit 2, nothing on stdout. Every subcommand, each kind of usage error, and the group's own."""
+    cases = [(["nonsense"], "", "no such command 'nonsense'"), (["--bogus"], "", "no such option --bogus")]
+    for name, cmd in sorted(main.commands.items()):
+        cases += [(argv, f" {name}", what) for argv, what in _usage_cases(name, cmd, tmp_path)]
+    assert {c[1].strip() for c in cases} >= {"convert", "inspect", "verify", "synth", "demo", "warm"}
+    for argv, sub, what in cases:
+        r = run_cli(*argv)
+        assert r.exit_code == 2 and r.stdout == "", (argv, r.output)
+        path = f"megamoe-convert{sub}"
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {path}: {what}"), (argv, r.stderr)
+        assert r.stderr.endswith(f" (see {path} --help)\n"), (argv, r.stderr)
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_usage_error_line_from_the_real_entry_point(tmp_path):
+    """The same line from a real process (``python -m megamoe_convert``), for the option whose missing value
+    the parser reports before any command context exists."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    for argv, line in (
+            (["convert", str(tmp_path)], "error: megamoe-convert convert: missing argument OUT (see megamoe-convert "
+                                         "convert --help)\n"),
+            (["convert", str(tmp_path), str(tmp_path / "o"), "--ep-size"],
+             "error: megamoe-convert convert: option '--ep-size' requires an argument (see megamoe-convert convert "
+             "--help)\n")):
+        p = subprocess.run([sys.executable, "-m", "megamoe_convert", *argv], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", line)
+
+
 def test_unknown_format_and_ep_size(tmp_path):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "quark-mxfp4", **SMALL)
     r = run_cli("convert", src, tmp_path / "o", "--format", "gguf")
@@ -404,8 +452,9 @@ def test_json_errors_for_every_command(tmp_path):
         (["verify", tmp_path / "absent", "--json"], "is not a folder"),
         (["demo", "--format", "nope", "--json"], "unknown synthetic format"),
         (["convert", tmp_path, tmp_path / "o", "--max-shard-size", "lots", "--json"], "--max-shard-size"),
-        (["convert", tmp_path, "--json"], "Missing argument"),
-        (["verify", tmp_path, "--bogus", "--json"], "No such option"),
+        (["convert", tmp_path, "--json"], "megamoe-convert convert: missing argument OUT (see megamoe-convert "
+                                          "convert --help)"),
+        (["verify", tmp_path, "--bogus", "--json"], "megamoe-convert verify: no such option --bogus"),
     ]
     for args, needle in cases:
         r = run_cli(*args)

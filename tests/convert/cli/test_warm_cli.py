@@ -89,3 +89,89 @@ def test_read_only_folder_one_line_naming_cache(ckpts, monkeypatch, tmp_path):
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
     assert r.stderr.startswith(f"error: {out}: cannot create the kernel cache there (Permission denied)")
     assert "--cache" in r.stderr and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_a_warm_killed_while_its_workers_compile_leaves_a_folder_the_next_warm_removes(ckpts, monkeypatch, tmp_path):
+    """`warm` killed with SIGKILL while its worker processes compile: its hidden OUT/.kernel-cache.partial-*
+    folder stays (the workers, orphaned, go on writing there), and `convert --overwrite` refuses OUT for it.
+    The next `warm` leaves it while those workers still run (they hold its marker's lock, inherited from the
+    killed build), and removes it once they are gone; then `convert --overwrite` replaces OUT. Before, nothing
+    ever removed it. Real processes: the killed warm, and workers that inherit exactly what the real ones
+    would (only their command is a stand-in that compiles "forever")."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from megamoe_runtime.integrations import warm
+
+    src, converted = ckpts.converted("modelopt-mxfp4")
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    pids = tmp_path / "worker-pids"
+    pids.mkdir()
+    stand_in = ("import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close(); "
+                "time.sleep(600)")
+    code = (f"import subprocess, sys\n"
+            f"from megamoe_runtime.backends import kernel_cache as kc\n"
+            f"kc.environment = lambda device=None: {ENV!r}\n"
+            f"real = subprocess.Popen\n"
+            f"subprocess.Popen = lambda cmd, **kw: real([sys.executable, '-c', {stand_in!r}, {str(pids)!r}], **kw)\n"
+            f"from megamoe_convert.cli.main import main\n"
+            f"main(['warm', {str(out)!r}, '--tokens', '1,2', '--jobs', '2'], prog_name='megamoe-convert')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while len(os.listdir(pids)) < 2 and p.poll() is None:
+            assert time.time() < deadline, "the workers never started"
+            time.sleep(0.05)
+        assert p.poll() is None, p.stderr.read().decode()
+        workers = [int(n) for n in os.listdir(pids)]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+        [partial] = out.glob(f".kernel-cache.partial-{p.pid}-*")
+        assert (partial / warm.PARTIAL_MARKER).is_file() and not (out / "kernel-cache").exists()
+        r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+        assert r.exit_code == 2 and partial.name in r.stderr, r.output
+
+        monkeypatch.setattr(kc, "environment", lambda device=None: dict(ENV))
+        monkeypatch.setattr(warm, "run_workers", lambda *a, **k: None)  # this warm's own workers: nothing to do
+        r = run_cli("warm", out)  # the orphaned workers still run
+        assert r.exit_code == 0, r.output
+        assert f"warm: note: {partial} is left as it is: a running process holds it" in r.stderr
+        assert (partial / warm.PARTIAL_MARKER).is_file()
+
+        for w in workers:
+            os.kill(w, signal.SIGKILL)
+        deadline = time.time() + 60
+        while any(_running(w) for w in workers):
+            assert time.time() < deadline, "the workers did not stop"
+            time.sleep(0.05)
+        r = run_cli("warm", out)
+        assert r.exit_code == 0, r.output
+        assert f"warm: removed {partial}, the unfinished folder of a build killed before it finished (pid {p.pid}" \
+               in r.stderr
+        assert not partial.exists() and not list(out.glob(".kernel-cache.partial-*"))
+        r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+        assert r.exit_code == 0, r.output
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for w in workers:
+            if _running(w) and str(pids) in Path(f"/proc/{w}/cmdline").read_text(errors="replace"):  # ours still
+                os.kill(w, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """The process runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -368,20 +368,25 @@ def test_lock_in_process_and_stale_lock(tmp_path, synth_ckpt):
 # --------------------------------------------------------------------------- warm under the same lock
 
 
+WARM_ENV = {"triton": "3.6.0", "torch": "2.11.0", "cuda": "13.0", "python": "3.12", "machine": "x86_64",
+            "capability": "sm_90", "gpu": "NVIDIA H100 80GB HBM3"}
+
+
 def _warm_cli_with(monkeypatch, during):
-    """`megamoe-convert warm` through the CLI with its build replaced by `during(folder, cache)`, which runs
-    while the CLI holds whatever lock it takes (the real build needs a GPU): returns during's result."""
+    """`megamoe-convert warm` through the CLI with its compile workers replaced by `during(folder, cache)`,
+    which runs while the build holds whatever lock it takes (the real workers need a GPU): returns during's
+    result. The rest of the build is real (`build_cache`: its checks, its lock, the hidden folder it builds in,
+    the manifest and the rename), on a process that looks like an sm_90 machine with triton."""
+    from megamoe_runtime.backends import kernel_cache as kc
     from megamoe_runtime.integrations import warm
 
     seen = {}
 
-    def fake_build(folder, cache, tokens, jobs, log):
-        seen["during"] = during(folder, cache)
-        return {"ok": True, "cache": str(cache), "entries": 0, "new_entries": 0, "layers": [], "tokens": tokens,
-                "jobs": jobs, "seconds": 0.0, "triton": "3.6.0", "capability": "sm_90", "gpu": "H100",
-                "python": "3.12"}
+    def fake_workers(folder, parts, entries, backend="triton", device="cuda", pass_fds=()):
+        seen["during"] = during(folder, Path(entries).parent)
 
-    monkeypatch.setattr(warm, "build_cache", fake_build)
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(WARM_ENV))
+    monkeypatch.setattr(warm, "run_workers", fake_workers)
     return seen
 
 
@@ -408,6 +413,61 @@ def test_running_warm_refuses_convert_overwrite_touching_nothing(tmp_path, synth
     assert "running `megamoe-convert warm`" in inner.stderr
     assert after == before
     assert siblings(out) == [] and verify_output(out).ok  # warm released (and removed) its lock
+    assert (out / "kernel-cache" / "megamoe-kernel-cache.json").is_file()
+
+
+def test_build_cache_from_python_and_warm_exclude_each_other(tmp_path, synth_ckpt, monkeypatch):
+    """`build_cache` called from Python takes the same writer lock as `megamoe-convert warm` and `convert`, in
+    two real processes: while a Python build of OUT runs, `warm OUT` and `convert SRC OUT --overwrite` are
+    refused naming it (exit 2, one line, not a byte changed); while a `warm OUT` runs, a Python `build_cache`
+    of OUT raises OutputError naming it. Before, build_cache took no lock from Python."""
+    import subprocess
+    import sys
+
+    src = synth_ckpt("ct-mxfp8")
+    out = tmp_path / "out"
+    convert(src, out)
+    root = str(Path(__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    hold = ("import sys, time\n"
+            "from megamoe_runtime.backends import kernel_cache as kc\n"
+            "from megamoe_runtime.integrations import warm\n"
+            f"kc.environment = lambda device=None: {WARM_ENV!r}\n"
+            "def hang(*a, **k):\n"
+            "    print('building', file=sys.stderr, flush=True); time.sleep(300)\n"
+            "warm.run_workers = hang\n")
+    entries = {
+        "python": hold + f"warm.build_cache({str(out)!r})\n",
+        "cli": hold + ("from megamoe_convert.cli.main import main\n"
+                       f"main(['warm', {str(out)!r}], prog_name='megamoe-convert')\n"),
+    }
+    from megamoe_runtime.backends import kernel_cache as kc
+
+    monkeypatch.setattr(kc, "environment", lambda device=None: dict(WARM_ENV))  # the in-process `warm`
+    for first, second in (("python", "cli"), ("cli", "python")):
+        p = subprocess.Popen([sys.executable, "-c", entries[first]], stderr=subprocess.PIPE, env=env)
+        try:
+            _wait_for(lambda: b"building" in _peek_stderr(p) or p.poll() is not None)
+            assert p.poll() is None, _peek_stderr(p)
+            before = tree_digest(tmp_path)
+            held = f"another megamoe-convert run is writing {out} right now (pid {p.pid} on "
+            if second == "cli":
+                r = run_cli("warm", out)
+                assert r.exit_code == 2 and r.stderr.count("\n") == 1 and held in r.stderr, r.output
+                assert "running `megamoe-convert warm`" in r.stderr
+            else:
+                q = subprocess.run([sys.executable, "-c", hold.replace("warm.run_workers = hang\n", "") + (
+                    "from megamoe_runtime.errors import OutputError\n"
+                    f"try:\n    warm.build_cache({str(out)!r})\n"
+                    "except OutputError as e:\n    print(e)\n")], capture_output=True, text=True, env=env,
+                    timeout=300)
+                assert held in q.stdout and "running `megamoe-convert warm`" in q.stdout, (q.stdout, q.stderr)
+            r = run_cli("convert", src, out, "--overwrite", "--no-progress")
+            assert r.exit_code == 2 and r.stderr.count("\n") == 1 and held in r.stderr, r.output
+            assert tree_digest(tmp_path) == before
+        finally:
+            p.kill()
+            p.wait(timeout=60)
 
 
 def test_running_convert_refuses_warm(tmp_path, synth_ckpt, monkeypatch):
@@ -495,10 +555,11 @@ def test_warm_in_a_folder_whose_parent_is_read_only(tmp_path, synth_ckpt, monkey
     assert siblings(out) == []
 
 
-def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path, synth_ckpt):
+def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path, synth_ckpt, monkeypatch):
     """`warm` killed with SIGKILL while it holds OUT's lock: the kernel drops the flock and the lock file stays,
     naming the dead warm; the next `warm` and the next `convert --overwrite` take it over with the converter's
-    stale-lock note, as after a killed convert."""
+    stale-lock note, as after a killed convert (the next `warm` also removes the hidden folder the killed one
+    was building in: tests/runtime/integrations/test_warm.py has the cases)."""
     import signal
     import subprocess
     import sys
@@ -507,10 +568,12 @@ def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path
     out = tmp_path / "out"
     convert(src, out)
     code = ("import sys, time\n"
+            "from megamoe_runtime.backends import kernel_cache as kc\n"
             "from megamoe_runtime.integrations import warm\n"
+            f"kc.environment = lambda device=None: {WARM_ENV!r}\n"
             "def hang(*a, **k):\n"
             "    print('building', file=sys.stderr, flush=True); time.sleep(300)\n"
-            "warm.build_cache = hang\n"
+            "warm.run_workers = hang\n"
             "from megamoe_convert.cli.main import main\n"
             f"main(['warm', {str(out)!r}], prog_name='megamoe-convert')\n")
     root = str(Path(__file__).resolve().parents[3])
@@ -526,18 +589,20 @@ def test_warm_killed_leaves_a_stale_lock_taken_over_like_the_converters(tmp_path
             p.kill()
     held = json.loads(lock_path_for(out).read_text())
     assert held["pid"] == p.pid and held["command"] == "warm"
-    before = tree_digest(out)
+    [partial] = out.glob(f".kernel-cache.partial-{p.pid}-*")  # the killed build's hidden folder
+    before = {k: v for k, v in tree_digest(out).items() if not k.startswith(partial.name)}
     note = (f"note: {lock_path_for(out)} was left by an earlier run (pid {p.pid} on {socket.gethostname()}, "
             f"started {held['started']}, running `megamoe-convert warm`) that is no longer running; taking it over")
     from megamoe_runtime.integrations import warm
 
-    real = warm.build_cache
-    try:
-        warm.build_cache = lambda *a, **k: (_ for _ in ()).throw(warm.kc.KernelCacheError("no CUDA device"))
-        r = run_cli("warm", out)
-    finally:
-        warm.build_cache = real
-    assert r.exit_code == 2 and note in r.stderr, r.output
+    def fail(*a, **k):
+        raise warm.kc.KernelCacheError("warm worker failed: planted")
+
+    monkeypatch.setattr(warm.kc, "environment", lambda device=None: dict(WARM_ENV))
+    monkeypatch.setattr(warm, "run_workers", fail)
+    r = run_cli("warm", out)
+    assert r.exit_code == 2 and note in r.stderr and "error: warm worker failed: planted" in r.stderr, r.output
+    assert f"warm: removed {partial}, the unfinished folder of a build killed before it finished" in r.stderr
     assert tree_digest(out) == before and siblings(out) == []  # taken over, then released and removed
     lock_path_for(out).write_text(json.dumps(held))  # the dead warm's lock again, for the converter
     r = run_cli("convert", src, out, "--overwrite", "--no-progress")

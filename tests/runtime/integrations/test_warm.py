@@ -250,3 +250,135 @@ def test_build_cache_never_takes_over_a_folder_it_did_not_make(tmp_path, ckpts, 
     assert not (tmp_path / "kc" / "notes.txt").exists()
     (tmp_path / "plain").mkdir()  # the cache a serving user reads gets a plain folder's permissions (not 0700)
     assert (tmp_path / "kc").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
+# --------------------------------------------------------------------------- a killed build's hidden folder
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def _tree(root) -> dict:
+    """relative path -> bytes of a file, the target of a link, or 'dir' (not following links)."""
+    import os
+    from pathlib import Path
+
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = Path(d) / n
+            rel = str(p.relative_to(root))
+            out[rel] = ("link:" + os.readlink(p)) if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+    return out
+
+
+def _plant_partial(parent, name: str, *, pid: int, cache: str = "kc", host: str | None = None,
+                   fmt: str = "megamoe-kernel-cache-partial", marker: bool = True):
+    """A hidden build folder as a build of cache `cache` killed mid-compile leaves it: its marker (who made it),
+    triton's entries (an entry of plain files, a ``tmp.pid_*`` folder of a compile killed mid-write) and a
+    temporary manifest; each argument changes one thing a look-alike may get wrong."""
+    import socket
+
+    path = parent / name
+    entry = path / kc.ENTRIES_DIR / "K3Y"
+    (entry / "tmp.pid_41_0c5e").mkdir(parents=True)
+    for f in ("kern.cubin", "__grp__kern.json", "tmp.pid_41_0c5e/kern.ptx"):
+        (entry / f).write_bytes(b"compiled")
+    (path / f".{kc.MANIFEST_NAME}.tmp.{pid}").write_text("{}")
+    if marker:
+        (path / warm.PARTIAL_MARKER).write_text(json.dumps(
+            {"format": fmt, "cache": cache, "pid": pid, "host": host or socket.gethostname(), "started": "then"}))
+    return path
+
+
+def test_build_removes_only_provably_abandoned_folders_of_its_own_builds(tmp_path, ckpts, gpu_env):
+    """A build killed before it finished (``kill -9`` of warm) leaves its hidden ``.CACHE.partial-PID-TAG``
+    folder; the next build of that cache removes it, under its lock, when it is provably one (the name a
+    build gives it, its marker naming that pid) and provably abandoned (nobody holds the marker's flock, the
+    pid is gone on this host), and holds nothing a build and triton do not write. Every look-alike stays,
+    not a byte of it changed: no marker, a user's file in it, a marker of another pid, host or format, a
+    live pid, a marker somebody holds, a symlink, another cache's folder, another name. Before, nothing ever
+    removed a killed build's folder (and ``convert --overwrite`` refuses a folder holding one)."""
+    import fcntl
+    import os
+    import socket
+
+    _, out = ckpts.converted("modelopt-mxfp4")
+    dead = _dead_pid()
+    mine = _plant_partial(tmp_path, f".kc.partial-{dead}-0123abcd", pid=dead)
+    keep = {
+        "user's file": _plant_partial(tmp_path, f".kc.partial-{dead}-00000001", pid=dead),
+        "no marker": _plant_partial(tmp_path, f".kc.partial-{dead}-00000002", pid=dead, marker=False),
+        "another pid": _plant_partial(tmp_path, f".kc.partial-{dead}-00000003", pid=dead + 1),
+        "another host": _plant_partial(tmp_path, f".kc.partial-{dead}-00000004", pid=dead, host="elsewhere"),
+        "another format": _plant_partial(tmp_path, f".kc.partial-{dead}-00000005", pid=dead, fmt="mine"),
+        "live pid": _plant_partial(tmp_path, f".kc.partial-{os.getpid()}-00000006", pid=os.getpid()),
+        "held": _plant_partial(tmp_path, f".kc.partial-{dead}-00000007", pid=dead),
+        "another cache": _plant_partial(tmp_path, f".kc2.partial-{dead}-00000008", pid=dead, cache="kc2"),
+        "another name": _plant_partial(tmp_path, f".kc.partial-{dead}-ABCDEF01", pid=dead),
+        "no tag": _plant_partial(tmp_path, f".kc.partial-{dead}", pid=dead),
+        "marker link": _plant_partial(tmp_path, f".kc.partial-{dead}-00000009", pid=dead, marker=False),
+        "link": tmp_path / f".kc.partial-{dead}-0000000a",
+    }
+    (keep["user's file"] / "notes.txt").write_text("mine")
+    (keep["marker link"] / warm.PARTIAL_MARKER).symlink_to(mine / warm.PARTIAL_MARKER)
+    elsewhere = _plant_partial(tmp_path / "elsewhere", f".kc.partial-{dead}-0000000b", pid=dead)
+    keep["link"].symlink_to(elsewhere)
+    before = {k: _tree(p) for k, p in keep.items() if not p.is_symlink()}
+    before_elsewhere = _tree(elsewhere)
+    held = os.open(keep["held"] / warm.PARTIAL_MARKER, os.O_RDWR)  # a killed build's worker still compiling
+    fcntl.flock(held, fcntl.LOCK_EX)
+    logs: list = []
+    try:
+        res = warm.build_cache(out, tmp_path / "kc", tokens=[1], jobs=1, backend="reference", device="cpu",
+                               log=logs.append)
+    finally:
+        os.close(held)
+    assert res["ok"] and not mine.exists()
+    assert f"warm: removed {mine}, the unfinished folder of a build killed before it finished (pid {dead} on " \
+           f"{socket.gethostname()}, started then)" in logs
+    assert {k: _tree(p) for k, p in keep.items() if not p.is_symlink()} == before
+    assert keep["link"].is_symlink() and _tree(elsewhere) == before_elsewhere
+    notes = "\n".join(logs)
+    for what, why in (("user's file", "it holds what neither a build nor triton writes there (notes.txt)"),
+                      ("no marker", f"it has no {warm.PARTIAL_MARKER} of megamoe's"),
+                      ("marker link", f"it has no {warm.PARTIAL_MARKER} of megamoe's"),
+                      ("another pid", f"its {warm.PARTIAL_MARKER} is not the one a build of kc writes"),
+                      ("another format", f"its {warm.PARTIAL_MARKER} is not the one a build of kc writes"),
+                      ("another host", "it was made on host 'elsewhere'"),
+                      ("live pid", f"pid {os.getpid()}, which made it, is running"),
+                      ("held", "a running process holds it")):
+        assert f"warm: note: {keep[what]} is left as it is: {why}" in notes, (what, notes)
+    for quiet in ("another cache", "another name", "no tag", "link"):  # not named as a build's at all
+        assert f"{keep[quiet]} is left" not in notes
+    # what the build made is only the cache: no marker in it, no hidden folder of its own left
+    assert kc.not_own_reason(tmp_path / "kc") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["kc", "elsewhere", *(p.name for p in keep.values())])
+
+
+def test_a_file_appearing_in_a_partial_folder_while_it_is_removed_stays(tmp_path, gpu_env, monkeypatch):
+    """Only what the folder held when it was judged is removed: a file that appears in it afterwards stays
+    (the folder with it), and the build says so."""
+    dead = _dead_pid()
+    part = _plant_partial(tmp_path, f".kc.partial-{dead}-0123abcd", pid=dead)
+    real = kc.foreign_entries
+
+    def judged_then_written(path):
+        got = real(path)
+        (path / kc.ENTRIES_DIR / "K3Y" / "late.bin").write_bytes(b"late")  # after the listing
+        return got
+
+    monkeypatch.setattr(kc, "foreign_entries", judged_then_written)
+    logs: list = []
+    assert warm.remove_abandoned_partials(tmp_path / "kc", logs.append) == []
+    # removed bottom up, up to the folder the new file is in: that folder and those above it stay, the folder
+    # still marked as a build's (the next build judges it again)
+    assert sorted(str(q.relative_to(part)) for q in part.rglob("*")) == sorted([
+        f".{kc.MANIFEST_NAME}.tmp.{dead}", warm.PARTIAL_MARKER, kc.ENTRIES_DIR, f"{kc.ENTRIES_DIR}/K3Y",
+        f"{kc.ENTRIES_DIR}/K3Y/late.bin"])
+    assert logs == [f"warm: note: {part} is left partly removed: something appeared in it while it was removed"]
