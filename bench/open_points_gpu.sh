@@ -5,7 +5,8 @@
 # against the default tiles, and the decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
-# SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64).
+# SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
+# the four phases below to run (default 1234).
 set -u
 OUT=${OUT:-/tmp/open_points}
 mkdir -p "$OUT"
@@ -14,28 +15,38 @@ source "$(dirname "$0")/gpu_setup.sh"
 PEER=${PEER:-.peer-tk}
 SHAPES=${SHAPES:-dsv3,qwen3-30b}
 TOKENS=${TOKENS:-8,64}
+PHASES=${PHASES:-1234}
+on() { [[ $PHASES == *$1* ]]; }
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
        --no-baseline --no-staging)
-for j in 0 1 2 3; do
+on 4 && for j in 0 1 2 3; do
   $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/4" --out "" >"$OUT/build_table_$j.log" 2>&1 &
 done
+if on 1; then
 el "1: GPU kernel tests"
 timeout "$(tmo 200)" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
 echo "rc=$?"; tail -3 "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/kernels.log" | head -20
+fi
+if on 2; then
 el "2: block-FP8 layer at decode sizes beside DeepGEMM"
 timeout "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
   --out "$OUT/block8_decode" >"$OUT/block8_decode.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/block8_decode.log" | tail -10
+fi
+if on 3; then
 el "3: the off-by-default kernel options against the default tiles, whole layer (bench/config_pair.py)"
 timeout "$(tmo 70)" $PY bench/config_pair.py --set scale_load=ahead --rows mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
   --rounds 2 --json "$OUT/scale_load_ahead.json" 2>&1 | tail -6
 timeout "$(tmo 90)" $PY bench/config_pair.py --set k_unroll=2 --rows mxfp4,mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
   --rounds 2 --json "$OUT/k_unroll.json" 2>&1 | tail -10
+fi
+if on 4; then
 el "4: decode table with the peer (% of copy)"
 wait
 timeout "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/table.log" | tail -40
+fi
 el "done"
 rm -f "$OUT"/build_*.log
 tar czf /tmp/open_points.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/open_points.tgz "$OUT/all.tgz"
