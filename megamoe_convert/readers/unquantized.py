@@ -73,8 +73,8 @@ def _non_finite(what: str, source: torch.Tensor, hint: str, written: torch.Tenso
     first = [int(i) for i in first]
     value = float(source.flatten()[flat])
     over = "" if not math.isfinite(value) else f" (finite in {source.dtype}, but beyond BF16's range: inf in BF16)"
-    return (f"{what} ({source.dtype}) holds {int(bad.sum())} non-finite value(s); first at {first} = {value!r} (flat index "
-            f"{flat}){over}. {hint}")
+    return (f"{what} ({source.dtype}) holds {int(bad.sum())} non-finite value(s); first at {first} = {value!r} "
+            f"(flat index {flat}){over}. {hint}")
 
 
 @register_reader
