@@ -28,8 +28,6 @@ converts them to the row's fusable shared precision.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megamoe_runtime.errors import CheckpointError, FormatError
@@ -38,7 +36,7 @@ from megamoe_runtime.format.formats import QUANTIZE_ROWS, get_row
 
 from . import naming
 from .base import ExpertScalars, register_reader
-from .common import BF16_SCHEME, SchemeReader, quant_config_of
+from .common import BF16_SCHEME, SchemeReader, all_finite, non_finite_message, quant_config_of
 
 
 
@@ -53,28 +51,6 @@ def _no_quant(source) -> bool:
         return True
     # gpt-oss-like configs that only list modules_to_not_convert are still quantized
     return not (qc.get("quant_method") or qc.get("quant_algo") or qc.get("producer") or qc.get("quantization"))
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of float tensor `t` is finite. A sum carries any NaN or inf through (inf - inf
-    is NaN), so one reduction at memory speed settles the common case; only a non-finite sum (a NaN or inf,
-    or finite values whose sum overflows) pays for the element-wise ``isfinite`` (about 15x slower)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _non_finite(what: str, source: torch.Tensor, hint: str, written: torch.Tensor | None = None) -> str:
-    """One line: `what` (where, tensor name), how many values are bad, the first one's flat and
-    multi-dimensional index and its source value, and `hint`. `written` (default `source`): the tensor the
-    check found non-finite (the BF16 cast of `source` for the bf16 row)."""
-    written = source if written is None else written
-    bad = ~torch.isfinite(written)
-    flat = int(bad.flatten().nonzero()[0])
-    first = list(torch.unravel_index(torch.tensor(flat), bad.shape))
-    first = [int(i) for i in first]
-    value = float(source.flatten()[flat])
-    over = "" if not math.isfinite(value) else f" (finite in {source.dtype}, but beyond BF16's range: inf in BF16)"
-    return (f"{what} ({source.dtype}) holds {int(bad.sum())} non-finite value(s); first at {first} = {value!r} "
-            f"(flat index {flat}){over}. {hint}")
 
 
 @register_reader
@@ -143,20 +119,6 @@ class UnquantizedReader(SchemeReader):
         et.validate(self.row, info.hidden, info.intermediate, where)
         return et
 
-    def read_shared(self, layer_index: int) -> list[ExpertTensors] | None:
-        """The shared experts, refused if a weight is NaN or inf (they are copied, cast or quantized like the
-        routed ones; see `_check_finite`)."""
-        shared = super().read_shared(layer_index)
-        for et in shared or ():
-            for role, p in et.projections():
-                if not _all_finite(p.weight):
-                    _, _, res = self._entry(layer_index)
-                    names = res["_extra"]["shared"][1][role].names["weight"]
-                    raise CheckpointError(_non_finite(
-                        f"{self.source.id}: layer {layer_index} shared experts {role}: {names}", p.weight,
-                        self._fix_hint()))
-        return shared
-
     def _fix_hint(self) -> str:
         return (f"--quantize {self.quantize} needs finite weights: fix the source" if self.quantize else
                 "the bf16 row would serve it as is (every token routed to this expert would come out NaN): "
@@ -172,10 +134,10 @@ class UnquantizedReader(SchemeReader):
         value reported from the source: a NaN or inf there is copied into the output and served. A finite
         FP32 weight beyond BF16's range (it rounds to inf) is refused the same way.
 
-        One sum per tensor (`_all_finite`): memory speed, so the check costs little beside the read."""
+        One sum per tensor (`all_finite`): memory speed, so the check costs little beside the read."""
         for k, (role, w) in enumerate(zip(naming.ROLES, weights)):
             out = w if written is None else written[k]
-            if _all_finite(out):
+            if all_finite(out):
                 continue
             _, _, res = self._entry(layer_index)
             if "_fused" in res:
@@ -183,7 +145,7 @@ class UnquantizedReader(SchemeReader):
                 name = f"{dname if role == 'down' else gname}[{expert}]"
             else:
                 name = res[(expert, role)].names["weight"]
-            raise CheckpointError(_non_finite(f"{where} {role}: {name}", w, self._fix_hint(), out))
+            raise CheckpointError(non_finite_message(f"{where} {role}: {name}", w, self._fix_hint(), out))
 
     def _encode(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
         # --quantize nvfp4: gate and up share one global scale (ExpertTensors.quantize)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from megamoe_convert.cli.main import main
 from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_convert.pipeline.convert import convert
-from megamoe_convert.readers.unquantized import _all_finite
+from megamoe_convert.readers.common import all_finite
 from megamoe_convert.testing import synth
 
 SIZES = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
@@ -82,10 +82,11 @@ def test_fused_experts_name_the_expert_and_flat_index(tmp_path):
     assert not (tmp_path / "out").exists() and not temp_dir_for(tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("quantize", [None, "mxfp8"])
-def test_shared_expert_non_finite_is_refused(tmp_path, quantize):
-    """The shared experts of a BF16 source are copied (bf16 row) or re-encoded: a NaN there is refused too."""
-    src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, shared=1, seed=7)
+@pytest.mark.parametrize("fmt, quantize", [("bf16", None), ("bf16", "mxfp8"), ("modelopt-nvfp4", None)])
+def test_shared_expert_non_finite_is_refused(tmp_path, fmt, quantize):
+    """BF16 shared experts are copied (bf16 row) or re-encoded (mxfp8): a NaN / inf there is refused too, from a
+    plain BF16 source or from a quantized export that keeps its shared experts BF16."""
+    src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SIZES, shared=1, shared_format="bf16", seed=7)
     name = "model.layers.1.mlp.shared_experts.gate_proj.weight"
 
     def put(w):
@@ -93,7 +94,8 @@ def test_shared_expert_non_finite_is_refused(tmp_path, quantize):
         return w
     _edit(src, name, put)
     err = _cli(src, tmp_path / "out", *(["--quantize", quantize] if quantize else []))
-    for part in ("layer 1 shared experts gate", name, "first at [0, 2] = inf (flat index 2)"):
+    for part in ("MoE layer 1 (model.layers.1.mlp) shared expert 0 gate weight", name,
+                 "first at [0, 2] = inf (flat index 2)", "fix the source"):
         assert part in err, f"{part!r} not in {err!r}"
 
 
@@ -101,13 +103,13 @@ def test_all_finite_fast_path_and_overflowing_sum():
     """The one-sum test: NaN / inf anywhere are found; finite values whose sum overflows are still finite."""
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         w = torch.zeros(64, 64, dtype=dt)
-        assert _all_finite(w)
+        assert all_finite(w)
         big = torch.full((64, 64), float(torch.finfo(dt).max), dtype=dt)
-        assert _all_finite(big) and not bool(torch.isfinite(big.sum()))
+        assert all_finite(big) and not bool(torch.isfinite(big.sum()))
         for v in (float("nan"), float("inf"), float("-inf")):
             x = w.clone()
             x[63, 63] = v
-            assert not _all_finite(x)
+            assert not all_finite(x)
         x = w.clone()
         x[0, 0], x[1, 1] = float("inf"), float("-inf")
-        assert not _all_finite(x)
+        assert not all_finite(x)
