@@ -4,6 +4,7 @@
     python bench/convert.py --gb 1 --repeat 5 --cpus "0;0,1"  # 1- vs 2-core scaling
     python bench/convert.py --peer-python /path/venv/bin/python   # + compressed-tensors column
     python bench/convert.py --baseline-tree /tmp/old-checkout     # + the same converter at another commit
+    python bench/convert.py --format bf16 --gb 1.3 --baseline-tree /tmp/old   # a BF16 source (bf16 row)
 
 The workload (issue 13) is the format NVIDIA publishes its large MoE
 checkpoints in: a ModelOpt NVFP4 export with NVFP4 shared experts and
@@ -12,7 +13,9 @@ DeepSeek-V3 naming (``model.layers.N.mlp.experts.E.{gate,up,down}_proj``,
 ``megamoe_convert.testing.synth``. Every layer: hidden 2048, moe_intermediate 768,
 64 routed experts, 2 shared experts (one MLP of width 1536, re-encoded to
 MXFP8 for the nvfp4 row's fused shared path) and bf16 attention weights
-(passed through). The layer count is chosen per ``--gb`` target.
+(passed through). The layer count is chosen per ``--gb`` target. ``--format bf16`` (or fp16 / fp32)
+builds the same model as a plain float checkpoint instead, converted to the bf16 row (weights copied or
+cast, and checked for NaN / inf).
 
 Method, per size: sources are built once (cached under ``--workdir`` with
 ``--keep``), warmed into the page cache, and then every contender runs once
@@ -53,6 +56,8 @@ from pathlib import Path
 
 H, I, E, S = 2048, 768, 64, 2
 FMT = "modelopt-nvfp4"
+#: source bytes per weight element of each ``--format``
+ELEMENT_BYTES = {"modelopt-nvfp4": 0.5 + 1 / 16, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _status_kb(field: str) -> int:
@@ -104,16 +109,15 @@ def ct_child(src: str, out: str) -> None:
     print(json.dumps({"seconds": dt, "process_s": time.time() - t_start, "vmhwm_kb": _status_kb("VmHWM")}))
 
 
-def layer_bytes() -> int:
-    """Source bytes of one layer: routed + shared NVFP4 experts, bf16 attention, norms, router."""
-    nv = 0.5 + 1 / 16
-    return int(3 * H * I * (E + S) * nv) + 4 * H * H * 2 + E * H * 2
+def layer_bytes(fmt: str = FMT) -> int:
+    """Source bytes of one layer: routed + shared experts in `fmt`, bf16 attention, norms, router."""
+    return int(3 * H * I * (E + S) * ELEMENT_BYTES[fmt]) + 4 * H * H * 2 + E * H * 2
 
 
-def build(path: Path, layers: int) -> None:
+def build(path: Path, layers: int, fmt: str = FMT) -> None:
     from megamoe_convert.testing import synth
 
-    synth.build_synthetic_checkpoint(path, FMT, num_layers=layers, hidden=H, intermediate=I, num_experts=E,
+    synth.build_synthetic_checkpoint(path, fmt, num_layers=layers, hidden=H, intermediate=I, num_experts=E,
                                      shared=S, top_k=8, model_type="deepseek_v3",
                                      max_shard_bytes=2_000_000_000, vocab_size=1024)
 
@@ -159,6 +163,8 @@ def run_child(args: list[str], out: Path, cpus: str | None, python: str, env_pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", default="1.074,3.2", help="source sizes in GB, comma separated (1.074 GB = 1 GiB)")
+    ap.add_argument("--format", default=FMT, choices=sorted(ELEMENT_BYTES),
+                    help="source format (synthetic); default %(default)s")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (every contender once per round); medians")
     ap.add_argument("--cpus", default="", help="taskset CPU lists separated by ';' (e.g. '0;0,1'); default: all")
     ap.add_argument("--checksum", default=None,
@@ -194,11 +200,11 @@ def main() -> None:
     rows = []
     try:
         for gb in (float(x) for x in a.gb.split(",")):
-            layers = max(2, round(gb * 1e9 / layer_bytes()))
-            src = root / f"src-{layers}"
+            layers = max(2, round(gb * 1e9 / layer_bytes(a.format)))
+            src = root / (f"src-{layers}" if a.format == FMT else f"src-{a.format}-{layers}")
             if not (src / "config.json").is_file():
                 shutil.rmtree(src, ignore_errors=True)
-                build(src, layers)
+                build(src, layers, a.format)
             nbytes = src_bytes(src)
             run_cp(src, root / "dst", None)  # warm-up: source into the page cache
             load_start = os.getloadavg()
@@ -257,7 +263,7 @@ def print_markdown(a, rows: list[dict]) -> None:
     except OSError:
         pass
     print(f"## Conversion ({time.strftime('%Y-%m-%d %H:%M')})\n")
-    print(f"Command: `python bench/convert.py {' '.join(sys.argv[1:])}` ({FMT}, DeepSeek-V3 naming; layer: hidden "
+    print(f"Command: `python bench/convert.py {' '.join(sys.argv[1:])}` ({a.format}, DeepSeek-V3 naming; layer: hidden "
           f"{H}, moe_intermediate {I}, {E} routed + {S} shared experts; median of {a.repeat} rounds).")
     print(f"Machine: {os.cpu_count()}-core CPU VM ({cpu or platform.processor()}), "
           f"{platform.system()} {platform.release()}, Python {platform.python_version()}.\n")

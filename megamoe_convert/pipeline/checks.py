@@ -47,8 +47,15 @@ _ROLE_ALIASES = {"gate": ("gate_proj", "w1", "gate_up_proj"), "up": ("up_proj", 
 _finite_pos = scales.is_valid_scale
 
 
-def _source_names(info: MoELayerInfo, expert: int, role: str, kind: str = "") -> list[str]:
-    """Best-effort source tensor names of one expert's projection (for messages)."""
+#: the stored names of a weight's global scale (ModelOpt / Quark, compressed-tensors), for `_named`
+_GLOBAL_SCALE_NAMES = ("weight_scale_2", "weight_global_scale")
+
+
+def _source_names(info: MoELayerInfo, expert: int, role: str, kind: "str | tuple[str, ...]" = "") -> list[str]:
+    """Best-effort source tensor names of one expert's projection (for messages). `kind`: a part of the last
+    name component, or a tuple of whole last components."""
+    if isinstance(kind, tuple):
+        return [n for n in _source_names(info, expert, role) if n.rsplit(".", 1)[-1] in kind]
     aliases = _ROLE_ALIASES.get(role, (role,))
     marks = (f"experts.{expert}.",)
     out = []
@@ -90,7 +97,8 @@ def _where_names(source_names: list[str], source=None) -> str:
     return f" (source tensor {', '.join(where)})"
 
 
-def _named(info: MoELayerInfo | None, expert: int | None, role: str, kind: str, source=None) -> str:
+def _named(info: MoELayerInfo | None, expert: int | None, role: str, kind: "str | tuple[str, ...]",
+           source=None) -> str:
     """' (source tensor NAME in FILE)' for messages, when the name can be found."""
     if info is None or expert is None:
         return ""
@@ -172,7 +180,8 @@ def check_l2_activation_scale(row: Row, value: float | None) -> None:
                          f"this checkpoint converts to row {row.name}, whose kernels scale activations per block "
                          "themselves. Drop it")
     if not scales.is_valid_fp32_scale(value):
-        raise ScaleError(f"--l2-activation-scale {value!r} must be finite and > 0 as a float32 (a2 is stored as one)")
+        raise ScaleError(f"--l2-activation-scale {value!r} must be {scales.SCALE_RULE} as a float32 (a2 is stored "
+                         "as one)")
 
 
 def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: Row, *,
@@ -222,7 +231,7 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
             if not _finite_pos(v):
                 raise ScaleError(
                     f"{where} expert {e}: {role} global scale (weight_scale_2) = {v!r}"
-                    f"{_named(info, e, role, 'scale_2', source)}; it must be finite and > 0")
+                    f"{_named(info, e, role, _GLOBAL_SCALE_NAMES, source)}; it must be {scales.SCALE_RULE}")
         rep.gate_global.append(float(s.gate_global))
         rep.up_global.append(float(s.up_global))
         rep.down_global.append(float(s.down_global))
@@ -241,7 +250,7 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
                 a13_ok = False
             elif not _finite_pos(v):
                 raise ScaleError(f"{where} expert {e}: {role} input scale = {v!r}"
-                                 f"{_named(info, e, role, 'input', source)}; it must be finite and > 0")
+                                 f"{_named(info, e, role, 'input', source)}; it must be {scales.SCALE_RULE}")
             else:
                 a13 = max(a13, float(v))
         v = s.down_input
@@ -249,7 +258,7 @@ def check_layer_scalars(info: MoELayerInfo, scalars: list[ExpertScalars], row: R
             rep.missing_input.append(e)
         elif not _finite_pos(v):
             raise ScaleError(f"{where} expert {e}: down (w2) input scale = {v!r}"
-                             f"{_named(info, e, 'down', 'input', source)}; it must be finite and > 0 "
+                             f"{_named(info, e, 'down', 'input', source)}; it must be {scales.SCALE_RULE} "
                              "(a2 = max over all experts)")
         else:
             w2_inputs.append(float(v))
@@ -344,7 +353,8 @@ def check_block_scales(p: ProjectionTensors, row: Row, where: str,
 def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
                              name_hint: Callable[[], str] | None,
                              weight: Callable[[], torch.Tensor] | None) -> None:
-    """fp32 block scales finite and > 0 (zero only over an all-zero block), and small enough that the block's
+    """fp32 block scales finite and > 0 (zero only over an all-zero block), not fp32 subnormals over a block
+    with a nonzero element (docs/FORMATS.md#subnormal-scales), and small enough that the block's
     largest E4M3 magnitude times its scale stays finite in fp32 (a finite scale such as 1e38 would dequantize
     the block to inf, and the layer's output to NaN)."""
     s = p.scale
@@ -353,7 +363,9 @@ def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
     bad = ~torch.isfinite(s) | (s < 0)
     b = row.weight.scale_block_rows
     zero = s == 0
-    if bool(zero.any()):
+    small = (s > 0) & (s < scales.FP32_MIN_NORMAL)  # fp32 subnormal: docs/FORMATS.md#subnormal-scales
+    live = None
+    if bool(zero.any()) or bool(small.any()):
         live = ((w & 0x7F) != 0).unflatten(-1, (-1, row.weight.scale_group)).any(-1)
         live = live.unflatten(-2, (-1, b)).any(-2)
         bad |= zero & live
@@ -363,6 +375,16 @@ def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
             f"{full()}: {int(bad.sum())} of {bad.numel()} fp32 block scale(s) are not finite and > 0 (a zero "
             f"scale only over an all-zero block); first at [row block, col block] = {list(first)} = "
             f"{float(s[first])!r}, scale shape {list(s.shape)}")
+    if live is not None:
+        sub = small & live
+        if bool(sub.any()):
+            first = tuple(int(i) for i in sub.nonzero()[0].tolist())
+            raise ScaleError(
+                f"{full()}: {int(sub.sum())} of {sub.numel()} fp32 block scale(s) are fp32 subnormals (< 2^-126) "
+                f"over a block with nonzero elements; first at [row block, col block] = {list(first)} = "
+                f"{float(s[first])!r}, scale shape {list(s.shape)}. No producer writes one (amax/448 of such a "
+                "block is under 5.3e-36) and the kernel would lose the block: a corrupt scale "
+                "(docs/FORMATS.md#subnormal-scales)")
     if float(s.max()) * _E4M3_MAX > _F32_MAX:  # only then can a block overflow: look at its magnitudes
         # E4M3 magnitudes order as their low 7 bits, so the block's largest byte is its largest |element|
         mag = (w & 0x7F).unflatten(-1, (-1, row.weight.scale_group)).amax(-1).unflatten(-2, (-1, b)).amax(-2)

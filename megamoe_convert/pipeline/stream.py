@@ -39,10 +39,13 @@ from ..output.output_dir import STEP_TENSOR, Log, StepHook
 from .plan import LayerPlan, Progress, Slot, SourceChangedError, report_file, report_where
 from ..output.shard_writer import ST_METADATA, CopyBuffers, DirectIO, ShardWriter, copy_source_bytes, tensor_bytes
 from .shared import shared_to_precision
+from ..readers.common import all_finite, non_finite_message
 from ..readers.source import CheckpointSource
 from ..output.temp_folder import Journal
 
 
+#: float dtypes a shared-expert weight may be stored in (checked for NaN / inf: `_prepare_shared`)
+_FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
 #: threads blake3 may use within one large tensor (sha256 is sequential)
 HASH_THREADS = 1
 #: write the shards' page-aligned bytes with O_DIRECT where the file system takes it (`ShardWriter`);
@@ -403,6 +406,12 @@ def _prepare_shared(reader, lp: LayerPlan, run: Run, needed: list[int], where: s
             checks.check_block_scales(p, get_row(sh.encoding), f"{where} shared expert {i} {role} scale",
                                       lambda role=role: checks.named_shared(info, role, "scale",
                                                                             reader.source))
+            if p.weight.dtype in _FLOAT_WEIGHTS and not all_finite(p.weight):  # BF16 shared experts, any reader
+                name = checks.named_shared(info, role, "weight", reader.source)
+                raise CheckpointError(non_finite_message(
+                    f"{where} shared expert {i} {role} weight{name}", p.weight,
+                    f"The shared expert is copied or re-encoded ({sh.encoding} -> {lp.spec.shared.precision}), "
+                    "which would serve the NaN / inf or hide it: fix the source"))
     converted, shared_rec = shared_to_precision(sexperts, sh.encoding, lp.spec.shared.precision)
     shared_kt = None
     if any(run.needed(s) or run.check_done for r in needed for s in lp.slots.get(r, [])

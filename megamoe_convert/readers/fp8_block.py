@@ -20,7 +20,8 @@ Refused, with the values: block sizes other than [128, 128], ``fmt`` other than
 E4M3, UE8M0 scale storage (``scale_fmt: "ue8m0"`` with F8_E8M0 tensors: the dtype
 check names them), and the value checks every row has (`checks.check_expert`:
 scales finite and > 0, no E4M3 NaN byte in a weight; for these fp32 scales also
-none that makes its block overflow fp32).
+none that makes its block overflow fp32, and no fp32 subnormal over a block with a nonzero
+element, docs/FORMATS.md#subnormal-scales).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from megamoe_runtime.format.formats import QUANTIZE_ROWS, get_row
 
 from . import naming
 from .base import ExpertScalars, register_reader
-from .common import BF16_SCHEME, SchemeReader, quant_config_of
+from .common import BF16_SCHEME, SchemeReader, all_finite, non_finite_message, quant_config_of
 
 
 
@@ -113,15 +113,31 @@ class UnquantizedReader(SchemeReader):
         if self.quantize:
             self._check_finite(layer_index, expert, where, (gate, up, down))
         et = self._encode(gate, up, down)
+        if not self.quantize:  # the bf16 row: what is written is the BF16 (cast) weight, checked as such
+            self._check_finite(layer_index, expert, where, (gate, up, down),
+                               [p.weight for _, p in et.projections()])
         et.validate(self.row, info.hidden, info.intermediate, where)
         return et
 
-    def _check_finite(self, layer_index: int, expert: int, where: str, weights) -> None:
-        """A NaN or inf must not reach a quantizer: it would come out as a scale or element that hides it (an
-        inf block's scale is inf and every element NaN or 0), or as a NaN code blamed on the quantized bytes."""
-        for role, w in zip(naming.ROLES, weights):
-            bad = ~torch.isfinite(w)
-            if not bool(bad.any()):
+    def _fix_hint(self) -> str:
+        return (f"--quantize {self.quantize} needs finite weights: fix the source" if self.quantize else
+                "the bf16 row would serve it as is (every token routed to this expert would come out NaN): "
+                "fix the source")
+
+    def _check_finite(self, layer_index: int, expert: int, where: str, weights, written=None) -> None:
+        """No NaN or inf in an expert's weights.
+
+        With --quantize (``written`` None) the source weights are checked: a NaN or inf must not reach a
+        quantizer, where it would come out as a scale or element that hides it (an inf block's scale is inf and
+        every element NaN or 0), or as a NaN code blamed on the quantized bytes. For the bf16 row, ``written``
+        (the BF16 weights the output gets, a cast of ``weights`` or the same tensors) is checked and a bad
+        value reported from the source: a NaN or inf there is copied into the output and served. A finite
+        FP32 weight beyond BF16's range (it rounds to inf) is refused the same way.
+
+        One sum per tensor (`all_finite`): memory speed, so the check costs little beside the read."""
+        for k, (role, w) in enumerate(zip(naming.ROLES, weights)):
+            out = w if written is None else written[k]
+            if all_finite(out):
                 continue
             _, _, res = self._entry(layer_index)
             if "_fused" in res:
@@ -129,10 +145,7 @@ class UnquantizedReader(SchemeReader):
                 name = f"{dname if role == 'down' else gname}[{expert}]"
             else:
                 name = res[(expert, role)].names["weight"]
-            first = [int(i) for i in bad.nonzero()[0].tolist()]
-            raise CheckpointError(
-                f"{where} {role}: {name} ({w.dtype}) holds {int(bad.sum())} non-finite value(s); first at {first} "
-                f"= {float(w[tuple(first)])!r}. --quantize {self.quantize} needs finite weights: fix the source")
+            raise CheckpointError(non_finite_message(f"{where} {role}: {name}", w, self._fix_hint(), out))
 
     def _encode(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ExpertTensors:
         # --quantize nvfp4: gate and up share one global scale (ExpertTensors.quantize)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import CheckpointError, MegaMoEError, ScaleError
 from .formats import Element, Row, get_row
-from .scales import is_valid_scale
+from .scales import SCALE_RULE, is_valid_scale
 
 __all__ = ["ProjectionTensors", "ExpertTensors", "expected_shapes"]
 
@@ -103,7 +103,7 @@ class ProjectionTensors:
             for label in ("global_scale", "input_scale"):
                 v = getattr(self, label)
                 if v is not None and not _finite_pos(v):
-                    raise ScaleError(f"{where}: {label}={v!r} must be a finite float > 0")
+                    raise ScaleError(f"{where}: {label}={v!r} must be a float {SCALE_RULE}")
         else:
             for label in ("global_scale", "input_scale"):
                 if getattr(self, label) is not None:

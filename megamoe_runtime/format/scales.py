@@ -9,21 +9,31 @@ the backend will not refuse.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["W13_RTOL", "is_valid_scale", "is_valid_fp32_scale", "gate_up_agree", "gate_up_relative_difference",
-           "gate_up_disagreeing", "global_l2_activation_scale"]
+__all__ = ["W13_RTOL", "FP32_MIN_NORMAL", "SCALE_RULE", "is_valid_scale", "is_valid_fp32_scale", "gate_up_agree",
+           "gate_up_relative_difference", "gate_up_disagreeing", "global_l2_activation_scale"]
 
 #: relative tolerance within which an expert's w1 (gate) and w3 (up)
 #: weight_scale_2 count as one value (docs/SCALES.md#w1-w3-agreement)
 W13_RTOL = 1e-5
 
 
+#: fp32's smallest normal number, 2^-126. A per-tensor fp32 scale below it (an fp32 subnormal) is refused:
+#: no producer writes one, and the kernels' fp32 products with it are denormal or flushed to 0
+#: (docs/FORMATS.md#subnormal-scales)
+FP32_MIN_NORMAL = 2.0 ** -126
+#: what `is_valid_scale` asks, for messages
+SCALE_RULE = "finite and > 0, and not an fp32 subnormal (< 2^-126; docs/FORMATS.md#subnormal-scales)"
+
+
 def is_valid_scale(v: object) -> bool:
-    """A float scale is usable: a real number (not a bool), finite and > 0."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    """A float scale is usable: a real number (not a bool), finite and at least `FP32_MIN_NORMAL` (so > 0, and
+    not an fp32 subnormal: docs/FORMATS.md#subnormal-scales)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= FP32_MIN_NORMAL
 
 
 def is_valid_fp32_scale(v: object) -> bool:
@@ -31,8 +41,11 @@ def is_valid_fp32_scale(v: object) -> bool:
     such as 1e300 or 1e-300 passes `is_valid_scale` but becomes inf or 0 there."""
     if not is_valid_scale(v):
         return False
-    f = float(torch.tensor(float(v), dtype=torch.float64).to(torch.float32))
-    return math.isfinite(f) and f > 0
+    try:  # pure Python (the load checks run it under the dry run's dispatch mode too)
+        f = struct.unpack("<f", struct.pack("<f", float(v)))[0]  # round to nearest fp32
+    except OverflowError:  # beyond fp32's range
+        return False
+    return math.isfinite(f) and f >= FP32_MIN_NORMAL
 
 
 def gate_up_agree(gate: float, up: float, rtol: float = W13_RTOL) -> bool:

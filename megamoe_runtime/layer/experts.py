@@ -45,7 +45,6 @@ the shared expert twice.
 """
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Optional, Union
 
@@ -567,8 +566,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
 
     def _write_a2(self, a2: float) -> None:
         if not scales.is_valid_fp32_scale(a2):
-            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be finite and > 0 "
-                             "as a float32 (it is stored as one)")
+            raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r}; must be "
+                             f"{scales.SCALE_RULE} as a float32 (it is stored as one)")
         with torch.no_grad():
             self.l2_activation_scale.fill_(float(a2))
 
@@ -634,15 +633,15 @@ class DeepGemmMegaMoEExperts(nn.Module):
         lo = self.spec.local_experts.start
         for name in SCALAR_ROLES:
             t = getattr(self, name)
-            bad = ~(torch.isfinite(t) & (t > 0))
+            bad = ~(torch.isfinite(t) & (t >= scales.FP32_MIN_NORMAL))
             if bool(bad.any()):
                 rows = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
                 raise ScaleError(
                     f"{self.prefix or 'layer'}: {name} is unset or invalid for experts "
                     f"{[lo + r for r in rows[:8]]} (values {t[rows[:4]].tolist()}); every local expert's "
-                    "weight_scale_2 must be loaded, finite and > 0")
+                    f"weight_scale_2 must be loaded, {scales.SCALE_RULE}")
         a2 = float(self.l2_activation_scale)
-        if not (math.isfinite(a2) and a2 > 0):
+        if not scales.is_valid_scale(a2):
             raise ScaleError(f"{self.prefix or 'layer'}: l2_activation_scale (a2) = {a2!r} is unset or invalid")
 
     def refresh_derived_scalars(self) -> None:

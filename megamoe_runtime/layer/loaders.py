@@ -271,7 +271,7 @@ def _scalar(src: torch.Tensor, what: str) -> torch.Tensor:
 
 def _check_scale_value(v: float, what: str) -> None:
     if not scales.is_valid_scale(v):
-        raise ScaleError(f"{what} = {v!r}; scales must be finite and > 0")
+        raise ScaleError(f"{what} = {v!r}; scales must be {scales.SCALE_RULE}")
 
 
 # --------------------------------------------------------------------------- pre-laid-out

@@ -12,7 +12,9 @@ two cannot disagree about what is loadable. What is checked, by ``verify`` level
 * ``"headers"`` (default) and ``"checksums"``: every file the plan reads exists inside the folder (no symlink out),
   its header is valid and matches the file's length, it names itself as the manifest expects, every tensor's
   dtype and shape agree with the manifest and with the destination in the layer, and the NVFP4 per-expert global
-  scales and ``l2_activation_scale`` are finite and > 0 (a few bytes per expert are read for that).
+  scales and ``l2_activation_scale`` are finite and > 0 and not fp32 subnormals (a few bytes per expert are read
+  for that; docs/FORMATS.md#subnormal-scales). Block scales are not read (only ``"checksums"`` finds a flipped
+  byte there).
 * ``"checksums"``: every stored tensor the plan reads is hashed and compared with the manifest's checksum
   (sha256 or blake3, as the manifest says).
 * ``"none"``: only the always-checks; headers are parsed as each file is reached, so a defective file is found
@@ -33,6 +35,7 @@ from ..files.folder import inside_folder
 from ..files.safetensors_header import SafetensorsHeader, parse_safetensors_header
 from ..format.formats import SEMANTIC_FIELDS, spec_differences
 from ..format.manifest import MANIFEST_NAME, LayerEntry
+from ..format import scales
 from ..format.roles import SCALAR_ROLES
 
 __all__ = [
@@ -220,16 +223,17 @@ def _read_exact(path: Any, offset: int, nbytes: int) -> bytes:
 
 
 def _check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: bool) -> list[str]:
-    """NVFP4: ``l2_activation_scale`` in the manifest and every planned per-expert global scale (f32) finite and
-    > 0, read from the files (a few bytes per expert) so that `finish_load` cannot refuse after the writes.
-    Pure Python, so it also runs under the dry run's dispatch mode."""
+    """NVFP4: ``l2_activation_scale`` in the manifest and every planned per-expert global scale (f32) finite,
+    > 0 and not an fp32 subnormal (`scales.is_valid_scale`), read from the files (a few bytes per expert) so
+    that `finish_load` cannot refuse after the writes. Pure Python, so it also runs under the dry run's dispatch
+    mode."""
     if not nv:
         return []
     problems = []
     a2 = le.scalars.get("l2_activation_scale")
-    if not isinstance(a2, (int, float)) or isinstance(a2, bool) or not (math.isfinite(a2) and a2 > 0):
+    if not scales.is_valid_fp32_scale(a2):
         problems.append(f"{root}: layer {le.index} ({le.prefix}): {MANIFEST_NAME} scalars.l2_activation_scale = "
-                        f"{a2!r}; must be finite and > 0")
+                        f"{a2!r}; must be {scales.SCALE_RULE}")
     for it in items:
         if it.role not in SCALAR_ROLES:
             continue
@@ -246,11 +250,16 @@ def _check_nv_scales(root: Any, le: LayerEntry, items: list, headers: dict, nv: 
             continue
         vals = struct.unpack(f"<{len(raw) // 4}f", raw)
         per = max(row // 4, 1)
-        bad = sorted({(it.experts[0] if it.experts else 0) + i // per for i, v in enumerate(vals)
-                      if not (math.isfinite(v) and v > 0)})
-        if bad:
-            problems.append(f"{h.path}: {it.entry.name}: {it.role} is not finite and > 0 for experts {bad[:8]}"
-                            f"{' ...' if len(bad) > 8 else ''}")
+        e0 = it.experts[0] if it.experts else 0
+        bad = [(i, v) for i, v in enumerate(vals) if not scales.is_valid_scale(v)]
+        for what, found in (("not finite and > 0", [(i, v) for i, v in bad if not (math.isfinite(v) and v > 0)]),
+                            ("an fp32 subnormal (< 2^-126; docs/FORMATS.md#subnormal-scales)",
+                             [(i, v) for i, v in bad if math.isfinite(v) and v > 0])):
+            if found:
+                experts = sorted({e0 + i // per for i, _ in found})
+                problems.append(f"{h.path}: {it.entry.name}: {it.role} is {what} for experts {experts[:8]}"
+                                f"{' ...' if len(experts) > 8 else ''}; first: expert {e0 + found[0][0] // per}, "
+                                f"index {found[0][0] % per} = {found[0][1]!r}")
     return problems
 
 
