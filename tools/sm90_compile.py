@@ -14,6 +14,8 @@ the GPU's.
     python tools/sm90_compile.py --only mxfp4 --json out.json --jobs 2
     python tools/sm90_compile.py --only layer_default --sass _l1_kernel   # + the K loop's instruction mix
     python tools/sm90_compile.py --only layer_default --ptxas   # + ptxas' notes: wgmma serialized?
+    python tools/sm90_compile.py --digest before.json            # each specialization's SASS digest
+    python tools/sm90_compile.py --compare before.json           # the same SASS as before, all of them?
 
 Spills are the cubin's stack frame (cuobjdump's STACK): ptxas puts spilled registers there, and equal to its
 own "bytes spill stores" for every specialization here; cuobjdump's LOCAL stays 0 for them.
@@ -30,6 +32,13 @@ by memory (docs/bench-log/kernels.md), so instructions per byte is the figure to
 "wgmma.mma_async instructions are serialized" notes (C7511 / C7512 / C7514 / C7515). A serialized kernel
 computes the same bits but waits for each wgmma before going on (docs/KERNELS.md "Compiling for Hopper
 without a GPU").
+
+``--digest FILE`` / ``--compare FILE``: a sha256 of each specialization's SASS (cuobjdump, with the lines that
+name the kernel left out), keyed by the kernel and its specialization key, written to FILE or compared with
+the digests a FILE of an earlier run holds (exit 1 where one differs, is missing or is new). Why: a change
+meant to leave the machine code alone (a refactor, a helper taken out of a kernel) is proved to by the SASS
+of every launch the forward makes, on a machine without a GPU. The SASS text holds each instruction's
+encoding, scheduling bits included, and no line-number information, which moved code changes in the cubin.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ class Launch:
     """One distinct kernel specialization the forward asked for."""
 
     kernel: str
+    key: str
     fn: Any = field(repr=False)
     signature: dict
     constexprs: dict
@@ -102,7 +112,8 @@ def recording(case: str, into: dict) -> Iterator[None]:
     def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
         k = (self.fn.__module__ + "." + self.fn.__qualname__, repr(key))
         if k not in into:
-            into[k] = Launch(k[0], self, dict(signature), dict(constexprs), dict(attrs), dict(options.__dict__), [])
+            into[k] = Launch(k[0], k[1], self, dict(signature), dict(constexprs), dict(attrs), dict(options.__dict__),
+                             [])
         into[k].cases.append(case)
         return None
 
@@ -232,6 +243,48 @@ def sass_instructions(sass: str) -> list[tuple[int, str]]:
     return out
 
 
+def sass_digest(sass: str) -> str:
+    """sha256 of ``cuobjdump --dump-sass`` output without the lines that name the function (``Function :``)
+    and without blank lines: the instructions, their encodings (scheduling control bits included) and the
+    header flags. Two kernels of different names but the same machine code have the same digest."""
+    import hashlib
+
+    keep = [ln.strip() for ln in sass.splitlines() if ln.strip() and not ln.strip().startswith("Function :")]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()
+
+
+def ptx_code(ptx: str) -> str:
+    """The PTX's instructions without what only the debugger reads: the DWARF sections, ``.file`` / ``.loc``
+    lines, and the ``$L__tmpN:`` labels that bound an inlined helper's instructions for the debugger (no
+    branch goes to one). Why: ptxas schedules around those labels, so code moved into a ``@triton.jit``
+    helper can give other SASS from the same instructions; equal ``ptx_code`` says that is all that changed
+    (docs/KERNELS.md "Compiling for Hopper without a GPU")."""
+    import re
+
+    code = re.split(r"^\s*\.section\s+\.debug", ptx, maxsplit=1, flags=re.M)[0]
+    return "\n".join(ln.rstrip() for ln in code.splitlines()
+                     if not re.match(r"\s*(\.loc|\.file)\b", ln) and not re.match(r"\$L__tmp\d+:\s*$", ln))
+
+
+def spec_id(kernel: str, key: str) -> str:
+    """The name of one specialization in a ``--digest`` file: the kernel and a hash of its JIT key (argument
+    types, alignment, constexprs, options), the same in every run that launches it."""
+    import hashlib
+
+    return f"{kernel}:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def compare_digests(before: dict, after: dict) -> dict:
+    """``--compare``: the specialization ids of two ``--digest`` maps ({id: {"sass": sha, "ptx": sha, ...}}) sorted
+    into ``same`` and ``differ`` (both hold the id, the SASS digests equal or not), ``only_before`` and
+    ``only_after``; ``same_ptx``: those of ``differ`` whose PTX instructions are the same (``ptx_code``)."""
+    both = sorted(set(before) & set(after))
+    differ = [k for k in both if before[k]["sass"] != after[k]["sass"]]
+    return dict(same=[k for k in both if before[k]["sass"] == after[k]["sass"]], differ=differ,
+                same_ptx=[k for k in differ if before[k].get("ptx") and before[k].get("ptx") == after[k].get("ptx")],
+                only_before=sorted(set(before) - set(after)), only_after=sorted(set(after) - set(before)))
+
+
 def main_loop(ins: list[tuple[int, str]]) -> list[str]:
     """The instructions of the main K loop: of the regions a backward branch closes (its target up to the
     branch), the one with the most asynchronous loads and MMAs (a fold decode's never-taken redo loop is
@@ -332,11 +385,12 @@ def ptxas_report(ptx: str) -> dict:
 
 
 def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, attrs: dict, options: dict,
-                sass: bool = False, ptxas: bool = False) -> dict:
+                sass: bool = False, ptxas: bool = False, digest: bool = False) -> dict:
     """Compile one recorded specialization for sm_90: its resources (``stack``: the stack frame, where ptxas
     puts spilled registers; these kernels use it for nothing else), with ``sass`` the K loop's instruction
-    mix (``loop_mix``), with ``ptxas`` ptxas' own report (``ptxas_report``: its serialization notes), or the
-    compiler's error."""
+    mix (``loop_mix``), with ``ptxas`` ptxas' own report (``ptxas_report``: its serialization notes), with
+    ``digest`` the SASS digest (``sass_digest``), the cubin's sha256 and that of its PTX instructions
+    (``ptx_code``), or the compiler's error."""
     import importlib
 
     fn = importlib.import_module(module)
@@ -352,6 +406,12 @@ def compile_one(module: str, qualname: str, signature: dict, constexprs: dict, a
         res["loop"] = loop_mix(k.asm["cubin"], options.get("num_warps", 4), weight_bytes_per_step(qualname, named(fn.arg_names, constexprs)))
     if ptxas:
         res["ptxas"] = ptxas_report(k.asm["ptx"])
+    if digest:
+        import hashlib
+
+        res["sass_sha"] = sass_digest(_cuobjdump(k.asm["cubin"], "--dump-sass"))
+        res["cubin_sha"] = hashlib.sha256(k.asm["cubin"]).hexdigest()
+        res["ptx_sha"] = hashlib.sha256(ptx_code(k.asm["ptx"]).encode()).hexdigest()
     return res
 
 
@@ -362,21 +422,22 @@ def _tile(ln: Launch) -> dict:
     return {k: cx[k] for k in keep if k in cx}
 
 
-def compile_all(launches: dict, jobs: int, sass: str = "", ptxas: bool = False) -> list[dict]:
+def compile_all(launches: dict, jobs: int, sass: str = "", ptxas: bool = False, digest: bool = False) -> list[dict]:
     """Compile every recorded launch (``jobs`` worker processes); one result per launch. ``sass``: a
     substring of the kernel names whose K loops are counted (``loop_mix``); ``ptxas``: rerun ptxas on each
-    for its notes (``ptxas_report``; about a second per specialization)."""
+    for its notes (``ptxas_report``; about a second per specialization); ``digest``: each one's SASS digest."""
     work = []
     for (name, _), ln in launches.items():
         module, qualname = ln.fn.fn.__module__, ln.fn.fn.__qualname__
         work.append((ln, (module, qualname, ln.signature, ln.constexprs, ln.attrs, ln.options,
-                          bool(sass) and sass in ln.kernel, ptxas)))
+                          bool(sass) and sass in ln.kernel, ptxas, digest)))
     out = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as ex:
         futs = [(ln, ex.submit(compile_one, *args)) for ln, args in work]
         for ln, f in futs:
             r = f.result()
-            out.append(dict(kernel=ln.kernel, warps=ln.options.get("num_warps"), stages=ln.options.get("num_stages"),
+            out.append(dict(kernel=ln.kernel, spec=spec_id(ln.kernel, ln.key), warps=ln.options.get("num_warps"),
+                            stages=ln.options.get("num_stages"),
                             maxnreg=ln.options.get("maxnreg"), cases=len(ln.cases), first_case=ln.cases[0],
                             all_cases=ln.cases, tile=_tile(ln), **r))
     return out
@@ -404,11 +465,14 @@ def main(argv=None) -> int:
                     help="count the K loop's SASS instructions of the kernels whose name holds this (e.g. _l1_kernel)")
     ap.add_argument("--ptxas", action="store_true",
                     help="rerun ptxas on each kernel for the notes Triton hides (wgmma serialization, C75xx)")
+    ap.add_argument("--digest", default="", metavar="FILE", help="write each specialization's SASS digest here")
+    ap.add_argument("--compare", default="", metavar="FILE",
+                    help="compare each specialization's SASS digest with a --digest FILE of an earlier run")
     a = ap.parse_args(argv)
     t0 = time.time()
     launches = record(a.only)
     t1 = time.time()
-    res = compile_all(launches, a.jobs, a.sass, a.ptxas)
+    res = compile_all(launches, a.jobs, a.sass, a.ptxas, bool(a.digest or a.compare))
     bad = [r for r in res if not r["ok"]]
     for r in sorted(res, key=lambda r: (r["kernel"], r.get("regs") or 0)):
         short = r["kernel"].rsplit(".", 2)[-2:]
@@ -425,7 +489,36 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
-    return 1 if bad else 0
+    changed = a.compare and _report_compare(a.compare, res)
+    if a.digest:
+        with open(a.digest, "w") as f:
+            json.dump(digests(res), f, indent=1, sort_keys=True)
+    return 1 if bad or changed else 0
+
+
+def digests(res: list[dict]) -> dict:
+    """The ``--digest`` map of compiled results: {spec id: {"sass", "ptx", "cubin", "first_case"}} (failed ones
+    left out)."""
+    return {r["spec"]: dict(sass=r["sass_sha"], ptx=r["ptx_sha"], cubin=r["cubin_sha"], first_case=r["first_case"])
+            for r in res if r["ok"]}
+
+
+def _report_compare(path: str, res: list[dict]) -> bool:
+    """Print ``compare_digests`` of the ``--digest`` file at ``path`` against ``res``; whether anything differs."""
+    with open(path) as f:
+        before = json.load(f)
+    after = digests(res)
+    c = compare_digests(before, after)
+    cubins = sum(before[k]["cubin"] == after[k]["cubin"] for k in c["same"])
+    for what in ("differ", "only_before", "only_after"):
+        for k in c[what]:
+            case = (after.get(k) or before[k])["first_case"]
+            note = " same PTX instructions" if k in c["same_ptx"] else ""
+            print(f"{what:12s} {k} ({case}){note}")
+    print(f"SASS compared with {path}: {len(c['same'])} identical ({cubins} of them with identical cubins), "
+          f"{len(c['differ'])} differ ({len(c['same_ptx'])} of them from the same PTX instructions), "
+          f"{len(c['only_before'])} only before, {len(c['only_after'])} only now")
+    return bool(c["differ"] or c["only_before"] or c["only_after"])
 
 
 if __name__ == "__main__":

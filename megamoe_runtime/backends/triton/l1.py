@@ -15,8 +15,8 @@ from . import _jit
 from .configs import KernelConfig, k_unroll, resolve_l1_gu
 from .launch import L1Epilogue, Rows, WeightOperand, opts
 from .operands import (
-    FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, mm_block,
-    mx_scales, trip_block, utccp, x_tiles,
+    FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, k_loop, mm_block,
+    utccp, x_tiles,
 )
 
 
@@ -147,29 +147,11 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     wse = wsb_ptr + e64 * stride_wse
     NROWS = 2 * I
     SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
-    if GU:  # one dot over the 2BN contiguous kernel rows (gate/up interleaved by 8)
+    if GU:  # one dot over the 2BN contiguous kernel rows (gate/up interleaved by 8), the L2's K loop
         r2 = pid_n * (2 * BN) + tl.arange(0, 2 * BN)
         s2 = utccp(r2)
-        acc = tl.zeros((2 * BN, BM), tl.float32)
-        s_next = mx_scales(wse, s2, NROWS, 0, H - BK, SAHEAD)
-        for kk in range(0, H, BK * KU):
-            for u in tl.static_range(KU):
-                k0 = trip_block(kk, u, BK)
-                s_cur = s_next
-                if SAHEAD:  # the next step's scale bytes, used one iteration later
-                    s_next = mx_scales(wse, s2, NROWS, k0 + BK, H - BK, SAHEAD)
-                xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
-                acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT, ASM,
-                                FRAG, FOLD, SWORD, WT, s_cur, SAHEAD)
-        if FOLD:
-            if fold_redo(fflag, wse, s2, NROWS, H, W_KIND, 2 * BN):  # a scale the fold cannot take: plain again
-                acc = tl.zeros((2 * BN, BM), tl.float32)
-                for k0 in tl.range(0, H, BK, num_stages=1):  # rare: unpipelined (no registers taken from the main loop)
-                    xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, H // 2, SPLIT, BM, BK)
-                    acc = mm_block(acc, we, wse, r2, s2, NROWS, stride_wn, k0, xa, xb, W_KIND, 2 * BN, BK, HW_CVT,
-                                    ASM, FRAG, False, SWORD, WT)
-                if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see NV_REDO_SCALE)
-                    acc = acc * NV_REDO_SCALE
+        acc = k_loop(x_ptr, xrow, mvalid, H, we, wse, r2, s2, NROWS, stride_wn, 0, H, fflag, W_KIND, 2 * BN,
+                     BM, BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT, SAHEAD, KU)
         a4 = tl.permute(acc.reshape(BN // 8, 2, 8, BM), (0, 2, 3, 1))  # (slab, i, token, gate/up)
         acc_g, acc_u = tl.split(a4)
         acc_g = acc_g.reshape(BN, BM)

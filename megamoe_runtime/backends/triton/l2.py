@@ -17,10 +17,7 @@ import triton.language as tl
 from . import _jit
 from .configs import KernelConfig, k_unroll
 from .launch import L2Epilogue, Rows, WeightOperand, opts
-from .operands import (
-    NV_REDO_SCALE, block_expert, block_rows, fold_flag, fold_redo, mm_block, mx_scales, slot_rows, trip_block,
-    utccp, x_tiles,
-)
+from .operands import block_expert, block_rows, fold_flag, k_loop, slot_rows, utccp
 
 
 # --------------------------------------------------------------------------- L2
@@ -57,7 +54,6 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     we = w_ptr + e64 * stride_we
     wse = wsb_ptr + e64 * stride_wse
     SPLIT: tl.constexpr = ((W_KIND == 0) or (W_KIND == 2)) and (FRAG == 0)
-    acc = tl.zeros((BN, BM), tl.float32)
     xrow = arow * I
     if KSPLIT == 1:  # the loop of one pass, as written before the split: K from 0 (its alignment known)
         k_lo = 0
@@ -65,25 +61,8 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     else:  # slices of whole 128-blocks (l2_split checks)
         k_lo = tl.multiple_of(pid_k * (I // KSPLIT), 128)
         k_hi = k_lo + I // KSPLIT
-    s_next = mx_scales(wse, sn, H, k_lo, k_hi - BK, SAHEAD)
-    for kk in range(k_lo, k_hi, BK * KU):
-        for u in tl.static_range(KU):
-            k0 = trip_block(kk, u, BK)
-            s_cur = s_next
-            if SAHEAD:  # the next step's scale bytes, used one iteration later
-                s_next = mx_scales(wse, sn, H, k0 + BK, k_hi - BK, SAHEAD)
-            xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-            acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM, FRAG, FOLD,
-                            SWORD, WT, s_cur, SAHEAD)
-    if FOLD:
-        if fold_redo(fflag, wse, sn, H, I, W_KIND, BN):  # a scale the fold cannot take: redo with the plain decode
-            acc = tl.zeros((BN, BM), tl.float32)
-            for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):  # rare: unpipelined, no registers taken
-                xa, xb = x_tiles(act_ptr, xrow, mvalid, k0, I // 2, SPLIT, BM, BK)
-                acc = mm_block(acc, we, wse, n, sn, H, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
-                                FRAG, False, SWORD, WT)
-            if W_KIND == 2:  # the fold's 2^8 is restored below (exact: see NV_REDO_SCALE)
-                acc = acc * NV_REDO_SCALE
+    acc = k_loop(act_ptr, xrow, mvalid, I, we, wse, n, sn, H, stride_wn, k_lo, k_hi, fflag, W_KIND, BN, BM,
+                 BK, HW_CVT, ASM, FRAG, FOLD, SWORD, SPLIT, WT, SAHEAD, KU)
     if FOLD and W_KIND == 2:
         acc = acc * 256.0
     if KSPLIT > 1:  # the partial of this K slice; the reduce adds the slices and applies the epilogue

@@ -4,8 +4,9 @@ The rows of a program (`block_expert`, `block_rows`, `act_rows`, `slot_rows`: a 
 blocks, or every token once for the shared expert), the K blocks of a loop trip (`trip_block`), the
 activation tiles (`x_tiles`), the weight tiles decoded to bf16 in the split / natural order (`_w_tiles`) and in the frag order (`_w_frag`,
 `_w_frag8`, plain or fold decode), the UTCCP row map of the scales (`utccp`), one K block's MMA
-(`mm_block`), and the per-tile fold checks (`_fold_bad`, `fold_flag`, `fold_redo`; flag values
-`FOLD_OK` / `FOLD_REDO` / `FOLD_SCAN`).
+(`mm_block`), the per-tile fold checks (`_fold_bad`, `fold_flag`, `fold_redo`; flag values
+`FOLD_OK` / `FOLD_REDO` / `FOLD_SCAN`), and the K loop of a one-dot tile with its fold redo (`k_loop`: the
+one-dot L1's and the L2's).
 Imports `_jit` and `decode_asm` only.
 """
 from __future__ import annotations
@@ -436,3 +437,38 @@ def fold_redo(fflag, wsb_ptr, srows, NROWS, K, W_KIND: tl.constexpr, BN: tl.cons
         return _fold_bad(wsb_ptr, srows, NROWS, K, W_KIND, BN)
     else:
         return fflag != 0
+
+
+@triton.jit
+def k_loop(x_ptr, xrow, mvalid, K, we, wse, rows, srows, NROWS, stride_wn, k_lo, k_hi, fflag,
+           W_KIND: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr,
+           ASM: tl.constexpr, FRAG: tl.constexpr, FOLD: tl.constexpr, SWORD: tl.constexpr, SPLIT: tl.constexpr,
+           WT: tl.constexpr, SAHEAD: tl.constexpr, KU: tl.constexpr):
+    """The fp32 ``[BN, BM]`` product of ``rows`` (of NROWS kernel rows) and the activation rows ``xrow`` (``K``
+    long, ``x_tiles``) over the K blocks ``k_lo`` to ``k_hi``: the main loop of the one-dot L1 (the 2BN
+    gate/up rows) and of the L2. KU blocks per loop trip (``trip_block``); SAHEAD: each block's scale bytes
+    loaded one step ahead (``mx_scales``). FOLD: where ``fold_redo`` says the fold decode cannot take a scale
+    of the tile (its scan reads the whole K), the tile is computed again with the plain decode, unpipelined
+    (rare: no registers taken from the main loop), and NVFP4 accumulators are scaled by NV_REDO_SCALE so that
+    the caller's 2^8 restores them."""
+    acc = tl.zeros((BN, BM), tl.float32)
+    s_next = mx_scales(wse, srows, NROWS, k_lo, k_hi - BK, SAHEAD)
+    for kk in range(k_lo, k_hi, BK * KU):
+        for u in tl.static_range(KU):
+            k0 = trip_block(kk, u, BK)
+            s_cur = s_next
+            if SAHEAD:  # the next step's scale bytes, used one iteration later
+                s_next = mx_scales(wse, srows, NROWS, k0 + BK, k_hi - BK, SAHEAD)
+            xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, K // 2, SPLIT, BM, BK)
+            acc = mm_block(acc, we, wse, rows, srows, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT, ASM,
+                           FRAG, FOLD, SWORD, WT, s_cur, SAHEAD)
+    if FOLD:
+        if fold_redo(fflag, wse, srows, NROWS, K, W_KIND, BN):  # a scale the fold cannot take: plain again
+            acc = tl.zeros((BN, BM), tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):  # rare: unpipelined, no registers taken
+                xa, xb = x_tiles(x_ptr, xrow, mvalid, k0, K // 2, SPLIT, BM, BK)
+                acc = mm_block(acc, we, wse, rows, srows, NROWS, stride_wn, k0, xa, xb, W_KIND, BN, BK, HW_CVT,
+                               ASM, FRAG, False, SWORD, WT)
+            if W_KIND == 2:  # the caller restores the fold's 2^8 (exact: see NV_REDO_SCALE)
+                acc = acc * NV_REDO_SCALE
+    return acc

@@ -37,7 +37,7 @@ CASES = [("mxfp4", "fold", None, 1, 512, 256), ("nvfp4", "fold", None, 2, 512, 5
 
 def run_cases(device: str, negative: bool = True) -> dict:
     """{case: [bitwise equal to one block per trip, the wrong trip's output differs]} over ``CASES``."""
-    from megamoe_runtime.backends.triton import configs, l1, l2, moe, synth
+    from megamoe_runtime.backends.triton import configs, moe, operands, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
 
@@ -59,12 +59,12 @@ def run_cases(device: str, negative: bool = True) -> dict:
         two = dataclasses.replace(base, k_unroll=2)
         res = [bool(torch.equal(run(two), want))]
         if negative:
-            saved = (l1.trip_block, l2.trip_block)
-            l1.trip_block = l2.trip_block = _first_block_twice
+            saved = operands.trip_block
+            operands.trip_block = _first_block_twice  # in the K loop of the L1 and the L2 (``operands.k_loop``)
             try:
                 res.append(not torch.equal(run(two), want))
             finally:
-                l1.trip_block, l2.trip_block = saved
+                operands.trip_block = saved
         out[f"{row} {dec} scales={sl} split={split} H={H} I={I}"] = res
     return out
 

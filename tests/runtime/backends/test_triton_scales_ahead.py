@@ -25,10 +25,12 @@ except ImportError:  # CPU CI without triton: the tests skip
 if triton is not None:
     from megamoe_runtime.backends.triton import operands
 
+    _mx_scales = operands.mx_scales  # the right one, which the wrong prefetch below calls
+
     @triton.jit
     def _one_block_late(wsb_ptr, srows, NROWS, k0, k_last, SAHEAD: tl.constexpr):
         """A wrong prefetch (the negative control): the scales of the K block after the one asked for."""
-        return operands.mx_scales(wsb_ptr, srows, NROWS, k0 + 128, k_last, SAHEAD)
+        return _mx_scales(wsb_ptr, srows, NROWS, k0 + 128, k_last, SAHEAD)
 
 #: (row, one-dot L1, L2 K slices)
 CASES = [("mxfp8", True, 1), ("mxfp8", True, 2), ("mxfp8", False, 1), ("mxfp4", True, 2), ("nvfp4", True, 1)]
@@ -36,7 +38,7 @@ CASES = [("mxfp8", True, 1), ("mxfp8", True, 2), ("mxfp8", False, 1), ("mxfp4", 
 
 def run_cases(device: str, negative: bool = True) -> dict:
     """{case: [bitwise equal to the byte loads, the wrong prefetch's output differs]} over ``CASES``."""
-    from megamoe_runtime.backends.triton import configs, l1, l2, moe, synth
+    from megamoe_runtime.backends.triton import configs, moe, operands, synth
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
     from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
 
@@ -57,12 +59,11 @@ def run_cases(device: str, negative: bool = True) -> dict:
         ahead = dataclasses.replace(base, scale_load="ahead")
         res = [bool(torch.equal(run(ahead), want))]
         if negative:
-            saved = (l1.mx_scales, l2.mx_scales)
-            l1.mx_scales = l2.mx_scales = _one_block_late
+            operands.mx_scales = _one_block_late  # in the K loop of the L1 and the L2 (``operands.k_loop``)
             try:
                 res.append(not torch.equal(run(ahead), want))
             finally:
-                l1.mx_scales, l2.mx_scales = saved
+                operands.mx_scales = _mx_scales
         out[f"{row} gu={int(gu)} split={split}"] = res
     return out
 

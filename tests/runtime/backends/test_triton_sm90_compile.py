@@ -219,3 +219,73 @@ def test_sass_loop_mix_counts_the_k_loop(tmp_path):
     assert res["add_loop_kernel"]["loop_instr"] > 0 and "mma" not in res["add_loop_kernel"]["classes"]
     assert res["bytes"] == [128 * (64 + 4), 64 * (64 + 4), 64 * (128 + 4), None, 2 * 128 * (64 + 4)]
     assert res["classes"] == ["branch", "mma", "bit ops", "global/async load", "uniform", "half2 math"]
+
+
+_DIGESTED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def plain_kernel(x_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < N) + 1.0, mask=i < N)
+
+
+@triton.jit
+def renamed_kernel(x_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < N) + 1.0, mask=i < N)
+
+
+@triton.jit
+def other_kernel(x_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < N) + 2.0, mask=i < N)
+'''
+
+
+def test_sass_digest_names_the_machine_code_not_the_kernel(tmp_path):
+    """``--digest`` / ``--compare``: two kernels of the same body and different names have the same SASS digest
+    (the ``Function :`` line is left out) while their cubins differ; a kernel that adds 2 instead of 1 has
+    another (the negative control). ``--compare`` sorts specializations into same / differ (noting those whose
+    PTX instructions are the same) / only before / only now, and fails on anything but same. ``ptx_code``
+    drops what only the debugger reads (line table, DWARF, the labels of inlined helpers' ranges)."""
+    (tmp_path / "digested_kernels.py").write_text(_DIGESTED)
+    script = textwrap.dedent(f"""
+        import json, runpy
+        tool = runpy.run_path({str(TOOL)!r})
+        opts = dict(num_warps=4, num_stages=3)
+        sig = {{"x_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}}
+        out = {{name: tool["compile_one"]("digested_kernels", name, sig, {{(2,): 256}}, {{}}, opts, digest=True)
+               for name in ("plain_kernel", "renamed_kernel", "other_kernel")}}
+        res = [dict(out[n], kernel="m." + n, spec="m.k:" + n, first_case="c") for n in out]
+        now = tool["digests"](res)
+        plain, other = now["m.k:plain_kernel"], now["m.k:other_kernel"]
+        before = dict(now, **{{"m.k:gone": plain}})
+        before["m.k:other_kernel"] = dict(other, sass=plain["sass"])  # other SASS from the same PTX
+        before["m.k:renamed_kernel"] = dict(other, first_case="c")  # other SASS and PTX
+        out["compare"] = tool["compare_digests"](before, dict(now, **{{"m.k:new": plain}}))
+        json.dump(before, open("before.json", "w"))
+        out["changed_if_any_differs"] = tool["_report_compare"]("before.json", res)
+        json.dump(now, open("before.json", "w"))
+        out["changed_if_equal"] = tool["_report_compare"]("before.json", res)
+        out["ptx_code"] = tool["ptx_code"]("mov.b32 %r1, 0;\\n$L__tmp3:\\n\\t.loc 1 2 3\\n$L__BB0_1:\\n"
+                                           "\\t.file 1 \\"k.py\\"\\n\\t.section\\t.debug_info\\n{{ .b8 1 }}")
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(str(tmp_path)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    plain, renamed, other = res["plain_kernel"], res["renamed_kernel"], res["other_kernel"]
+    assert plain["ok"] and renamed["ok"] and other["ok"], res
+    assert plain["sass_sha"] == renamed["sass_sha"] and plain["cubin_sha"] != renamed["cubin_sha"], res
+    assert other["sass_sha"] != plain["sass_sha"] and other["ptx_sha"] != plain["ptx_sha"], res
+    assert res["compare"] == dict(same=["m.k:plain_kernel"], differ=["m.k:other_kernel", "m.k:renamed_kernel"],
+                                  same_ptx=["m.k:other_kernel"], only_before=["m.k:gone"],
+                                  only_after=["m.k:new"]), res["compare"]
+    assert res["changed_if_any_differs"] is True and res["changed_if_equal"] is False, res
+    assert "differ       m.k:other_kernel (c) same PTX instructions" in r.stdout, r.stdout
+    assert "SASS compared with before.json: 3 identical" in r.stdout, r.stdout
+    assert res["ptx_code"] == "mov.b32 %r1, 0;\n$L__BB0_1:", res["ptx_code"]
