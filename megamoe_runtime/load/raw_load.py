@@ -35,6 +35,8 @@ class RawLoadReport:
 
 
 def _layers_by_prefix(layer_or_model: torch.nn.Module) -> dict[str, "DeepGemmMegaMoEExperts"]:
+    if not isinstance(layer_or_model, torch.nn.Module):
+        raise CheckpointError(f"raw loads take a layer or a model (torch.nn.Module), got {type(layer_or_model).__name__}")
     out: dict[str, DeepGemmMegaMoEExperts] = {}
     for name, mod in layer_or_model.named_modules():
         if isinstance(mod, DeepGemmMegaMoEExperts):
