@@ -595,7 +595,12 @@ class DeepGemmMegaMoEExperts(nn.Module):
         st, self._load_state = self._load_state, None
         nv = self.spec.row_spec.weight.has_global_scale
         if st is not None and st.mode == "raw":
-            a2 = loaders.finish_raw_load(self, st)
+            try:
+                a2 = loaders.finish_raw_load(self, st, require_all=self.unusable_reason is not None)
+            except BaseException as e:
+                if st.written:  # the pass wrote: the layer holds what it wrote over what it had
+                    self.mark_unusable(f"a raw load's final checks failed: {type(e).__name__}: {e}")
+                raise
             if a2 is not None:
                 self._write_a2(a2)
         if nv and scalars is not None:

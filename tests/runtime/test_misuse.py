@@ -130,3 +130,58 @@ def test_a2_only_on_nvfp4_layers(ckpts):
     layer = mr.open_checkpoint(out).build_layer(0, backend="reference")
     with pytest.raises(ScaleError, match="row bf16 has no l2_activation_scale"):
         layer.set_l2_activation_scale(0.01)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "modelopt-mxfp4"])
+def test_a_raw_load_missing_an_expert_is_refused(ckpts, fmt):
+    """A raw checkpoint without expert 3 of layer 0 raw-loaded into a fresh layer: the load completed and the
+    layer ran expert 3 on uninitialised memory (bf16: NaN outputs; mxfp4: calc_diff 0.09 against the
+    complete source), silently. Into a loaded layer the same load mixed two checkpoints."""
+    from megamoe_runtime.load.raw_load import load_raw_checkpoint
+
+    _, out = ckpts.converted(fmt)
+    bad = ckpts.source(fmt, seed=1, missing_expert=(0, 3))
+    ck = mr.open_checkpoint(out)
+    for layer in (ck.allocate_layer(0, backend="reference"), ck.build_layer(0, backend="reference")):
+        with pytest.raises(CheckpointError, match=r"raw load incomplete, the pass wrote no w1 weight for experts "
+                                                  r"\[3\]; no w2 weight for experts \[3\]"):
+            load_raw_checkpoint(layer, bad)
+        with pytest.raises(LayerUnusableError, match="raw load's final checks failed"):
+            layer(*_inputs(layer.spec))
+    # a complete raw load makes it usable again
+    load_raw_checkpoint(layer, ckpts.source(fmt, seed=1))
+    assert torch.isfinite(layer(*_inputs(layer.spec))).all()
+
+
+def test_a_partial_weight_loader_pass_completes_only_a_loaded_layer(ckpts):
+    """weight_loader of one expert then finish_load: an update of a loaded layer's expert (the caller's
+    choice), but a never-loaded layer's other experts hold no weights: refused, the layer stays unusable."""
+    _, out = ckpts.converted("bf16")
+    ck = mr.open_checkpoint(out)
+    spec = ck.layer_spec(0)
+    gate = torch.randn(spec.intermediate, spec.hidden).to(torch.bfloat16)
+    name = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    loaded = ck.build_layer(0, backend="reference")
+    loaded.weight_loader(None, gate, name, "w1", 1)
+    loaded.finish_load()
+    loaded(*_inputs(spec))
+    fresh = ck.allocate_layer(0, backend="reference")
+    fresh.weight_loader(None, gate, name, "w1", 1)
+    with pytest.raises(CheckpointError, match=r"no w1 weight for experts \[0, 2, 3, 4, 5, 6, 7\]"):
+        fresh.finish_load()
+    with pytest.raises(LayerUnusableError):
+        fresh(*_inputs(spec))
+
+
+def test_a_raw_pass_whose_final_checks_fail_leaves_the_layer_unusable(ckpts):
+    """One w1 weight_scale_2 raw-loaded into a served NVFP4 layer: finish_load refuses the incomplete pair,
+    but the layer kept running on the half-updated l1_alpha (its derived l1_alpha_gate not refreshed)."""
+    _, out = ckpts.converted("modelopt-nvfp4")
+    layer = mr.open_checkpoint(out).build_layer(0, backend="reference")
+    x, w, ids = _inputs(layer.spec)
+    layer.weight_loader(None, torch.tensor(2.0 * float(layer.l1_alpha[0, 0])),
+                        "model.layers.0.mlp.experts.0.gate_proj.weight_scale_2", "w1", 0)
+    with pytest.raises(ScaleError, match="raw NVFP4 load incomplete"):
+        layer.finish_load()
+    with pytest.raises(LayerUnusableError, match="raw load's final checks failed: ScaleError"):
+        layer(x, w, ids)
