@@ -509,6 +509,29 @@ class DeepGemmMegaMoEExperts(nn.Module):
             done.append(w)
         self.weight_tiles = wt
 
+    def _apply(self, fn, recurse=True):
+        """A module-wide cast (``model.to(torch.float32)``, ``.half()``, ``.bfloat16()``) leaves this layer's
+        tensors in their kernel dtypes and storage (E4M3 weights, fp32 scales and NVFP4 alphas cast to bf16
+        broke the layer, or ran with rounded alphas); a device move or any other conversion still applies.
+        Whether ``fn`` casts is read from an empty tensor of the same dtype and device."""
+        kept: set[str] = set()
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            probe = fn(t.new_empty(0))
+            if probe.dtype == t.dtype:
+                return fn(t)
+            kept.add(f"{t.dtype} -> {probe.dtype}")
+            return t if probe.device == t.device else t.to(probe.device)
+
+        out = super()._apply(keep_dtype, recurse)
+        if kept:
+            import warnings
+
+            # the same text for every layer: Python shows it once per model cast, not once per layer
+            warnings.warn(f"megamoe layers keep their kernel-layout dtypes: the cast ({', '.join(sorted(kept))}) "
+                          "left their tensors as they were", stacklevel=3)
+        return out
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """A state dict holds the converted layout whatever the in-memory arrangement (converted copies of
         tiled weights), so it loads into any layer."""

@@ -2,6 +2,8 @@
 silent ones) computes what an independent build computes. Every case failed before its fix."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -185,3 +187,31 @@ def test_a_raw_pass_whose_final_checks_fail_leaves_the_layer_unusable(ckpts):
         layer.finish_load()
     with pytest.raises(LayerUnusableError, match="raw load's final checks failed: ScaleError"):
         layer(x, w, ids)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "fp8-block"])
+@pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
+def test_a_module_wide_cast_keeps_the_kernel_dtypes(ckpts, fmt, cast):
+    """model.half() / .float() / .bfloat16() / .to(dtype) cast every floating tensor of every module: E4M3
+    weights and fp32 block scales became bf16/fp16/fp32 (the next forward: LayoutError 'dtype torch.float32 !=
+    torch.float8_e4m3fn'), and an NVFP4 layer's fp32 alphas became bf16 and ran, rounded, silently. The layer
+    now keeps its dtypes and storage (with one warning); a device move still applies."""
+    _, out = ckpts.converted(fmt)
+    ck = mr.open_checkpoint(out)
+    ref = ck.build_layer(0, backend="reference")
+    layer = ck.build_layer(0, backend="reference")
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), layer)
+    snap = layer.storage_snapshot()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        getattr(model, cast)()
+    msgs = [str(g.message) for g in got]
+    assert all(m.startswith("megamoe layers keep their kernel-layout dtypes: the cast (") for m in msgs), msgs
+    if fmt == "fp8-block":  # E4M3 weights: every cast would change them
+        assert msgs and "torch.float8_e4m3fn -> " in msgs[0]
+    assert layer.storage_snapshot() == snap
+    assert model[0].weight.dtype == getattr(torch, {"float": "float32", "half": "float16"}.get(cast, cast))
+    x, w, ids = _inputs(layer.spec)
+    assert torch.equal(layer(x, w, ids), ref(x, w, ids))
+    layer.to("meta")
+    assert layer.device.type == "meta" and layer.l1_weight.dtype == ref.l1_weight.dtype
