@@ -45,6 +45,7 @@ def _layer(spec, full, device, backend):
 
     layer = DeepGemmMegaMoEExperts(spec, device=device, backend=backend)
     lo, hi = spec.local_experts.start, spec.local_experts.stop
+    layer.begin_load()  # writes go through a load (docs/RELOAD.md); an unloaded layer refuses to run
     with torch.no_grad():
         for role in ("l1_weight", "l1_scale", "l2_weight", "l2_scale"):
             dst = getattr(layer, role)
@@ -54,6 +55,7 @@ def _layer(spec, full, device, backend):
             layer.l1_alpha.copy_(full.l1_alpha[lo:hi])
             layer.l2_global_scale.copy_(full.l2_global_scale[lo:hi])
             layer.set_l2_activation_scale(float(full.l2_activation_scale))
+    layer.finish_load()
     return layer
 
 

@@ -45,6 +45,13 @@ def run(src: Path, out: Path, *, tokens: int = 16, seed: int = 0, verbose: bool 
     return layers
 
 
+def _tokens(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 4096:  # the range `megamoe-convert verify --tokens` takes
+        raise argparse.ArgumentTypeError(f"{n} is not in 1..4096")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="modelopt-nvfp4", help="synthetic source format (see megamoe_convert.testing.synth)")
     ap.add_argument("--shared", type=int, default=1, help="synthetic shared experts (0 = none)")
     ap.add_argument("--out", type=Path, help="output folder (default: a temporary folder)")
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--tokens", type=_tokens, default=16, help="tokens per layer in the comparison (1..4096)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="megamoe-example-") as tmp:
         src = args.src

@@ -35,6 +35,18 @@ def test_convert_and_serve_example(serve_example, capsys, fmt):
     assert "2/2 layers match the source" in out and "(shared expert fused)" in out
 
 
+@pytest.mark.parametrize("tokens", ["0", "-1"])
+def test_convert_and_serve_example_refuses_a_token_count_it_cannot_route(serve_example, capsys, tokens):
+    """--tokens 0 crashed with IndexError inside the routing, -1 with a torch negative-dimension error."""
+    with pytest.raises(SystemExit) as e:
+        serve_example.main(["--tokens", tokens])
+    assert e.value.code == 2 and f"argument --tokens: {tokens} is not in 1..4096" in capsys.readouterr().err
+    from megamoe_convert.testing.selfcheck import compare_with_source
+
+    with pytest.raises(mr.MegaMoEError, match="tokens=0: the comparison needs an int >= 1"):
+        compare_with_source("no-source", "no-out", tokens=0)
+
+
 def test_reload_dry_run_example(capsys):
     assert _load("reload_dry_run").main([]) == 0
     out = capsys.readouterr().out

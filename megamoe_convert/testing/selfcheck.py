@@ -103,10 +103,13 @@ def compare_with_source(src: str | Path, out: str | Path, tokens: int = 16, seed
     checkpoint `src` on the same tokens; one result per layer, in order.
     `format` / `quantize` / `revision`: as given to the conversion."""
     import megamoe_runtime as mr
+    from megamoe_runtime.errors import MegaMoEError
 
     from ..readers import detect_reader
     from ..readers.source import open_source
 
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise MegaMoEError(f"tokens={tokens!r}: the comparison needs an int >= 1 tokens per layer")
     ckpt = mr.open_checkpoint(out)
     source = open_source(str(src), revision)
     results = []

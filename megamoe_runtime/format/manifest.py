@@ -450,6 +450,10 @@ class Manifest:
         return {t.role: t for t in self.tensors.values() if t.layer == layer and t.ep_rank == ep_rank}
 
     def layer(self, index: int) -> LayerEntry:
+        if isinstance(index, bool) or not hasattr(index, "__index__"):  # True == 1 would pick layer 1
+            raise ManifestError(f"a MoE layer index is an int, got {index!r} ({type(index).__name__}); layers: "
+                                f"{[le.index for le in self.layers]}")
+        index = index.__index__()
         for le in self.layers:
             if le.index == index:
                 return le

@@ -68,6 +68,11 @@ _HUGE = 2 << 20
 _libc: Any = None
 
 
+#: `DeepGemmMegaMoEExperts.unusable_reason` of a layer allocated and not loaded yet: its parameters hold
+#: whatever memory they were given (``init="empty"``) or zeros, not weights.
+_NEVER_LOADED = "it was allocated and never loaded (its parameters hold no weights yet)"
+
+
 def _advise_hugepages(t: torch.Tensor) -> None:
     """Opt-in (``MEGAMOE_THP=1``): ask Linux for transparent huge pages on a
     fresh, untouched CPU allocation.
@@ -278,8 +283,8 @@ class DeepGemmMegaMoEExperts(nn.Module):
         self.layer_index = layer_index
         self._load_state: Optional[loaders.LoadState] = None
         self.load_generation = 0
-        #: why the layer may not run (a load failed after writing started), None when usable
-        self.unusable_reason: Optional[str] = None
+        #: why the layer may not run (never loaded yet, or a load failed after writing started), None when usable
+        self.unusable_reason: Optional[str] = _NEVER_LOADED
         #: int32 [E_l] ``cumulative_local_expert_recv_stats`` (DeepGEMM's name), or None: see
         #: `track_expert_recv_stats`.
         self.expert_recv_stats: Optional[torch.Tensor] = None
@@ -504,6 +509,29 @@ class DeepGemmMegaMoEExperts(nn.Module):
             done.append(w)
         self.weight_tiles = wt
 
+    def _apply(self, fn, recurse=True):
+        """A module-wide cast (``model.to(torch.float32)``, ``.half()``, ``.bfloat16()``) leaves this layer's
+        tensors in their kernel dtypes and storage (E4M3 weights, fp32 scales and NVFP4 alphas cast to bf16
+        broke the layer, or ran with rounded alphas); a device move or any other conversion still applies.
+        Whether ``fn`` casts is read from an empty tensor of the same dtype and device."""
+        kept: set[str] = set()
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            probe = fn(t.new_empty(0))
+            if probe.dtype == t.dtype:
+                return fn(t)
+            kept.add(f"{t.dtype} -> {probe.dtype}")
+            return t if probe.device == t.device else t.to(probe.device)
+
+        out = super()._apply(keep_dtype, recurse)
+        if kept:
+            import warnings
+
+            # the same text for every layer: Python shows it once per model cast, not once per layer
+            warnings.warn(f"megamoe layers keep their kernel-layout dtypes: the cast ({', '.join(sorted(kept))}) "
+                          "left their tensors as they were", stacklevel=3)
+        return out
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """A state dict holds the converted layout whatever the in-memory arrangement (converted copies of
         tiled weights), so it loads into any layer."""
@@ -514,9 +542,17 @@ class DeepGemmMegaMoEExperts(nn.Module):
                                                                        self.weight_tiles)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """``load_state_dict`` writes converted bytes: restore that layout first, tile again after."""
+        """``load_state_dict`` is a load: restore the converted layout first; after it, the NVFP4 device scalars
+        derived from the loaded ones are refreshed and, when the state dict held every entry of this layer (its
+        shared expert's included), the load is complete (`_load_succeeded`: usable, ``load_generation``
+        advances so a backend's cached host scalars are read again); then the backend's arrangement."""
         self._restore_converted_layout()
+        complete = all(prefix + k in state_dict for k in self.state_dict(keep_vars=True))  # cheap: untiled now
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.refresh_derived_scalars()
+        if complete:
+            self._load_succeeded()
+            return
         self._arrange_for_backend()
         self._backend_hook("weights_loaded")
 
@@ -559,6 +595,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
         at once and ``load_generation`` advances, so a backend caching host
         scalars (DGv's ``l2_activation_scale``) re-reads it; inside a load,
         `finish_load` does both once at the end."""
+        if not self.spec.row_spec.weight.has_global_scale:
+            raise ScaleError(f"{self.prefix or 'layer'}: row {self.spec.row} has no l2_activation_scale (a2); only "
+                             "nvfp4 layers take one")
         self._write_a2(a2)
         if self._load_state is None:
             self.refresh_derived_scalars()
@@ -579,7 +618,12 @@ class DeepGemmMegaMoEExperts(nn.Module):
         st, self._load_state = self._load_state, None
         nv = self.spec.row_spec.weight.has_global_scale
         if st is not None and st.mode == "raw":
-            a2 = loaders.finish_raw_load(self, st)
+            try:
+                a2 = loaders.finish_raw_load(self, st, require_all=self.unusable_reason is not None)
+            except BaseException as e:
+                if st.written:  # the pass wrote: the layer holds what it wrote over what it had
+                    self.mark_unusable(f"a raw load's final checks failed: {type(e).__name__}: {e}")
+                raise
             if a2 is not None:
                 self._write_a2(a2)
         if nv and scalars is not None:
@@ -691,7 +735,13 @@ class DeepGemmMegaMoEExperts(nn.Module):
         spec = self.spec
         if self.unusable_reason is not None:
             raise LayerUnusableError(f"{self.prefix or 'layer'} is unusable: {self.unusable_reason}; load it "
-                                     "again (from any checkpoint that passes its checks) before running it")
+                                     "(Checkpoint.load_layer, load_raw_weights, load_state_dict, or begin_load ... "
+                                     "finish_load around your own copies) before running it")
+        if self._load_state is not None:
+            raise LayerUnusableError(
+                f"{self.prefix or 'layer'}: a load pass is open (begin_load, or weight_loader calls, without "
+                f"finish_load): its weights may be half written; call finish_load (vLLM: "
+                "process_weights_after_loading) before running it")
         if self.shared_fused and shared_experts is not None:
             raise LayerSpecError(
                 f"{self.prefix or 'layer'}: the shared expert is fused into this layer (decided at construction); "
@@ -709,6 +759,9 @@ class DeepGemmMegaMoEExperts(nn.Module):
                 f"{getattr(hidden_states, 'dtype', type(hidden_states).__name__)} "
                 f"{list(getattr(hidden_states, 'shape', []))}")
         T = hidden_states.shape[0]
+        for label, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+            if not isinstance(t, torch.Tensor):
+                raise MegaMoEError(f"{label} must be a torch.Tensor [{T}, {spec.top_k}], got {type(t).__name__}")
         if topk_weights.shape != (T, spec.top_k) or topk_weights.dtype != torch.float32:
             raise MegaMoEError(f"topk_weights must be float32 [{T}, {spec.top_k}], got {topk_weights.dtype} "
                                f"{list(topk_weights.shape)}")

@@ -218,12 +218,19 @@ def make_expert_params_mapping(
 class LoadState:
     """Host-side bookkeeping of one load pass (never of a dry run).
 
+    ``pieces``: what a raw pass wrote, so that its end can refuse a local expert it left unwritten where
+    the pass must be complete (``require_all``).
     ``ws2``: global expert -> {half: weight_scale_2} for the pairwise w1/w3
     check; ``w2_global``: experts whose w2 weight_scale_2 arrived; ``a2_inputs``:
     global expert -> w2 input scale (multiplier convention), over ALL experts.
     """
 
     mode: str = "raw"
+    #: (kind, shard_id, global expert) of every routed weight / block scale this raw pass wrote
+    pieces: set[tuple[str, str, int]] = field(default_factory=set)
+    #: the pass must write every local expert (`load_raw_weights` with ``strict``); a pass into a layer that
+    #: is not usable (never loaded, or a failed load) must as well (`finish_raw_load`)
+    require_all: bool = False
     ws2: dict[int, dict[int, float]] = field(default_factory=dict)
     w2_global: set[int] = field(default_factory=set)
     a2_inputs: dict[int, float] = field(default_factory=dict)
@@ -475,6 +482,7 @@ def raw_weight_loader(layer: LoadTarget, param: Optional[torch.Tensor],
             layout.write_l1_scale(layer.l1_scale[e], loaded_weight, _HALF[shard_id], where=where)
     if st is not None:
         st.written += 1
+        st.pieces.add((kind, shard_id, expert_id))
     return True
 
 
@@ -536,10 +544,20 @@ def shared_weight_loader(layer: LoadTarget, param: Optional[torch.Tensor],
     return True
 
 
-def finish_raw_load(layer: LoadTarget, st: LoadState) -> Optional[float]:
-    """End of a raw load: every NVFP4 pair complete; returns a2 from ALL
-    experts for the layer to write (None: nothing to write)."""
+def finish_raw_load(layer: LoadTarget, st: LoadState, require_all: bool = False) -> Optional[float]:
+    """End of a raw load: where the pass must be complete (``require_all`` or ``st.require_all``) and wrote
+    any routed tensor, it wrote every local expert's w1, w3 and w2 weights (and block scales) -- an expert
+    left out keeps the bytes it had: another checkpoint's, or none in a layer never loaded. (A partial pass
+    into a usable layer, one expert updated, is the caller's choice.) Every NVFP4 pair complete; returns a2
+    from ALL experts for the layer to write (None: nothing to write)."""
     spec = layer.spec
+    if st.pieces and (require_all or st.require_all):
+        kinds = ("weight", "scale") if spec.row_spec.has_scales else ("weight",)
+        gaps = [f"{shard} {kind} for experts {_short(miss)}" for kind in kinds for shard in SHARD_IDS
+                if (miss := [e for e in spec.local_experts if (kind, shard, e) not in st.pieces])]
+        if gaps:
+            raise CheckpointError(_where(layer, "raw load incomplete, the pass wrote no " + "; no ".join(gaps)
+                                         + " (a raw load writes every local expert in one pass)"))
     if not spec.row_spec.has_alphas:
         return None
     if st.written == 0 and not st.a2_inputs:

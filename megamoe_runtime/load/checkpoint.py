@@ -307,6 +307,10 @@ class Checkpoint:
         if getattr(layer, "layer_index", None) is not None:
             for le in self.manifest.layers:
                 if le.index == layer.layer_index:
+                    if layer.prefix and layer.prefix != le.prefix:  # which one did the caller mean?
+                        raise CheckpointError(
+                            f"{self.root}: the layer's layer_index={layer.layer_index} and prefix={layer.prefix!r} "
+                            f"name different MoE layers (layer {le.index} is {le.prefix!r} in {MANIFEST_NAME})")
                     return le
         for le in self.manifest.layers:
             if layer.prefix and le.prefix == layer.prefix:
@@ -330,6 +334,15 @@ class Checkpoint:
         after writing started (a file changed under the load), the layer is marked unusable -- its forward
         raises LayerUnusableError naming this load -- until a load succeeds.
         """
+        from ..layer.experts import DeepGemmMegaMoEExperts
+
+        if not isinstance(layer, DeepGemmMegaMoEExperts):
+            raise CheckpointError(f"{self.root}: load_layer takes a DeepGemmMegaMoEExperts (build_layer / "
+                                  f"allocate_layer), got {type(layer).__name__}")
+        if layer.device.type == "meta":
+            raise CheckpointError(f"{self.root}: layer {layer.prefix or layer.layer_index} is on the meta device: it "
+                                  "has no storage to load into; build it on 'cpu' or 'cuda' (mr.verify_reload is "
+                                  "the dry run of a load)")
         chk = self.check_load(layer, verify=verify, adopt_semantics=adopt_semantics)
         chk.raise_if_failed(f"{self.root}: layer {layer.layer_index if layer.layer_index is not None else layer.prefix}")
         le = chk.layer_entry

@@ -35,6 +35,8 @@ class RawLoadReport:
 
 
 def _layers_by_prefix(layer_or_model: torch.nn.Module) -> dict[str, "DeepGemmMegaMoEExperts"]:
+    if not isinstance(layer_or_model, torch.nn.Module):
+        raise CheckpointError(f"raw loads take a layer or a model (torch.nn.Module), got {type(layer_or_model).__name__}")
     out: dict[str, DeepGemmMegaMoEExperts] = {}
     for name, mod in layer_or_model.named_modules():
         if isinstance(mod, DeepGemmMegaMoEExperts):
@@ -53,11 +55,16 @@ def load_raw_weights(layer_or_model: torch.nn.Module,
     finish the load (NVFP4 pairs complete, a2 computed, derived scalars
     refreshed). Names are routed to layers by their MoE prefix
     (``layer.prefix``). With ``strict`` an expert tensor no layer can use
-    raises; otherwise it is reported in ``unknown``."""
+    raises (otherwise it is reported in ``unknown``), and so does a layer
+    left with a local expert's weight or block scale unwritten (the layer is
+    then unusable until a load succeeds). Without ``strict`` a partial pass
+    updates a usable layer's experts it names; a layer not usable yet (never
+    loaded, or a failed load) needs every local expert either way."""
     layers = _layers_by_prefix(layer_or_model)
     rep = RawLoadReport()
     for lyr in layers.values():
         lyr.begin_load("raw")
+        lyr.load_state().require_all = strict  # a checkpoint missing a local expert is refused
     touched: set[int] = set()  # id() of the layers this load wrote into
     current = None
     try:

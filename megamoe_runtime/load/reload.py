@@ -366,6 +366,8 @@ _MISSING = _Missing()
 def _find_layers(root: nn.Module) -> dict[str, Any]:
     from ..layer.experts import DeepGemmMegaMoEExperts
 
+    if not isinstance(root, nn.Module):
+        raise ReloadError(f"verify_reload takes a layer or a model (torch.nn.Module), got {type(root).__name__}")
     out = {}
     for name, m in root.named_modules():
         if isinstance(m, DeepGemmMegaMoEExperts):

@@ -8,7 +8,7 @@ from torch import nn
 
 import megamoe_runtime as mr
 from megamoe_runtime.backends.reference import ReferenceBackend, reference_forward, shared_slot
-from megamoe_runtime.errors import BackendUnavailableError, LayerSpecError, MegaMoEError, ScaleError
+from megamoe_runtime.errors import BackendUnavailableError, LayerSpecError, LayerUnusableError, MegaMoEError, ScaleError
 from megamoe_runtime.format import codecs, layout
 from megamoe_runtime.format.manifest import kernel_strides_of
 from megamoe_runtime.layer.experts import DeepGemmMegaMoEExperts
@@ -185,10 +185,14 @@ def test_forward_argument_checks_and_unloaded_scales(ckpts):
     spec = mr.LayerSpec("nvfp4", hidden=256, intermediate=128, num_experts=8, top_k=2)
     layer = DeepGemmMegaMoEExperts(spec, backend="reference", init="zeros")
     x, w, ids = _inputs()
-    with pytest.raises(ScaleError):
-        layer(x, w, ids)  # NaN scales: never loaded
+    with pytest.raises(LayerUnusableError, match="never loaded"):
+        layer(x, w, ids)
     with pytest.raises(ScaleError, match="l1_alpha is unset"):
-        layer.finish_load()
+        layer.finish_load()  # NaN scales: a load that wrote none of them does not complete
+    with pytest.raises(LayerUnusableError, match="never loaded"):
+        layer(x, w, ids)
+    _, out = ckpts.converted("modelopt-nvfp4")
+    layer = mr.open_checkpoint(out).build_layer(0, backend="reference")
     with pytest.raises(MegaMoEError, match="bf16"):
         layer(x.float(), w, ids)
     with pytest.raises(MegaMoEError, match="topk_weights must be float32"):
@@ -238,6 +242,8 @@ def test_recv_stats_counting_needs_no_host_sync():
 
     spec = mr.LayerSpec("bf16", hidden=256, intermediate=128, num_experts=8, top_k=2)
     layer = DeepGemmMegaMoEExperts(spec, device="meta", backend=Stub())
+    layer.begin_load()
+    layer.finish_load()  # "loaded" (the stub reads no weights)
     stats = layer.track_expert_recv_stats()
     x = torch.empty(5, 256, dtype=torch.bfloat16, device="meta")
     w = torch.empty(5, 2, dtype=torch.float32, device="meta")
@@ -247,6 +253,8 @@ def test_recv_stats_counting_needs_no_host_sync():
     # and the counts are right on real tensors (masked -1 and other ranks' ids ignored)
     spec = mr.LayerSpec("bf16", hidden=256, intermediate=128, num_experts=8, top_k=2)
     layer = DeepGemmMegaMoEExperts(spec, backend=Stub())
+    layer.begin_load()
+    layer.finish_load()
     stats = layer.track_expert_recv_stats()
     ids = torch.tensor([[0, 3], [3, -1], [7, 0]])
     layer(torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(3, 2), ids)

@@ -305,6 +305,7 @@ def _backend(group=None, **kw):
 def _filled_layer(spec, backend):
     layer = DeepGemmMegaMoEExperts(spec, backend=backend, init="zeros")
     g = torch.Generator().manual_seed(0)
+    layer.begin_load()
     with torch.no_grad():
         for n, p in layer.named_parameters():
             if p.dtype == torch.float32:
@@ -316,7 +317,7 @@ def _filled_layer(spec, backend):
         if spec.row == "nvfp4":
             layer.l1_alpha[:, 1] = layer.l1_alpha[:, 0]
             layer.set_l2_activation_scale(0.25)
-            layer.finish_load()
+    layer.finish_load()
     return layer
 
 
