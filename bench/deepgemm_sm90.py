@@ -117,6 +117,7 @@ def main() -> int:
     results: dict = {"args": vars(args)}
 
     def save() -> None:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "deepgemm_sm90.json"), "w") as f:
             json.dump(results, f, indent=1)
 
