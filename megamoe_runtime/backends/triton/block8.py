@@ -340,7 +340,9 @@ class Block8Config:
     ``l2_*`` give the L2 its own where they differ (None: the L1's); ``block_m`` the token row block (None:
     ``KernelConfig.pick_block_m``; an explicit ``KernelConfig.block_m`` wins); ``paired``: the L1 issues
     its gate and up dots of a K block before promoting either (else one after the other); ``exact`` runs
-    the GEMMs on the bf16 MMA instead of the FP8 one (the numerics diagnostic of ``_dot8``)."""
+    the GEMMs on the bf16 MMA instead of the FP8 one (the numerics diagnostic of ``_dot8``); ``l2_gluon``
+    runs the L2 through ``block8_gluon`` (the same bytes, TMA and asynchronous wgmma) where it applies
+    (``gluon_l2_applies``; env ``MEGAMOE_BLOCK8_L2=gluon`` sets it for every tile)."""
 
     l1_bn: int = 64
     l2_bn: int = 128
@@ -353,6 +355,7 @@ class Block8Config:
     block_m: Optional[int] = None
     exact: bool = False
     paired: bool = True
+    l2_gluon: bool = False
 
 
 def _l2_tiles(fc: Any) -> tuple[int, int, int]:
@@ -377,7 +380,31 @@ def launch_l1(fc: Any, xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp: Option
         HW_CVT=hw, EXACT=bool(getattr(fc, "exact", False)), num_warps=fc.warps, num_stages=fc.stages, **_opts(hw))
 
 
+def gluon_l2_applies(fc: Any, act: torch.Tensor, w: torch.Tensor, I: int, bm: int, hw: bool) -> bool:
+    """Whether the L2 of this launch runs through ``block8_gluon``: asked for (``l2_gluon`` or
+    ``MEGAMOE_BLOCK8_L2=gluon``), on the GPU path, and in the one tile its bytes were proven equal to this
+    module's L2 in (128 rows, 4 warps, one K block per step, 32-token row blocks, I a multiple of 128,
+    contiguous bytes; docs/KERNELS.md "The Gluon L2 of the block-FP8 row"). Anything else keeps block8's L2."""
+    import os
+
+    if not (getattr(fc, "l2_gluon", False) or os.environ.get("MEGAMOE_BLOCK8_L2", "") == "gluon"):
+        return False
+    gpi, warps, _ = _l2_tiles(fc)
+    if not hw or bool(getattr(fc, "exact", False)) or fc.l2_bn != 128 or warps != 4 or gpi != 1 or bm != 32:
+        return False
+    if I % 128 or not act.is_contiguous() or not w.is_contiguous() or act.device.type != "cuda":
+        return False
+    from . import block8_gluon
+
+    return block8_gluon.GLUON_ERROR is None
+
+
 def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
+    if gluon_l2_applies(fc, act, w, I, bm, hw):
+        from . import block8_gluon
+
+        block8_gluon.launch_l2(act, asf, w, ws, _scale_strides(ws, "l2_scale"), plan, slots, H, I, K, nslot, bm)
+        return
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l2_scale")
     bn = min(fc.l2_bn, H)

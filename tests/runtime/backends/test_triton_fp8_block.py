@@ -328,3 +328,60 @@ def test_cuda_graph_capture_and_zero_tokens():
     assert be.forward(lay, x[:0], tw[:0], ids[:0]).shape == (0, spec.hidden)
     ids.fill_(-1)
     assert torch.equal(be.forward(lay, x, tw, ids), torch.zeros_like(y))
+
+
+def test_gluon_l2_applies_only_where_proven(monkeypatch):
+    """The Gluon L2 is taken only when asked for, on the GPU path, in the tile it was proven equal in: the
+    prefill tile and CUDA tensors. Flag off, the CPU path, another tile or a non-contiguous weight keep
+    block8's L2 (``block8.gluon_l2_applies``)."""
+    import dataclasses
+
+    from megamoe_runtime.backends.triton import block8
+
+    monkeypatch.delenv("MEGAMOE_BLOCK8_L2", raising=False)
+    pre = block8.TILES["prefill"]
+    on = dataclasses.replace(pre, l2_gluon=True)
+    act, w = torch.zeros(64, 256, dtype=torch.uint8), torch.zeros(2, 128, 256, dtype=torch.uint8)
+    assert not block8.gluon_l2_applies(pre, act, w, 256, 32, True)  # not asked for
+    assert not block8.gluon_l2_applies(on, act, w, 256, 32, True)  # CPU tensors
+    monkeypatch.setenv("MEGAMOE_BLOCK8_L2", "gluon")
+    assert not block8.gluon_l2_applies(pre, act, w, 256, 32, True)  # asked for by env, still CPU tensors
+    if torch.cuda.is_available():
+        a, b = act.cuda(), w.cuda()
+        gl_ok = __import__("megamoe_runtime.backends.triton.block8_gluon", fromlist=["x"]).GLUON_ERROR is None
+        assert block8.gluon_l2_applies(on, a, b, 256, 32, True) == gl_ok
+        assert not block8.gluon_l2_applies(on, a, b, 256, 32, False)  # interpreter-style path
+        assert not block8.gluon_l2_applies(block8.TILES["decode"], a, b, 256, 16, True)
+        assert not block8.gluon_l2_applies(on, a, b.transpose(1, 2), 256, 32, True)
+        assert not block8.gluon_l2_applies(on, a, b, 192, 32, True)  # I not a multiple of 128
+
+
+@pytest.mark.gpu
+def test_gluon_l2_bytes_equal_block8_l2(monkeypatch):
+    """The layer with the Gluon L2 gives block8's output bytes exactly (DeepSeek-V3's I, prefill tile), the
+    Gluon kernel was really launched, and a doubled L2 block scale through it changes the output (the
+    comparison can fail)."""
+    _gpu()
+    import dataclasses
+
+    from megamoe_runtime.backends.triton import TritonBackend, block8, block8_gluon, configs
+
+    if block8_gluon.GLUON_ERROR is not None:
+        pytest.skip(f"no Gluon: {block8_gluon.GLUON_ERROR}")
+    spec, lay, x, tw, ids = _case(512, "cuda", H=1024, I=2048, E=8, K=8, mask_frac=0.1)
+    pre = block8.TILES["prefill"]
+    base = TritonBackend(config=configs.KernelConfig(fp8=pre))
+    glu = TritonBackend(config=configs.KernelConfig(fp8=dataclasses.replace(pre, l2_gluon=True)))
+    launched = []
+    real = block8_gluon.launch_l2
+    monkeypatch.setattr(block8_gluon, "launch_l2", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
+    want = base.forward(lay, x, tw, ids)
+    assert not launched
+    got = glu.forward(lay, x, tw, ids)
+    assert launched, "the Gluon L2 was not launched"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+        f"{int((got.view(torch.int16) != want.view(torch.int16)).sum())} of {got.numel()} outputs differ"
+    bad = copy.copy(lay)
+    bad.l2_scale = lay.l2_scale.clone()
+    bad.l2_scale.view(-1)[0] *= 2.0
+    assert not torch.equal(glu.forward(bad, x, tw, ids).view(torch.int16), want.view(torch.int16))
