@@ -385,9 +385,9 @@ def gluon_l2_applies(fc: Any, act: torch.Tensor, w: torch.Tensor, I: int, bm: in
     ``MEGAMOE_BLOCK8_L2=gluon``), on the GPU path, and in the one tile its bytes were proven equal to this
     module's L2 in (128 rows, 4 warps, one K block per step, 32-token row blocks, I a multiple of 128,
     contiguous bytes; docs/KERNELS.md "The Gluon L2 of the block-FP8 row"). Anything else keeps block8's L2."""
-    import os
+    from megamoe_runtime import knobs
 
-    if not (getattr(fc, "l2_gluon", False) or os.environ.get("MEGAMOE_BLOCK8_L2", "") == "gluon"):
+    if not (getattr(fc, "l2_gluon", False) or knobs.get("MEGAMOE_BLOCK8_L2") == "gluon"):
         return False
     gpi, warps, _ = _l2_tiles(fc)
     if not hw or bool(getattr(fc, "exact", False)) or fc.l2_bn != 128 or warps != 4 or gpi != 1 or bm != 32:
