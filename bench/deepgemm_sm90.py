@@ -113,6 +113,9 @@ def main() -> int:
                    help="token counts (comma-separated) at which the triton and the deepgemm outputs are each compared "
                         "with megamoe's reference backend on the same layer (--layer)")
     p.add_argument("--skip-bf16", action="store_true", help="no bf16 grouped_mm timing (saves 22 GB and time)")
+    p.add_argument("--gluon-l2", action="store_true",
+                   help="also time the triton layer with MEGAMOE_BLOCK8_L2=gluon (captured in its own graph), its "
+                        "bytes compared with the default L2's")
     args = p.parse_args()
     results: dict = {"args": vars(args)}
 
@@ -416,6 +419,21 @@ def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, 
                 row["triton_vs_deepgemm_calc_diff"] = calc_diff(yt, y)
                 if isinstance(row.get("layer_graph_ms"), float):
                     row["triton_over_deepgemm_layer"] = row["triton_graph_ms"] / row["layer_graph_ms"]
+                if args.gluon_l2:
+                    # the knob is read at launch, so the choice is fixed when the graph is captured
+                    os.environ["MEGAMOE_BLOCK8_L2"] = "gluon"
+                    try:
+                        yg = tri_layer(x, w, idx)
+                        gq = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(gq):
+                            tri_layer(x, w, idx)
+                    finally:
+                        del os.environ["MEGAMOE_BLOCK8_L2"]
+                    row["gluon_l2_equal_triton"] = bool(torch.equal(yg, yt))
+                    row["gluon_graph_ms"] = do_bench(gq.replay, warmup=25, rep=200, return_mode="median")
+                    row["gluon_over_triton"] = row["gluon_graph_ms"] / row["triton_graph_ms"]
+                    if isinstance(row.get("layer_graph_ms"), float):
+                        row["gluon_over_deepgemm_layer"] = row["gluon_graph_ms"] / row["layer_graph_ms"]
             except Exception as exc:
                 row["triton_error"] = str(exc)[:300]
         if tri_layer is not None and str(t) in args.vs_reference.split(","):
@@ -449,6 +467,14 @@ def bench_part(args, results, save, deep_gemm, buf, route, forward, w1, s1, w2, 
             f"{ms(r.get('layer_graph_ms'))} | {ms(r.get('triton_graph_ms'))} | "
             f"{ms(r.get('triton_over_deepgemm_layer'))} | {ms(r.get('bf16_grouped_mm_ms'))} | "
             f"{r['tflops']:.0f} | {r['rel_vs_ref']} |")
+    if args.gluon_l2:
+        log("\n| tokens | triton layer graph ms | with the Gluon L2 ms | gluon / triton | gluon / deepgemm layer | "
+            "bytes equal |")
+        log("|---|---|---|---|---|---|")
+        for r in bench:
+            log(f"| {r['tokens']} | {ms(r.get('triton_graph_ms'))} | {ms(r.get('gluon_graph_ms'))} | "
+                f"{ms(r.get('gluon_over_triton'))} | {ms(r.get('gluon_over_deepgemm_layer'))} | "
+                f"{r.get('gluon_l2_equal_triton', '-')} |")
     return 0
 
 

@@ -6,7 +6,7 @@
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
 # SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
-# the four phases below to run (default 1234).
+# phases below to run (default 1234; 5, the Gluon L2 through the runtime, on request).
 set -u
 OUT=${OUT:-/tmp/open_points}
 mkdir -p "$OUT"
@@ -33,6 +33,15 @@ el "2: block-FP8 layer at decode sizes beside DeepGEMM"
 timeout "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
   --out "$OUT/block8_decode" >"$OUT/block8_decode.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/block8_decode.log" | tail -10
+fi
+if on 5; then
+el "5: the Gluon L2 through the runtime: its GPU test, then the block-FP8 layer at prefill sizes with and without it"
+timeout "$(tmo 120)" $PY -m pytest -q -m gpu -p no:cacheprovider -rfE \
+  tests/runtime/backends/test_triton_fp8_block.py -k "gluon" >"$OUT/gluon_test.log" 2>&1
+echo "rc=$?"; tail -3 "$OUT/gluon_test.log"; grep -E "^(FAILED|ERROR)" "$OUT/gluon_test.log" | head
+timeout "$(tmo 200)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --gluon-l2 \
+  --bench-tokens "${GLUON_TOKENS:-4096,2048,512}" --out "$OUT/gluon_layer" >"$OUT/gluon_layer.log" 2>&1; echo "rc=$?"
+grep -vE "^\{" "$OUT/gluon_layer.log" | tail -14
 fi
 if on 3; then
 el "3: the off-by-default kernel options against the default tiles, whole layer (bench/config_pair.py)"
