@@ -228,7 +228,19 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
                 sgb, sub, sxb = _l1_scales(sgp, sup, xs_ptr, orow, k + 3, NK, NROWS, ws_sk)
         async_copy.wait_group(0)
 
-        # epilogue (block8._silu_mul, the top-k weight, block8._requant), in the accumulators' layout
+        _l1_epilogue(acc_g, acc_u, pair_ptr, tw_ptr, act_ptr, as_ptr, pid_m, pid_n, NROWS, I, rsf, clamp_c,
+                     HAS_CLAMP, BM, BN, GA)
+
+
+    @gluon.jit
+    def _l1_epilogue(acc_g, acc_u, pair_ptr, tw_ptr, act_ptr, as_ptr, pid_m, pid_n, NROWS, I, rsf, clamp_c,
+                     HAS_CLAMP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GA: gl.constexpr):
+        """block8's L1 epilogue (block8._silu_mul, the top-k weight, block8._requant) on the gate and up
+        accumulators [BN, BM] in the two-warpgroup wgmma layout -> act bytes + scales of the row block."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 32])
+        col: gl.constexpr = gl.SliceLayout(0, mma)
+        row: gl.constexpr = gl.SliceLayout(1, mma)
+        orow = pid_m * BM + gl.arange(0, BM, layout=col)
         if HAS_CLAMP:
             acc_g = gl.minimum(acc_g, clamp_c)
             acc_u = gl.maximum(gl.minimum(acc_u, clamp_c), -clamp_c)
@@ -254,6 +266,158 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
         ro = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, st))
         # padding rows too (zeros, finite scales): the L2 reads whole row blocks
         gl.store(act_ptr + gl.expand_dims(ro.to(gl.int64) * I, 0) + gl.expand_dims(jo, 1), q)
+
+    # ----------------------------------------------------------------------- L1, weights by TMA
+
+    @gluon.jit
+    def _l1t_load(w_desc, x_s, w_s, bars, xp, k, NK, wrow, KB: gl.constexpr, STAGES: gl.constexpr):
+        """K block k into slot k % STAGES: the 2 x 128 interleaved gate / up weight rows by one TMA (completing on
+        the slot's mbarrier), the gathered token rows by cp.async (one commit group, empty past the last block)."""
+        s = k % STAGES
+        ok = k < NK
+        bar = bars.index(s)
+        mbarrier.expect(bar, w_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(w_desc, [wrow, k * KB], bar, w_s.index(s), pred=ok)
+        async_copy.async_copy_global_to_shared(x_s.index(s), xp + k * KB, mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _l1t_mma(w_s, x_s, bars, k, p, STAGES: gl.constexpr):
+        """Block k's fresh interleaved gate / up partial (one asynchronous wgmma group), once its weight tile
+        has landed (the token rows: the caller's wait and barrier)."""
+        s = k % STAGES
+        mbarrier.wait(bars.index(s), (k // STAGES) & 1)
+        return warpgroup_mma(w_s.index(s), x_s.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _l1t_scales(sgp, sup, xs_ptr, orow, k, NK, NROWS, ws_sk):
+        """(s_gate * s_x, s_up * s_x) of K block k, [BM] each (each product rounded once per token, as block8's);
+        clamped to the last block."""
+        kk = gl.minimum(k, NK - 1)
+        kb = kk * ws_sk
+        sx = gl.load(xs_ptr + kk * NROWS + orow)
+        return gl.load(sgp + kb) * sx, gl.load(sup + kb) * sx
+
+    @gluon.jit
+    def _l1t_promote_now(acc, p, fg, fu, gate_rows, WAIT: gl.constexpr):
+        """``_promote_now`` on interleaved rows: gate rows take ``fg``, up rows ``fu`` (which row is which is
+        fixed per register by the accumulator layout)."""
+        acc = acc + p * gl.where(gate_rows, gl.expand_dims(fg, 0), gl.expand_dims(fu, 0))
+        return warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc, p])
+
+    @gluon.jit
+    def _l1t_gluon_kernel(x_ptr, xs_ptr, w_desc, ws_ptr, pair_ptr, blk_ptr, nblk_ptr, tw_ptr, act_ptr, as_ptr,
+                          NROWS, H, I, TOPK, ws_se, ws_sn, ws_sk, rsf, clamp_c,
+                          HAS_CLAMP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GA: gl.constexpr,
+                          STAGES: gl.constexpr, UNROLL: gl.constexpr, WAIT: gl.constexpr, SERIAL: gl.constexpr):
+        """``_l1_gluon_kernel``'s result with the weights brought in by TMA. The kernel layout interleaves gate
+        and up in groups of 8 rows, so the 2 BN rows of BN intermediate columns are contiguous and one
+        [2 BN, 128] TMA box holds both halves; one wgmma group per K block computes them together. The wgmma
+        accumulator gives each thread rows r and r + 8 of every 16-row slab -- a gate row and its up row -- so
+        splitting them for silu(g) * u needs no data movement. Token rows stay gathered by cp.async.
+        WAIT: 2 (one group left running while the other partial is promoted) or 0 (the serialized control),
+        as ``_l1_gluon_kernel``'s (which counts gate and up as two groups). SERIAL: one partial per program,
+        every MMA waited for (UNROLL and WAIT unused), small enough for two programs per SM."""
+        gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+        gl.static_assert(BN == 128, "one weight scale block per gate / up half")
+        gl.static_assert(UNROLL % 2 == 0, "pairs of K blocks")
+        gl.static_assert(STAGES >= 3, "blocks k-1, k and k+1 resident")
+        KB: gl.constexpr = 128
+        W1: gl.constexpr = WAIT // 2
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        nb = gl.load(nblk_ptr)
+        e = gl.load(blk_ptr + pid_m)
+        if (pid_m >= nb) | (e < 0):
+            return
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 32])
+        col: gl.constexpr = gl.SliceLayout(0, mma)
+        row: gl.constexpr = gl.SliceLayout(1, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+        f8p: gl.constexpr = gl.pointer_type(gl.float8e4nv)
+        e64 = e.to(gl.int64)
+        pair_l = gl.load(pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld)))
+        tok_l = (gl.where(pair_l >= 0, pair_l, 0) // TOPK).to(gl.int64)
+        i = gl.arange(0, KB, layout=gl.SliceLayout(0, ld))
+        xp = x_ptr.to(f8p) + gl.expand_dims(tok_l * H, 1) + gl.expand_dims(i, 0)
+        wrow = e * (2 * I) + pid_n * (2 * BN)
+        orow = pid_m * BM + gl.arange(0, BM, layout=col)
+        sgp = ws_ptr + e64 * ws_se + ((pid_n * BN) // KB) * ws_sn
+        sup = sgp + (I // KB) * ws_sn
+        gate_rows = gl.expand_dims((gl.arange(0, 2 * BN, layout=row) // 8) % 2 == 0, 1)
+        NK = H // KB
+
+        lay_x: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, KB], gl.float8e4nv)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * BN, KB], w_desc.layout)
+        x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, KB], lay_x)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        acc = gl.zeros([2 * BN, BM], gl.float32, mma)
+        if SERIAL:
+            # one partial, waited for before its promotion (the overlap comes from a second program on the SM:
+            # 128 registers and 3 slots fit two). Iteration k: block k's copies landed (this thread's, then the
+            # barrier: everyone's, and everyone is past block k-1's wait), refill block k-1's slot with block
+            # k + STAGES - 1, MMA, wait, promote.
+            for s in gl.static_range(STAGES - 1):
+                _l1t_load(w_desc, x_s, w_s, bars, xp, s, NK, wrow, KB, STAGES)
+            p = gl.zeros([2 * BN, BM], gl.float32, mma)
+            fg, fu = _l1t_scales(sgp, sup, xs_ptr, orow, 0, NK, NROWS, ws_sk)
+            for k in range(NK):
+                async_copy.wait_group(STAGES - 2)
+                fence_async_shared()
+                gl.thread_barrier()
+                _l1t_load(w_desc, x_s, w_s, bars, xp, k + STAGES - 1, NK, wrow, KB, STAGES)
+                p = _l1t_mma(w_s, x_s, bars, k, p, STAGES)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=[p])
+                acc, p = _l1t_promote_now(acc, p, fg, fu, gate_rows, 0)
+                fg, fu = _l1t_scales(sgp, sup, xs_ptr, orow, k + 1, NK, NROWS, ws_sk)
+        else:
+            for s in gl.static_range(STAGES - 2):
+                _l1t_load(w_desc, x_s, w_s, bars, xp, s, NK, wrow, KB, STAGES)
+
+                pa = gl.zeros([2 * BN, BM], gl.float32, mma)
+            pb = gl.zeros([2 * BN, BM], gl.float32, mma)
+            fga, fua = _l1t_scales(sgp, sup, xs_ptr, orow, 0, NK, NROWS, ws_sk)
+            fgb, fub = _l1t_scales(sgp, sup, xs_ptr, orow, 1, NK, NROWS, ws_sk)
+            # _l1_gluon_kernel's loop with one wgmma group per block
+            for k0 in range(0, NK, UNROLL):
+                async_copy.wait_group(STAGES - 3)
+                fence_async_shared()
+                gl.thread_barrier()
+                _l1t_load(w_desc, x_s, w_s, bars, xp, k0 + STAGES - 2, NK, wrow, KB, STAGES)
+                pa = _l1t_mma(w_s, x_s, bars, k0, pa, STAGES)
+                for t in gl.static_range(UNROLL // 2):
+                    k = k0 + 2 * t
+                    async_copy.wait_group(STAGES - 3)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _l1t_load(w_desc, x_s, w_s, bars, xp, k + 1 + STAGES - 2, NK, wrow, KB, STAGES)
+                    pb = _l1t_mma(w_s, x_s, bars, k + 1, pb, STAGES)
+                    pa = warpgroup_mma_wait(num_outstanding=W1, deps=[pa])  # block k done
+                    acc, pa = _l1t_promote_now(acc, pa, fga, fua, gate_rows, W1)
+                    fga, fua = _l1t_scales(sgp, sup, xs_ptr, orow, k + 2, NK, NROWS, ws_sk)
+                    if t + 1 < UNROLL // 2:
+                        async_copy.wait_group(STAGES - 3)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _l1t_load(w_desc, x_s, w_s, bars, xp, k + 2 + STAGES - 2, NK, wrow, KB, STAGES)
+                        pa = _l1t_mma(w_s, x_s, bars, k + 2, pa, STAGES)
+                        pb = warpgroup_mma_wait(num_outstanding=W1, deps=[pb])  # block k + 1 done
+                    else:
+                        pb = warpgroup_mma_wait(num_outstanding=0, deps=[pb])  # none running
+                    acc, pb = _l1t_promote_now(acc, pb, fgb, fub, gate_rows, W1)
+                    fgb, fub = _l1t_scales(sgp, sup, xs_ptr, orow, k + 3, NK, NROWS, ws_sk)
+        async_copy.wait_group(0)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+        # [16-row groups, gate | up, 8, BM] -> gate and up [BN, BM], then the two-dot kernel's epilogue
+        acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [2 * BN // 16, 2, 8, BM]), (0, 2, 3, 1)))
+        acc_g = gl.convert_layout(gl.reshape(acc_g, [BN, BM]), mma)
+        acc_u = gl.convert_layout(gl.reshape(acc_u, [BN, BM]), mma)
+        _l1_epilogue(acc_g, acc_u, pair_ptr, tw_ptr, act_ptr, as_ptr, pid_m, pid_n, NROWS, I, rsf, clamp_c,
+                     HAS_CLAMP, BM, BN, GA)
 
 
 # --------------------------------------------------------------------------- host side
@@ -296,6 +460,29 @@ def launch_l1(xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp, rsf, bm, wait: 
         enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
+def launch_l1t(xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp, rsf, bm, wait: int = 2, stages: int = L1_STAGES,
+               unroll: int = L1_UNROLL, maxnreg=L1_MAXNREG, serial: bool = False):
+    """``launch_l1``'s arguments through the L1 whose weights come by TMA (``_l1t_gluon_kernel``)."""
+    from megamoe_runtime.backends.triton import block8
+
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"gluon unavailable: {GLUON_ERROR}")
+    if (H // 128) % unroll or unroll % 2:
+        raise ValueError(f"gluon L1: UNROLL {unroll} must be even and divide H / 128 = {H // 128}")
+    wb = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    if wb.dim() != 3 or not wb.is_contiguous():
+        raise ValueError("gluon L1 (TMA): contiguous [E, 2I, H] weight bytes only")
+    se, sn, sk = block8._scale_strides(ws, "l1_scale")
+    lay_w = gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv)
+    w_desc = TensorDescriptor.from_tensor(wb.reshape(-1, H).view(torch.float8_e4m3fn), [256, 128], lay_w)
+    c = 0.0 if clamp is None else float(torch.tensor(float(clamp), dtype=torch.float32))
+    _l1t_gluon_kernel[(I // 128, plan.max_blocks)](
+        xq, xs, w_desc, ws, plan.sorted_pairs, plan.block_expert, plan.num_blocks, tw, act, asf,
+        plan.max_blocks * bm, H, I, K, se, sn, sk, rsf, c,
+        HAS_CLAMP=clamp is not None, BM=bm, BN=128, GA=GA, STAGES=stages, UNROLL=unroll, WAIT=wait,
+        SERIAL=serial, num_warps=8, enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+
+
 # --------------------------------------------------------------------------- compile for sm_90 on a CPU
 
 
@@ -331,7 +518,8 @@ def _record(bm: int, control: bool = False, unroll: int = UNROLL, maxnreg=None, 
 
 
 def _record_l1(bm: int, control: bool = False, unroll: int = L1_UNROLL, maxnreg=L1_MAXNREG, stages=L1_STAGES,
-               rows: int = 38400, T: int = 4096, baseline: bool = True) -> list:
+               rows: int = 38400, T: int = 4096, baseline: bool = True, tma: bool = False,
+               serial: bool = False) -> list:
     """The same for the L1: block8's prefill L1 and the Gluon L1 (``control``: WAIT 0)."""
     import sm90_compile as sc
     from megamoe_runtime.backends.triton import block8
@@ -349,8 +537,10 @@ def _record_l1(bm: int, control: bool = False, unroll: int = L1_UNROLL, maxnreg=
         with sc.recording("block8", rec):
             block8.launch_l1(block8.TILES["prefill"], xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm, True)
     with sc.recording("gluon", rec):
-        launch_l1(xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm, wait=0 if control else 2,
-                  stages=stages, unroll=unroll, maxnreg=maxnreg)
+        kw = dict(serial=serial) if tma else {}
+        (launch_l1t if tma else launch_l1)(xq, xs, w, ws, plan, tw, act, asf, H, I, K, None, 2.5, bm,
+                                           wait=0 if control else 2, stages=stages, unroll=unroll, maxnreg=maxnreg,
+                                           **kw)
     return list(rec.values())
 
 
@@ -429,6 +619,10 @@ def compile_only(bm: int, control: bool = False, unroll=None, maxnreg=None, kern
     if "l1" in kernels:
         lns += _record_l1(bm, control, L1_UNROLL if unroll is None else unroll,
                           L1_MAXNREG if maxnreg is None else maxnreg, baseline=baseline)
+    if "l1t" in kernels:
+        lns += _record_l1(bm, control, L1_UNROLL if unroll is None else unroll,
+                          L1_MAXNREG if maxnreg is None else maxnreg, baseline=baseline and "l1" not in kernels,
+                          tma=True)
     out = []
     for ln in lns:
         try:
@@ -634,6 +828,12 @@ def gpu(tokens: list[int], reps: int, variants=VARIANTS, save=None) -> dict:
 #: per SM as block8's, but it spills (sm_90 compile)
 L1_VARIANTS = (("s4_u4", 2, 4, 4, None), ("s4_u2", 2, 4, 2, None), ("s3_u4", 2, 3, 4, None),
                ("s5_u4", 2, 5, 4, None), ("s3_u2_r128", 2, 3, 2, 128), ("s4_u4_wait0", 0, 4, 4, None))
+#: the L1 whose weights come by TMA (``_l1t_gluon_kernel``): (name, wait, stages, unroll, maxnreg, serial).
+#: sm_90 compile (BM 32): serial, 3 slots: 122 registers, 110616 B shared (two programs per SM, as block8's L1),
+#: 214 SASS instructions per K block (block8's: 206); pipelined, 4 slots, UNROLL 2: 166 registers, one per SM
+L1T_VARIANTS = (("t_serial_s3", 0, 3, 2, None, True), ("t_serial_s4", 0, 4, 2, None, True),
+                ("t_s4_u2", 2, 4, 2, None, False), ("t_s4_u4", 2, 4, 4, None, False),
+                ("t_s3_u2", 2, 3, 2, None, False), ("t_s4_u2_wait0", 0, 4, 2, None, False))
 
 
 def _problem_l1(T: int, seed: int = 1, dev: str = ""):
@@ -669,7 +869,8 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5,
 
     fc = block8.TILES["prefill"]
     res: dict = {"device": _device_name(), "block8_tile": fc.__dict__, "rsf": rsf,
-                 "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4]) for v in variants},
+                 "variants": {v[0]: dict(wait=v[1], stages=v[2], unroll=v[3], maxnreg=v[4],
+                                         tma_serial=v[5] if len(v) > 5 else None) for v in variants},
                  "points": {}}
     for T in tokens:
         pr = _problem_l1(T)
@@ -694,12 +895,13 @@ def gpu_l1(tokens: list[int], reps: int, variants=L1_VARIANTS, rsf: float = 2.5,
         except Exception as exc:
             traceback.print_exc()
             pt["block8"] = dict(error=f"{type(exc).__name__}: {exc}"[-2000:])
-        for name, wait, stages, unroll, maxnreg in variants:
+        for name, wait, stages, unroll, maxnreg, *serial in variants:
             a2, s2 = torch.zeros_like(act), torch.zeros_like(asf)
+            kw = dict(serial=serial[0]) if serial else {}
 
-            def run(wait=wait, stages=stages, unroll=unroll, maxnreg=maxnreg, a2=a2, s2=s2):
-                launch_l1(*args, a2, s2, H, I, K, None, rsf, bm, wait=wait, stages=stages, unroll=unroll,
-                          maxnreg=maxnreg)
+            def run(wait=wait, stages=stages, unroll=unroll, maxnreg=maxnreg, a2=a2, s2=s2, kw=kw):
+                (launch_l1t if kw else launch_l1)(*args, a2, s2, H, I, K, None, rsf, bm, wait=wait, stages=stages,
+                                                  unroll=unroll, maxnreg=maxnreg, **kw)
 
             try:
                 run()
@@ -757,7 +959,7 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--compile-only", action="store_true", help="compile block8's and the Gluon kernels for sm_90")
     mode.add_argument("--gpu", action="store_true", help="bitwise check and timing on an SM90 GPU")
-    ap.add_argument("--kernels", default="l2,l1", help="which layers (l2, l1)")
+    ap.add_argument("--kernels", default="l2,l1", help="which kernels (l2, l1; l1t: the L1 with TMA weights)")
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--control", action="store_true", help="--compile-only: the Gluon kernels with WAIT 0")
@@ -803,8 +1005,9 @@ def main(argv=None) -> int:
         names = set(filter(None, a.variants.split(",")))
         if "l2" in kernels:
             out["gpu"] = gpu(tokens, a.reps, [v for v in VARIANTS if not names or v[0] in names], save("gpu"))
-        if "l1" in kernels:
-            out["gpu_l1"] = gpu_l1(tokens, a.reps, [v for v in L1_VARIANTS if not names or v[0] in names],
+        if "l1" in kernels or "l1t" in kernels:
+            pool = (L1_VARIANTS if "l1" in kernels else ()) + (L1T_VARIANTS if "l1t" in kernels else ())
+            out["gpu_l1"] = gpu_l1(tokens, a.reps, [v for v in pool if not names or v[0] in names],
                                    save=save("gpu_l1"))
         ok = all("ms" in v and v.get("differing_bytes", 0) == 0 for part in ("gpu", "gpu_l1") if part in out
                  for p in out[part]["points"].values() for v in p.values() if isinstance(v, dict))

@@ -6,7 +6,7 @@
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
 # SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
-# phases below to run (default 1234; 5, the Gluon L2 through the runtime, on request).
+# phases below to run (default 1234; on request 5, the Gluon L2 through the runtime, and 6, the L1 with TMA weights).
 set -u
 OUT=${OUT:-/tmp/open_points}
 mkdir -p "$OUT"
@@ -42,6 +42,12 @@ echo "rc=$?"; tail -3 "$OUT/gluon_test.log"; grep -E "^(FAILED|ERROR)" "$OUT/glu
 timeout "$(tmo 200)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --gluon-l2 \
   --bench-tokens "${GLUON_TOKENS:-4096,2048,512}" --out "$OUT/gluon_layer" >"$OUT/gluon_layer.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/gluon_layer.log" | tail -14
+fi
+if on 6; then
+el "6: the block-FP8 L1 with its weights by TMA (bench/gluon_block8.py --kernels l1t) against block8's L1"
+timeout "$(tmo 200)" $PY bench/gluon_block8.py --gpu --skip-compile --kernels l1t --tokens "${L1T_TOKENS:-4096,2048}" \
+  --json "$OUT/l1t.json" >"$OUT/l1t.log" 2>&1; echo "rc=$?"
+grep -E "^L1 T=" "$OUT/l1t.log" | tail -16; grep -E "Error|error" "$OUT/l1t.log" | head -5
 fi
 if on 3; then
 el "3: the off-by-default kernel options against the default tiles, whole layer (bench/config_pair.py)"

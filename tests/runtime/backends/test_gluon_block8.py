@@ -44,7 +44,9 @@ out = dict(pipelined=g.compile_only(32),
            control=g.compile_only(32, control=True, baseline=False),
            capped=g.compile_only(32, maxnreg=128, kernels=("l1",), baseline=False),
            w8=g.compile_only(32, maxnreg=128, kernels=("l2",), baseline=False, warps=8)
-           + g.compile_only(64, kernels=("l2",), baseline=False, warps=8))
+           + g.compile_only(64, kernels=("l2",), baseline=False, warps=8),
+           l1t=[g.compile_launch(ln) for ln in g._record_l1(32, baseline=False, tma=True, unroll=2)]
+           + [g.compile_launch(ln) for ln in g._record_l1(32, baseline=False, tma=True, serial=True, stages=3)])
 print(json.dumps(out))
 """
 
@@ -64,7 +66,8 @@ def compiled() -> dict:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"wait1": res["pipelined"], "wait0": res["control"], "capped": res["capped"], "w8": res["w8"]}
+    return {"wait1": res["pipelined"], "wait0": res["control"], "capped": res["capped"], "w8": res["w8"],
+            "l1t": res["l1t"]}
 
 
 def _by_kernel(res: list, name: str) -> dict:
@@ -115,6 +118,25 @@ def test_gluon_l1_keeps_its_wgmmas_in_flight(compiled):
     b = _by_kernel(compiled["wait1"], "_l1_kernel")
     assert b["spill_bytes"] == 0 and set(b["ptx_waits"]["loop"]) == {"0"} and not gluon_block8.pipelined(b), b
     assert g["wgmma_forms"] == b["wgmma_forms"] == ["wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3"]
+
+
+def test_gluon_l1_with_tma_weights(compiled):
+    """The L1 whose weights come by TMA: one interleaved [256, 128] box and one wgmma group per K block, the
+    same MMA instruction as block8's. Pipelined (UNROLL 2): ``wait_group 1`` kept in the loop, no spills. Serial
+    with 3 slots: small enough for two programs per SM (<= 128 registers, <= half of the 227 KB of shared
+    memory), as block8's L1 runs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gluon_block8
+
+    piped, serial = compiled["l1t"]
+    for r in (piped, serial):
+        assert "error" not in r, r.get("error")
+        assert r["kernel"] == "_l1t_gluon_kernel" and r["spill_bytes"] == 0 and r["stack"] == 0, r
+        assert r["wgmma_forms"] == ["wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3"], r["wgmma_forms"]
+        assert r["fma_in_ptx"] == 0
+    assert gluon_block8.pipelined(piped) and piped["ptx_waits"]["loop"].get("1", 0) > 0, piped
+    assert not gluon_block8.pipelined(serial), serial
+    assert serial["regs"] <= 128 and serial["shared"] <= 227 * 1024 // 2, (serial["regs"], serial["shared"])
 
 
 def test_negative_control_wait0_fails_the_check(compiled):
