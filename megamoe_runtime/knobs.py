@@ -94,8 +94,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`1` runs the triton L1 as one gate/up dot, `0` (or `false`, `no`, empty) as two, when the config "
          "names neither", default_doc="per row and token regime"),
     Knob("MEGAMOE_BLOCK8_L2", "triton", str, None,
-         "`gluon` runs the block-FP8 row's prefill L2 through the Gluon kernel (the same bytes) where it applies, "
-         "when `Block8Config.l2_gluon` is not set", choices=("triton", "gluon"), default_doc="`triton`"),
+         "the block-FP8 row's prefill L2: `gluon` (the Gluon kernel, the same bytes, where it applies) or `triton` "
+         "(block8's), over every tile's `Block8Config.l2_gluon`", choices=("triton", "gluon"),
+         default_doc="each tile's `l2_gluon` (on for prefill)"),
     Knob("MEGAMOE_TRITON_WTILE", "triton", int, None,
          "rows per tile of the weight arrangement a layer derives for the triton backend after a load; `0` "
          "keeps the converted layout", default_doc="`16`"),

@@ -342,7 +342,7 @@ class Block8Config:
     its gate and up dots of a K block before promoting either (else one after the other); ``exact`` runs
     the GEMMs on the bf16 MMA instead of the FP8 one (the numerics diagnostic of ``_dot8``); ``l2_gluon``
     runs the L2 through ``block8_gluon`` (the same bytes, TMA and asynchronous wgmma) where it applies
-    (``gluon_l2_applies``; env ``MEGAMOE_BLOCK8_L2=gluon`` sets it for every tile)."""
+    (``gluon_l2_applies``; on in the prefill tile; env ``MEGAMOE_BLOCK8_L2`` overrides it for every tile)."""
 
     l1_bn: int = 64
     l2_bn: int = 128
@@ -381,13 +381,15 @@ def launch_l1(fc: Any, xq, xs, w, ws, plan, tw, act, asf, H, I, K, clamp: Option
 
 
 def gluon_l2_applies(fc: Any, act: torch.Tensor, w: torch.Tensor, I: int, bm: int, hw: bool) -> bool:
-    """Whether the L2 of this launch runs through ``block8_gluon``: asked for (``l2_gluon`` or
-    ``MEGAMOE_BLOCK8_L2=gluon``), on the GPU path, and in the one tile its bytes were proven equal to this
-    module's L2 in (128 rows, 4 warps, one K block per step, 32-token row blocks, I a multiple of 128,
-    contiguous bytes; docs/KERNELS.md "The Gluon L2 of the block-FP8 row"). Anything else keeps block8's L2."""
+    """Whether the L2 of this launch runs through ``block8_gluon``: asked for (``MEGAMOE_BLOCK8_L2=gluon``, or
+    the tile's ``l2_gluon`` when the variable is unset; ``=triton`` refuses it), on the GPU path, and in the
+    one tile its bytes were proven equal to this module's L2 in (128 rows, 4 warps, one K block per step,
+    32-token row blocks, I a multiple of 128, contiguous bytes; docs/KERNELS.md "The Gluon L2 of the block-FP8
+    row"). Anything else keeps block8's L2."""
     from megamoe_runtime import knobs
 
-    if not (getattr(fc, "l2_gluon", False) or knobs.get("MEGAMOE_BLOCK8_L2") == "gluon"):
+    asked = knobs.get("MEGAMOE_BLOCK8_L2")
+    if not (asked == "gluon" if asked else bool(getattr(fc, "l2_gluon", False))):
         return False
     gpi, warps, _ = _l2_tiles(fc)
     if not hw or bool(getattr(fc, "exact", False)) or fc.l2_bn != 128 or warps != 4 or gpi != 1 or bm != 32:
@@ -422,11 +424,13 @@ def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
 #: outputs: 32-token row blocks; L1 128 intermediate columns (gate and up dots of 128 rows), 8 warps, 3 stages;
 #: L2 128 rows, 4 warps, 4 stages: L1 + L2 5.35 + 3.19 ms at 4096 tokens, 3.38 + 2.15 at 2048 (the previous
 #: kernels with their tiles, same process: 6.04 + 3.77 and 3.83 + 2.32). Decode keeps its tiles (at 1024 tokens
-#: no tile of an earlier sweep beat them by more than 2%).
+#: no tile of an earlier sweep beat them by more than 2%). The prefill L2 runs through the Gluon kernel where it
+#: applies: the same bytes, the layer 0.96x / 0.90x / 1.00x of block8's L2 at 4096 / 2048 / 512 tokens (H100,
+#: docs/bench-log/kernels.md "The Gluon L2 through the runtime").
 TILES: dict[str, Block8Config] = {
     "decode": Block8Config(l1_bn=64, l2_bn=128, gpi=1, warps=4, stages=4),
     "prefill": Block8Config(l1_bn=128, l2_bn=128, gpi=1, warps=8, stages=3, l2_gpi=1, l2_warps=4, l2_stages=4,
-                            block_m=32, paired=True),
+                            block_m=32, paired=True, l2_gluon=True),
 }
 
 

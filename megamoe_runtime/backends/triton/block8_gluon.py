@@ -7,7 +7,7 @@ Why a second kernel for one result: Triton 3.6 waits for every promoted dot befo
 (``wgmma.wait_group 0``), and block8's L2 loads its tiles with per-thread copies. On an H100 this kernel takes
 0.73x of block8's L2 time at 512-1024 tokens and 0.82-0.91x at 2048-8192, with equal output bytes
 (docs/bench-log/kernels.md, "GPU: the Gluon block-FP8 kernels on an H100"). Used by ``block8.launch_l2`` for
-the prefill tile when ``Block8Config.l2_gluon`` is set (env ``MEGAMOE_BLOCK8_L2=gluon``) and Gluon imports;
+the prefill tile (its ``Block8Config.l2_gluon``; env ``MEGAMOE_BLOCK8_L2`` overrides) where Gluon imports;
 block8's L2 otherwise. The experiments around it (its L1, other unrolls, the negative controls) live in
 ``bench/gluon_block8.py``.
 """

@@ -331,29 +331,35 @@ def test_cuda_graph_capture_and_zero_tokens():
 
 
 def test_gluon_l2_applies_only_where_proven(monkeypatch):
-    """The Gluon L2 is taken only when asked for, on the GPU path, in the tile it was proven equal in: the
-    prefill tile and CUDA tensors. Flag off, the CPU path, another tile or a non-contiguous weight keep
-    block8's L2 (``block8.gluon_l2_applies``)."""
+    """The Gluon L2 is taken only when asked for (the prefill tile asks; ``MEGAMOE_BLOCK8_L2`` overrides any
+    tile either way), on the GPU path, in the tile it was proven equal in: the prefill tile and CUDA tensors.
+    Flag off, the CPU path, another tile or a non-contiguous weight keep block8's L2
+    (``block8.gluon_l2_applies``)."""
     import dataclasses
 
     from megamoe_runtime.backends.triton import block8
 
     monkeypatch.delenv("MEGAMOE_BLOCK8_L2", raising=False)
-    pre = block8.TILES["prefill"]
-    on = dataclasses.replace(pre, l2_gluon=True)
+    on = block8.TILES["prefill"]
+    assert on.l2_gluon and not block8.TILES["decode"].l2_gluon
+    off = dataclasses.replace(on, l2_gluon=False)
     act, w = torch.zeros(64, 256, dtype=torch.uint8), torch.zeros(2, 128, 256, dtype=torch.uint8)
-    assert not block8.gluon_l2_applies(pre, act, w, 256, 32, True)  # not asked for
+    assert not block8.gluon_l2_applies(off, act, w, 256, 32, True)  # not asked for
     assert not block8.gluon_l2_applies(on, act, w, 256, 32, True)  # CPU tensors
     monkeypatch.setenv("MEGAMOE_BLOCK8_L2", "gluon")
-    assert not block8.gluon_l2_applies(pre, act, w, 256, 32, True)  # asked for by env, still CPU tensors
+    assert not block8.gluon_l2_applies(off, act, w, 256, 32, True)  # asked for by env, still CPU tensors
     if torch.cuda.is_available():
         a, b = act.cuda(), w.cuda()
         gl_ok = __import__("megamoe_runtime.backends.triton.block8_gluon", fromlist=["x"]).GLUON_ERROR is None
-        assert block8.gluon_l2_applies(on, a, b, 256, 32, True) == gl_ok
+        assert block8.gluon_l2_applies(off, a, b, 256, 32, True) == gl_ok  # the env asks over the tile
         assert not block8.gluon_l2_applies(on, a, b, 256, 32, False)  # interpreter-style path
         assert not block8.gluon_l2_applies(block8.TILES["decode"], a, b, 256, 16, True)
         assert not block8.gluon_l2_applies(on, a, b.transpose(1, 2), 256, 32, True)
         assert not block8.gluon_l2_applies(on, a, b, 192, 32, True)  # I not a multiple of 128
+        monkeypatch.setenv("MEGAMOE_BLOCK8_L2", "triton")
+        assert not block8.gluon_l2_applies(on, a, b, 256, 32, True)  # refused by env over the tile
+        monkeypatch.delenv("MEGAMOE_BLOCK8_L2")
+        assert block8.gluon_l2_applies(on, a, b, 256, 32, True) == gl_ok  # the tile's own choice
 
 
 @pytest.mark.gpu
@@ -369,9 +375,10 @@ def test_gluon_l2_bytes_equal_block8_l2(monkeypatch):
     if block8_gluon.GLUON_ERROR is not None:
         pytest.skip(f"no Gluon: {block8_gluon.GLUON_ERROR}")
     spec, lay, x, tw, ids = _case(512, "cuda", H=1024, I=2048, E=8, K=8, mask_frac=0.1)
+    monkeypatch.delenv("MEGAMOE_BLOCK8_L2", raising=False)
     pre = block8.TILES["prefill"]
-    base = TritonBackend(config=configs.KernelConfig(fp8=pre))
-    glu = TritonBackend(config=configs.KernelConfig(fp8=dataclasses.replace(pre, l2_gluon=True)))
+    base = TritonBackend(config=configs.KernelConfig(fp8=dataclasses.replace(pre, l2_gluon=False)))
+    glu = TritonBackend(config=configs.KernelConfig(fp8=pre))
     launched = []
     real = block8_gluon.launch_l2
     monkeypatch.setattr(block8_gluon, "launch_l2", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
