@@ -100,6 +100,16 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
     # ----------------------------------------------------------------------- L1 (paired gate / up dots)
 
     @gluon.jit
+    def _l1_token_rows(x_ptr, pair_ptr, pid_m, H, TOPK, BM: gl.constexpr, KB: gl.constexpr, ld: gl.constexpr):
+        """Pointers [BM, KB] to the first K block of the row block's token rows, gathered by pair (a padding row
+        reads token 0; its scale is 0)."""
+        f8p: gl.constexpr = gl.pointer_type(gl.float8e4nv)
+        pair_l = gl.load(pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld)))
+        tok_l = (gl.where(pair_l >= 0, pair_l, 0) // TOPK).to(gl.int64)
+        i = gl.arange(0, KB, layout=gl.SliceLayout(0, ld))
+        return x_ptr.to(f8p) + gl.expand_dims(tok_l * H, 1) + gl.expand_dims(i, 0)
+
+    @gluon.jit
     def _l1_load(x_s, wg_s, wu_s, xp, wg, wu, k, NK, KB: gl.constexpr, STAGES: gl.constexpr):
         """cp.async of K block k's token rows and gate / up weight rows into slot k % STAGES, one commit group
         (empty past the last block, so that the groups stay counted one per block)."""
@@ -165,11 +175,9 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
         ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
         f8p: gl.constexpr = gl.pointer_type(gl.float8e4nv)
         e64 = e.to(gl.int64)
-        # token rows (gathered by pair; a padding row reads token 0, its scale is 0) and gate / up weight rows
-        pair_l = gl.load(pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld)))
-        tok_l = (gl.where(pair_l >= 0, pair_l, 0) // TOPK).to(gl.int64)
+        # token rows and gate / up weight rows
+        xp = _l1_token_rows(x_ptr, pair_ptr, pid_m, H, TOPK, BM, KB, ld)
         i = gl.arange(0, KB, layout=gl.SliceLayout(0, ld))
-        xp = x_ptr.to(f8p) + gl.expand_dims(tok_l * H, 1) + gl.expand_dims(i, 0)
         j = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
         wg = (w_ptr.to(f8p) + e64 * stride_we + gl.expand_dims((16 * (j // 8) + j % 8) * stride_wn, 1)
               + gl.expand_dims(i, 0))
@@ -334,12 +342,8 @@ if GLUON_ERROR is None:  # the kernels and their helpers (module-level functions
         col: gl.constexpr = gl.SliceLayout(0, mma)
         row: gl.constexpr = gl.SliceLayout(1, mma)
         ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-        f8p: gl.constexpr = gl.pointer_type(gl.float8e4nv)
         e64 = e.to(gl.int64)
-        pair_l = gl.load(pair_ptr + pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld)))
-        tok_l = (gl.where(pair_l >= 0, pair_l, 0) // TOPK).to(gl.int64)
-        i = gl.arange(0, KB, layout=gl.SliceLayout(0, ld))
-        xp = x_ptr.to(f8p) + gl.expand_dims(tok_l * H, 1) + gl.expand_dims(i, 0)
+        xp = _l1_token_rows(x_ptr, pair_ptr, pid_m, H, TOPK, BM, KB, ld)
         wrow = e * (2 * I) + pid_n * (2 * BN)
         orow = pid_m * BM + gl.arange(0, BM, layout=col)
         sgp = ws_ptr + e64 * ws_se + ((pid_n * BN) // KB) * ws_sn
