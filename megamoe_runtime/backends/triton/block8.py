@@ -439,7 +439,8 @@ def _regime(n_pairs: int, num_local: int) -> str:
 
 
 def default_config(n_pairs: int, num_local: int) -> Block8Config:
-    """Tiles by regime (``TILES``)."""
+    """Tiles by regime (``TILES``); ``n_pairs``: the (token, expert) pairs of this rank's experts (under
+    expert parallelism ``configs.local_pairs`` of the batch's)."""
     return TILES[_regime(n_pairs, num_local)]
 
 
@@ -461,6 +462,19 @@ def pick_block_m(cfg: Any, fc: Any, n_pairs: int, num_local: int) -> int:
     return cfg.pick_block_m(n_pairs, num_local)
 
 
+def tiles_for(spec: Any, cfg: Any, T: int) -> tuple[Any, int]:
+    """(tiles, token row block) of a T-token forward: ``cfg.fp8`` or the regime's ``TILES``, then
+    ``pick_block_m``. Under expert parallelism the rank sees every token's ids but computes only its own
+    experts' pairs, so both follow the pairs expected on the rank (``configs.local_pairs``), as the MX rows'
+    tile rule does: the same choice as one rank holding all experts at the same T."""
+    from .configs import local_pairs
+
+    E_l = spec.experts_per_rank
+    n_local = local_pairs(T * spec.top_k, E_l, spec.num_experts)
+    fc = cfg.fp8 or default_config(n_local, E_l)
+    return fc, pick_block_m(cfg, fc, n_local, E_l)
+
+
 def _routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
                  slots: torch.Tensor, rsf: float, hw: bool) -> None:
     """The routed experts' bf16 slot outputs of this rank into ``slots [T, nslot, H]``."""
@@ -468,10 +482,8 @@ def _routed_slots(spec: Any, kt: Any, cfg: Any, x_bf16: torch.Tensor, tw: torch.
 
     H, I, K = spec.hidden, spec.intermediate, spec.top_k
     E_l = spec.experts_per_rank
-    T = x_bf16.shape[0]
-    fc = cfg.fp8 or default_config(T * K, E_l)
+    fc, bm = tiles_for(spec, cfg, x_bf16.shape[0])
     xq, xs = quantize_b128(x_bf16, hw)
-    bm = pick_block_m(cfg, fc, T * K, E_l)
     plan = route(ids, E_l, spec.ep_rank * E_l, bm)
     act = torch.empty(plan.max_blocks * bm, I, dtype=torch.uint8, device=x_bf16.device)
     asf = torch.empty(I // _INTER_GROUP, plan.max_blocks * bm, dtype=torch.float32, device=x_bf16.device)

@@ -330,6 +330,24 @@ def test_cuda_graph_capture_and_zero_tokens():
     assert torch.equal(be.forward(lay, x, tw, ids), torch.zeros_like(y))
 
 
+@pytest.mark.parametrize("T", [1, 64, 512, 1024, 4096])
+def test_tiles_under_ep_follow_the_local_pairs(T):
+    """An EP rank picks the tiles and row block one rank holding every expert picks at the same T (the pairs
+    per local expert are the same); counting the batch's pairs over the rank's experts instead (the negative
+    control) would take the prefill tile at 512 tokens on 8 ranks of DeepSeek-V3's 256 experts."""
+    from megamoe_runtime.backends.triton import block8, configs
+
+    one = LayerSpec(ROW, 7168, 2048, 256, 8, _ACTS["swiglu"])
+    cfg = configs.KernelConfig()
+    for ep in (2, 8, 32):
+        spec = LayerSpec(ROW, 7168, 2048, 256, 8, _ACTS["swiglu"], ep_rank=ep - 1, ep_size=ep)
+        assert block8.tiles_for(spec, cfg, T) == block8.tiles_for(one, cfg, T), (T, ep)
+    ep8 = LayerSpec(ROW, 7168, 2048, 256, 8, _ACTS["swiglu"], ep_rank=0, ep_size=8)
+    batch_count = block8.default_config(T * 8, ep8.experts_per_rank)
+    if T == 512:
+        assert block8.tiles_for(ep8, cfg, T)[0] == block8.TILES["decode"] and batch_count == block8.TILES["prefill"]
+
+
 def test_gluon_l2_applies_only_where_proven(monkeypatch):
     """The Gluon L2 is taken only when asked for (the prefill tile asks; ``MEGAMOE_BLOCK8_L2`` overrides any
     tile either way), on the GPU path, in the tile it was proven equal in: the prefill tile and CUDA tensors.
