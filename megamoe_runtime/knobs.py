@@ -61,6 +61,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`0` keeps the start-up hook (site-packages/megamoe-autoregister.pth) from registering the megamoe "
          "quantization method when transformers loads its models; `from_pretrained` on a megamoe output then "
          "needs `import megamoe_runtime.integrations.transformers` first", choices=_ON_OFF),
+    Knob("MEGAMOE_CHECK_ROUTING", "serving", str, "0",
+         "`1` checks every eager forward's topk_ids on any backend as the reference backend does (each in "
+         "-1..num_experts-1, no expert twice in a token) at the cost of one host sync; the triton and deepgemm "
+         "backends do not check them otherwise (docs/NUMERICS.md#routing-ids)", choices=_ON_OFF),
     Knob("MEGAMOE_LOAD_THREADS", "loading", int, None,
          "threads reading one large tensor from a file", default_doc="the cores, at most 8"),
     Knob("MEGAMOE_LOAD_GPU_CHUNK_MB", "loading", float, None,

@@ -283,7 +283,15 @@ def _check_inputs(spec: LayerSpec, hidden_states: Tensor, topk_weights: Tensor,
         raise MegaMoEError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
     if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
         raise MegaMoEError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
-    if T == 0:
+    check_routing(spec, topk_ids)
+
+
+def check_routing(spec: LayerSpec, topk_ids: Tensor) -> None:
+    """Refuse ``topk_ids`` [T, K] holding an id outside -1..num_experts-1 or an expert twice in one token,
+    naming the first such entry. The reference backend checks every forward; the layer runs it on any backend
+    under ``MEGAMOE_CHECK_ROUTING=1`` (the GPU backends would drop such ids or sum a repeat twice, and checking
+    costs a host sync)."""
+    if topk_ids.numel() == 0:
         return
     ids = topk_ids.long()
     bad = (ids < -1) | (ids >= spec.num_experts)

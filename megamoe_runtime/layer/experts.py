@@ -771,6 +771,11 @@ class DeepGemmMegaMoEExperts(nn.Module):
         for label, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
             if t.device != self.device:
                 raise MegaMoEError(f"{label} is on {t.device} but the layer's parameters are on {self.device}")
+        if knobs.value("MEGAMOE_CHECK_ROUTING") == "1" and not torch.compiler.is_compiling() and not (
+                topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):  # eager only: it syncs the host
+            from ..backends.reference import check_routing
+
+            check_routing(spec, topk_ids)
         if spec.ep_size > 1 and not getattr(self.backend, "native_ep", False):
             # backends without their own dispatch/combine (reference, triton) go through the
             # portable expert-parallel path: pairs computed on their owning rank, combined here

@@ -215,3 +215,46 @@ def test_a_module_wide_cast_keeps_the_kernel_dtypes(ckpts, fmt, cast):
     assert torch.equal(layer(x, w, ids), ref(x, w, ids))
     layer.to("meta")
     assert layer.device.type == "meta" and layer.l1_weight.dtype == ref.l1_weight.dtype
+
+
+class _NoCheckBackend:
+    """Stands in for a GPU backend: takes any ids, records the call (the triton backend drops out-of-range ids
+    and sums a repeated expert twice; neither is checked there)."""
+
+    name, native_ep = "nocheck", False
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, layer, x, w, ids, shared_input=None):
+        self.calls += 1
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("bad", ["out_of_range", "below_minus_one", "repeated"])
+def test_check_routing_knob_refuses_bad_ids_on_any_backend(ckpts, monkeypatch, bad):
+    """MEGAMOE_CHECK_ROUTING=1: the layer runs the reference backend's routing check before a backend that does
+    not check; unset, the same ids reach the backend (the negative control); good ids pass with it set."""
+    _, out = ckpts.converted("bf16")
+    layer = mr.open_checkpoint(out).build_layer(0, backend="reference")
+    layer.backend = spy = _NoCheckBackend()
+    x, w, ids = _inputs(layer.spec)
+    E = layer.spec.num_experts
+    bad_ids = ids.clone()
+    if bad == "out_of_range":
+        bad_ids[2, 1], want = E, f"topk_ids\\[2, 1\\] = {E} is out of range; valid: -1 \\(masked\\) or 0..{E - 1}"
+    elif bad == "below_minus_one":
+        bad_ids[0, 0], want = -2, "topk_ids\\[0, 0\\] = -2 is out of range"
+    else:
+        bad_ids[3, 1], want = bad_ids[3, 0], f"token 3 routes to expert {int(bad_ids[3, 0])} more than once"
+    monkeypatch.delenv("MEGAMOE_CHECK_ROUTING", raising=False)
+    layer(x, w, bad_ids)
+    assert spy.calls == 1
+    monkeypatch.setenv("MEGAMOE_CHECK_ROUTING", "1")
+    with pytest.raises(MegaMoEError, match=want):
+        layer(x, w, bad_ids)
+    assert spy.calls == 1
+    masked = ids.clone()
+    masked[1] = -1
+    layer(x, w, masked)
+    assert spy.calls == 2
