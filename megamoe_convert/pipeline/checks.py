@@ -370,33 +370,32 @@ def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
         live = live.unflatten(-2, (-1, b)).any(-2)
         bad |= zero & live
     if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise ScaleError(
-            f"{full()}: {int(bad.sum())} of {bad.numel()} fp32 block scale(s) are not finite and > 0 (a zero "
-            f"scale only over an all-zero block); first at [row block, col block] = {list(first)} = "
-            f"{float(s[first])!r}, scale shape {list(s.shape)}")
+        _raise_first_block(bad, s, full(), "are not finite and > 0 (a zero scale only over an all-zero block)")
     if live is not None:
         sub = small & live
         if bool(sub.any()):
-            first = tuple(int(i) for i in sub.nonzero()[0].tolist())
-            raise ScaleError(
-                f"{full()}: {int(sub.sum())} of {sub.numel()} fp32 block scale(s) are fp32 subnormals (< 2^-126) "
-                f"over a block with nonzero elements; first at [row block, col block] = {list(first)} = "
-                f"{float(s[first])!r}, scale shape {list(s.shape)}. No producer writes one (amax/448 of such a "
-                "block is under 5.3e-36) and the kernel would lose the block: a corrupt scale "
-                "(docs/FORMATS.md#subnormal-scales)")
+            _raise_first_block(sub, s, full(), "are fp32 subnormals (< 2^-126) over a block with nonzero elements",
+                               tail=". No producer writes one (amax/448 of such a block is under 5.3e-36) and the "
+                                    "kernel would lose the block: a corrupt scale (docs/FORMATS.md#subnormal-scales)")
     if float(s.max()) * _E4M3_MAX > _F32_MAX:  # only then can a block overflow: look at its magnitudes
         # E4M3 magnitudes order as their low 7 bits, so the block's largest byte is its largest |element|
         mag = (w & 0x7F).unflatten(-1, (-1, row.weight.scale_group)).amax(-1).unflatten(-2, (-1, b)).amax(-2)
         top = mag.view(torch.float8_e4m3fn).float()
         over = ~torch.isfinite(top * s)
         if bool(over.any()):
-            first = tuple(int(i) for i in over.nonzero()[0].tolist())
-            raise ScaleError(
-                f"{full()}: {int(over.sum())} of {over.numel()} fp32 block scale(s) make their block overflow "
-                f"fp32 (largest |E4M3| of the block x scale is inf); first at [row block, col block] = "
-                f"{list(first)} = {float(s[first])!r} over |E4M3| {float(top[first])!r}, scale shape "
-                f"{list(s.shape)}")
+            _raise_first_block(over, s, full(), "make their block overflow fp32 (largest |E4M3| of the block x "
+                                                 "scale is inf)",
+                               at=lambda first: f" over |E4M3| {float(top[first])!r}")
+
+
+def _raise_first_block(mask: torch.Tensor, s: torch.Tensor, where: str, what: str,
+                       at: Callable[[tuple], str] | None = None, tail: str = "") -> None:
+    """ScaleError for the fp32 block scales `s` where `mask` holds, in one line: how many `what`, the first one's
+    [row block, col block] and value (``at(first)`` after it), the scale shape, then `tail`."""
+    first = tuple(int(i) for i in mask.nonzero()[0].tolist())
+    raise ScaleError(
+        f"{where}: {int(mask.sum())} of {mask.numel()} fp32 block scale(s) {what}; first at [row block, col block] = "
+        f"{list(first)} = {float(s[first])!r}{at(first) if at else ''}, scale shape {list(s.shape)}{tail}")
 
 
 _E4M3_MAX = 448.0
