@@ -24,8 +24,10 @@ report the numeric change (`requantize_gate_up`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -33,8 +35,10 @@ from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
 from megamoe_runtime.format import codecs, scales
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
+from megamoe_runtime.integrations.dense import is_quantized_linear
 
 from ..readers.base import ExpertScalars, ModelFacts, MoELayerInfo
+from ..readers.common import all_finite, non_finite_message
 
 #: relative tolerance within which w1 and w3 weight_scale_2 count as equal (the runtime's rule)
 GATE_UP_RTOL = scales.W13_RTOL
@@ -370,33 +374,32 @@ def _check_fp32_block_scales(p: ProjectionTensors, row: Row, where: str,
         live = live.unflatten(-2, (-1, b)).any(-2)
         bad |= zero & live
     if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise ScaleError(
-            f"{full()}: {int(bad.sum())} of {bad.numel()} fp32 block scale(s) are not finite and > 0 (a zero "
-            f"scale only over an all-zero block); first at [row block, col block] = {list(first)} = "
-            f"{float(s[first])!r}, scale shape {list(s.shape)}")
+        _raise_first_block(bad, s, full(), "are not finite and > 0 (a zero scale only over an all-zero block)")
     if live is not None:
         sub = small & live
         if bool(sub.any()):
-            first = tuple(int(i) for i in sub.nonzero()[0].tolist())
-            raise ScaleError(
-                f"{full()}: {int(sub.sum())} of {sub.numel()} fp32 block scale(s) are fp32 subnormals (< 2^-126) "
-                f"over a block with nonzero elements; first at [row block, col block] = {list(first)} = "
-                f"{float(s[first])!r}, scale shape {list(s.shape)}. No producer writes one (amax/448 of such a "
-                "block is under 5.3e-36) and the kernel would lose the block: a corrupt scale "
-                "(docs/FORMATS.md#subnormal-scales)")
+            _raise_first_block(sub, s, full(), "are fp32 subnormals (< 2^-126) over a block with nonzero elements",
+                               tail=". No producer writes one (amax/448 of such a block is under 5.3e-36) and the "
+                                    "kernel would lose the block: a corrupt scale (docs/FORMATS.md#subnormal-scales)")
     if float(s.max()) * _E4M3_MAX > _F32_MAX:  # only then can a block overflow: look at its magnitudes
         # E4M3 magnitudes order as their low 7 bits, so the block's largest byte is its largest |element|
         mag = (w & 0x7F).unflatten(-1, (-1, row.weight.scale_group)).amax(-1).unflatten(-2, (-1, b)).amax(-2)
         top = mag.view(torch.float8_e4m3fn).float()
         over = ~torch.isfinite(top * s)
         if bool(over.any()):
-            first = tuple(int(i) for i in over.nonzero()[0].tolist())
-            raise ScaleError(
-                f"{full()}: {int(over.sum())} of {over.numel()} fp32 block scale(s) make their block overflow "
-                f"fp32 (largest |E4M3| of the block x scale is inf); first at [row block, col block] = "
-                f"{list(first)} = {float(s[first])!r} over |E4M3| {float(top[first])!r}, scale shape "
-                f"{list(s.shape)}")
+            _raise_first_block(over, s, full(), "make their block overflow fp32 (largest |E4M3| of the block x "
+                                                 "scale is inf)",
+                               at=lambda first: f" over |E4M3| {float(top[first])!r}")
+
+
+def _raise_first_block(mask: torch.Tensor, s: torch.Tensor, where: str, what: str,
+                       at: Callable[[tuple], str] | None = None, tail: str = "") -> None:
+    """ScaleError for the fp32 block scales `s` where `mask` holds, in one line: how many `what`, the first one's
+    [row block, col block] and value (``at(first)`` after it), the scale shape, then `tail`."""
+    first = tuple(int(i) for i in mask.nonzero()[0].tolist())
+    raise ScaleError(
+        f"{where}: {int(mask.sum())} of {mask.numel()} fp32 block scale(s) {what}; first at [row block, col block] = "
+        f"{list(first)} = {float(s[first])!r}{at(first) if at else ''}, scale shape {list(s.shape)}{tail}")
 
 
 _E4M3_MAX = 448.0
@@ -449,6 +452,70 @@ def check_expert(et: ExpertTensors, row: Row, info: MoELayerInfo, expert: int, s
                            (weights or {}).get(role))
 
 
+# --------------------------------------------------------------------------- pass-through values
+
+
+#: safetensors dtype -> torch dtype of the plain float tensors whose values the pass-through copy checks
+_PASSTHROUGH_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                             "F64": torch.float64}
+
+
+def passthrough_checked(dtypes: Mapping[str, str]) -> dict[str, torch.dtype]:
+    """Which pass-through tensors the copy checks for NaN / inf (name -> torch dtype), from every pass-through
+    tensor's safetensors dtype (`dtypes`): the plain float tensors (F16, BF16, F32, F64: attention, norms,
+    embeddings, the router, a dense MLP, unfused BF16 shared experts), which an engine uses as they are.
+
+    Not checked: quantized storage (packed U8 / I8, F8 elements), and the float scales that belong to a
+    linear stored quantized (`integrations.dense.is_quantized_linear`: its ``weight_scale``,
+    ``weight_scale_inv``, ``weight_scale_2``, input scales; not its bias). Those are decoded together with
+    their weight, and the engine integration's decode checks them, naming the linear
+    (docs/ENGINES.md#non-expert-linears): a producer may legitimately leave a linear it did not quantize
+    with a NaN scale there (transformers' FineGrainedFP8 for linears 128 does not tile,
+    docs/CHECKPOINTS.md), which converts and is refused only if that linear is loaded."""
+    modules: dict[str, dict[str, str]] = {}
+    for name, dt in dtypes.items():
+        mod, _, suffix = name.rpartition(".")
+        modules.setdefault(mod, {})[suffix] = dt
+    quantized = {mod for mod, d in modules.items() if is_quantized_linear(d)}
+    out = {}
+    for name, dt in dtypes.items():
+        mod, _, suffix = name.rpartition(".")
+        if dt in _PASSTHROUGH_FLOAT_DTYPES and (mod not in quantized or suffix == "bias"):
+            out[name] = _PASSTHROUGH_FLOAT_DTYPES[dt]
+    return out
+
+
+def finite_passthrough_chunks(chunks: Iterable[memoryview], dtype: torch.dtype, name: str, path: Path, pos: int,
+                              shape: tuple[int, ...]) -> Iterator[memoryview]:
+    """Pass the byte chunks of pass-through tensor `name` (at byte `pos` of `path`) on unchanged, each one
+    checked for NaN / inf before it goes on (`all_finite`: one sum per chunk, element-wise only where the sum
+    is not finite). A non-finite value: CheckpointError naming the tensor, its file, how many values, the
+    first one's index and value (`non_finite_message`, from the whole tensor read again on that path only).
+    A chunk that ends inside an element carries its tail into the next."""
+    item = torch.empty((), dtype=dtype).element_size()
+    tail = b""
+    for c in chunks:
+        data = bytearray(tail) + c if tail else c  # `c` itself in the common case: chunks are element-aligned
+        n = len(data) - len(data) % item
+        if n and not all_finite(torch.frombuffer(data, dtype=dtype, count=n // item)):
+            raise CheckpointError(non_finite_message(
+                f"non-expert tensor {name} in {path.name}", _read_tensor(path, pos, dtype, shape),
+                "It is copied unchanged and an engine would compute with it: fix the source"))
+        tail = bytes(data[n:])
+        yield c
+
+
+def _read_tensor(path: Path, pos: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` stored at byte `pos` of `path` (for messages)."""
+    n = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
+    buf = bytearray(n)
+    with open(path, "rb") as f:
+        f.seek(pos)
+        if f.readinto(buf) != n:
+            raise CheckpointError(f"{path}: unexpected end of file reading {n} bytes at {pos}")
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+
+
 # --------------------------------------------------------------------------- repair
 
 
@@ -495,4 +562,5 @@ def requantize_gate_up(et: ExpertTensors, where: str) -> tuple[ExpertTensors, di
 __all__ = [
     "GATE_UP_RTOL", "SCALE_MISMATCH_POLICIES", "shared_spec_for", "layer_spec", "LayerScalarReport",
     "gate_up_agree", "check_layer_scalars", "check_block_scales", "check_expert", "requantize_gate_up",
+    "passthrough_checked", "finite_passthrough_chunks",
 ]

@@ -19,8 +19,10 @@
    shard (hashed and written on background threads while the next layer is
    read and packed into a second set of buffers). Memory: two ranks' packed
    layers plus one expert in source encoding, whatever the model size;
-7. copy the non-expert tensors byte for byte, the config/tokenizer files
-   (``config.json`` annotated), write the index and, last, the manifest;
+7. copy the non-expert tensors byte for byte (the plain float ones checked
+   for NaN / inf on the way, ``checks.passthrough_checked``), the
+   config/tokenizer files (``config.json`` annotated), write the index and,
+   last, the manifest;
 8. rename the temp folder to OUT.
 
 Bad input (MegaMoEError) found at any step removes the temp folder; anything

@@ -97,6 +97,7 @@ def run_conversion(source, reader, row: Row, facts, plans: list[LayerPlan],
     try:
         run.start_passthrough(source)
         for lp in plans:
+            run.passthrough.raise_refusal()  # bad input in a pass-through tensor: stop now, not after the layers
             rec = convert_layer(reader, row, lp, ep_size, run, layer_records.get(lp.info.index), log)
             repaired += len(rec["repairs"])
             layer_entries.append(LayerEntry(

@@ -541,7 +541,11 @@ class PassthroughCopy:
     the N-th step is the same tensor as with a sequential copy, so a crash
     planted there leaves the same journal, and an unjournaled file is
     rewritten on ``--resume`` whatever part of it was written. Errors are
-    raised in plan order too. Its writers are made here, on the calling
+    raised in plan order too, except a refusal of bad input (a NaN or inf
+    in a plain float tensor, `checks.passthrough_checked`; a truncated
+    source file): `raise_refusal`, called between layers, raises it as soon
+    as the copy finds it, since the run ends there and its temp folder goes
+    (nothing is left to resume). Its writers are made here, on the calling
     thread, and used only by the copy thread until `finish` has its result."""
 
     def __init__(self, source: CheckpointSource, run: Run):
@@ -549,6 +553,11 @@ class PassthroughCopy:
         from concurrent.futures import Future
 
         self.run = run
+        #: name -> dtype of the pass-through tensors whose values are checked as they are copied
+        self.checked = checks.passthrough_checked({s.planned.name: s.planned.dtype for slots in
+                                                   run.slots_by_file.values() for s in slots
+                                                   if s.role == PASSTHROUGH_ROLE})
+        self.refusal: MegaMoEError | None = None  # bad input the copy found (`raise_refusal`)
         self.jobs: list[tuple[Slot, Path, int, int, Future]] = []  # slot, path, offset, nbytes, its checksum
         for fname, slots in run.slots_by_file.items():
             if not slots or slots[0].role != PASSTHROUGH_ROLE or fname in run.done_files:
@@ -569,12 +578,28 @@ class PassthroughCopy:
         buffers = CopyBuffers()  # one pair for every pass-through tensor
         for i, (slot, path, pos, n, fut) in enumerate(self.jobs):
             try:
-                chunks = self._until_stopped(copy_source_bytes(path, pos, n, None, buffers))
-                fut.set_result(self.run.writers[slot.file].write_chunks(slot.planned.name, chunks))
+                chunks = self.checked_chunks(slot, path, pos, copy_source_bytes(path, pos, n, None, buffers))
+                fut.set_result(self.run.writers[slot.file].write_chunks(slot.planned.name,
+                                                                         self._until_stopped(chunks)))
             except BaseException as exc:  # raised by `finish` in plan order; nothing after it is copied
+                if isinstance(exc, MegaMoEError) and not isinstance(exc, _Stopped):
+                    self.refusal = exc
                 for *_, f in self.jobs[i:]:
                     f.set_exception(exc)
                 return
+
+    def checked_chunks(self, slot: Slot, path: Path, pos: int, chunks):
+        """`chunks` of `slot`'s source bytes, checked for NaN / inf on the way where its tensor is one
+        `checks.passthrough_checked` names."""
+        dtype = self.checked.get(slot.planned.name)
+        if dtype is None:
+            return chunks
+        return checks.finite_passthrough_chunks(chunks, dtype, slot.planned.name, path, pos, slot.planned.shape)
+
+    def raise_refusal(self) -> None:
+        """Raise the bad input the copy has found so far, if any."""
+        if self.refusal is not None:
+            raise self.refusal
 
     def _until_stopped(self, chunks):
         for c in chunks:
@@ -622,7 +647,8 @@ def copy_passthrough(source: CheckpointSource, run: Run) -> None:
             for slot in slots:  # resume: the finished file's bytes must still be the source's
                 path, pos, n = source.tensor_data_range(slot.planned.name)
                 h = digests.new_hasher(run.checksum)
-                for chunk in copy_source_bytes(path, pos, n, run.advance, buffers):
+                for chunk in run.passthrough.checked_chunks(slot, path, pos,
+                                                            copy_source_bytes(path, pos, n, run.advance, buffers)):
                     h.update(chunk)
                 run.check_bytes(slot, h.hexdigest())
             continue

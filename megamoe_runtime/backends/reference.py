@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 
 from megamoe_runtime.errors import LayerSpecError, MegaMoEError, ScaleError
-from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format import codecs, layout, scales
 from megamoe_runtime.format.formats import SHARED_PRECISIONS, ActivationSpec, Element, LayerSpec, Row, get_row
 from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX
 
@@ -328,9 +328,20 @@ def _check_scalars(spec: LayerSpec, scalars: Optional[NvScalars]) -> None:
         if tuple(t.shape) != shape:
             raise ScaleError(f"NvScalars.{name} has shape {tuple(t.shape)}; expected {shape} "
                              f"(E_l = {E_l} local experts)")
-        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-            bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[:4].tolist()
-            raise ScaleError(f"NvScalars.{name} must be finite and > 0; found {bad}")
+        vals = t.detach().flatten().tolist()  # at most 2 * E_l + E_l + 1 values
+        bad = [i for i, v in enumerate(vals) if not scales.is_valid_scale(v)]
+        if bad:
+            raise ScaleError(f"NvScalars.{name}{_index(bad[0], shape)} = {vals[bad[0]]!r} ({len(bad)} of "
+                             f"{len(vals)} invalid); it must be {scales.SCALE_RULE}")
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> str:
+    """``[i, j]`` of flat index `flat` in `shape` ('' for a scalar), for messages."""
+    idx = []
+    for d in reversed(shape):
+        flat, i = divmod(flat, d)
+        idx.append(i)
+    return f"[{', '.join(map(str, reversed(idx)))}]" if idx else ""
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from ..errors import FormatError
-from ..format import codecs
+from ..format import codecs, scales
 from ..format.source_formats import SUFFIXES
 
 __all__ = ["is_quantized_linear", "decode_linear_weight"]
@@ -60,13 +60,16 @@ def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_feat
         grid = (-(-w.shape[0] // codecs.FP8_BLOCK), -(-elems // codecs.FP8_BLOCK))
         if scale.numel() != grid[0] * grid[1]:
             raise FormatError(f"{name}: block FP8 weight needs {grid[0]}x{grid[1]} fp32 block scales ({desc})")
-        s = scale.float()
-        bad = ~torch.isfinite(s) | (s <= 0)
+        s = scale.float().reshape(grid)
+        bad = ~(torch.isfinite(s) & (s >= scales.FP32_MIN_NORMAL))  # `scales.is_valid_scale`, per element
         if bool(bad.any()):
-            raise FormatError(f"{name}: {int(bad.sum())} of {s.numel()} block scale(s) are not finite and > 0 "
-                              f"(first {float(s[bad][0])!r}; {desc}); the checkpoint's producer wrote a broken "
+            first = [int(i) for i in bad.nonzero()[0]]
+            sfx = "weight_scale" if "weight_scale" in tensors else "weight_scale_inv"
+            raise FormatError(f"{name}: {int(bad.sum())} of {s.numel()} block scale(s) in {name}.{sfx} are not "
+                              f"{scales.SCALE_RULE}; first at [row block, col block] = {first} = "
+                              f"{float(s[tuple(first)])!r} ({desc}); the checkpoint's producer wrote a broken "
                               "scale for this linear")
-        return codecs.dequantize_fp8_block(w, scale.float().reshape(grid))
+        return codecs.dequantize_fp8_block(w, s)
     sf_per_row = scale.shape[-1]
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu) and sf_per_row * codecs.MX_GROUP == elems:
         return codecs.dequantize_mx(w, scale, "e2m1" if packed else "e4m3")
@@ -80,7 +83,8 @@ def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_feat
         if "weight_scale_2" in tensors:
             block = codecs.e4m3_decode(scale) * _scalar(tensors["weight_scale_2"], name, "weight_scale_2")
         elif "weight_global_scale" in tensors:
-            block = codecs.e4m3_decode(scale) / _scalar(tensors["weight_global_scale"], name, "weight_global_scale")
+            block = codecs.e4m3_decode(scale) / _scalar(tensors["weight_global_scale"], name, "weight_global_scale",
+                                                         divisor=True)
         else:
             raise FormatError(f"{name}: NVFP4 weight without weight_scale_2 or weight_global_scale ({desc})")
         out = vals.unflatten(-1, (block.shape[-1], codecs.NVFP4_GROUP)) * block.unsqueeze(-1)
@@ -89,10 +93,14 @@ def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_feat
                       "storage; megamoe cannot decode it for a non-expert linear")
 
 
-def _scalar(t: torch.Tensor, name: str, what: str) -> torch.Tensor:
+def _scalar(t: torch.Tensor, name: str, what: str, divisor: bool = False) -> torch.Tensor:
+    """The per-tensor fp32 global scale `what`, usable (`scales.is_valid_scale`; for a `divisor`, such as
+    compressed-tensors' ``weight_global_scale``, its fp32 reciprocal too, which is the multiplier)."""
     if t.numel() != 1:
         raise FormatError(f"{name}.{what}: one value expected (per-tensor), got shape {list(t.shape)}")
     v = t.reshape(()).to(torch.float32)
-    if not bool(torch.isfinite(v)) or float(v) <= 0:
-        raise FormatError(f"{name}.{what} = {float(v)!r}: must be a finite number > 0")
+    inv = float(torch.reciprocal(v)) if divisor else None
+    if not scales.is_valid_scale(float(v)) or (divisor and not scales.is_valid_scale(inv)):
+        recip = f" (its reciprocal, the multiplier: {inv!r})" if divisor else ""
+        raise FormatError(f"{name}.{what} = {float(v)!r}{recip}: must be {scales.SCALE_RULE}")
     return v

@@ -66,3 +66,41 @@ def stopped_convert():
         with pytest.raises(_PlantedStop):
             convert(src, out, on_step=on_step, **kwargs)
     return run
+
+
+@pytest.fixture
+def edit_source():
+    """edit(src, fn, name=None): rewrite the one safetensors file of a synthetic source (tests that plant bad
+    input). Without `name`, ``fn(tensors)`` edits the dict of all its tensors in place; with it,
+    ``tensors[name] = fn(a clone of tensors[name])``."""
+    from safetensors.torch import load_file, save_file
+
+    def edit(src, fn, name: str | None = None) -> None:
+        files = sorted(src.glob("*.safetensors"))
+        assert len(files) == 1, files
+        t = load_file(files[0])
+        if name is None:
+            fn(t)
+        else:
+            t[name] = fn(t[name].clone())
+        save_file(t, files[0], metadata={"format": "pt"})
+    return edit
+
+
+@pytest.fixture
+def refused_convert():
+    """run(src, out, *cli_args) -> the error line: ``megamoe-convert convert src out *cli_args`` must refuse
+    bad input the way every refusal does -- exit code 2, one line starting ``error: `` -- and leave nothing
+    under OUT (nor its temp folder)."""
+    from click.testing import CliRunner
+
+    from megamoe_convert.cli.main import main
+    from megamoe_convert.output.output_dir import temp_dir_for
+
+    def run(src, out, *args: str) -> str:
+        r = CliRunner().invoke(main, ["convert", str(src), str(out), *args])
+        err = r.stderr if hasattr(r, "stderr") else r.output
+        assert r.exit_code == 2 and err.startswith("error: ") and err.count("\n") == 1, r.output
+        assert not out.exists() and not temp_dir_for(out).exists()
+        return err
+    return run

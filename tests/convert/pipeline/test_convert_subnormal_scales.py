@@ -5,15 +5,9 @@ and value, with nothing left under OUT; an E4M3 subnormal NVFP4 block scale and 
 an all-zero block still convert. Before, every one of them converted."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 
-from megamoe_convert.cli.main import main
-from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_convert.pipeline.convert import convert
 from megamoe_convert.testing import synth
 from megamoe_runtime.format.manifest import read_manifest
@@ -21,21 +15,6 @@ from megamoe_runtime.format.manifest import read_manifest
 SIZES = {"num_layers": 2, "hidden": 256, "intermediate": 128, "num_experts": 4, "top_k": 2}
 SUB = 2.0 ** -130  # an fp32 subnormal (exact in fp32)
 P = "model.layers.1.mlp.experts.2"
-
-
-def _edit(src: Path, fn) -> None:
-    f = next(src.glob("*.safetensors"))
-    t = load_file(f)
-    fn(t)
-    save_file(t, f, metadata={"format": "pt"})
-
-
-def _refused(src: Path, out: Path, *args: str) -> str:
-    r = CliRunner().invoke(main, ["convert", str(src), str(out), *args])
-    err = r.stderr if hasattr(r, "stderr") else r.output
-    assert r.exit_code == 2 and err.startswith("error: ") and err.count("\n") == 1, r.output
-    assert not out.exists() and not temp_dir_for(out).exists()
-    return err
 
 
 def _has(err: str, *parts: str) -> None:
@@ -48,36 +27,37 @@ def _has(err: str, *parts: str) -> None:
     ("modelopt-nvfp4", "down_proj.input_scale", "down (w2) input scale"),
     ("modelopt-nvfp4", "gate_proj.input_scale", "gate input scale"),
 ])
-def test_subnormal_fp32_per_tensor_scale_is_refused(tmp_path, fmt, name, role):
+def test_subnormal_fp32_per_tensor_scale_is_refused(tmp_path, edit_source, refused_convert, fmt, name, role):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SIZES, seed=4)
 
     def put(t):
         t[f"{P}.{name}"] = torch.full_like(t[f"{P}.{name}"], SUB)
-    _edit(src, put)
-    err = _refused(src, tmp_path / "out")
+    edit_source(src, put)
+    err = refused_convert(src, tmp_path / "out")
     _has(err, "MoE layer 1", "expert 2", role, f"{P}.{name}", repr(SUB), "fp32 subnormal",
          "docs/FORMATS.md#subnormal-scales")
 
 
-def test_compressed_tensors_global_divisor_whose_reciprocal_is_subnormal_is_refused(tmp_path):
+def test_compressed_tensors_global_divisor_whose_reciprocal_is_subnormal_is_refused(tmp_path, edit_source,
+                                                                                    refused_convert):
     """CT stores the global scale as a divisor: 2^127 is a normal fp32, its reciprocal 2^-127 is not."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "ct-nvfp4", **SIZES, seed=4)
     name = f"{P}.down_proj.weight_global_scale"
 
     def put(t):
         t[name] = torch.full_like(t[name], 2.0 ** 127)
-    _edit(src, put)
-    err = _refused(src, tmp_path / "out")
+    edit_source(src, put)
+    err = refused_convert(src, tmp_path / "out")
     _has(err, "MoE layer 1", "expert 2", "down global scale", name, repr(2.0 ** -127), "fp32 subnormal")
 
 
-def test_l2_activation_scale_option_subnormal_is_refused(tmp_path):
+def test_l2_activation_scale_option_subnormal_is_refused(tmp_path, refused_convert):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=4)
-    err = _refused(src, tmp_path / "out", "--quantize", "nvfp4", "--l2-activation-scale", "1e-39")
+    err = refused_convert(src, tmp_path / "out", "--quantize", "nvfp4", "--l2-activation-scale", "1e-39")
     _has(err, "--l2-activation-scale 1e-39", "fp32 subnormal")
 
 
-def test_e4m3_subnormal_nvfp4_block_scales_convert(tmp_path):
+def test_e4m3_subnormal_nvfp4_block_scales_convert(tmp_path, edit_source):
     """E4M3 subnormals (bytes 0x01..0x07: 2^-9 .. 7*2^-9) are ordinary NVFP4 block scales: converted unchanged."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "modelopt-nvfp4", **SIZES, seed=4)
     name = f"{P}.up_proj.weight_scale"
@@ -86,7 +66,7 @@ def test_e4m3_subnormal_nvfp4_block_scales_convert(tmp_path):
         b = t[name].view(torch.uint8).clone()
         b[:, :7] = torch.arange(1, 8, dtype=torch.uint8)
         t[name] = b.view(torch.float8_e4m3fn)
-    _edit(src, put)
+    edit_source(src, put)
     convert(src, tmp_path / "out")
     assert read_manifest(tmp_path / "out").row == "nvfp4"
 
@@ -103,19 +83,19 @@ def _fp8_scale(value, zero_block: bool):
     return put
 
 
-def test_fp8_block_subnormal_scale_over_a_live_block_is_refused(tmp_path):
+def test_fp8_block_subnormal_scale_over_a_live_block_is_refused(tmp_path, edit_source, refused_convert):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
-    _edit(src, _fp8_scale(SUB, zero_block=False))
-    err = _refused(src, tmp_path / "out")
+    edit_source(src, _fp8_scale(SUB, zero_block=False))
+    err = refused_convert(src, tmp_path / "out")
     _has(err, "MoE layer 1", "expert 2 gate scale", f"{P}.gate_proj.weight_scale_inv",
          f"first at [row block, col block] = [0, 1] = {SUB!r}", "fp32 subnormal", "docs/FORMATS.md#subnormal-scales")
 
 
-def test_fp8_block_subnormal_scale_over_an_all_zero_block_converts(tmp_path):
+def test_fp8_block_subnormal_scale_over_an_all_zero_block_converts(tmp_path, edit_source):
     """Like a zero scale: over an all-zero block the block is 0 whatever the scale, so it is accepted (bytes
     copied unchanged)."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp8-block", **SIZES, seed=3)
-    _edit(src, _fp8_scale(SUB, zero_block=True))
+    edit_source(src, _fp8_scale(SUB, zero_block=True))
     convert(src, tmp_path / "out")
     from megamoe_runtime.load.checkpoint import open_checkpoint
 

@@ -4,14 +4,9 @@ flat) and value, and nothing is left under OUT. Before, the bf16 row copied it i
 path already refused; tests/convert/readers/test_fp8_block.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 
-from megamoe_convert.cli.main import main
 from megamoe_convert.output.output_dir import temp_dir_for
 from megamoe_convert.pipeline.convert import convert
 from megamoe_convert.readers.common import all_finite
@@ -20,24 +15,9 @@ from megamoe_convert.testing import synth
 SIZES = dict(num_layers=2, hidden=256, intermediate=128, num_experts=4, top_k=2)
 
 
-def _edit(src: Path, name: str, fn) -> None:
-    f = next(src.glob("*.safetensors"))
-    t = load_file(f)
-    t[name] = fn(t[name].clone())
-    save_file(t, f, metadata={"format": "pt"})
-
-
-def _cli(src: Path, out: Path, *args: str) -> str:
-    r = CliRunner().invoke(main, ["convert", str(src), str(out), *args])
-    err = r.stderr if hasattr(r, "stderr") else r.output
-    assert r.exit_code == 2 and err.startswith("error: ") and err.count("\n") == 1, r.output
-    assert not out.exists() and not temp_dir_for(out).exists()
-    return err
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_bf16_row_refuses_a_non_finite_source_weight(tmp_path, fmt, value):
+def test_bf16_row_refuses_a_non_finite_source_weight(tmp_path, edit_source, refused_convert, fmt, value):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SIZES, seed=7)
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
 
@@ -45,15 +25,15 @@ def test_bf16_row_refuses_a_non_finite_source_weight(tmp_path, fmt, value):
         w[5, 7] = value
         w[9, 1] = value
         return w
-    _edit(src, name, put)
-    err = _cli(src, tmp_path / "out")
+    edit_source(src, put, name)
+    err = refused_convert(src, tmp_path / "out")
     flat = 5 * SIZES["hidden"] + 7
     for part in ("layer 1 expert 2 up", name, "2 non-finite value(s)", f"first at [5, 7] = {value!r}",
                  f"(flat index {flat})", "fix the source"):
         assert part in err, f"{part!r} not in {err!r}"
 
 
-def test_fp32_weight_beyond_bf16_range_is_refused(tmp_path):
+def test_fp32_weight_beyond_bf16_range_is_refused(tmp_path, edit_source, refused_convert):
     """A finite FP32 weight that rounds to inf in BF16 would be served as inf: refused, saying so."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "fp32", **SIZES, seed=7)
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
@@ -62,20 +42,20 @@ def test_fp32_weight_beyond_bf16_range_is_refused(tmp_path):
     def put(w):
         w[3, 4] = big
         return w
-    _edit(src, name, put)
-    err = _cli(src, tmp_path / "out")
+    edit_source(src, put, name)
+    err = refused_convert(src, tmp_path / "out")
     for part in ("layer 0 expert 1 down", name, f"first at [3, 4] = {big!r}", "beyond BF16's range"):
         assert part in err, f"{part!r} not in {err!r}"
 
 
-def test_fused_experts_name_the_expert_and_flat_index(tmp_path):
+def test_fused_experts_name_the_expert_and_flat_index(tmp_path, edit_source):
     src = synth.build_synthetic_checkpoint(tmp_path / "src", "bf16", **SIZES, seed=7, naming="fused")
     name = "model.layers.0.mlp.experts.down_proj"
 
     def put(w):
         w[3].view(-1)[300] = float("nan")
         return w
-    _edit(src, name, put)
+    edit_source(src, put, name)
     with pytest.raises(Exception, match=rf"layer 0 expert 3 down: {name}\[3\] .*first at \[2, 44\] = nan "
                                         r"\(flat index 300\)"):
         convert(src, tmp_path / "out")
@@ -83,7 +63,7 @@ def test_fused_experts_name_the_expert_and_flat_index(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, quantize", [("bf16", None), ("bf16", "mxfp8"), ("modelopt-nvfp4", None)])
-def test_shared_expert_non_finite_is_refused(tmp_path, fmt, quantize):
+def test_shared_expert_non_finite_is_refused(tmp_path, edit_source, refused_convert, fmt, quantize):
     """BF16 shared experts are copied (bf16 row) or re-encoded (mxfp8): a NaN / inf there is refused too, from a
     plain BF16 source or from a quantized export that keeps its shared experts BF16."""
     src = synth.build_synthetic_checkpoint(tmp_path / "src", fmt, **SIZES, shared=1, shared_format="bf16", seed=7)
@@ -92,8 +72,8 @@ def test_shared_expert_non_finite_is_refused(tmp_path, fmt, quantize):
     def put(w):
         w[0, 2] = float("inf")
         return w
-    _edit(src, name, put)
-    err = _cli(src, tmp_path / "out", *(["--quantize", quantize] if quantize else []))
+    edit_source(src, put, name)
+    err = refused_convert(src, tmp_path / "out", *(["--quantize", quantize] if quantize else []))
     for part in ("MoE layer 1 (model.layers.1.mlp) shared expert 0 gate weight", name,
                  "first at [0, 2] = inf (flat index 2)", "fix the source"):
         assert part in err, f"{part!r} not in {err!r}"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megamoe_runtime.backends import get_backend
-from megamoe_runtime.format import codecs, layout
+from megamoe_runtime.format import codecs, layout, scales
 from megamoe_runtime.backends.reference import (
     NvScalars,
     ReferenceBackend,
@@ -32,7 +32,7 @@ from megamoe_runtime.backends.reference import (
     reference_slots,
     shared_slot,
 )
-from megamoe_runtime.errors import LayoutError, MegaMoEError
+from megamoe_runtime.errors import LayoutError, MegaMoEError, ScaleError
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.format.formats import ActivationSpec, LayerSpec, SharedSpec, get_row
 from megamoe_runtime.testing import calc_diff
@@ -628,6 +628,28 @@ def test_refusals():
         n.run(scalars=dataclasses.replace(n.scalars, l2_activation_scale=torch.tensor(0.0)))
     with pytest.raises(MegaMoEError, match="no shared"):
         c.run(shared=make_case("mxfp4", "swiglu", "mxfp8", t=4).shared_kt)
+
+
+@pytest.mark.parametrize("name, index, shown", [("l1_alpha", (3, 1), "[3, 1]"), ("l2_global_scale", (2,), "[2]"),
+                                                  ("l2_activation_scale", (), "")])
+def test_nv_scalars_refuse_fp32_subnormals(name, index, shown):
+    """The reference's own NvScalars check applies the load checks' rule (`scales.is_valid_scale`,
+    docs/FORMATS.md#subnormal-scales): an fp32 subnormal is refused in one line naming the tensor, index and
+    value; fp32's smallest normal 2^-126 still runs. Before, every value > 0 ran."""
+    n = make_case("nvfp4", "swiglu", t=4)
+    sub = 2.0 ** -130
+    assert not scales.is_valid_scale(sub) and scales.is_valid_scale(scales.FP32_MIN_NORMAL)
+    for v in (sub, 0.0, float("nan")):
+        t = getattr(n.scalars, name).clone()
+        t[index] = v
+        with pytest.raises(ScaleError) as ei:
+            n.run(scalars=dataclasses.replace(n.scalars, **{name: t}))
+        msg = str(ei.value)
+        assert "\n" not in msg and f"NvScalars.{name}{shown} = {v!r} (1 of {t.numel()} invalid)" in msg, msg
+        assert scales.SCALE_RULE in msg, msg
+    t = getattr(n.scalars, name).clone()
+    t[index] = scales.FP32_MIN_NORMAL
+    assert n.run(scalars=dataclasses.replace(n.scalars, **{name: t})).shape == n.x.shape
 
 
 def test_duplicate_masked_ids_are_fine():

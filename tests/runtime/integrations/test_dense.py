@@ -11,10 +11,19 @@ import pytest
 import torch
 
 from megamoe_runtime.errors import FormatError
+from megamoe_runtime.format import codecs, scales
 from megamoe_runtime.integrations.dense import decode_linear_weight
 
 #: (rows, columns) of linears in the vLLM engine tests' block-FP8 export and DeepSeek-V3 itself
 SHAPES = [(256, 128), (576, 128), (192, 128), (128, 64), (128, 512), (128, 128)]
+#: an fp32 subnormal (docs/FORMATS.md#subnormal-scales)
+SUB = 2.0 ** -130
+
+
+def _has(msg: str, *parts: str) -> None:
+    assert "\n" not in msg, msg
+    for p in parts:
+        assert p in msg, f"{p!r} not in {msg!r}"
 
 
 def _fp8_linear(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +68,37 @@ def test_bad_block_fp8_scales_are_refused_naming_the_linear():
     name = "model.layers.1.self_attn.kv_a_proj_with_mqa"
     with pytest.raises(FormatError, match=rf"{name}: block FP8 weight needs 5x1 fp32 block scales"):
         decode_linear_weight(name, {"weight": w, "weight_scale_inv": s[:4]}, 128)
-    for v, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (0.0, "0.0"), (-1.0, "-1.0")):
+    for v in (SUB, float("nan"), float("inf"), 0.0, -1.0):
         bad = s.clone()
         bad[2, 0] = v
-        with pytest.raises(FormatError, match=rf"{name}: 1 of 5 block scale\(s\) are not finite and > 0 "
-                                              rf"\(first {shown}"):
+        with pytest.raises(FormatError) as ei:
             decode_linear_weight(name, {"weight": w, "weight_scale_inv": bad}, 128)
+        _has(str(ei.value), f"{name}: 1 of 5 block scale(s) in {name}.weight_scale_inv are not {scales.SCALE_RULE}",
+             f"first at [row block, col block] = [2, 0] = {v!r}")
+    ok = s.clone()
+    ok[2, 0] = scales.FP32_MIN_NORMAL  # fp32's smallest normal: decoded
+    assert torch.equal(decode_linear_weight(name, {"weight": w, "weight_scale_inv": ok}, 128), _independent(w, ok))
     with pytest.raises(FormatError, match=rf"{name}: the weight holds 128 input features, the model's linear 256"):
         decode_linear_weight(name, {"weight": w, "weight_scale_inv": s}, 256)
+
+
+@pytest.mark.parametrize("what, value, shown", [
+    ("weight_scale_2", SUB, f"= {SUB!r}"),
+    ("weight_scale_2", 0.0, "= 0.0"),
+    ("weight_global_scale", 2.0 ** 127, f"= {2.0 ** 127!r} (its reciprocal, the multiplier: {2.0 ** -127!r})"),
+    ("weight_global_scale", SUB, f"= {SUB!r} (its reciprocal, the multiplier: inf)"),
+])
+def test_nvfp4_global_scale_fp32_subnormal_is_refused(what, value, shown):
+    """An NVFP4 linear's per-tensor global scale follows the experts' rule (`scales.is_valid_scale`): a
+    multiplier (ModelOpt / Quark ``weight_scale_2``) below 2^-126 is refused, and so is a divisor
+    (compressed-tensors ``weight_global_scale``) whose fp32 reciprocal is; fp32's smallest normal decodes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 64, generator=g)
+    packed, sf = codecs.quantize_nvfp4(x, torch.tensor(1.0))
+    name = "model.layers.0.self_attn.o_proj"
+    with pytest.raises(FormatError) as ei:
+        decode_linear_weight(name, {"weight": packed, "weight_scale": sf, what: torch.tensor(value)}, 64)
+    _has(str(ei.value), f"{name}.{what} {shown}: must be {scales.SCALE_RULE}")
+    edge = scales.FP32_MIN_NORMAL if what == "weight_scale_2" else 2.0 ** 126
+    got = decode_linear_weight(name, {"weight": packed, "weight_scale": sf, what: torch.tensor(edge)}, 64)
+    assert bool(torch.isfinite(got).all()) and bool((got != 0).any())

@@ -169,5 +169,6 @@ def test_broken_producer_scale_of_a_dense_linear_is_refused(converted_real):
     """transformers 5.17's FineGrainedFP8 writes NaN weight_scale_inv for linears it cannot tile by 128 (here
     the MLA kv projections); loading names the linear instead of serving NaN logits."""
     out = converted_real("finegrained-fp8-deepseekv3")
-    with pytest.raises(MegaMoEError, match=r"self_attn\.kv_a_proj_with_mqa: .*not finite and > 0 \(first nan"):
+    with pytest.raises(MegaMoEError, match=r"self_attn\.kv_a_proj_with_mqa: .*weight_scale_inv are not finite and "
+                                           r"> 0, .*first at \[row block, col block\] = \[0, 0\] = nan"):
         transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
