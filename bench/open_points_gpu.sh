@@ -5,7 +5,7 @@
 # against the default tiles, and the decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
-# SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
+# PEER: a folder holding OpenAI's triton_kernels package (PEER/triton_kernels). SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
 # phases below to run (default 1234; on request 5, the Gluon L2 through the runtime, and 6, the L1 with TMA weights).
 set -u
 OUT=${OUT:-/tmp/open_points}
@@ -25,41 +25,41 @@ on 4 && for j in 0 1 2 3; do
 done
 if on 1; then
 el "1: GPU kernel tests"
-timeout "$(tmo 200)" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
+timeout -k 10 "$(tmo 200)" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
 echo "rc=$?"; tail -3 "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/kernels.log" | head -20
 fi
 if on 2; then
 el "2: block-FP8 layer at decode sizes beside DeepGEMM"
-timeout "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
+timeout -k 10 "$(tmo 80)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --bench-tokens 64,8,1 \
   --out "$OUT/block8_decode" >"$OUT/block8_decode.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/block8_decode.log" | tail -10
 fi
 if on 5; then
 el "5: the Gluon L2 through the runtime: its GPU test, then the block-FP8 layer at prefill sizes with and without it"
-timeout "$(tmo 120)" $PY -m pytest -q -m gpu -p no:cacheprovider -rfE \
+timeout -k 10 "$(tmo 120)" $PY -m pytest -q -m gpu -p no:cacheprovider -rfE \
   tests/runtime/backends/test_triton_fp8_block.py -k "gluon" >"$OUT/gluon_test.log" 2>&1
 echo "rc=$?"; tail -3 "$OUT/gluon_test.log"; grep -E "^(FAILED|ERROR)" "$OUT/gluon_test.log" | head
-timeout "$(tmo 200)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --gluon-l2 \
+timeout -k 10 "$(tmo 200)" $PY bench/deepgemm_sm90.py --layer --skip-checks --skip-bf16 --gluon-l2 \
   --bench-tokens "${GLUON_TOKENS:-4096,2048,512}" --out "$OUT/gluon_layer" >"$OUT/gluon_layer.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/gluon_layer.log" | tail -14
 fi
 if on 6; then
 el "6: the block-FP8 L1 with its weights by TMA (bench/gluon_block8.py --kernels l1t) against block8's L1"
-timeout "$(tmo 200)" $PY bench/gluon_block8.py --gpu --skip-compile --kernels l1t --tokens "${L1T_TOKENS:-4096,2048}" \
+timeout -k 10 "$(tmo 200)" $PY bench/gluon_block8.py --gpu --skip-compile --kernels l1t --tokens "${L1T_TOKENS:-4096,2048}" \
   --json "$OUT/l1t.json" >"$OUT/l1t.log" 2>&1; echo "rc=$?"
 grep -E "^L1 T=" "$OUT/l1t.log" | tail -16; grep -E "Error|error" "$OUT/l1t.log" | head -5
 fi
 if on 3; then
 el "3: the off-by-default kernel options against the default tiles, whole layer (bench/config_pair.py)"
-timeout "$(tmo 70)" $PY bench/config_pair.py --set scale_load=ahead --rows mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
+timeout -k 10 "$(tmo 70)" $PY bench/config_pair.py --set scale_load=ahead --rows mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
   --rounds 2 --json "$OUT/scale_load_ahead.json" 2>&1 | tail -6
-timeout "$(tmo 90)" $PY bench/config_pair.py --set k_unroll=2 --rows mxfp4,mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
+timeout -k 10 "$(tmo 90)" $PY bench/config_pair.py --set k_unroll=2 --rows mxfp4,mxfp8 --shapes "$SHAPES" --tokens "$TOKENS" \
   --rounds 2 --json "$OUT/k_unroll.json" 2>&1 | tail -10
 fi
 if on 4; then
 el "4: decode table with the peer (% of copy)"
 wait
-timeout "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
+timeout -k 10 "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/table.log" | tail -40
 fi
 el "done"
