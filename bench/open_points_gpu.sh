@@ -20,8 +20,10 @@ on() { [[ $PHASES == *$1* ]]; }
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
        --no-baseline --no-staging)
+BUILDS=()
 on 4 && for j in 0 1 2 3; do
   $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/4" --out "" >"$OUT/build_table_$j.log" 2>&1 &
+  BUILDS+=($!)
 done
 if on 1; then
 el "1: GPU kernel tests"
@@ -58,7 +60,9 @@ timeout -k 10 "$(tmo 90)" $PY bench/config_pair.py --set k_unroll=2 --rows mxfp4
 fi
 if on 4; then
 el "4: decode table with the peer (% of copy)"
-wait
+# the builds by pid: a bare `wait` also waits for gpu_setup.sh's `tee` process substitution (bash >= 5.1),
+# which never ends while this script writes to it
+[ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"
 timeout -k 10 "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/table.log" | tail -40
 fi
