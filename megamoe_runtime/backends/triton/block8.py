@@ -398,15 +398,30 @@ def gluon_l2_applies(fc: Any, act: torch.Tensor, w: torch.Tensor, I: int, bm: in
         return False
     from . import block8_gluon
 
-    return block8_gluon.GLUON_ERROR is None
+    return block8_gluon.GLUON_ERROR is None and _GLUON_LAUNCH_ERROR is None
+
+
+#: why the Gluon L2 failed to build or launch in this process (None: it has not): Gluon is Triton's
+#: experimental dialect, and a Triton whose Gluon imports but compiles it differently must not take the layer
+#: down when block8's L2 gives the same bytes
+_GLUON_LAUNCH_ERROR: Optional[str] = None
 
 
 def launch_l2(fc: Any, act, asf, w, ws, plan, slots, H, I, K, nslot, bm, hw):
+    global _GLUON_LAUNCH_ERROR
     if gluon_l2_applies(fc, act, w, I, bm, hw):
         from . import block8_gluon
 
-        block8_gluon.launch_l2(act, asf, w, ws, _scale_strides(ws, "l2_scale"), plan, slots, H, I, K, nslot, bm)
-        return
+        try:
+            block8_gluon.launch_l2(act, asf, w, ws, _scale_strides(ws, "l2_scale"), plan, slots, H, I, K, nslot,
+                                   bm)
+            return
+        except Exception as exc:  # noqa: BLE001 -- compile / launch refusals; block8's L2 below, once warned
+            import warnings
+
+            _GLUON_LAUNCH_ERROR = f"{type(exc).__name__}: {exc}"[:500]
+            warnings.warn(f"block-FP8 Gluon L2 unavailable in this process ({_GLUON_LAUNCH_ERROR}); "
+                          "block8's L2 (the same bytes) runs instead", RuntimeWarning, stacklevel=2)
     wb, swe, swn = _weight_bytes(w)
     se, sn, sk = _scale_strides(ws, "l2_scale")
     bn = min(fc.l2_bn, H)

@@ -380,6 +380,46 @@ def test_gluon_l2_applies_only_where_proven(monkeypatch):
         assert block8.gluon_l2_applies(on, a, b, 256, 32, True) == gl_ok  # the tile's own choice
 
 
+def test_gluon_l2_failure_falls_back_to_block8_l2(monkeypatch):
+    """A Gluon L2 that fails to build or launch (Gluon is experimental: another Triton may import it and still
+    refuse the kernel) warns once and leaves block8's L2 (the same bytes) for the rest of the process, instead
+    of failing the forward; without the failure the Gluon launch is taken (the control)."""
+    from megamoe_runtime.backends.triton import block8, block8_gluon
+
+    tries, block8_runs = [], []
+
+    class _Kernel:  # stands in for block8's jit L2: records its launches
+        def __getitem__(self, grid):
+            return lambda *a, **k: block8_runs.append(grid)
+
+    def gluon_launch(*a, **k):
+        tries.append(1)
+        if fail:
+            raise RuntimeError("planted: PTX assembly failed")
+
+    monkeypatch.setattr(block8, "_GLUON_LAUNCH_ERROR", None)
+    monkeypatch.setattr(block8, "gluon_l2_applies", lambda *a: block8._GLUON_LAUNCH_ERROR is None)
+    monkeypatch.setattr(block8_gluon, "launch_l2", gluon_launch)
+    monkeypatch.setattr(block8, "_l2_kernel", _Kernel())
+    from megamoe_runtime.backends.triton.staging import RoutingPlan
+
+    plan = RoutingPlan(torch.zeros(64, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                       torch.ones(1, dtype=torch.int32), 32, 2, 2)
+    ws = torch.ones(2, 2, 1)
+    args = (block8.TILES["prefill"], torch.zeros(64, 128, dtype=torch.uint8), torch.ones(2, 64),
+            torch.zeros(2, 256, 128, dtype=torch.uint8), ws, plan,
+            torch.zeros(4, 2, 256, dtype=torch.bfloat16), 256, 128, 2, 2, 32, True)
+    fail = False
+    block8.launch_l2(*args)
+    assert (len(tries), len(block8_runs)) == (1, 0)
+    fail = True
+    with pytest.warns(RuntimeWarning, match="Gluon L2 unavailable in this process .*planted: PTX assembly failed"):
+        block8.launch_l2(*args)
+    assert (len(tries), len(block8_runs)) == (2, 1)
+    block8.launch_l2(*args)  # no second try, no second warning
+    assert (len(tries), len(block8_runs)) == (2, 2)
+
+
 @pytest.mark.gpu
 def test_gluon_l2_bytes_equal_block8_l2(monkeypatch):
     """The layer with the Gluon L2 gives block8's output bytes exactly (DeepSeek-V3's I, prefill tile), the
