@@ -15,7 +15,7 @@ import torch
 from megamoe_runtime.errors import BackendUnavailableError, MegaMoEError, install_hint
 from megamoe_runtime.format.roles import KERNEL_ROLES, SHARED_PREFIX, shared_role
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "local_pair_problem"]
 
 _MIN_CAPABILITY = (8, 9)
 
@@ -31,6 +31,17 @@ class _NvScalars:
         self.l1_alpha = layer.l1_alpha
         self.l2_global_scale = layer.l2_global_scale
         self.l2_activation_scale = getattr(layer, "l2_activation_scale")
+
+
+def local_pair_problem(spec: Any, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The spec and expert ids of an EP pair compute (``TritonBackend.pairs``) as the one-rank problem it is:
+    every received pair belongs to this rank, so the rank's ``E_l`` experts are the whole layer (ids made
+    local, one slot per row, no shared expert). With the EP spec the tile rule would read the pairs as the
+    whole batch's and expect only ``E_l / num_experts`` of them here (``configs.local_pairs``, right for a
+    rank that sees every token's ids), picking tiles for ``ep_size`` times fewer pairs than it gets."""
+    E_l = spec.experts_per_rank
+    one = dataclasses.replace(spec, top_k=1, shared=None, num_experts=E_l, ep_rank=0, ep_size=1)
+    return one, ids - spec.ep_rank * E_l
 
 
 class TritonBackend:
@@ -122,9 +133,9 @@ class TritonBackend:
             raise BackendUnavailableError("the triton backend runs on CUDA tensors only")
         from .moe import moe_forward
 
-        spec = dataclasses.replace(layer.spec, top_k=1, shared=None)
+        spec, local_ids = local_pair_problem(layer.spec, ids)
         scalars = _NvScalars(layer) if spec.row_spec.has_alphas else None
-        _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), ids.reshape(-1, 1),
+        _, slots = moe_forward(spec, _Roles(layer, ""), rows, weights.reshape(-1, 1), local_ids.reshape(-1, 1),
                                scalars=scalars, config=self.config, return_slots=True,
                                w_tile=getattr(layer, "weight_tiles", 0), fold_flags=_fold_flags(layer))
         return slots[:, 0]

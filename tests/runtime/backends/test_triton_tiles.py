@@ -279,6 +279,32 @@ def test_tile_rule_under_ep_works_from_the_local_pairs(_h200, row, shape, tokens
         configs.default_config(tokens * K, E, "frag", **kw)  # one rank: unchanged
 
 
+@pytest.mark.parametrize("row", ["mxfp4", "fp8_block"])
+def test_ep_pair_compute_is_a_one_rank_problem(row):
+    """megamoe's own EP path hands a rank only the pairs it owns (``TritonBackend.pairs``, one slot per row):
+    as a one-rank problem over its E_l experts (local ids) the tile rule counts all N of them, the tiles one
+    rank with N pairs gets; with the EP spec (the negative control) it would expect N / ep_size."""
+    import torch
+
+    from megamoe_runtime.backends.triton import block8
+    from megamoe_runtime.backends.triton.backend import local_pair_problem
+    from megamoe_runtime.format.formats import ActivationSpec, LayerSpec
+
+    spec = LayerSpec(row, 7168, 2048, 256, 8, ActivationSpec(), ep_rank=3, ep_size=8)
+    N = 2048
+    ids = torch.arange(3 * 32, 4 * 32).repeat(N // 32)
+    one, local = local_pair_problem(spec, ids)
+    assert (one.num_experts, one.experts_per_rank, one.top_k, one.ep_size, one.shared) == (32, 32, 1, 1, None)
+    assert int(local.min()) == 0 and int(local.max()) == 31 and one.ep_rank * one.experts_per_rank == 0
+    assert configs.local_pairs(N, one.experts_per_rank, one.num_experts) == N
+    assert configs.local_pairs(N, spec.experts_per_rank, spec.num_experts) == N // 8  # the EP spec's reading
+    cfg = configs.KernelConfig()
+    single = LayerSpec(row, 7168, 2048, 32, 1, ActivationSpec())
+    assert block8.tiles_for(one, cfg, N) == block8.tiles_for(single, cfg, N)
+    assert block8.tiles_for(one, cfg, N)[0] == block8.TILES["prefill"]  # 64 pairs per expert
+    assert block8.tiles_for(dataclasses.replace(spec, top_k=1), cfg, N)[0] == block8.TILES["decode"]
+
+
 def test_tile_rule_under_ep_changes_the_regime(_h200):
     """DeepSeek-V3 at 64 tokens on EP 8: 2 pairs per local expert (decode), not 16 (mid)."""
     H, I, E, K = SHAPES["dsv3"]
