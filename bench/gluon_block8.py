@@ -17,14 +17,19 @@ so one promotion in UNROLL is not overlapped.
   (block8's prefill tile) or two (8 warps, 64 weight rows each).
 * L1: gate and up dots of 128 rows each (block8's interleaved kernel rows), K blocks of 128, two warpgroups;
   cp.async loads (the token rows are gathered) with one CTA barrier per block; block8's epilogue.
+* L1 with TMA weights (``--kernels l1t``): the 256 interleaved gate / up rows of 128 intermediate columns as one
+  ``[256, 128]`` TMA box and one wgmma group per K block, split into gate and up in registers for the epilogue;
+  token rows by cp.async; pipelined (two partials) or ``serial`` (one, small enough for two programs per SM).
 
 Per output element the operations are block8's on the GPU (HW_CVT, not EXACT): per K block one fresh FP8 wgmma
 sum per dot (the same ``m64n32k32`` e4m3 instructions, the first k32 step from zero), then the promotions in
 ascending K, each operation rounded (no fp contraction), and the same epilogue roundings. So the output bytes
 must equal block8's; ``--gpu`` checks that. Only the prefill tiles (``block8.TILES["prefill"]``: 32-token row
-blocks, 128 rows per dot). Not wired into the runtime.
+blocks, 128 rows per dot). The L2 is the runtime's (``megamoe_runtime/backends/triton/block8_gluon.py``, the
+prefill default); the L1s are not wired into the runtime (measured slower than or level with block8's:
+docs/bench-log/kernels.md).
 
-    python bench/gluon_block8.py --compile-only [--kernels l2,l1] [--control] [--json out.json]
+    python bench/gluon_block8.py --compile-only [--kernels l2,l1,l1t] [--control] [--json out.json]
         # sm_90 cubins on a CPU, beside block8's: registers, spills, shared memory, wgmma waits in the PTX and
         # SASS K loops, ptxas' notes
     python bench/gluon_block8.py --gpu [--tokens 2048,4096] [--json out.json]
