@@ -35,7 +35,7 @@ from megamoe_runtime.errors import CheckpointError, LayerSpecError, ScaleError
 from megamoe_runtime.format import codecs, scales
 from megamoe_runtime.format.canonical import ExpertTensors, ProjectionTensors
 from megamoe_runtime.format.formats import LayerSpec, Row, SharedSpec
-from megamoe_runtime.integrations.dense import is_quantized_linear
+from megamoe_runtime.format.source_formats import is_quantized_linear
 
 from ..readers.base import ExpertScalars, ModelFacts, MoELayerInfo
 from ..readers.common import all_finite, non_finite_message
@@ -466,7 +466,7 @@ def passthrough_checked(dtypes: Mapping[str, str]) -> dict[str, torch.dtype]:
     embeddings, the router, a dense MLP, unfused BF16 shared experts), which an engine uses as they are.
 
     Not checked: quantized storage (packed U8 / I8, F8 elements), and the float scales that belong to a
-    linear stored quantized (`integrations.dense.is_quantized_linear`: its ``weight_scale``,
+    linear stored quantized (`format.source_formats.is_quantized_linear`: its ``weight_scale``,
     ``weight_scale_inv``, ``weight_scale_2``, input scales; not its bias). Those are decoded together with
     their weight, and the engine integration's decode checks them, naming the linear
     (docs/ENGINES.md#non-expert-linears): a producer may legitimately leave a linear it did not quantize

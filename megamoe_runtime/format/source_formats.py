@@ -17,6 +17,7 @@ conversion needs (accepted dtypes, detection, the synthetic encoder).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 #: the kinds of stored expert tensors the loaders know
 _KINDS = ("weight", "scale", "global_scale", "input_scale")
@@ -119,3 +120,12 @@ def _union(families) -> dict[str, SuffixMeaning]:
 SUFFIXES: dict[str, SuffixMeaning] = _union(FAMILIES.values())
 #: suffix -> (kind, divisor): the raw loader's lookup
 SUFFIX_KINDS: dict[str, tuple[str, bool]] = {s: (m.kind, m.divisor) for s, m in SUFFIXES.items()}
+
+#: safetensors dtypes of a weight that is stored quantized (packed E2M1 bytes or E4M3 elements)
+_QUANTIZED_WEIGHT_DTYPES = ("U8", "I8", "F8_E4M3")
+
+
+def is_quantized_linear(dtypes: Mapping[str, str]) -> bool:
+    """Whether a linear's stored tensors (suffix -> safetensors dtype) hold a quantized weight: what both the
+    converter (which pass-through tensors it value-checks) and the engines' dense decode ask."""
+    return "weight_packed" in dtypes or dtypes.get("weight") in _QUANTIZED_WEIGHT_DTYPES

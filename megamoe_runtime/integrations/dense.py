@@ -24,17 +24,10 @@ from ..errors import FormatError
 from ..format import codecs, scales
 from ..format.source_formats import SUFFIXES
 
-__all__ = ["is_quantized_linear", "decode_linear_weight"]
+__all__ = ["decode_linear_weight"]
 
-#: safetensors dtypes of a weight that is stored quantized (packed E2M1 bytes or E4M3 elements)
-_QUANTIZED_WEIGHT_DTYPES = ("U8", "I8", "F8_E4M3")
 #: the suffixes of the stored weight itself, by family (``weight_packed``: compressed-tensors)
 _WEIGHT_SUFFIXES = ("weight", "weight_packed")
-
-
-def is_quantized_linear(dtypes: Mapping[str, str]) -> bool:
-    """Whether a linear's stored tensors (suffix -> safetensors dtype) hold a quantized weight."""
-    return "weight_packed" in dtypes or dtypes.get("weight") in _QUANTIZED_WEIGHT_DTYPES
 
 
 def decode_linear_weight(name: str, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:

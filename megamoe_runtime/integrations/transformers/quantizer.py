@@ -26,7 +26,8 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from ...errors import CheckpointError
-from ..dense import decode_linear_weight, is_quantized_linear
+from ...format.source_formats import is_quantized_linear
+from ..dense import decode_linear_weight
 from ..folder import check_folder_for_model, weights_folder
 from ..warm import seed_for_folder
 from .blocks import MOE_BLOCKS, MegaMoEBlock, adapt_router, is_moe_block
