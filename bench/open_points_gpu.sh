@@ -5,7 +5,8 @@
 # against the default tiles, and the decode table with the peer and % of copy bandwidth. Kernels are built in the background while the tests run;
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
-# PEER: a folder holding OpenAI's triton_kernels package (PEER/triton_kernels). SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64). PHASES: which of
+# PEER: a folder holding OpenAI's triton_kernels package (PEER/triton_kernels). SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64);
+# BUILD_JOBS: processes building the table's kernels first (default 4); TABLE_S: the table's time limit (default 150). PHASES: which of
 # phases below to run (default 1234; on request 5, the Gluon L2 through the runtime, and 6, the L1 with TMA weights).
 set -u
 OUT=${OUT:-/tmp/open_points}
@@ -21,8 +22,9 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>
 TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
        --no-baseline --no-staging)
 BUILDS=()
-on 4 && for j in 0 1 2 3; do
-  $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/4" --out "" >"$OUT/build_table_$j.log" 2>&1 &
+NB=${BUILD_JOBS:-4}
+on 4 && for ((j = 0; j < NB; j++)); do
+  timeout -k 10 "$(tmo 100000)" $PY bench/kernel.py "${TABLE[@]}" --compile-only --job "$j/$NB" --out "" >"$OUT/build_table_$j.log" 2>&1 &
   BUILDS+=($!)
 done
 if on 1; then
@@ -63,7 +65,8 @@ el "4: decode table with the peer (% of copy)"
 # the builds by pid: a bare `wait` also waits for gpu_setup.sh's `tee` process substitution (bash >= 5.1),
 # which never ends while this script writes to it
 [ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"
-timeout -k 10 "$(tmo 150)" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
+el "builds done"
+timeout -k 10 "$(tmo "${TABLE_S:-150}")" $PY bench/kernel.py "${TABLE[@]}" --out "$OUT/table" >"$OUT/table.log" 2>&1; echo "rc=$?"
 grep -vE "^\{" "$OUT/table.log" | tail -40
 fi
 el "done"
