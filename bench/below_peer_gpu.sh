@@ -6,8 +6,7 @@
 #    Qwen3-235B; b: nvfp4 of the few-large-expert shapes at 512 tokens (prefill tiles); c: nvfp4 at 64 tokens.
 set -u
 OUT=${OUT:-/tmp/below_peer}
-mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-585} MARGIN_S=${MARGIN_S:-10}
+BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/gpu_setup.sh"
 PEER=${PEER:-.peer-tk}
 PARTS=${PARTS:-abc}

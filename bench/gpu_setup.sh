@@ -1,7 +1,8 @@
 # Sourced by the one-call GPU drivers (bench/*_gpu.sh): the shared deadline, DeepGEMM's wheels and JIT cache,
-# and the card's name at the top of the log. Expects OUT set and mkdir'ed; reads BUDGET_S (seconds from now
+# and the card's name at the top of the log. Expects OUT set (made here if missing); reads BUDGET_S (seconds from now
 # that every phase must fit in), MARGIN_S (kept free at the end for packing), WHL (a folder of wheels to put
 # beside the project) and DG_CACHE_TGZ (a tarball of DeepGEMM's JIT cache, holding dgcache/).
+mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 T0=$(date +%s)
 DEADLINE=$((T0 + ${BUDGET_S:-400}))

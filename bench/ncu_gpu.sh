@@ -5,8 +5,7 @@
 #   OUT=/tmp/o POINTS="dsv2-lite:nvfp4:512:_l1_kernel dsv2-lite:mxfp4:512:_l1_kernel" bash bench/ncu_gpu.sh
 set -u
 OUT=${OUT:-/tmp/ncu}
-mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-585} MARGIN_S=${MARGIN_S:-10}
+BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/gpu_setup.sh"
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 for p in ${POINTS:-dsv2-lite:nvfp4:512:_l1_kernel dsv2-lite:mxfp4:512:_l1_kernel}; do

@@ -109,6 +109,22 @@ def e2m1_code(v):
 
 
 @triton.jit
+def e2m1_magnitude(y, d):
+    """E2M1 magnitude code (0..7, ties even, saturating) of ``RN(y / d)`` for ``y >= 0`` (or NaN: 0) and E4M3
+    block scales ``d`` (broadcast against ``y``), without the division: ``e2m1_code(div_rn(y, d))``'s
+    magnitude bit for bit. Why exact: every rounding midpoint m of the E2M1 grid times an E4M3 value is an
+    fp32 (3 + 4 significant bits), the quotient's own rounding cannot carry it across ``m * d``, so
+    ``RN(y / d) >= m`` is ``y >= m * d`` (``>`` for the midpoints that round down); three compares search
+    the seven midpoints (docs/KERNELS.md, "Staging: the NVFP4 per-token quantizer"). An IEEE division is
+    about ten instructions and a branch per element; the staging quantizer rounds every activation this
+    way."""
+    p2 = y >= d * 1.75
+    p1 = y >= tl.where(p2, d * 3.5, d * 0.75)
+    t0 = tl.where(p1, tl.where(p2, d * 5.0, d * 1.25), tl.where(p2, d * 2.5, d * 0.25))
+    return tl.where(p2, 4, 0) | tl.where(p1, 2, 0) | tl.where(y > t0, 1, 0)
+
+
+@triton.jit
 def e2m1_scaled16(c):
     """fp32 ``e2m1_value(c) * 2^-14`` for int32 codes c (0..15), via the fp16 bit pattern.
 

@@ -268,15 +268,6 @@ def _quotient(a, ts, rcp, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_magnitude(y, d):
-    """E2M1 magnitude code (0..7, ties even) of RN(y / d) for y >= 0 and block scales d ``[NBP, 1]``."""
-    p2 = y >= d * 1.75
-    p1 = y >= tl.where(p2, d * 3.5, d * 0.75)
-    t0 = tl.where(p1, tl.where(p2, d * 5.0, d * 1.25), tl.where(p2, d * 2.5, d * 0.25))
-    return tl.where(p2, 4, 0) | tl.where(p1, 2, 0) | tl.where(y > t0, 1, 0)
-
-
-@triton.jit
 def _nv_piece(w, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.constexpr,
               HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
     y_e = _quotient(tl.abs((w << 16).to(tl.float32, bitcast=True)), ts, rcp, FAST_DIV)
@@ -288,8 +279,8 @@ def _nv_piece(w, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.c
         sfv = tl.math.div_rn(yb, tl.full((NBP,), 6.0, tl.float32))
     sfv = _jit.e4m3_round(tl.maximum(sfv, _jit.E4M3_MIN_SUB), HW_CVT)
     d = sfv[:, None]
-    ce = _e2m1_magnitude(y_e, d) | ((w >> 12) & 8)  # the sign bits of the even and odd element
-    co = _e2m1_magnitude(y_o, d) | ((w >> 28) & 8)
+    ce = _jit.e2m1_magnitude(y_e, d) | ((w >> 12) & 8)  # the sign bits of the even and odd element
+    co = _jit.e2m1_magnitude(y_o, d) | ((w >> 28) & 8)
     pc = OFF * 8 + tl.arange(0, NBP)[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(p_row + pc, (ce | (co << 4)).to(tl.uint8))
     if HW_CVT:
