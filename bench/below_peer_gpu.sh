@@ -4,6 +4,9 @@
 #   OUT=/tmp/o PEER=.peer-tk BUDGET_S=585 PARTS=abc bash bench/below_peer_gpu.sh
 # a: the mid regime (32 pairs per expert) at 512 tokens, 32- and 64-pair row blocks: Llama-4-Scout, DeepSeek-V2-Lite,
 #    Qwen3-235B; b: nvfp4 of the few-large-expert shapes at 512 tokens (prefill tiles); c: nvfp4 at 64 tokens.
+# On request (not timed yet): d, nvfp4 at 4096 tokens with L1 tiles of 64 kernel rows at two CTAs per SM (the
+# 128-row 4-warp tile misses two CTAs by 1 KB of shared memory, docs/bench-log/kernels.md); e, nvfp4's prefill64
+# L2 tile (128:4:3 was 17% faster than the table's 256:8:3 on DeepSeek-V2-Lite at 512 tokens).
 set -u
 OUT=${OUT:-/tmp/below_peer}
 BUDGET_S=${BUDGET_S:-585}
@@ -21,4 +24,11 @@ sweep() {  # tag, seconds, sweep.py arguments
 [[ $PARTS == *a* ]] && sweep a 260 --shapes llama4-scout,dsv2-lite,qwen3-235b --rows nvfp4,mxfp4 --tokens 512 --block-m 32,64
 [[ $PARTS == *b* ]] && sweep b 160 --shapes mixtral,dbrx --rows nvfp4 --tokens 512
 [[ $PARTS == *c* ]] && sweep c 200 --shapes dsv3,mixtral,llama4-maverick --rows nvfp4 --tokens 64
+[[ $PARTS == *d* ]] && sweep d 260 --shapes qwen3-30b,dsv3,mixtral,glm45 --rows nvfp4 --tokens 4096 \
+  --l1 1:64:8:4,1:32:4:3,1:32:8:3,1:64:4:2 --l2 128:4:2
+if [[ $PARTS == *e* ]]; then  # the points where the mean is 33-64 pairs per expert (prefill64)
+  sweep e1 100 --shapes dsv2-lite --rows nvfp4 --tokens 512 --l1 1:64:4:4 --l2 256:8:3,128:4:3,128:4:2
+  sweep e2 100 --shapes dsv3 --rows nvfp4 --tokens 2048 --l1 1:64:4:4 --l2 256:8:3,128:4:3,128:4:2
+  sweep e3 100 --shapes qwen3-235b --rows nvfp4 --tokens 1024 --l1 1:64:4:4 --l2 256:8:3,128:4:3,128:4:2
+fi
 el "done"
