@@ -27,7 +27,7 @@ if [ -n "${TESTS:-}" ]; then
   echo "rc=$?"; tail -2 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
 fi
 wait "${BUILDS[@]}"
-el "builds done"; tail -3 "$OUT"/build_*.log | grep -iE "error|Traceback" | head
+el "builds done"; tail -n 3 "$OUT"/build_*.log | grep -iE "error|Traceback" | head
 for side in base new base2; do
   case $side in base|base2) S="$BASE/bench/kernel.py"; P=();; new) S=bench/kernel.py; P=(--peer-path "$PEER");; esac
   el "time $side"
