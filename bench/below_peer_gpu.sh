@@ -7,6 +7,9 @@
 # On request (not timed yet): d, nvfp4 at 4096 tokens with L1 tiles of 64 kernel rows at two CTAs per SM (the
 # 128-row 4-warp tile misses two CTAs by 1 KB of shared memory, docs/bench-log/kernels.md); e, nvfp4's prefill64
 # L2 tile (128:4:3 was 17% faster than the table's 256:8:3 on DeepSeek-V2-Lite at 512 tokens).
+# f: the 64-row nvfp4 L1 at 4096 tokens on the other families (d found it 4.3% / 1.2% faster on qwen3-30b / glm45,
+#    0.5-5% slower on dsv3 / mixtral); g: the regime's whole L1 / L2 candidate set for mxfp4 at 4096 tokens where it
+#    is below the peer; h: Llama-4-Maverick at 4096 tokens (32 pairs per expert, the mid regime), 32- and 64-pair rows.
 set -u
 OUT=${OUT:-/tmp/below_peer}
 BUDGET_S=${BUDGET_S:-585}
@@ -31,4 +34,8 @@ if [[ $PARTS == *e* ]]; then  # the points where the mean is 33-64 pairs per exp
   sweep e2 100 --shapes dsv3 --rows nvfp4 --tokens 2048 --l1 1:64:4:4 --l2 256:8:3,128:4:3,128:4:2
   sweep e3 100 --shapes qwen3-235b --rows nvfp4 --tokens 1024 --l1 1:64:4:4 --l2 256:8:3,128:4:3,128:4:2
 fi
+[[ $PARTS == *f* ]] && sweep f 150 --shapes kimi-k2,qwen3-235b,dbrx,llama4-scout,qwen3-next,dsv2-lite --rows nvfp4 \
+  --tokens 4096 --l1 1:64:8:4,1:32:4:3 --l2 128:4:2
+[[ $PARTS == *g* ]] && sweep g 200 --shapes kimi-k2,glm45,mixtral,dbrx,llama4-scout --rows mxfp4 --tokens 4096
+[[ $PARTS == *h* ]] && sweep h 120 --shapes llama4-maverick --rows mxfp4,nvfp4 --tokens 4096 --block-m 32,64
 el "done"

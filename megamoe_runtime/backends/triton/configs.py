@@ -191,6 +191,9 @@ class FragTiles(NamedTuple):
 #: faster at every point (302.9 / 52.6 / 1105.9 / 99.8 -> 302.7 / 48.8 / 1095.6 / 95.8 us; 2 stages lost
 #: 5-17%), and the fold decode for the mxfp8 L2 1.0-1.2% faster at every point (251.3 / 37.6 / 960.5 / 78.3
 #: -> 248.7 / 37.2 / 948.7 / 77.4 us).
+#: nvfp4 prefill64 L2: 4-warp 128-column tiles over the 8-warp 256-column ones (H100, 2026-12-06: L2 101.1 ->
+#: 84.2 us on DeepSeek-V2-Lite at 512 tokens; whole layer 1.04x there, 1.03x on DeepSeek-V3 at 2048 tokens,
+#: 1.07x on Qwen3-235B at 1024).
 FRAG_TILES = {
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128),
@@ -200,7 +203,7 @@ FRAG_TILES = {
     ("mid", W_E2M1_NV): FragTiles(32, True, 32, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
     ("prefill64", W_E2M1_MX): FragTiles(64, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
-    ("prefill64", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 256, 8, 3, "fold", "plain", None, 32),
+    ("prefill64", W_E2M1_NV): FragTiles(64, True, 64, 4, 4, 128, 4, 3, "fold", "plain", None, 32),
     ("prefill64", W_E4M3_MX): FragTiles(64, True, 64, 4, 2, 128, 4, 2, "plain", "fold", None, 32),
     ("prefill", W_E2M1_MX): FragTiles(128, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
     ("prefill", W_E2M1_NV): FragTiles(128, True, 64, 8, 4, 128, 4, 2, "fold", "fold", None, 32),
@@ -333,6 +336,22 @@ def split_k_tiles(cfg: "KernelConfig", kind: int, regime: str, n_pairs: int, num
     return cfg
 
 
+#: K steps (128-blocks of H) up to which the nvfp4 prefill L1 takes two-CTA tiles (``short_k_tiles``)
+_SHORT_K_STEPS = 16
+
+
+def short_k_tiles(cfg: "KernelConfig", kind: int, regime: str, H: Optional[int]) -> "KernelConfig":
+    """The short-K part of the tile rule (docs/KERNELS.md "Tile rule"): the nvfp4 prefill L1's 8-warp
+    128-row tile holds one CTA per SM (158.7 KB of shared memory), so nothing runs on the SM while a tile
+    requantizes its output after the K loop. With a short K loop (``H / 128 <= 16``) that epilogue is a large
+    share of each tile, and 64-row 4-warp tiles, two CTAs per SM (107.5 KB each), let one CTA's epilogue run
+    beside the other's loop. Measured at 4096 tokens on the H100 (docs/bench-log/kernels.md): whole layer
+    1.04-1.05x at H = 2048 (Qwen3-30B, Qwen3-Next, DeepSeek-V2-Lite), 0.98-1.01x from H = 4096 on."""
+    if kind != W_E2M1_NV or regime != "prefill" or not H or H // 128 > _SHORT_K_STEPS:
+        return cfg
+    return dataclasses.replace(cfg, l1_bn=32, l1_warps=4, l1_stages=3)
+
+
 def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
                    l1_gu: Optional[bool] = None, w_kind: Optional[int] = None,
                    H: Optional[int] = None, I: Optional[int] = None,
@@ -342,7 +361,8 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
 
     ``k_order`` "frag" (the MX/NV rows' default): ``FRAG_TILES`` by regime and weight kind
     ``w_kind`` (None: the mxfp4 tiles), then, given the shape (``H``, ``I``), the grid-fill rule
-    ``shape_tiles`` (docs/KERNELS.md "Tile rule"). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
+    ``shape_tiles``, the split-K rule ``split_k_tiles`` and the short-K rule ``short_k_tiles``
+    (docs/KERNELS.md "Tile rule"). ``l1_gu`` None: env ``MEGAMOE_TRITON_L1GU``, else the
     table's; True / False flips only that field (benchmarks compare the two L1 forms). The
     decode is the table's unless env ``MEGAMOE_TRITON_DECODE`` names one. ``num_experts``: the layer's
     experts over all EP ranks when ``n_pairs`` counts the whole batch's pairs and this rank holds
@@ -361,6 +381,7 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
         cfg = _frag_config(t, bm, l1_gu)
         cfg = shape_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
         cfg = split_k_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
+        cfg = short_k_tiles(cfg, kind, frag_regime(mean, n_pairs), H)
         # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
         # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its

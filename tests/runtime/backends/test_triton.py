@@ -302,11 +302,13 @@ def test_register_cap_same_bits(row):
 
 
 @pytest.mark.parametrize("row", ["mxfp4", "nvfp4", "mxfp8"])
-@pytest.mark.parametrize("T", [1, 8, 40])
+@pytest.mark.parametrize("T", [1, 8, 40, 200, 300])
 def test_shape_rule_tiles_same_bits(row, T):
     """The tiles the grid-fill rule picks from the shape (``configs.shape_tiles``: 32-row 4-stage L1,
-    64-column L2 with 4 stages, the 32-row one-dot mid-size nvfp4 L1) give the table's output bit for
-    bit, and the shape-aware default (``H``, ``I`` given) matches the reference (issue 28)."""
+    64-column L2 with 4 stages, the 32-row one-dot mid-size nvfp4 L1), the short-K rule's two-CTA nvfp4
+    prefill L1 (``configs.short_k_tiles``, T=300: 75 pairs per expert) and the 8-warp 256-column L2 that
+    nvfp4's prefill64 entry had before (T=200: 50 pairs) give the table's output bit for bit, and the
+    shape-aware default (``H``, ``I`` given) matches the reference (issue 28)."""
     _, moe, _ = _triton()
     from megamoe_runtime.backends.triton import configs
     from megamoe_runtime.backends.triton.backend import _NvScalars, _Roles
@@ -319,7 +321,10 @@ def test_shape_rule_tiles_same_bits(row, T):
     want = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=base)
     cfgs = [configs.default_config(P, E_l, "frag", w_kind=configs.ROW_W_KIND[row], H=spec.hidden, I=spec.intermediate),
             dataclasses.replace(base, l1_bn=32, l1_stages=4), dataclasses.replace(base, l2_bn=64, l2_stages=4),
-            dataclasses.replace(base, block_m=32, l1_gu=True, l1_bn=32, l1_stages=3, l1_maxnreg=None)]
+            dataclasses.replace(base, block_m=32, l1_gu=True, l1_bn=32, l1_stages=3, l1_maxnreg=None),
+            dataclasses.replace(base, l2_bn=256, l2_warps=8, l2_stages=3)]
+    if row == "nvfp4" and T == 300:  # H = 512: the short-K rule's tiles, not the table's, are the default
+        assert (cfgs[0].l1_bn, cfgs[0].l1_warps, base.l1_bn, base.l1_warps) == (32, 4, 64, 8), cfgs[0]
     for c in cfgs:
         out = moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=c)
         assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"{row} T={T} {c} differs"

@@ -218,9 +218,34 @@ def test_shape_rule_leaves_mx_rows_on_the_table(_h200, row, shape, tokens):
 def test_shape_rule_only_at_streaming_sizes(_h200, shape):
     H, I, E, K = SHAPES[shape]
     for tokens in (4096, 8192):
-        if configs.frag_regime(tokens * K / E).startswith("prefill"):
-            a = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV, H=H, I=I)
-            assert a == configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV)
+        regime = configs.frag_regime(tokens * K / E)
+        if regime.startswith("prefill"):
+            a = configs.default_config(tokens * K, E, "frag", w_kind=configs.W_E2M1_NV)
+            assert configs.shape_tiles(a, configs.W_E2M1_NV, regime, tokens * K, E, H, I) == a
+
+
+@pytest.mark.parametrize("shape,row,tokens,short", [
+    # (H, I, E, K): H = 2048 takes the two-CTA L1 at prefill (H100 sweep, 4096 tokens: 1.04-1.05x)
+    ((2048, 768, 128, 8), "nvfp4", 4096, True), ((2048, 1408, 64, 6), "nvfp4", 4096, True),
+    ((2048, 512, 512, 10), "nvfp4", 4096, True), ((2048, 768, 128, 8), "nvfp4", 2048, True),
+    # longer K loops keep the 8-warp 128-row tile (0.98-1.01x there)
+    ((5120, 1536, 160, 8), "nvfp4", 4096, False), ((4096, 1536, 128, 8), "nvfp4", 4096, False),
+    ((7168, 2048, 256, 8), "nvfp4", 4096, False), ((4096, 14336, 8, 2), "nvfp4", 4096, False),
+    # other rows, and the regimes below prefill, keep theirs
+    ((2048, 768, 128, 8), "mxfp4", 4096, False), ((2048, 768, 128, 8), "mxfp8", 4096, False),
+    ((2048, 1408, 64, 6), "nvfp4", 512, False), ((2048, 768, 128, 8), "nvfp4", 512, False),
+])
+def test_short_k_rule(_h200, shape, row, tokens, short):
+    """``configs.short_k_tiles``: the nvfp4 prefill L1 at two CTAs per SM where H / 128 <= 16; the L2, row
+    block, decode and tails stay the regime's."""
+    H, I, E_, K = shape
+    base = configs.default_config(tokens * K, E_, "frag", w_kind=KINDS[row])  # no shape: the table's tiles
+    cfg = configs.default_config(tokens * K, E_, "frag", w_kind=KINDS[row], H=H, I=I)
+    l1 = (cfg.l1_bn, cfg.l1_warps, cfg.l1_stages)
+    assert l1 == ((32, 4, 3) if short else (base.l1_bn, base.l1_warps, base.l1_stages))
+    if short:
+        assert base.block_m == 128 and base.l1_bn == 64 and base.l1_warps == 8  # the tile it replaces
+        assert dataclasses.replace(cfg, l1_bn=base.l1_bn, l1_warps=base.l1_warps, l1_stages=base.l1_stages) == base
 
 
 def test_expected_touched_and_wave_efficiency():
