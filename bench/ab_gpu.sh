@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
-# One GPU call: the layer before and after a kernel change, same machine, same call. BASE is a folder holding the
-# old tree's megamoe_runtime/ and bench/ (e.g. `git archive OLD megamoe_runtime bench | tar x -C .devrun/base`);
-# the tree itself is the new one. Kernels of both are built first (in parallel with TESTS, the GPU tests to run
-# on the new tree), then bench/kernel.py times the old and the new layer at the same points, the peer beside the new.
+# One GPU call: the layer at two or more trees, same machine, same call. TREES names them in timing order as
+# name=folder (a folder holding that tree's megamoe_runtime/ and bench/, e.g. `git archive OLD megamoe_runtime
+# bench | tar x -C .devrun/base`; "." is the working tree); the first is timed again at the end (its drift is the
+# spread). BASE=folder alone means TREES="base=folder new=.". Kernels of every tree are built first (in parallel
+# with TESTS, the GPU tests to run on the working tree), then bench/kernel.py times each tree's layer at the same
+# points, the peer beside the working tree.
 #   OUT=/tmp/o BASE=.devrun/base PEER=.peer-tk SHAPES=qwen3-30b,dsv3 ROWS=nvfp4 TOKENS=64,512,4096 \
 #     TESTS="tests/runtime/backends/test_triton.py -k nvfp4" bash bench/ab_gpu.sh
+# Each tree runs with PYTHONPATH on its own folder: the installed start-up hook (megamoe-autoregister.pth) imports
+# megamoe_runtime when the interpreter starts, from the first folder on the path, so a script's own sys.path insert
+# comes too late to pick the tree (it did: every side of the A/B calls before this check ran the working tree).
 set -u
 OUT=${OUT:-/tmp/ab}
 BUDGET_S=${BUDGET_S:-540}
 source "$(dirname "$0")/gpu_setup.sh"
-BASE=${BASE:-.devrun/base} PEER=${PEER:-.peer-tk}
+PEER=${PEER:-.peer-tk}
+TREES=${TREES:-"base=${BASE:-.devrun/base} new=."}
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 ARGS=(--shapes "${SHAPES:-qwen3-30b}" --rows "${ROWS:-nvfp4}" --tokens "${TOKENS:-64,512,4096}" --mma bf16 --korder frag
       --no-baseline --no-staging --no-peer8)
+# run a tree's bench/kernel.py with that tree on the path (and the peer beside the working tree)
+side() {  # folder, then kernel.py arguments
+  local dir; dir=$(cd "$1" && pwd); shift
+  local peer=(); [ "$dir" = "$PWD" ] && peer=(--peer-path "$PEER")
+  PYTHONPATH=$dir${WHL:+:/tmp/site} $PY "$dir/bench/kernel.py" "${ARGS[@]}" "${peer[@]}" "$@"
+}
+for t in $TREES; do  # each tree must import its own package
+  dir=$(cd "${t#*=}" && pwd)
+  got=$(PYTHONPATH=$dir $PY -c "import megamoe_runtime.backends.triton.configs as c; print(c.__file__)")
+  case $got in "$dir"/*) el "${t%%=*}: $got";; *) el "${t%%=*} imports $got, not $dir: stop"; exit 1;; esac
+done
 BUILDS=()
 NB=${BUILD_JOBS:-4}
-for ((j = 0; j < NB; j++)); do
-  timeout -k 10 "$(tmo 100000)" $PY "$BASE/bench/kernel.py" "${ARGS[@]}" --compile-only --job "$j/$NB" --out "" \
-    >"$OUT/build_base_$j.log" 2>&1 & BUILDS+=($!)
-  timeout -k 10 "$(tmo 100000)" $PY bench/kernel.py "${ARGS[@]}" --peer-path "$PEER" --compile-only --job "$j/$NB" \
-    --out "" >"$OUT/build_new_$j.log" 2>&1 & BUILDS+=($!)
+for t in $TREES; do
+  for ((j = 0; j < NB; j++)); do
+    timeout -k 10 "$(tmo 100000)" bash -c "$(declare -f side); $(declare -p ARGS PY PEER); side \"\$@\"" _ \
+      "${t#*=}" --compile-only --job "$j/$NB" --out "" >"$OUT/build_${t%%=*}_$j.log" 2>&1 & BUILDS+=($!)
+  done
 done
 if [ -n "${TESTS:-}" ]; then
   el "GPU tests: $TESTS"
@@ -28,11 +45,12 @@ if [ -n "${TESTS:-}" ]; then
 fi
 wait "${BUILDS[@]}"
 el "builds done"; tail -n 3 "$OUT"/build_*.log | grep -iE "error|Traceback" | head
-for side in base new base2; do
-  case $side in base|base2) S="$BASE/bench/kernel.py"; P=();; new) S=bench/kernel.py; P=(--peer-path "$PEER");; esac
-  el "time $side"
-  timeout -k 10 "$(tmo 200)" $PY "$S" "${ARGS[@]}" "${P[@]}" --out "$OUT/$side" >"$OUT/$side.log" 2>&1; echo "rc=$?"
-  grep -E "^\S+ +\S+ +bf16" "$OUT/$side.log" | cut -c1-90
+FIRST=${TREES%% *}
+for t in $TREES "${FIRST%%=*}2=${FIRST#*=}"; do
+  el "time ${t%%=*}"
+  timeout -k 10 "$(tmo 200)" bash -c "$(declare -f side); $(declare -p ARGS PY PEER); side \"\$@\"" _ \
+    "${t#*=}" --out "$OUT/${t%%=*}" >"$OUT/${t%%=*}.log" 2>&1; echo "rc=$?"
+  grep -E "^\S+ +\S+ +bf16" "$OUT/${t%%=*}.log" | cut -c1-90
 done
 el "done"
 rm -f "$OUT"/build_*.log
