@@ -6,6 +6,7 @@
 # everything comes back as $OUT/all.tgz (the device hands back only a few files).
 #   OUT=/tmp/o WHL=.whl DG_CACHE_TGZ=.whl/dg-jitcache.tgz PEER=.peer-tk BUDGET_S=430 bash bench/open_points_gpu.sh
 # PEER: a folder holding OpenAI's triton_kernels package (PEER/triton_kernels). SHAPES / TOKENS: the decode table's shapes and token counts (default dsv3,qwen3-30b at 8,64);
+# ROWS: the table's rows (default mxfp4,nvfp4,mxfp8); TESTS_S: phase 1's time limit (default 200);
 # BUILD_JOBS: processes building the table's kernels first (default 4); TABLE_S: the table's time limit (default 150). PHASES: which of
 # phases below to run (default 1234; on request 5, the Gluon L2 through the runtime, and 6, the L1 with TMA weights).
 set -u
@@ -19,7 +20,7 @@ TOKENS=${TOKENS:-8,64}
 PHASES=${PHASES:-1234}
 on() { [[ $PHASES == *$1* ]]; }
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows mxfp4,nvfp4,mxfp8 --tokens "$TOKENS" --mma bf16 --korder frag
+TABLE=(--peer-path "$PEER" --shapes "$SHAPES" --rows "${ROWS:-mxfp4,nvfp4,mxfp8}" --tokens "$TOKENS" --mma bf16 --korder frag
        --no-baseline --no-staging)
 BUILDS=()
 NB=${BUILD_JOBS:-4}
@@ -29,7 +30,7 @@ on 4 && for ((j = 0; j < NB; j++)); do
 done
 if on 1; then
 el "1: GPU kernel tests"
-timeout -k 10 "$(tmo 200)" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
+timeout -k 10 "$(tmo "${TESTS_S:-200}")" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/runtime/backends -rfE >"$OUT/kernels.log" 2>&1
 echo "rc=$?"; tail -3 "$OUT/kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/kernels.log" | head -20
 fi
 if on 2; then
