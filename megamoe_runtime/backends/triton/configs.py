@@ -191,9 +191,9 @@ class FragTiles(NamedTuple):
 #: faster at every point (302.9 / 52.6 / 1105.9 / 99.8 -> 302.7 / 48.8 / 1095.6 / 95.8 us; 2 stages lost
 #: 5-17%), and the fold decode for the mxfp8 L2 1.0-1.2% faster at every point (251.3 / 37.6 / 960.5 / 78.3
 #: -> 248.7 / 37.2 / 948.7 / 77.4 us).
-#: nvfp4 prefill64 L2: 4-warp 128-column tiles over the 8-warp 256-column ones (an H100 sweep, docs/bench-log/
-#: kernels.md: L2 101.1 -> 84.2 us on DeepSeek-V2-Lite at 512 tokens; whole layer 1.04x there, 1.03x on
-#: DeepSeek-V3 at 2048 tokens, 1.07x on Qwen3-235B at 1024).
+#: nvfp4 prefill64 L2: 4-warp 128-column tiles over the 8-warp 256-column ones (an H100 sweep in
+#: docs/bench-log/kernels.md: L2 101.1 -> 84.2 us on DeepSeek-V2-Lite at 512 tokens; whole layer 1.04x there,
+#: 1.03x on DeepSeek-V3 at 2048 tokens, 1.07x on Qwen3-235B at 1024).
 FRAG_TILES = {
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
     ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128),
