@@ -4,12 +4,12 @@
 #   OUT=/tmp/o PEER=.peer-tk BUDGET_S=585 PARTS=abc bash bench/below_peer_gpu.sh
 # a: the mid regime (32 pairs per expert) at 512 tokens, 32- and 64-pair row blocks: Llama-4-Scout, DeepSeek-V2-Lite,
 #    Qwen3-235B; b: nvfp4 of the few-large-expert shapes at 512 tokens (prefill tiles); c: nvfp4 at 64 tokens.
-# On request (not timed yet): d, nvfp4 at 4096 tokens with L1 tiles of 64 kernel rows at two CTAs per SM (the
-# 128-row 4-warp tile misses two CTAs by 1 KB of shared memory, docs/bench-log/kernels.md); e, nvfp4's prefill64
-# L2 tile (128:4:3 was 17% faster than the table's 256:8:3 on DeepSeek-V2-Lite at 512 tokens).
-# f: the 64-row nvfp4 L1 at 4096 tokens on the other families (d found it 4.3% / 1.2% faster on qwen3-30b / glm45,
-#    0.5-5% slower on dsv3 / mixtral); g: the regime's whole L1 / L2 candidate set for mxfp4 at 4096 tokens where it
-#    is below the peer; h: Llama-4-Maverick at 4096 tokens (32 pairs per expert, the mid regime), 32- and 64-pair rows.
+# On request: d, nvfp4 at 4096 tokens with L1 tiles of 64 kernel rows at two CTAs per SM (the 128-row 4-warp tile
+# misses two CTAs by 1 KB of shared memory); e, nvfp4's prefill64 L2 tile; f, the 64-row nvfp4 L1 at 4096 tokens on
+# the other families; g, the regime's whole L1 / L2 candidate set for mxfp4 at 4096 tokens where it is below the
+# peer; h, Llama-4-Maverick at 4096 tokens (32 pairs per expert, the mid regime), 32- and 64-pair rows. d-f led to
+# configs.short_k_tiles and the prefill64 nvfp4 L2 entry, which are now the defaults each sweep starts from
+# (results: docs/bench-log/kernels.md, "fourth session").
 set -u
 OUT=${OUT:-/tmp/below_peer}
 BUDGET_S=${BUDGET_S:-585}
