@@ -373,15 +373,16 @@ def default_config(n_pairs: int, num_local: int, k_order: Optional[str] = None,
     mean = n_pairs / max(1, num_local)
     if k_order == "frag":
         kind = w_kind if w_kind in (W_E4M3_MX, W_E2M1_NV) else W_E2M1_MX
-        t = FRAG_TILES[(frag_regime(mean, n_pairs), kind)]
+        regime = frag_regime(mean, n_pairs)
+        t = FRAG_TILES[(regime, kind)]
         env = knobs.get("MEGAMOE_TRITON_L1GU")
         if l1_gu is None and env is not None:
             l1_gu = env not in ("0", "false", "no", "")
         bm = t.block_m if t.block_m is not None else (64 if mean <= 64 else 128)
         cfg = _frag_config(t, bm, l1_gu)
-        cfg = shape_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
-        cfg = split_k_tiles(cfg, kind, frag_regime(mean, n_pairs), n_pairs, num_local, H, I)
-        cfg = short_k_tiles(cfg, kind, frag_regime(mean, n_pairs), H)
+        cfg = shape_tiles(cfg, kind, regime, n_pairs, num_local, H, I)
+        cfg = split_k_tiles(cfg, kind, regime, n_pairs, num_local, H, I)
+        cfg = short_k_tiles(cfg, kind, regime, H)
         # at prefill a tail is the short remainder of a compute-bound expert: always worth its own
         # launch; at mid sizes only while most experts fit in one (mean <= tail_max): there the
         # kernels are bound by the weight bytes, and a remainder in a second launch reads its

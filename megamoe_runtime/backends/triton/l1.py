@@ -56,10 +56,11 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
         amax = tl.max(tl.abs(a3), axis=1)
         sf = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * inv_a2
         sf = _jit.e4m3_round(tl.maximum(sf, _jit.E4M3_MIN_SUB), HW_CVT)
-        # E2M1 code of RN(y / sf) by compares against the midpoints times sf (exact: _jit.e2m1_magnitude)
+        d = sf[:, None, :]  # each element's block scale
+        # E2M1 code of RN(y / d) by compares against the midpoints times d (exact: _jit.e2m1_magnitude)
         y = a3 * inv_a2
-        c = _jit.e2m1_magnitude(tl.abs(y), sf[:, None, :]) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
-        return (_jit.e2m1_value(c) * sf[:, None, :]).reshape(BN, BM).to(tl.bfloat16)
+        c = _jit.e2m1_magnitude(tl.abs(y), d) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+        return (_jit.e2m1_value(c) * d).reshape(BN, BM).to(tl.bfloat16)
     else:
         return _jit.bf16r(a, HW_CVT).to(tl.bfloat16)
 
