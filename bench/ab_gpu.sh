@@ -25,6 +25,11 @@ side() {  # folder, then kernel.py arguments
   local peer=(); [ "$dir" = "$PWD" ] && peer=(--peer-path "$PEER")
   PYTHONPATH=$dir${WHL:+:/tmp/site} $PY "$dir/bench/kernel.py" "${ARGS[@]}" "${peer[@]}" "$@"
 }
+# `side` under a time limit (timeout runs programs, not shell functions): limit, folder, kernel.py arguments
+timed_side() {
+  local lim=$1; shift
+  timeout -k 10 "$lim" bash -c "$(declare -f side); $(declare -p ARGS PY PEER); side \"\$@\"" _ "$@"
+}
 for t in $TREES; do  # each tree must import its own package
   dir=$(cd "${t#*=}" && pwd)
   got=$(PYTHONPATH=$dir $PY -c "import megamoe_runtime.backends.triton.configs as c; print(c.__file__)")
@@ -34,8 +39,8 @@ BUILDS=()
 NB=${BUILD_JOBS:-4}
 for t in $TREES; do
   for ((j = 0; j < NB; j++)); do
-    timeout -k 10 "$(tmo 100000)" bash -c "$(declare -f side); $(declare -p ARGS PY PEER); side \"\$@\"" _ \
-      "${t#*=}" --compile-only --job "$j/$NB" --out "" >"$OUT/build_${t%%=*}_$j.log" 2>&1 & BUILDS+=($!)
+    timed_side "$(tmo 100000)" "${t#*=}" --compile-only --job "$j/$NB" --out "" >"$OUT/build_${t%%=*}_$j.log" 2>&1 &
+    BUILDS+=($!)
   done
 done
 if [ -n "${TESTS:-}" ]; then
@@ -48,8 +53,7 @@ el "builds done"; tail -n 3 "$OUT"/build_*.log | grep -iE "error|Traceback" | he
 FIRST=${TREES%% *}
 for t in $TREES "${FIRST%%=*}2=${FIRST#*=}"; do
   el "time ${t%%=*}"
-  timeout -k 10 "$(tmo 200)" bash -c "$(declare -f side); $(declare -p ARGS PY PEER); side \"\$@\"" _ \
-    "${t#*=}" --out "$OUT/${t%%=*}" >"$OUT/${t%%=*}.log" 2>&1; echo "rc=$?"
+  timed_side "$(tmo 200)" "${t#*=}" --out "$OUT/${t%%=*}" >"$OUT/${t%%=*}.log" 2>&1; echo "rc=$?"
   grep -E "^\S+ +\S+ +bf16" "$OUT/${t%%=*}.log" | cut -c1-90
 done
 el "done"
