@@ -97,6 +97,27 @@ def e4m3_byte_to_f32(b, HW_CVT: tl.constexpr):
         return tl.where((bi & 0x80) != 0, -v, v)
 
 
+#: RN(1 / 6) in fp32, the reciprocal `div_markstein` divides the NVFP4 block amax by 6 with
+RCP6 = tl.constexpr(0.16666667163372039795)
+
+
+@triton.jit
+def div_markstein(a, b, rcp, STEPS: tl.constexpr):
+    """RN(a / b) from ``rcp = RN(1 / b)``: the product, then STEPS residual corrections
+    ``r = a - b*q`` (exact in an FMA), ``q += r * rcp``. Two steps are Markstein's correctly rounded
+    quotient wherever the residuals stay normal; `staging.division_mismatches` checks the forms in use
+    exhaustively (docs/KERNELS.md, "Staging: the NVFP4 per-token quantizer"). Five flops against an
+    IEEE division's reciprocal, refinement, range check and slow-path branch."""
+    q = a * rcp
+    if STEPS >= 1:  # (0 only as the proof's negative control)
+        r = tl.fma(-b, q, a)
+        q = tl.fma(r, rcp, q)
+    if STEPS == 2:
+        r = tl.fma(-b, q, a)
+        q = tl.fma(r, rcp, q)
+    return q
+
+
 @triton.jit
 def e2m1_code(v):
     """E2M1 code (int32 0..15) of fp32 v: RNE on the E2M1 grid, saturating at 6, sign bit kept."""

@@ -42,6 +42,16 @@ def activation(g, u, clamp_c, act_alpha, act_beta, situ_b, situ_bl,
         return (((sig * situ_b) * t1) * situ_bl) * t2
 
 
+#: Largest 1 / a2 for which the NVFP4 requantization divides the block amax by 6 with `_jit.div_markstein`
+#: (two residual steps) instead of an IEEE division. The residual form is RN(amax / 6) wherever its residuals
+#: stay exact: for every amax >= 2^-100 (checked exhaustively over the fp32 significands on the GPU,
+#: `staging.division_mismatches(2, six=True)`, and power-of-two scaling carries that down to there). Below
+#: 2^-100 the quotient times 1 / a2 <= 2^80 is under 2^-22, far under the E4M3 floor of the scale (2^-9),
+#: so whichever quotient the form gives, the scale is the floor, as with the IEEE quotient. A layer with a
+#: smaller a2 (none is known) takes the division.
+DIV6_FAST_INV_A2 = tl.constexpr(2.0 ** 80)
+
+
 @triton.jit
 def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HW_CVT: tl.constexpr):
     """Quantize-dequantize ``a`` [BN (K of L2), BM] along axis 0; the result is exact in bf16."""
@@ -54,7 +64,12 @@ def _requant(a, inv_a2, REQ: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, H
     elif REQ == 1:  # NVFP4 per 16 with global a2: sf = e4m3(max(amax/6*inv, 2^-9)); q = e2m1(a*inv/sf)
         a3 = a.reshape(BN // 16, 16, BM)
         amax = tl.max(tl.abs(a3), axis=1)
-        sf = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * inv_a2
+        if inv_a2 <= DIV6_FAST_INV_A2:  # RN(amax / 6) by residuals: exact, see DIV6_FAST_INV_A2
+            q6 = _jit.div_markstein(amax, 6.0, _jit.RCP6, 2)
+            q6 = tl.where(amax == float("inf"), amax, q6)  # (the residual form gives NaN there)
+        else:
+            q6 = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        sf = q6 * inv_a2
         sf = _jit.e4m3_round(tl.maximum(sf, _jit.E4M3_MIN_SUB), HW_CVT)
         d = sf[:, None, :]  # each element's block scale
         # E2M1 code of RN(y / d) by compares against the midpoints times d (exact: _jit.e2m1_magnitude)

@@ -198,7 +198,7 @@ def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, strid
 #   the registers of fp32, and each word unpacks into the pair that shares one output byte.
 #   The token amax is a packed bf16x2 max over the words (one op per two elements).
 # * y = |x| / ts: the multiply by the correctly rounded reciprocal of the token scale
-#   and residual steps r = |x| - ts*q (exact in an FMA), q += r * (1/ts) (``_div_markstein``;
+#   and residual steps r = |x| - ts*q (exact in an FMA), q += r * (1/ts) (``_jit.div_markstein``;
 #   FAST_DIV 1: two steps, Markstein's theorem; 2: one step, which bench/staging.py
 #   --prove-div checked against div_rn for every bf16 numerator significand and every fp32
 #   divisor significand). FAST_DIV=0 uses div_rn.
@@ -245,24 +245,10 @@ def _words_amax(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _div_markstein(a, b, rcp, STEPS: tl.constexpr):
-    """RN(a / b) from ``rcp = RN(1 / b)``: the product, then STEPS residual corrections
-    ``r = a - b*q`` (exact in an FMA), ``q += r * rcp``."""
-    q = a * rcp
-    if STEPS >= 1:  # (0 only as the proof's negative control)
-        r = tl.fma(-b, q, a)
-        q = tl.fma(r, rcp, q)
-    if STEPS == 2:
-        r = tl.fma(-b, q, a)
-        q = tl.fma(r, rcp, q)
-    return q
-
-
-@triton.jit
 def _quotient(a, ts, rcp, FAST_DIV: tl.constexpr):
     """RN(a / ts) (see the comment above ``_nv_load``)."""
     if FAST_DIV:
-        return _div_markstein(a, ts, rcp, 3 - FAST_DIV)
+        return _jit.div_markstein(a, ts, rcp, 3 - FAST_DIV)
     else:
         return tl.math.div_rn(a, tl.zeros_like(a) + ts)
 
@@ -274,7 +260,7 @@ def _nv_piece(w, ts, rcp, p_row, sf_row, xd_row, H, OFF: tl.constexpr, NBP: tl.c
     y_o = _quotient(tl.abs((w & -65536).to(tl.float32, bitcast=True)), ts, rcp, FAST_DIV)
     yb = tl.max(tl.maximum(y_e, y_o), axis=1)  # = RN(max|x| / ts): RN is monotone
     if FAST_DIV:
-        sfv = _div_markstein(yb, 6.0, 0.16666667163372039795, 2)  # RN(yb / 6); RN(1/6) as fp32
+        sfv = _jit.div_markstein(yb, 6.0, _jit.RCP6, 2)  # RN(yb / 6); RN(1/6) as fp32
     else:
         sfv = tl.math.div_rn(yb, tl.full((NBP,), 6.0, tl.float32))
     sfv = _jit.e4m3_round(tl.maximum(sfv, _jit.E4M3_MIN_SUB), HW_CVT)
@@ -373,7 +359,7 @@ def _div_proof_kernel(out_ptr, STEPS: tl.constexpr, SIX: tl.constexpr, BLOCK: tl
     if SIX:
         a = (0x3F800000 + i).to(tl.float32, bitcast=True)
         b = tl.zeros((BLOCK,), tl.float32) + 6.0
-        q = _div_markstein(a, b, 0.16666667163372039795, STEPS)
+        q = _jit.div_markstein(a, b, _jit.RCP6, STEPS)
         bad += (q != tl.math.div_rn(a, b)).to(tl.int32)
     else:
         b = (0x3F800000 + i).to(tl.float32, bitcast=True)
@@ -381,13 +367,13 @@ def _div_proof_kernel(out_ptr, STEPS: tl.constexpr, SIX: tl.constexpr, BLOCK: tl
         for m in range(128):
             a = tl.zeros((BLOCK,), tl.int32).to(tl.float32, bitcast=True) + (0x3F800000 + m * 65536).to(
                 tl.float32, bitcast=True)
-            q = _div_markstein(a, b, rcp, STEPS)
+            q = _jit.div_markstein(a, b, rcp, STEPS)
             bad += (q != tl.math.div_rn(a, b)).to(tl.int32)
     tl.atomic_add(out_ptr, tl.sum(bad, axis=0))
 
 
 def division_mismatches(steps: int, six: bool = False, device: str = "cuda") -> int:
-    """Quotients where ``_div_markstein`` with ``steps`` residual steps differs from div_rn.
+    """Quotients where ``_jit.div_markstein`` with ``steps`` residual steps differs from div_rn.
 
     ``six=False``: every bf16 numerator significand (128) against every fp32 divisor significand
     (2^23), the row kernel's |x| / token_scale; ``six=True``: every fp32 numerator significand
@@ -400,7 +386,7 @@ def division_mismatches(steps: int, six: bool = False, device: str = "cuda") -> 
     return int(out.item())
 
 
-#: Residual steps of the row kernel's fast division (``_div_markstein``): 2 is Markstein's proof;
+#: Residual steps of the row kernel's fast division (``_jit.div_markstein``): 2 is Markstein's proof;
 #: 1 is what the kernel runs, because ``division_mismatches(1)`` is 0 on the H200 (every bf16
 #: numerator significand against every fp32 divisor significand; ``bench/staging.py
 #: --prove-div`` and the GPU test ``test_staging_fast_division_proof`` check it again).

@@ -492,14 +492,14 @@ _CASES.append(("mxfp4", "swiglu_clamp0", None))
 
 
 def _run_pair(row, act, shared, *, T=37, H=512, I=256, E=16, K=4, ep=(0, 1), rsf=2.5, seed=0, config=None,
-              mask_frac=0.15, zero_tokens=2):
+              mask_frac=0.15, zero_tokens=2, a2=4.0 / 2688):
     staging, moe, synth = _triton()
     from megamoe_runtime.backends.reference import ReferenceBackend
     from megamoe_runtime.backends.triton import TritonBackend
 
     spec = LayerSpec(row, H, I, E, K, _ACTS[act], ep_rank=ep[0], ep_size=ep[1],
                      shared=SharedSpec(shared, 1, 128) if shared else None, routed_scaling_factor=rsf)
-    lay = synth.random_layer(spec, device="cuda", seed=seed, a2=4.0 / 2688)
+    lay = synth.random_layer(spec, device="cuda", seed=seed, a2=a2)
     tw, ids = synth.random_routing(T, E, K, "cuda", seed=seed + 1, mask_frac=mask_frac,
                                    zero_tokens=min(zero_tokens, T))
     g = torch.Generator(device="cpu").manual_seed(seed + 2)
@@ -508,6 +508,17 @@ def _run_pair(row, act, shared, *, T=37, H=512, I=256, E=16, K=4, ep=(0, 1), rsf
     ref = ReferenceBackend().forward(lay, x, tw, ids, shared_input=sh_in)
     out = TritonBackend(config=config).forward(lay, x, tw, ids, shared_input=sh_in)
     return spec, lay, (x, tw, ids), out, ref
+
+
+@pytest.mark.parametrize("a2", [4.0 / 2688, 2.0 ** -85], ids=["residuals", "ieee_division"])
+def test_nvfp4_block_scale_division_forms(a2):
+    """The L1's NVFP4 requantization divides each block's amax by 6 with Markstein residuals while 1 / a2 <=
+    ``l1.DIV6_FAST_INV_A2`` and with the IEEE division above it: both forms give the reference's bits."""
+    from megamoe_runtime.backends.triton import l1
+
+    assert (1.0 / a2 <= l1.DIV6_FAST_INV_A2.value) == (a2 > 2.0 ** -80)
+    _, _, _, out, ref = _run_pair("nvfp4", "swiglu_clamp_ab", None, T=300, a2=a2)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), f"a2={a2}: calc_diff {calc_diff(out, ref):.2e}"
 
 
 @pytest.mark.parametrize("row,act,shared", _CASES, ids=[f"{r}-{a}-{s or 'noshared'}" for r, a, s in _CASES])
