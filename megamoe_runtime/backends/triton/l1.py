@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import _jit
-from .configs import KernelConfig, k_unroll, resolve_l1_gu
+from .configs import REQ_NV4, KernelConfig, k_unroll, resolve_l1_gu
 from .launch import L1Epilogue, Rows, WeightOperand, opts
 from .operands import (
     FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, k_loop, mm_block,
@@ -124,7 +124,7 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
                GU: tl.constexpr = False, WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False,
-               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1):
+               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1, STORE32: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -145,7 +145,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     accumulators are value * 2^-8 exactly and get the 2^8 back here. FFLAGS: ``fflag_ptr`` holds the
     per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan. SAHEAD
     (GU, E4M3 weights): each K step's scale bytes are loaded one step ahead (``mx_scales``). KU (GU): K
-    blocks per loop trip (``KernelConfig.k_unroll``; H a multiple of KU * BK)."""
+    blocks per loop trip (``KernelConfig.k_unroll``; H a multiple of KU * BK). STORE32 (routed rows): the
+    intermediate is stored through one 64-bit base per row block and 32-bit offsets (``store32``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
@@ -202,7 +203,21 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
         col = j // 2 + (j % 2) * (I // 2)
     else:
         col = j
-    tl.store(act_ptr + orow[None, :] * I + col[:, None], q, mask=mvalid[None, :])
+    if SHARED or not STORE32:
+        dst = act_ptr + orow[None, :] * I + col[:, None]
+    else:  # a routed block's BM consecutive rows: one 64-bit base, 32-bit offsets (BM * I < 2^31: store32)
+        dst = (act_ptr + (pid_m * BM).to(tl.int64) * I) + (tl.arange(0, BM)[None, :] * I + col[:, None])
+    tl.store(dst, q, mask=mvalid[None, :])
+
+
+def store32(block_m: int, I: int, req: int) -> bool:
+    """Whether the L1 stores a routed block's intermediate through 32-bit offsets from one 64-bit base per
+    block (otherwise a 64-bit address per element): at 128-row tiles and for the NVFP4 intermediate, where
+    it was measured 0-4% faster for the whole layer; not at mxfp8's 32-row tiles, where its two more
+    registers cost a CTA per SM (10% slower at one point). The same bytes are stored either way. The offsets
+    need ``block_m * I < 2^31``; past that the 64-bit form is kept (docs/KERNELS.md "The intermediate's
+    store")."""
+    return (block_m == 128 or req == REQ_NV4) and block_m * I < 2 ** 31
 
 
 def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: Rows, epi: L1Epilogue,
@@ -211,12 +226,13 @@ def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: R
     ``weight``'s gate/up rows and ``epi`` into ``act`` ``[rows, I]``; tiles from ``cfg``."""
     bn = min(cfg.l1_bn, I)
     dummy_f = torch.empty(1, dtype=torch.float32, device=act.device)
+    rargs = rows.kernel_args(act.device)
     gu = bool(weight.frag and resolve_l1_gu(cfg) and not rows.shared)
     ku = k_unroll(cfg, H) if gu else 1
     wargs = weight.kernel_args(x)
     wargs["SAHEAD"] = wargs["SAHEAD"] and gu  # the two-dot L1 loads its scales in the step
     _l1_kernel[(I // bn, rows.grid_m())](
-        x_ptr=x, act_ptr=act, H=H, I=I, **rows.kernel_args(act.device), **wargs,
+        x_ptr=x, act_ptr=act, H=H, I=I, **rargs, **wargs,
         **epi.kernel_args(dummy_f), BN=bn, BK=128 if weight.frag or H % cfg.l1_bk else cfg.l1_bk, HW_CVT=hw,
-        GU=gu, KU=ku,
+        GU=gu, KU=ku, STORE32=store32(rargs["BM"], I, epi.req),
         num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg))

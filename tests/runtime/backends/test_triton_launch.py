@@ -83,6 +83,31 @@ def test_l1_l2_launches_set_every_kernel_parameter_by_name(kind, shared, monkeyp
     assert rec2.calls[0][2]["NSLOT"] == 3
 
 
+@pytest.mark.parametrize("block_m, req, I, expect", [
+    (128, configs.REQ_MX8, 256, True),  # prefill tiles: every row
+    (128, configs.REQ_NV4, 256, True),
+    (32, configs.REQ_NV4, 256, True),  # the NVFP4 intermediate at every tile
+    (32, configs.REQ_MX8, 256, False),  # mxfp8's mid tile: a CTA per SM fewer with it
+    (64, configs.REQ_BF16, 256, False),
+    (128, configs.REQ_NV4, 2 ** 24, False),  # 128 * I = 2^31: the 32-bit offsets would wrap
+    (128, configs.REQ_NV4, 2 ** 24 - 128, True),
+])
+def test_l1_store_offsets_rule(block_m, req, I, expect, monkeypatch):
+    """``l1.store32`` (docs/KERNELS.md "The intermediate's store") and what the launch passes: the rule's cases,
+    its bound where ``BM * I`` reaches 2^31, and the launch deriving it from the routed plan's block size."""
+    assert l1.store32(block_m, I, req) is expect
+    rec = _Recorder(l1._l1_kernel)
+    monkeypatch.setattr(l1, "_l1_kernel", rec)
+    spec = LayerSpec("mxfp4", 256, 256, 2, 2, ActivationSpec("swiglu"))
+    w, ws = _weights(configs.W_E2M1_MX)
+    op = WeightOperand.of(w, ws, configs.W_E2M1_MX, asm=True, frag=True, fold=True, sword=True)
+    epi = L1Epilogue(Activation.of(spec), torch.ones(5, 2), 2.5, True, req, 2)
+    rows = Rows(5, 2, block_m, _plan(block_m, 1))
+    l1.launch_l1(configs.KernelConfig(block_m=block_m), torch.zeros(5, 256, dtype=torch.bfloat16), op, rows, epi,
+                 torch.zeros(block_m, 256, dtype=torch.bfloat16), 256, 256, True)
+    assert rec.calls[0][2]["STORE32"] is l1.store32(block_m, 256, req)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_fp8_launches_set_every_kernel_parameter_by_name(shared, monkeypatch):
     rec1, rec2 = _Recorder(mma8._l1_fp8_kernel), _Recorder(mma8._l2_fp8_kernel)
