@@ -4,7 +4,7 @@
 # bench | tar x -C .devrun/base`; "." is the working tree); the first is timed again at the end (its drift is the
 # spread). BASE=folder alone means TREES="base=folder new=.". Kernels of every tree are built first (in parallel
 # with TESTS, the GPU tests to run on the working tree), then bench/kernel.py times each tree's layer at the same
-# points, the peer beside the working tree.
+# points, the peer beside the working tree. Everything comes back as $OUT/all.tgz.
 #   OUT=/tmp/o BASE=.devrun/base PEER=.peer-tk SHAPES=qwen3-30b,dsv3 ROWS=nvfp4 TOKENS=64,512,4096 \
 #     TESTS="tests/runtime/backends/test_triton.py -k nvfp4" bash bench/ab_gpu.sh
 # Each tree runs with PYTHONPATH on its own folder: the installed start-up hook (megamoe-autoregister.pth) imports
@@ -58,3 +58,5 @@ for t in $TREES "${FIRST%%=*}2=${FIRST#*=}"; do
 done
 el "done"
 rm -f "$OUT"/build_*.log
+# one archive: the device hands back only a few files (each tree leaves a folder and a log)
+tar czf /tmp/ab_gpu.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/ab_gpu.tgz "$OUT/all.tgz"
