@@ -97,7 +97,7 @@ def e4m3_byte_to_f32(b, HW_CVT: tl.constexpr):
         return tl.where((bi & 0x80) != 0, -v, v)
 
 
-#: RN(1 / 6) in fp32, the reciprocal `div_markstein` divides the NVFP4 block amax by 6 with
+#: RN(1 / 6) in fp32: with it `div_markstein` divides an NVFP4 block amax by 6 (the staging quantizer, the L1)
 RCP6 = tl.constexpr(0.16666667163372039795)
 
 

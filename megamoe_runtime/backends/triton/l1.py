@@ -203,10 +203,10 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
         col = j // 2 + (j % 2) * (I // 2)
     else:
         col = j
-    if SHARED or not STORE32:
-        dst = act_ptr + orow[None, :] * I + col[:, None]
-    else:  # a routed block's BM consecutive rows: one 64-bit base, 32-bit offsets (BM * I < 2^31: store32)
+    if STORE32:  # a routed block's BM consecutive rows: one 64-bit base, 32-bit offsets (BM * I < 2^31: store32)
         dst = (act_ptr + (pid_m * BM).to(tl.int64) * I) + (tl.arange(0, BM)[None, :] * I + col[:, None])
+    else:
+        dst = act_ptr + orow[None, :] * I + col[:, None]
     tl.store(dst, q, mask=mvalid[None, :])
 
 
@@ -216,7 +216,7 @@ def store32(block_m: int, I: int, req: int) -> bool:
     it was measured 0-4% faster for the whole layer; not at mxfp8's 32-row tiles, where its two more
     registers cost a CTA per SM (10% slower at one point). The same bytes are stored either way. The offsets
     need ``block_m * I < 2^31``; past that the 64-bit form is kept (docs/KERNELS.md "The intermediate's
-    store")."""
+    store"). The shared expert's rows are not consecutive: its launch never takes it."""
     return (block_m == 128 or req == REQ_NV4) and block_m * I < 2 ** 31
 
 
@@ -234,5 +234,5 @@ def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: R
     _l1_kernel[(I // bn, rows.grid_m())](
         x_ptr=x, act_ptr=act, H=H, I=I, **rargs, **wargs,
         **epi.kernel_args(dummy_f), BN=bn, BK=128 if weight.frag or H % cfg.l1_bk else cfg.l1_bk, HW_CVT=hw,
-        GU=gu, KU=ku, STORE32=store32(rargs["BM"], I, epi.req),
+        GU=gu, KU=ku, STORE32=not rows.shared and store32(rargs["BM"], I, epi.req),
         num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg))

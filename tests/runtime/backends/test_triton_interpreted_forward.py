@@ -7,7 +7,7 @@ exact (``HW_CVT`` off), so the E2M1 rows are bit for bit the reference's, as on 
 E4M3 x bf16 partial sums are not always exact, so there only the fp32 order shows (docs/NUMERICS.md,
 "triton backend: accumulation order"). The token counts reach every prefill tile choice of a small layer:
 decode (16-row blocks), prefill64 (64-row blocks) and prefill (128-row blocks with tail launches; the
-short-K nvfp4 L1 of ``configs.short_k_tiles``).
+short-K nvfp4 L1 of ``configs.short_k_tiles``), and both forms of the L1's intermediate store (``l1.store32``).
 
 Negative controls, in the same interpreted process: the L1 storing the intermediate in the natural instead of
 the frag K order (``_jit.frag_pos`` as the identity) and the NVFP4 requantization rounding toward zero

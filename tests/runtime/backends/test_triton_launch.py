@@ -106,6 +106,10 @@ def test_l1_store_offsets_rule(block_m, req, I, expect, monkeypatch):
     l1.launch_l1(configs.KernelConfig(block_m=block_m), torch.zeros(5, 256, dtype=torch.bfloat16), op, rows, epi,
                  torch.zeros(block_m, 256, dtype=torch.bfloat16), 256, 256, True)
     assert rec.calls[0][2]["STORE32"] is l1.store32(block_m, 256, req)
+    shared_rows = Rows(5, 2, block_m, None)  # the shared expert: every token once, rows not consecutive
+    l1.launch_l1(configs.KernelConfig(block_m=block_m), torch.zeros(5, 256, dtype=torch.bfloat16), op, shared_rows,
+                 epi, torch.zeros(5, 256, dtype=torch.bfloat16), 256, 256, True)
+    assert rec.calls[1][2]["STORE32"] is False
 
 
 @pytest.mark.parametrize("shared", [False, True])
