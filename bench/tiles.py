@@ -5,7 +5,9 @@
 
 Per row: the routed weights of one layer of the shape (all experts, L1 and L2), tiled in place and back,
 timed against a device-to-device copy of the same bytes in the same process (the pass reads and writes
-every byte twice: into the scratch, then permuted back, so 0.5x the copy rate is its ideal).
+every byte twice: into the scratch, then permuted back, so 0.5x the copy rate is its ideal). E2M1 weights
+also move the bits of every word to the tiled order: through the triton backend's one-pass kernel, as a
+layer that runs that backend does (``--bits torch``: the format layer's torch steps instead).
 """
 from __future__ import annotations
 
@@ -41,7 +43,12 @@ def main() -> None:
     ap.add_argument("--shape", default="dsv3", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="mxfp4,mxfp8")
     ap.add_argument("--wt", type=int, default=16)
+    ap.add_argument("--bits", choices=("kernel", "torch"), default="kernel",
+                    help="how E2M1 bits move: the triton backend's kernel (what a layer uses) or torch steps")
     args = ap.parse_args()
+    copy_bits = None
+    if args.bits == "kernel":
+        from megamoe_runtime.backends.triton.bit_order import copy_e2m1_bits as copy_bits
     H, I, E = SHAPES[args.shape]
     print(f"# {torch.cuda.get_device_name()} shape {args.shape} (H {H}, I {I}, {E} experts), wt {args.wt}")
     for row in args.rows.split(","):
@@ -54,12 +61,12 @@ def main() -> None:
         want = [weight_tiles.tiled_copy(t, args.wt) for t in (l1, l2)]
         ptrs = [t.data_ptr() for t in (l1, l2)]
         for t in (l1, l2):
-            weight_tiles.tile_in_place(t, args.wt)
+            weight_tiles.tile_in_place(t, args.wt, copy_bits)
         assert [t.data_ptr() for t in (l1, l2)] == ptrs
         assert all(torch.equal(t.view(torch.uint8), w.view(torch.uint8)) for t, w in zip((l1, l2), want))
         del want
         for t in (l1, l2):
-            weight_tiles.untile_in_place(t, args.wt)
+            weight_tiles.untile_in_place(t, args.wt, copy_bits)
         dst1, dst2 = torch.empty_like(l1), torch.empty_like(l2)
 
         def copy() -> None:
@@ -68,9 +75,9 @@ def main() -> None:
 
         def tile() -> None:
             for t in (l1, l2):
-                weight_tiles.tile_in_place(t, args.wt)
+                weight_tiles.tile_in_place(t, args.wt, copy_bits)
             for t in (l1, l2):
-                weight_tiles.untile_in_place(t, args.wt)
+                weight_tiles.untile_in_place(t, args.wt, copy_bits)
 
         tc = _time(copy)
         tt = _time(tile) / 2  # one tiling pass

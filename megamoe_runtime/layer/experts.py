@@ -465,7 +465,7 @@ class DeepGemmMegaMoEExperts(nn.Module):
         for i, w in enumerate((self.l1_weight, self.l2_weight)):
             try:
                 with torch.no_grad():
-                    weight_tiles.untile_in_place(w, wt)
+                    weight_tiles.untile_in_place(w, wt, self._copy_bits())
             except weight_tiles.ScratchError:
                 if i == 0:
                     raise
@@ -475,6 +475,11 @@ class DeepGemmMegaMoEExperts(nn.Module):
                 self.mark_unusable(f"restoring the converted weight layout failed: {type(e).__name__}: {e}")
                 raise
         self.weight_tiles = 0
+
+    def _copy_bits(self):
+        """The backend's one-pass form of the tiled arrangement's E2M1 bit permutation (its
+        ``copy_e2m1_bits``), or None for the format layer's torch steps."""
+        return getattr(self.backend, "copy_e2m1_bits", None)
 
     def _arrange_for_backend(self) -> None:
         """After a successful load: the arrangement the backend reads fastest (its ``weight_tiles``), derived in
@@ -490,12 +495,12 @@ class DeepGemmMegaMoEExperts(nn.Module):
         for w in (self.l1_weight, self.l2_weight):
             try:
                 with torch.no_grad():
-                    weight_tiles.tile_in_place(w, wt)
+                    weight_tiles.tile_in_place(w, wt, self._copy_bits())
             except weight_tiles.ScratchError as e:
                 try:
                     with torch.no_grad():
                         for d in done:
-                            weight_tiles.untile_in_place(d, wt)
+                            weight_tiles.untile_in_place(d, wt, self._copy_bits())
                 except BaseException:
                     self.mark_unusable(f"tiling the weights stopped half way ({e}) and undoing it failed")
                     raise

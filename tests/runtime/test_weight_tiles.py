@@ -19,9 +19,21 @@ def _bytes(E, N, kb, dtype, seed=0):
     return torch.randint(0, 256, (E, N, kb), generator=g, dtype=torch.uint8).view(dtype)
 
 
+def _bits_by_definition(b: torch.Tensor) -> torch.Tensor:
+    """E2M1 bytes with the bits of each little-endian 32-bit word placed one by one as
+    ``E2M1_WORD_BITS`` says (natural bit n at stored bit E2M1_WORD_BITS[n])."""
+    w = b.reshape(-1, 4).to(torch.int64)
+    word = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
+    out = torch.zeros_like(word)
+    for n, at in enumerate(weight_tiles.E2M1_WORD_BITS):
+        out |= ((word >> n) & 1) << at
+    return torch.stack([(out >> (8 * i)) & 0xFF for i in range(4)], 1).to(torch.uint8).reshape(b.shape)
+
+
 def _tiled_by_definition(w: torch.Tensor, wt: int, run: int) -> torch.Tensor:
     """The arrangement written out element by element (docs/LAYOUT.md, "Tiled weights in memory"): byte i of
-    row r in K block b sits at ((r // wt) * nblk + b) * wt * run + (r % wt) * run + i of the expert."""
+    row r in K block b sits at ((r // wt) * nblk + b) * wt * run + (r % wt) * run + i of the expert; E2M1
+    bytes also store the bits of every 32-bit word in the tiled order."""
     E, N, kb = w.shape
     nblk = kb // run
     src = w.view(torch.uint8)
@@ -30,7 +42,35 @@ def _tiled_by_definition(w: torch.Tensor, wt: int, run: int) -> torch.Tensor:
         for b in range(nblk):
             at = ((r // wt) * nblk + b) * wt * run + (r % wt) * run
             out[:, at:at + run] = src[:, r, b * run:(b + 1) * run]
+    if w.dtype != torch.float8_e4m3fn:
+        out = _bits_by_definition(out)
     return out.view(E, N, kb)
+
+
+def test_e2m1_bit_order_is_a_permutation_of_five_moves():
+    assert sorted(weight_tiles.E2M1_WORD_BITS) == list(range(32))
+    for to_tiled in (True, False):
+        moves = weight_tiles.e2m1_bit_moves(to_tiled)
+        assert len(moves) == 5
+        masks = [m for _, m in moves]
+        assert sum(masks) == 0xFFFFFFFF and all(a & b == 0 for i, a in enumerate(masks) for b in masks[i + 1:])
+    w = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    t = weight_tiles.permute_e2m1_bits(w, True)
+    assert torch.equal(t.view(torch.uint8), _bits_by_definition(w.view(torch.uint8)))
+    assert torch.equal(weight_tiles.permute_e2m1_bits(t, False), w)
+    # int64 words are two int32 words: no bit crosses between them
+    assert torch.equal(weight_tiles.permute_e2m1_bits(w.view(torch.int64), True).view(torch.int32), t)
+    with pytest.raises(LayoutError, match="int32 or int64"):
+        weight_tiles.permute_e2m1_bits(w.view(torch.uint8), True)
+
+
+def test_layout_doc_states_the_bit_order():
+    """docs/LAYOUT.md spells the table out for readers of the in-memory arrangement: it must be this one."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "LAYOUT.md").read_text()
+    line = next(ln for ln in doc.splitlines() if ln.strip().startswith("stored:"))
+    assert tuple(int(x) for x in line.split(":", 1)[1].replace("|", " ").split()) == weight_tiles.E2M1_WORD_BITS
 
 
 @pytest.mark.parametrize("dtype,run", [(torch.uint8, 64), (torch.int8, 64), (torch.float8_e4m3fn, 128)])
@@ -49,6 +89,7 @@ def test_tiled_copy_matches_the_definition_and_inverts(dtype, run, wt):
 def test_in_place_passes_keep_the_storage(scratch, monkeypatch):
     if scratch is not None:  # one expert per chunk, and a chunk count that does not divide E
         monkeypatch.setattr(weight_tiles, "SCRATCH_BYTES", scratch)
+        monkeypatch.setattr(weight_tiles, "_BIT_SLICE_WORDS", 96)  # bit-permutation slices that do not divide
     w = _bytes(5, 32, 128, torch.uint8, seed=1)
     want = weight_tiles.tiled_copy(w, 16)
     orig, ptr = w.clone(), w.data_ptr()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe_runtime.format import weight_tiles
 from . import decode_asm
 
 _E4M3_MAX = tl.constexpr(448.0)
@@ -240,19 +241,66 @@ def frag_pos(c):
 # the decodes' PTX (and why each instruction is there) lives in ``decode_asm``
 _E2M1_FRAG_ASM = tl.constexpr(decode_asm.E2M1_FRAG)
 _E2M1_FRAG_FOLD_ASM = tl.constexpr(decode_asm.E2M1_FRAG_FOLD)
+_E2M1_TILED_ASM = tl.constexpr(decode_asm.E2M1_FRAG_TILED)
+_E2M1_TILED_FOLD_ASM = tl.constexpr(decode_asm.E2M1_FRAG_TILED_FOLD)
 
 
 @triton.jit
-def e2m1_frag_words(wd, sc2, FOLD: tl.constexpr = False):
+def _e2m1_words_asm(wd, sc2, TEXT: tl.constexpr):
+    return tl.inline_asm_elementwise(TEXT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2], dtype=(tl.bfloat16,) * 8,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1_frag_words(wd, sc2, FOLD: tl.constexpr = False, TILED: tl.constexpr = False):
     """Decode int32 words ``wd`` of 8 E2M1 nibbles (n_i = bits 4i..4i+3) times the bf16 scale
     whose bits are both halves of int32 ``sc2``; returns 8 bf16 tensors of wd's shape:
-    nibbles (n0, n4, n1, n5, n2, n6, n3, n7). FOLD: ``sc2`` already holds scale * 2^126."""
-    if FOLD:
-        return tl.inline_asm_elementwise(_E2M1_FRAG_FOLD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
-                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    nibbles (n0, n4, n1, n5, n2, n6, n3, n7). FOLD: ``sc2`` already holds scale * 2^126.
+    TILED: the words hold their bits in the tiled order (``weight_tiles.E2M1_WORD_BITS``)."""
+    if TILED:
+        if FOLD:
+            return _e2m1_words_asm(wd, sc2, _E2M1_TILED_FOLD_ASM)
+        else:
+            return _e2m1_words_asm(wd, sc2, _E2M1_TILED_ASM)
     else:
-        return tl.inline_asm_elementwise(_E2M1_FRAG_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, sc2],
-                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        if FOLD:
+            return _e2m1_words_asm(wd, sc2, _E2M1_FRAG_FOLD_ASM)
+        else:
+            return _e2m1_words_asm(wd, sc2, _E2M1_FRAG_ASM)
+
+
+def _moves(to_tiled: bool) -> list:
+    """The five (shift, mask) bit moves of ``weight_tiles.e2m1_bit_moves`` as constexprs, masks as the
+    signed int32 values of their bits."""
+    moves = weight_tiles.e2m1_bit_moves(to_tiled)
+    assert len(moves) == 5, moves
+    return [(tl.constexpr(d), tl.constexpr(m - (1 << 32) if m >> 31 else m)) for d, m in moves]
+
+
+(_TD0, _TM0), (_TD1, _TM1), (_TD2, _TM2), (_TD3, _TM3), (_TD4, _TM4) = _moves(True)
+(_ND0, _NM0), (_ND1, _NM1), (_ND2, _NM2), (_ND3, _NM3), (_ND4, _NM4) = _moves(False)
+
+
+@triton.jit
+def _bit_move(w, D: tl.constexpr, M: tl.constexpr):
+    if D >= 0:
+        return (w << D) & M
+    else:
+        return (w >> -D) & M  # arithmetic shift: the sign copies land outside M
+
+
+@triton.jit
+def e2m1_bits_moved(wd, TO_TILED: tl.constexpr):
+    """int32 words of packed E2M1 weights with their bits moved to the tiled order (TO_TILED) or back to
+    the natural one (``weight_tiles.E2M1_WORD_BITS``): the load's permutation on the GPU
+    (``bit_order``), and how the decodes without the inline asm (interpreter, or a GPU whose asm
+    self-check failed) read tiled weights."""
+    if TO_TILED:
+        return (_bit_move(wd, _TD0, _TM0) | _bit_move(wd, _TD1, _TM1) | _bit_move(wd, _TD2, _TM2)
+                | _bit_move(wd, _TD3, _TM3) | _bit_move(wd, _TD4, _TM4))
+    else:
+        return (_bit_move(wd, _ND0, _NM0) | _bit_move(wd, _ND1, _NM1) | _bit_move(wd, _ND2, _NM2)
+                | _bit_move(wd, _ND3, _NM3) | _bit_move(wd, _ND4, _NM4))
 
 
 # The same idea for E4M3 weights ("frag" of the mxfp8 row): a thread owns 32 contiguous bytes

@@ -91,6 +91,13 @@ class TritonBackend:
 
         return resolve_w_tile(spec, device, self.config)
 
+    def copy_e2m1_bits(self, src: Any, dst: Any, to_tiled: bool) -> None:
+        """The tiled arrangement's E2M1 bit permutation as one pass on the GPU (``weight_tiles.CopyBits``):
+        the layer's tiling passes copy through it."""
+        from .bit_order import copy_e2m1_bits
+
+        copy_e2m1_bits(src, dst, to_tiled)
+
     def weights_changing(self, layer: Any) -> None:
         """A load is about to write the weights: the fold flags no longer describe them, so the kernels
         go back to scanning each tile's scales (``FOLD_SCAN``) until `weights_loaded`. In place: a

@@ -165,6 +165,8 @@ class FragTiles(NamedTuple):
     l1_maxnreg: Optional[int]
     #: ``KernelConfig.tail_max`` (0: no tail launches)
     tail_max: int = 0
+    #: L2 register cap (None: the compiler's)
+    l2_maxnreg: Optional[int] = None
 
 
 #: Frag-path tiles per (regime, weight kind): the fastest L1 and the fastest L2 of
@@ -191,15 +193,18 @@ class FragTiles(NamedTuple):
 #: faster at every point (302.9 / 52.6 / 1105.9 / 99.8 -> 302.7 / 48.8 / 1095.6 / 95.8 us; 2 stages lost
 #: 5-17%), and the fold decode for the mxfp8 L2 1.0-1.2% faster at every point (251.3 / 37.6 / 960.5 / 78.3
 #: -> 248.7 / 37.2 / 948.7 / 77.4 us).
+#: Register caps that keep CTAs per SM where the tiled bit order's decode (docs/KERNELS.md, "The tiled bit
+#: order") moved a kernel across an allocation step: the fp4 decode-size L2 at 128 (130 uncapped: three CTAs
+#: instead of four) and the mid-size mxfp4 L1 at 168 (170, allocated as 176: two instead of three).
 #: nvfp4 prefill64 L2: 4-warp 128-column tiles over the 8-warp 256-column ones (an H100 sweep in
 #: docs/bench-log/kernels.md: L2 101.1 -> 84.2 us on DeepSeek-V2-Lite at 512 tokens; whole layer 1.04x there,
 #: 1.03x on DeepSeek-V3 at 2048 tokens, 1.07x on Qwen3-235B at 1024).
 FRAG_TILES = {
     ("few", W_E4M3_MX): FragTiles(16, True, 32, 4, 4, 64, 4, 3, "plain", "plain", 128),
-    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128),
-    ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128),
+    ("decode", W_E2M1_MX): FragTiles(16, True, 64, 4, 4, 128, 4, 3, "fold", "fold", 128, l2_maxnreg=128),
+    ("decode", W_E2M1_NV): FragTiles(16, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 128, l2_maxnreg=128),
     ("decode", W_E4M3_MX): FragTiles(16, True, 32, 4, 3, 64, 4, 3, "plain", "fold", 128),
-    ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
+    ("mid", W_E2M1_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "fold", "fold", 168, 16),
     ("mid", W_E2M1_NV): FragTiles(32, True, 32, 4, 3, 128, 4, 3, "fold", "fold", None, 16),
     ("mid", W_E4M3_MX): FragTiles(32, True, 64, 4, 3, 128, 4, 3, "plain", "fold", None, 16),
     ("prefill64", W_E2M1_MX): FragTiles(64, True, 64, 4, 3, 128, 4, 3, "plain", "plain", None, 32),
@@ -411,7 +416,8 @@ def _frag_config(t: FragTiles, bm: int, l1_gu: Optional[bool] = None) -> KernelC
     return KernelConfig(block_m=bm, l1_bn=t.l1_bn, l1_bk=128, l1_warps=t.l1_warps, l1_stages=t.l1_stages,
                         l2_bn=t.l2_bn, l2_bk=128, l2_warps=t.l2_warps, l2_stages=t.l2_stages, k_order="frag",
                         l1_gu=t.l1_gu if l1_gu is None else bool(l1_gu),
-                        decode=decode, l2_decode=l2_decode, l1_maxnreg=t.l1_maxnreg, tail_max=t.tail_max)
+                        decode=decode, l2_decode=l2_decode, l1_maxnreg=t.l1_maxnreg, l2_maxnreg=t.l2_maxnreg,
+                        tail_max=t.tail_max)
 
 
 def tail_config(w_kind: Optional[int], block_m: int) -> KernelConfig:

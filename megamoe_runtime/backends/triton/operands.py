@@ -285,7 +285,7 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             s2 = tl.broadcast_to(sb[:, :, None], (BN, 4, 4))
         else:  # words 0, 1 of a run take scale 2q, words 2, 3 scale 2q + 1
             s2 = tl.broadcast_to(sb[:, :, :, None], (BN, 4, 2, 2)).reshape(BN, 4, 4)
-        n0, n4, n1, n5, n2, n6, n3, n7 = _jit.e2m1_frag_words(wd, s2, FOLD)
+        n0, n4, n1, n5, n2, n6, n3, n7 = _jit.e2m1_frag_words(wd, s2, FOLD, WT > 0)
         # nibble j + 4h of word w -> k = 16(2w + j//2) + 8(j%2) + 2q + h, j = 2o + j'
         b0 = tl.join(tl.join(n0, n4), tl.join(n1, n5))  # (n, q, w, h, j') for o = 0
         b1 = tl.join(tl.join(n2, n6), tl.join(n3, n7))  # o = 1
@@ -293,8 +293,16 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
         v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # (n, w, o, j', q, h)
     else:  # arithmetic decode of the bytes: natural nibble i = 2 * byte + (high nibble) = 4h + 2o + j'
         i = tl.arange(0, 16)
-        off = _w_run(rows, k0, stride_wn, 64, WT)[:, None, None] + q[None, :, None] * 16 + i[None, None, :]
-        b = tl.load(w_ptr + off)
+        if WT == 0:
+            off = _w_run(rows, k0, stride_wn, 64, WT)[:, None, None] + q[None, :, None] * 16 + i[None, None, :]
+            b = tl.load(w_ptr + off)
+        else:  # tiled weights: words in the tiled bit order, back to the natural one, then bytes
+            iw = tl.arange(0, 4)
+            w32 = w_ptr.to(tl.pointer_type(tl.int32))
+            wd = tl.load(w32 + _w_run(rows, k0, stride_wn // 4, 16, WT)[:, None, None] + q[None, :, None] * 4
+                         + iw[None, None, :])
+            wd = _jit.e2m1_bits_moved(wd, False)
+            b = ((wd[:, :, :, None] >> (8 * iw)[None, None, None, :]) & 0xFF).reshape(BN, 4, 16)
         if W_KIND == 0:
             scb = tl.broadcast_to(sc[:, :, None], (BN, 4, 16))
         else:

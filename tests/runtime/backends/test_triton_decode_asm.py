@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megamoe_runtime.backends.triton import decode_asm
-from megamoe_runtime.format import codecs
+from megamoe_runtime.format import codecs, weight_tiles
 
 M32 = np.uint64(0xFFFFFFFF)
 
@@ -88,6 +88,11 @@ def run_ptx(text: str, inputs: list[np.ndarray], n_out: int) -> list[np.ndarray]
             r = (a[0] * a[1]) & M32
         elif op == "mul.hi.u32":
             r = (a[0] * a[1]) >> np.uint64(32)
+        elif op == "mad.hi.u32":  # (a * b) >> 32, plus c, modulo 2^32
+            r = ((a[0] * a[1]) >> np.uint64(32)) + a[2]
+        elif op == "shf.r.wrap.b32":  # funnel shift right of b:a by c mod 32 (a = b: a rotation)
+            both = (a[1] << np.uint64(32)) | a[0]
+            r = both >> (a[2] & np.uint64(31))
         elif op == "prmt.b32":
             r = _prmt(a[0], a[1], a[2])
         elif op == "mul.rn.bf16x2":
@@ -126,14 +131,26 @@ def _e2m1_expected(words: np.ndarray, scales: np.ndarray) -> list[np.ndarray]:
     return [_bf16_bits(prod[:, i]) for i in (0, 4, 1, 5, 2, 6, 3, 7)]
 
 
+def _tiled(words: np.ndarray) -> np.ndarray:
+    """Natural words with their bits moved as the tiled arrangement stores them (``weight_tiles``)."""
+    t = weight_tiles.permute_e2m1_bits(torch.from_numpy(words.astype(np.uint32).view(np.int32)), to_tiled=True)
+    return t.numpy().view(np.uint32).astype(np.uint64)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["natural", "tiled"])
 @pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
-def test_e2m1_frag_decode_matches_codecs(fold):
+def test_e2m1_frag_decode_matches_codecs(fold, tiled):
+    """Tiled: the load's bit permutation and the tiled decode, together, decode every nibble pair at every
+    register as the natural decode does."""
     words, scales = _words_and_scales()
     # the scale operand: bf16 bits of 2^(s-127) (fold: of 2^(s-1) = scale * 2^126), both halves
     sb = (scales + np.uint64(126) if fold else scales) << np.uint64(7)
     sc2 = sb | (sb << np.uint64(16))
-    text = decode_asm.E2M1_FRAG_FOLD if fold else decode_asm.E2M1_FRAG
-    got = run_ptx(text, [words, sc2], 8)
+    if tiled:
+        text = decode_asm.E2M1_FRAG_TILED_FOLD if fold else decode_asm.E2M1_FRAG_TILED
+    else:
+        text = decode_asm.E2M1_FRAG_FOLD if fold else decode_asm.E2M1_FRAG
+    got = run_ptx(text, [_tiled(words) if tiled else words, sc2], 8)
     want = _e2m1_expected(words, scales)
     for i, (g, w) in enumerate(zip(got, want)):
         assert np.array_equal(g, w), f"output {i}: {int((g != w).sum())} values differ"
@@ -178,26 +195,44 @@ def test_e2m1_prmt_decode_matches_codecs():
         assert np.array_equal(got, want), f"nibble shift {nib_shift}: {int((got != want).sum())} differ"
 
 
-@pytest.mark.parametrize("break_it", ["mask", "multiply", "order"])
+@pytest.mark.parametrize("break_it", ["mask", "multiply", "order", "tiled_rotation", "tiled_merge",
+                                      "natural_words"])
 def test_interpreter_catches_a_broken_decode(break_it):
     """Negative controls: the comparison must fail for a wrong mask, a dropped bias multiply,
-    or outputs in another order."""
+    outputs in another order, a tiled decode with a wrong rotation or merge shift, or tiled-decoded
+    words the load did not permute."""
     words, scales = _words_and_scales(3)
     sb = scales << np.uint64(7)
-    text = decode_asm.E2M1_FRAG
+    text, feed = decode_asm.E2M1_FRAG, words
     if break_it == "mask":
         text = text.replace("0x81C081C0", "0x818081C0", 1)  # drops bit 22 (nibble 4)
     elif break_it == "multiply":
         text = text.replace("mul.rn.bf16x2 t, t, bias;", "", 1)
-    got = run_ptx(text, [words, sb | (sb << np.uint64(16))], 8)
+    elif break_it.startswith("tiled"):
+        text, feed = decode_asm.E2M1_FRAG_TILED, _tiled(words)
+        text = text.replace("$8, $8, 4;", "$8, $8, 5;") if break_it == "tiled_rotation" else text.replace(
+            "0x1000000, t;", "0x800000, t;")  # >> 9 instead of >> 8
+    elif break_it == "natural_words":
+        text = decode_asm.E2M1_FRAG_TILED
+    got = run_ptx(text, [feed, sb | (sb << np.uint64(16))], 8)
     want = _e2m1_expected(words, scales)
     if break_it == "order":
         got = got[1:] + got[:1]
     assert not all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+def test_tiled_decode_issues_fewer_integer_instructions():
+    """Why the tiled bit order exists: 9 integer instructions per word where the natural order takes 13."""
+    def integer_ops(text):
+        return sum(1 for ln in text.splitlines() if ln.split(" ")[0] in (
+            "and.b32", "mul.lo.u32", "mul.hi.u32", "mad.hi.u32", "shf.r.wrap.b32", "shl.b32", "shr.b32"))
+
+    assert integer_ops(decode_asm.E2M1_FRAG) == 13 and integer_ops(decode_asm.E2M1_FRAG_TILED) == 9
+
+
 def test_fold_texts_are_the_plain_ones_without_the_bias():
     for plain, fold in ((decode_asm.E2M1_FRAG, decode_asm.E2M1_FRAG_FOLD),
+                        (decode_asm.E2M1_FRAG_TILED, decode_asm.E2M1_FRAG_TILED_FOLD),
                         (decode_asm.E4M3_FRAG, decode_asm.E4M3_FRAG_FOLD)):
         assert "bias" in plain and "bias" not in fold
         assert fold.count("mul.rn.bf16x2") * 2 == plain.count("mul.rn.bf16x2")

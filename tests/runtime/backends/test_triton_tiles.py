@@ -55,7 +55,7 @@ def test_default_frag_config_follows_the_table(row, tokens):
     assert cfg.block_m >= min(mean, 128) or configs.frag_regime(mean) == "decode"
     assert (configs.frag_regime(mean, pairs) == "few") == (tokens == 1)
     assert cfg.pick_block_m(pairs, E) == cfg.block_m
-    assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg is None
+    assert cfg.l1_maxnreg == t.l1_maxnreg and cfg.l2_maxnreg == t.l2_maxnreg
     # tails at prefill; at mid sizes only while an expert's pairs mostly fit in one tail
     assert cfg.tail_max == (t.tail_max if configs.frag_regime(mean).startswith("prefill") or mean <= t.tail_max
                             else 0)
@@ -65,15 +65,16 @@ def test_default_frag_config_follows_the_table(row, tokens):
 def test_frag_tiles_cover_every_regime_and_kind_with_launchable_tiles():
     for regime in ("few", "decode", "mid", "prefill64", "prefill"):
         for kind in KINDS.values():
-            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail = \
+            bm, gu, l1_bn, l1_w, l1_st, l2_bn, l2_w, l2_st, decode, l2_decode, l1_reg, tail, l2_reg = \
                 configs.FRAG_TILES[(regime, kind)]
             assert bm in (None, 16, 32, 64, 128) and decode in configs.DECODES and l2_decode in configs.DECODES
-            assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128))  # 4 CTAs of 4 warps at 128 registers
+            # 4 CTAs of 4 warps at 128 registers, 3 at 168
+            assert l1_reg is None or (l1_w == 4 and l1_reg in (96, 128, 168))
+            assert l2_reg is None or (l2_w == 4 and l2_reg == 128)
             assert l1_w in (4, 8) and l2_w in (4, 8) and 2 <= l1_st <= 4 and 2 <= l2_st <= 4
             # a dot's rows are split over warpgroups of 64 rows: 8 warps need >= 128 rows
             l1_rows = 2 * l1_bn if gu else l1_bn
             assert l1_rows >= 64 * (l1_w // 4) and l2_bn >= 64 * (l2_w // 4), (regime, kind)
-            # tails only where a row block is larger than the tail launches' (prefill)
             # tails only where a row block is larger than the tail launches' (not at decode sizes)
             for b in ((bm,) if bm else (64, 128)):
                 assert tail == 0 or (regime != "decode" and 0 < tail < b
