@@ -162,6 +162,11 @@ def record(only: str = "") -> dict:
         staging.quantize_nvfp4_per_token(x, impl="chunk", dequant="frag")
         staging.division_mismatches(staging.NV_DIV_STEPS, device="cpu")
         mma8.e2m1_e4m3_table(torch.device("cpu"), True)
+        from megamoe_runtime.backends.triton import bit_order  # the tiling pass's bit move (a load, not a forward)
+
+        words = torch.zeros(4096, dtype=torch.int64)
+        for to_tiled in (True, False):
+            bit_order.copy_e2m1_bits(words, torch.empty_like(words), to_tiled)
     moe.asm_decode_ok = lambda device: True  # what the GPU's self-check answers
     for c in _cases(only):
         name = f"{c['row']}/{c['T']}/{c['name']}"

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe_runtime.format import weight_tiles
-
 from . import _jit
 from .launch import opts
 
@@ -29,14 +27,11 @@ def _copy_moved_kernel(src_ptr, dst_ptr, n, TO_TILED: tl.constexpr, BLOCK: tl.co
 
 def copy_e2m1_bits(src: torch.Tensor, dst: torch.Tensor, to_tiled: bool) -> None:
     """Write ``src`` (contiguous words of packed E2M1 weights, any integer dtype of 4 or 8 bytes) into
-    ``dst`` (same shape and dtype) with the bits of every 32-bit word moved to the tiled order or back.
-    CUDA tensors take the kernel; others the format layer's torch form (the same bits)."""
+    ``dst`` (same shape and dtype) with the bits of every 32-bit word moved to the tiled order or back: the
+    format layer's ``permute_e2m1_bits``, bit for bit, in one kernel (a GPU, or Triton's interpreter)."""
     if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"copy_e2m1_bits: contiguous tensors of one shape and dtype expected, got "
                          f"{src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
-    if src.device.type != "cuda":
-        dst.copy_(weight_tiles.permute_e2m1_bits(src, to_tiled))
-        return
     s32, d32 = src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32)
     n = s32.numel()
     if n:

@@ -1,32 +1,56 @@
-"""The tiled E2M1 bit order written on the GPU (``backends.triton.bit_order``): the same bits as the format
+"""The tiled E2M1 bit order written by a kernel (``backends.triton.bit_order``): the same bits as the format
 layer's definition (``format.weight_tiles.permute_e2m1_bits``), both ways, for the layer's in-place passes.
 
-CPU: the function's fallback (the torch form) and its refusals. GPU: the kernel against the torch form on
-words of every bit pattern, lengths that no block divides, both word widths; the in-place tiling pass through
-it against ``tiled_copy``; negative control: the other direction gives other words.
+CPU: the kernel under Triton's interpreter (a subprocess) against the torch form, and the function's
+refusals. GPU: the compiled kernel on words of every bit pattern, lengths that no block divides, both word
+widths; the in-place tiling pass through it against ``tiled_copy``. Negative control (both): the other
+direction is another permutation, so a kernel that moved the bits the wrong way would be caught.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from interpreted import interpreted_output
 
 from megamoe_runtime.format import weight_tiles
 
 bit_order = pytest.importorskip("megamoe_runtime.backends.triton.bit_order")
 
+#: (word dtype, words): lengths that no kernel block divides
+CASES = [("int32", 4095), ("int64", 4096 * 3 + 17)]
+
 
 def _words(n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    w = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
-    return w.view(dtype).to(device)
+    return torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype).to(device)
 
 
-@pytest.mark.parametrize("to_tiled", [True, False])
-def test_cpu_tensors_take_the_torch_form(to_tiled):
-    src = _words(1000, torch.int64)
-    dst = torch.empty_like(src)
-    bit_order.copy_e2m1_bits(src, dst, to_tiled)
-    assert torch.equal(dst, weight_tiles.permute_e2m1_bits(src, to_tiled))
+def check(device: str) -> dict:
+    """{case: [tiled as defined, back as defined, round trip, the other direction differs]}."""
+    res = {}
+    for name, n in CASES:
+        src = _words(n, getattr(torch, name), device, seed=n)
+        tiled, back = torch.full_like(src, -1), torch.full_like(src, -1)
+        bit_order.copy_e2m1_bits(src, tiled, True)
+        bit_order.copy_e2m1_bits(tiled, back, False)
+        res[f"{name} {n}"] = [torch.equal(tiled, weight_tiles.permute_e2m1_bits(src, True)),
+                              torch.equal(back, weight_tiles.permute_e2m1_bits(tiled, False)),
+                              torch.equal(back, src),
+                              not torch.equal(tiled, weight_tiles.permute_e2m1_bits(src, False))]
+    return res
+
+
+def _assert_all(res: dict) -> None:
+    for case, (to_tiled, to_natural, round_trip, direction) in res.items():
+        assert to_tiled and to_natural, f"{case}: the kernel's bits differ from the format layer's"
+        assert round_trip, f"{case}: tiled and back is not the identity"
+        assert direction, f"{case}: the two directions agree, so the check could not tell them apart"
+
+
+def test_kernel_matches_the_torch_form_under_the_interpreter():
+    _assert_all(json.loads(interpreted_output(__file__, "json.dumps(m.check('cpu'))", timeout=300)))
 
 
 def test_mismatched_tensors_are_refused():
@@ -38,23 +62,10 @@ def test_mismatched_tensors_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("n", [1, 4095, 4096 * 3 + 17])
-def test_kernel_matches_the_torch_form(dtype, n):
+def test_kernel_matches_the_torch_form():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    src = _words(n, dtype, "cuda", seed=n)
-    for to_tiled in (True, False):
-        dst = torch.full_like(src, -1)
-        bit_order.copy_e2m1_bits(src, dst, to_tiled)
-        assert torch.equal(dst, weight_tiles.permute_e2m1_bits(src, to_tiled)), (dtype, n, to_tiled)
-    back = torch.empty_like(src)
-    tiled = torch.empty_like(src)
-    bit_order.copy_e2m1_bits(src, tiled, True)
-    bit_order.copy_e2m1_bits(tiled, back, False)
-    assert torch.equal(back, src)
-    # negative control: the other direction is another permutation
-    assert n < 4 or not torch.equal(tiled, weight_tiles.permute_e2m1_bits(src, False))
+    _assert_all(check("cuda"))
 
 
 @pytest.mark.gpu
