@@ -6,8 +6,9 @@ job per module: ``staging`` (dispatch quantizers, routing plan), ``configs``
 (tile configs and regimes), ``operands`` (the operand tiles the GEMMs share),
 ``l1`` (gate/up GEMM and epilogue), ``l2`` (down GEMM and combine), ``launch``
 (host-side launch arguments), ``decode_check`` (the inline-asm decodes'
-self-check), ``mma8`` (the FP8 tensor-core path), ``moe`` (``moe_forward``: the
-checks, staging, launches and fold flags of one forward).
+self-check), ``bit_order`` (the tiled E2M1 bit order, one kernel the layer's
+tiling passes copy through), ``mma8`` (the FP8 tensor-core path), ``moe``
+(``moe_forward``: the checks, staging, launches and fold flags of one forward).
 """
 from .backend import TritonBackend
 
