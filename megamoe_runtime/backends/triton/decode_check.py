@@ -180,7 +180,8 @@ def asm_decode_ok(device: torch.device) -> bool:
 
     try:
         res = asm_decode_check(device)
-        ok = all(n == 0 for v in res.values() for k, n in v.items() if k != "first")
+        asm_keys = ("asm_lo", "asm_hi", "frag", "frag_tiled", "frag8", "frag_fold", "frag_tiled_fold", "frag8_fold")
+        ok = all(v.get(k, 0) == 0 for v in res.values() for k in asm_keys)
     except Exception as exc:  # pragma: no cover - depends on the GPU / PTX support
         res, ok = repr(exc), False
     if not ok:

@@ -10,6 +10,7 @@ mask, a dropped multiply and a swapped output order are caught.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
@@ -264,3 +265,23 @@ def test_nv_fold_scale_operand_is_the_scale_times_2_118_in_both_halves():
     # negative control: the exponent offset one off changes every used byte
     bad = (b * np.uint64(decode_asm.NV_FOLD_SCALE_MUL) + np.uint64(decode_asm.NV_FOLD_SCALE_ADD - 0x800080)) & M32
     assert not ((bad & np.uint64(0xFFFF)) == want)[used].any()
+
+
+@pytest.mark.parametrize("key", ["frag", "frag_tiled", "frag_fold", "frag_tiled_fold", "asm_lo"])
+def test_self_check_verdict_counts_every_asm_decode(key, monkeypatch):
+    """``decode_check.asm_decode_ok`` refuses the inline asm when any asm decode, the tiled ones included,
+    disagreed with codecs (here a check result with one mismatch planted), and takes it when none did; the
+    arithmetic decode's own counts are diagnostics, not part of the verdict."""
+    decode_check = pytest.importorskip("megamoe_runtime.backends.triton.decode_check")
+    clean = {"asm_lo": 0, "asm_hi": 0, "arith_lo": 0, "arith_hi": 0, "frag": 0, "frag_tiled": 0, "frag8": 0,
+             "frag_fold": 0, "frag_tiled_fold": 0, "frag8_fold": 0}
+    monkeypatch.setattr(decode_check, "hw_cvt_default", lambda: True)
+    verdicts = {}
+    for name, planted in (("clean", {}), ("planted", {key: 1}), ("arith only", {"arith_lo": 3})):
+        monkeypatch.setattr(decode_check, "_ASM_OK", {})
+        monkeypatch.setattr(decode_check, "asm_decode_check",
+                            lambda device, p=planted: {"ue8m0": clean | p, "e4m3": dict(clean)})
+        with pytest.warns(UserWarning) if name == "planted" else contextlib.nullcontext():
+            verdicts[name] = decode_check.asm_decode_ok(torch.device("cpu"))
+    assert verdicts == {"clean": True, "planted": False, "arith only": True}
+
