@@ -266,11 +266,12 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
             sfb = tl.load(wsb_ptr + ((kg // 4)[None, :] * NROWS + srows[:, None]) * 4 + (kg % 4)[None, :])
         if not (FOLD and ASM):
             sc = _jit.e4m3_byte_to_f32(sfb, HW_CVT).to(tl.bfloat16).reshape(BN, 4, 2)  # exact
-    if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
+    if ASM or WT > 0:  # int32 words of 8 nibbles: the asm decode's operand, and the unit of the tiled bit order
         iw = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
         wd = tl.load(w32 + _w_run(rows, k0, stride_wn // 4, 16, WT)[:, None, None] + q[None, :, None] * 4
                      + iw[None, None, :])
+    if ASM:  # one int32 word = 8 nibbles per element, so the asm is elementwise whatever the layout
         if FOLD and W_KIND == 0:  # bf16 bits of 2^(s-1) = scale * 2^126 straight from the byte
             sb = _fold_scale_bits(s, 126)
         elif W_KIND == 0:  # bf16 bits of 2^(s-127) straight from the byte (0 -> 0.0): no F2F in the loop
@@ -296,11 +297,7 @@ def _w_frag(w_ptr, wsb_ptr, rows, srows, NROWS, stride_wn, k0,
         if WT == 0:
             off = _w_run(rows, k0, stride_wn, 64, WT)[:, None, None] + q[None, :, None] * 16 + i[None, None, :]
             b = tl.load(w_ptr + off)
-        else:  # tiled weights: words in the tiled bit order, back to the natural one, then bytes
-            iw = tl.arange(0, 4)
-            w32 = w_ptr.to(tl.pointer_type(tl.int32))
-            wd = tl.load(w32 + _w_run(rows, k0, stride_wn // 4, 16, WT)[:, None, None] + q[None, :, None] * 4
-                         + iw[None, None, :])
+        else:  # tiled weights: the words (loaded above) in the tiled bit order, back to the natural one, then bytes
             wd = _jit.e2m1_bits_moved(wd, False)
             b = ((wd[:, :, :, None] >> (8 * iw)[None, None, None, :]) & 0xFF).reshape(BN, 4, 16)
         if W_KIND == 0:
