@@ -6,6 +6,7 @@
     python bench/kernel.py --shapes dsv3 --rows mxfp4 --tokens 1,8 --tune
     python bench/kernel.py --shapes new --rows mxfp4,nvfp4,mxfp8 --mma bf16 --korder frag --peer-path DIR
     python bench/kernel.py --peer-path DIR   # DIR holds OpenAI triton_kernels (unmodified, from triton 3.6.0): + a peer column
+    python bench/kernel.py --shapes mixtral --rows mxfp4 --tokens 4096 --peer-path DIR --clocks   # + SM clock / power per timing
 
 What it measures, per (shape, row, tokens):
 * median time of the whole layer forward (staging + routing + L1 + L2 +
@@ -105,8 +106,23 @@ def parse_shapes(text: str) -> list[tuple[str, dict]]:
 _COMPILE_ONLY = []
 
 
-def _bench(fn, graph: bool = True, rep: int = 200, warmup: int = 30) -> float:
-    """Median ms. With graph=True the call is captured once and its replay timed."""
+#: with ``--clocks``: the running ``clocks.ClockSampler`` (one element) and, per labelled timing, its SM clock and
+#: board power over that timing's window
+_SAMPLER: list = []
+CLOCKS: list = []
+
+
+def _bench(fn, graph: bool = True, rep: int = 200, warmup: int = 30, label: str = "") -> float:
+    """Median ms. With graph=True the call is captured once and its replay timed. ``label``: under ``--clocks``,
+    the name under which this timing's clock and power are recorded (``CLOCKS``)."""
+    t0 = time.time()
+    ms = _bench_median(fn, graph, rep, warmup)
+    if _SAMPLER and label:
+        CLOCKS.append(dict(label=label, us=round(ms * 1e3, 1), **_SAMPLER[0].window(t0, time.time())))
+    return ms
+
+
+def _bench_median(fn, graph: bool, rep: int, warmup: int) -> float:
     import triton.testing as tt
 
     if _COMPILE_ONLY:
@@ -341,7 +357,8 @@ def bench_peer(path, H, I, E, K, tokens, weights="mxfp4", profiles=None):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         for graph in (True, False):
             try:
-                res[T] = (_bench(lambda: peer(x, tw, ids), graph=graph), graph)
+                res[T] = (_bench(lambda: peer(x, tw, ids), graph=graph, label=f"peer {weights} {H}x{I}x{E}x{K} T={T}"),
+                          graph)
                 break
             except Exception as e:
                 print(f"# peer ({weights}) T={T} graph={graph}: {type(e).__name__}: {str(e)[:300]}")
@@ -477,7 +494,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
             for cfg in cfgs:
                 try:
                     ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt,
-                                                        fold_flags=ff), graph=True)
+                                                        fold_flags=ff), graph=True, label=f"{shape_name} {row} T={T}")
                 except Exception as e:
                     print(f"# {shape_name} {row} T={T} cfg={cfg}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -546,6 +563,9 @@ def main() -> None:
                          "(none: each fold tile scans its scales)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each point's per-kernel device time (torch.profiler, eager, L2 flushed)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the SM clock, board power and throttle reasons (nvidia-smi) during each timing of "
+                         "the layer and the peer; printed as '# clocks' lines and written to OUT/clocks.json")
     ap.add_argument("--jobs", type=int, default=0,
                     help="first build the kernels of every (shape, row) in this many processes at once (untimed; "
                          "triton's disk cache hands them to the timed pass)")
@@ -607,11 +627,24 @@ def main() -> None:
         for r in staging_rows:
             print(f"staging {r['kind']:9s} T={r['T']:5d} H={r['H']} {r['ms'] * 1e3:8.1f} us "
                   f"{r['GBps']:7.0f} GB/s ({100 * r['frac']:4.0f}% copy)", flush=True)
+    if args.clocks:
+        from clocks import ClockSampler
+
+        _SAMPLER.append(ClockSampler().__enter__())
     for s, sh in parse_shapes(args.shapes):
         bench_moe(s, args.rows.split(","), tokens, bw, args, results, sh)
         if args.out:  # what is done so far, should the run be cut short
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench.json").write_text(json.dumps(dict(info=info, moe=results), indent=1))
+    if _SAMPLER:
+        _SAMPLER.pop().__exit__(None, None, None)
+        for c in CLOCKS:
+            print(f"# clocks {c['label']}: {c['us']} us, {c['n']} samples, SM {c.get('sm_mhz_mean')} MHz mean "
+                  f"(min {c.get('sm_mhz_min')}), {c.get('power_w_mean')} W mean (max {c.get('power_w_max')}), "
+                  f"throttle {c.get('throttle')}", flush=True)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "clocks.json").write_text(json.dumps(CLOCKS, indent=1))
     md = render(info, results, staging_rows)
     print(md)
     if args.out:
