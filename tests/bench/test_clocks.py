@@ -49,3 +49,25 @@ def test_a_failing_query_gives_no_sample_and_no_error():
         time.sleep(0.03)
     assert cs.samples and all(line == "" for _, line in cs.samples)
     assert cs.window(0.0, time.time()) == dict(n=0)
+
+
+def test_kernel_bench_records_a_labelled_timing_under_clocks(monkeypatch):
+    """bench/kernel.py's ``_bench``: with a sampler running, a labelled timing gets its window's clock and power;
+    an unlabelled one (the copy-bandwidth probe) and any timing without ``--clocks`` record nothing."""
+    import kernel
+
+    def slow_median(fn, graph, rep, warmup):
+        time.sleep(0.05)
+        return 1.25
+
+    monkeypatch.setattr(kernel, "_bench_median", slow_median)
+    monkeypatch.setattr(kernel, "CLOCKS", [])
+    assert kernel._bench(lambda: None, label="off") == 1.25 and kernel.CLOCKS == []  # no sampler: nothing
+    with clocks.ClockSampler(period_s=0.005, query=lambda: "1777, 555, 0x4") as cs:
+        monkeypatch.setattr(kernel, "_SAMPLER", [cs])
+        kernel._bench(lambda: None, label="mixtral mxfp4 T=4096")
+        kernel._bench(lambda: None)  # unlabelled
+    assert len(kernel.CLOCKS) == 1
+    rec = kernel.CLOCKS[0]
+    assert rec["label"] == "mixtral mxfp4 T=4096" and rec["us"] == 1250.0
+    assert rec["n"] >= 2 and rec["sm_mhz_mean"] == 1777.0 and rec["power_w_max"] == 555.0
