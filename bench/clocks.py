@@ -56,8 +56,8 @@ def summarize(samples: list[tuple[float, float, str]]) -> dict:
 
 
 class ClockSampler:
-    """Polls ``query`` (default: ``nvidia_smi``) every ``period_s`` in a daemon thread between ``__enter__``
-    and ``__exit__``; ``window(t0, t1)`` summarizes the polls whose time (``time.time()``) lies in [t0, t1]."""
+    """Polls ``query`` (default: ``nvidia_smi``) every ``period_s`` in a daemon thread between ``start`` and
+    ``stop`` (or over a ``with`` block); ``window(t0, t1)`` summarizes the polls whose time (``time.time()``) lies in [t0, t1]."""
 
     def __init__(self, period_s: float = 0.05, query: Callable[[], str] = nvidia_smi) -> None:
         self.period_s = period_s
@@ -76,15 +76,21 @@ class ClockSampler:
             self.samples.append((t, line))
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> "ClockSampler":
+    def start(self) -> "ClockSampler":
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=15)
+
+    def __enter__(self) -> "ClockSampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def window(self, t0: float, t1: float) -> dict:
         parsed = [parse_sample(line) for t, line in list(self.samples) if t0 <= t <= t1]

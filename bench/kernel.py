@@ -107,7 +107,7 @@ _COMPILE_ONLY = []
 
 
 #: with ``--clocks``: the running ``clocks.ClockSampler`` (one element) and, per labelled timing, its SM clock and
-#: board power over that timing's window
+#: board power over that timing's window (a list, as ``_COMPILE_ONLY``: ``main`` sets it, ``_bench`` reads it)
 _SAMPLER: list = []
 CLOCKS: list = []
 
@@ -494,7 +494,7 @@ def bench_moe(shape_name, rows, tokens, bw, args, results, sh=None):
             for cfg in cfgs:
                 try:
                     ms = _bench(lambda: moe.moe_forward(spec, kt, x, tw, ids, scalars=sc, config=cfg, w_tile=wt,
-                                                        fold_flags=ff), graph=True, label=f"{shape_name} {row} T={T}")
+                                                        fold_flags=ff), graph=True, label=f"{shape_name} {row} {label} T={T}")
                 except Exception as e:
                     print(f"# {shape_name} {row} T={T} cfg={cfg}: {type(e).__name__}: {str(e)[:300]}")
                     continue
@@ -630,14 +630,14 @@ def main() -> None:
     if args.clocks:
         from clocks import ClockSampler
 
-        _SAMPLER.append(ClockSampler().__enter__())
+        _SAMPLER.append(ClockSampler().start())
     for s, sh in parse_shapes(args.shapes):
         bench_moe(s, args.rows.split(","), tokens, bw, args, results, sh)
         if args.out:  # what is done so far, should the run be cut short
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench.json").write_text(json.dumps(dict(info=info, moe=results), indent=1))
     if _SAMPLER:
-        _SAMPLER.pop().__exit__(None, None, None)
+        _SAMPLER.pop().stop()
         for c in CLOCKS:
             print(f"# clocks {c['label']}: {c['us']} us, {c['n']} samples, SM {c.get('sm_mhz_mean')} MHz mean "
                   f"(min {c.get('sm_mhz_min')}), {c.get('power_w_mean')} W mean (max {c.get('power_w_max')}), "

@@ -65,9 +65,9 @@ def test_kernel_bench_records_a_labelled_timing_under_clocks(monkeypatch):
     assert kernel._bench(lambda: None, label="off") == 1.25 and kernel.CLOCKS == []  # no sampler: nothing
     with clocks.ClockSampler(period_s=0.005, query=lambda: "1777, 555, 0x4") as cs:
         monkeypatch.setattr(kernel, "_SAMPLER", [cs])
-        kernel._bench(lambda: None, label="mixtral mxfp4 T=4096")
+        kernel._bench(lambda: None, label="mixtral mxfp4 bf16-frag T=4096")
         kernel._bench(lambda: None)  # unlabelled
     assert len(kernel.CLOCKS) == 1
     rec = kernel.CLOCKS[0]
-    assert rec["label"] == "mixtral mxfp4 T=4096" and rec["us"] == 1250.0
+    assert rec["label"] == "mixtral mxfp4 bf16-frag T=4096" and rec["us"] == 1250.0
     assert rec["n"] >= 2 and rec["sm_mhz_mean"] == 1777.0 and rec["power_w_max"] == 555.0
