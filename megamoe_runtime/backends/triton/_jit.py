@@ -25,6 +25,36 @@ from megamoe_runtime.format import weight_tiles
 from . import decode_asm
 
 _E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """First statement of a kernel launched with programmatic dependent launch (``staging.pdl``; docs/KERNELS.md
+    "Programmatic dependent launch"): wait until the grid before this one in the stream has finished and its
+    writes are visible. Nothing is read or written before it, so the kernels keep the plain stream order."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the grid after this one start its CTAs once every CTA of this grid has come here (or exited). Only
+    the short kernels call it. The GEMMs (L1, L2) do not: CTAs of the next grid placed while a GEMM's only
+    wave holds most of the SMs crowd onto the few SMs left free (measured: Mixtral's one-token layer 13%
+    slower with the L1 releasing the L2 at its start), and releasing after the K loop instead holds
+    registers across the K loop (the mxfp4 prefill tiles went from 154 to 255 registers and spilled,
+    compiled for sm_90). A GEMM's successor starts when the GEMM's CTAs have exited, as without PDL, and
+    still saves the wait for the launch itself."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """``pdl_wait`` then ``pdl_release``: the start of the short kernels (routing, staging, combine), whose
+    successors launch while they run."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
 E4M3_MIN_SUB = tl.constexpr(0.001953125)  # 2^-9
 
 

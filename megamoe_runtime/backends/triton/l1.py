@@ -14,6 +14,7 @@ import triton.language as tl
 from . import _jit
 from .configs import REQ_NV4, KernelConfig, k_unroll, resolve_l1_gu
 from .launch import L1Epilogue, Rows, WeightOperand, opts
+from .staging import pdl
 from .operands import (
     FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, k_loop, mm_block,
     utccp, x_tiles,
@@ -124,7 +125,8 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
                GU: tl.constexpr = False, WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False,
-               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1, STORE32: tl.constexpr = False):
+               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1, STORE32: tl.constexpr = False,
+               PDL: tl.constexpr = False):
     """h = x @ W13^T for BN intermediate columns (gate and up) of one row block, then the
     epilogue (alphas, bf16 g/u, clamp, activation, top-k weight, requant) into ``act``.
 
@@ -146,7 +148,9 @@ def _l1_kernel(x_ptr, xts_ptr, w_ptr, wsb_ptr, alpha_ptr, fflag_ptr,
     per-expert fold flags the layer computed at load (``fold_flags``), read instead of the scan. SAHEAD
     (GU, E4M3 weights): each K step's scale bytes are loaded one step ahead (``mx_scales``). KU (GU): K
     blocks per loop trip (``KernelConfig.k_unroll``; H a multiple of KU * BK). STORE32 (routed rows): the
-    intermediate is stored through one 64-bit base per row block and 32-bit offsets (``store32``)."""
+    intermediate is stored through one 64-bit base per row block and 32-bit offsets (``store32``). PDL:
+    ``_jit.pdl_wait`` (the next grid starts when this one's CTAs exit: ``pdl_release``)."""
+    _jit.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e, past = block_expert(blk_ptr, nblk_ptr, pid_m, SHARED)
@@ -235,4 +239,4 @@ def launch_l1(cfg: KernelConfig, x: torch.Tensor, weight: WeightOperand, rows: R
         x_ptr=x, act_ptr=act, H=H, I=I, **rargs, **wargs,
         **epi.kernel_args(dummy_f), BN=bn, BK=128 if weight.frag or H % cfg.l1_bk else cfg.l1_bk, HW_CVT=hw,
         GU=gu, KU=ku, STORE32=not rows.shared and store32(rargs["BM"], I, epi.req),
-        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg))
+        num_warps=cfg.l1_warps, num_stages=cfg.l1_stages, **opts(cfg.l1_maxnreg), **pdl(act.device))

@@ -17,6 +17,7 @@ import triton.language as tl
 from . import _jit
 from .configs import KernelConfig, k_unroll
 from .launch import L2Epilogue, Rows, WeightOperand, opts
+from .staging import pdl
 from .operands import block_expert, block_rows, fold_flag, k_loop, slot_rows, utccp
 
 
@@ -30,7 +31,7 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, ASM: tl.constexpr,
                FRAG: tl.constexpr = False, FOLD: tl.constexpr = False, SWORD: tl.constexpr = False,
                WT: tl.constexpr = 0, FFLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1,
-               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1):
+               SAHEAD: tl.constexpr = False, KU: tl.constexpr = 1, PDL: tl.constexpr = False):
     """y = act @ W2^T for BN output columns of one row block -> bf16 slot outputs
     (FOLD, SWORD, FFLAGS, SAHEAD and KU as in ``_l1_kernel``; KU: the K slice a multiple of KU * BK).
 
@@ -38,7 +39,9 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
     stores its fp32 partial at ``slot_ptr[s, slot, n]`` (an fp32 ``[KSPLIT, T * NSLOT, H]`` buffer);
     ``_l2_split_reduce`` adds the slices in order and applies the epilogue. Why: with few experts and a
     long I (Mixtral, DBRX) a mid-size batch gives the L2 too few tiles to keep every SM streaming
-    weights through a 112-step K loop (docs/KERNELS.md "Split-K L2")."""
+    weights through a 112-step K loop (docs/KERNELS.md "Split-K L2"). PDL: ``_jit.pdl_wait`` (the next grid starts
+    when this one's CTAs exit: ``pdl_release``)."""
+    _jit.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -84,10 +87,11 @@ def _l2_kernel(act_ptr, w_ptr, wsb_ptr, fflag_ptr, pair_ptr, blk_ptr, nblk_ptr, 
 @triton.jit
 def _l2_split_reduce(part_ptr, ids_ptr, tw_ptr, l2s_ptr, a2_ptr, slot_ptr, H, e_lo, E_l, NSLOT, NPART,
                      TOPK: tl.constexpr, KSPLIT: tl.constexpr, NV_EPI: tl.constexpr, BH: tl.constexpr,
-                     HW_CVT: tl.constexpr):
+                     HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
     """slot = epilogue(sum of the KSPLIT fp32 partials, slice 0 first) for one routed (token, k) slot:
     the split L2's end, the same epilogue as ``_l2_kernel``'s. Slots of other ranks' experts and masked
     ids are left unwritten, as the unsplit L2 leaves them (the combine never reads them)."""
+    _jit.pdl_start(PDL)
     pr = tl.program_id(0).to(tl.int64)  # pair = token * TOPK + k
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -112,7 +116,8 @@ def _l2_split_reduce(part_ptr, ids_ptr, tw_ptr, l2s_ptr, a2_ptr, slot_ptr, H, e_
 @triton.jit
 def _combine_kernel(slot_ptr, ids_ptr, out_ptr, H, e_lo, E_l, rsf,
                     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, NV: tl.constexpr, APPLY_RSF: tl.constexpr,
-                    BH: tl.constexpr, GPU: tl.constexpr):
+                    BH: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -157,7 +162,7 @@ def launch_l2(cfg: KernelConfig, act: torch.Tensor, weight: WeightOperand, rows:
         **rows.kernel_args(act.device), **weight.kernel_args(act), **epi.kernel_args(dummy_f),
         BN=bn, BK=128 if weight.frag or I % cfg.l2_bk else cfg.l2_bk, HW_CVT=hw, KSPLIT=ks,
         KU=k_unroll(cfg, I // ks) if weight.frag else 1,
-        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg))
+        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages, **opts(cfg.l2_maxnreg), **pdl(act.device))
 
 
 def reduce_l2_split(part: torch.Tensor, ids: torch.Tensor, epi: L2Epilogue, slots: torch.Tensor, e_lo: int,
@@ -171,7 +176,8 @@ def reduce_l2_split(part: torch.Tensor, ids: torch.Tensor, epi: L2Epilogue, slot
     a = epi.kernel_args(dummy_f)
     _l2_split_reduce[(T * K, triton.cdiv(H, bh))](
         part, ids, a["tw_ptr"], a["l2s_ptr"], a["a2_ptr"], slots, H, e_lo, E_l, nslot, T * nslot,
-        TOPK=K, KSPLIT=part.shape[0], NV_EPI=epi.nv_epi, BH=bh, HW_CVT=hw, num_warps=4, **opts())
+        TOPK=K, KSPLIT=part.shape[0], NV_EPI=epi.nv_epi, BH=bh, HW_CVT=hw, num_warps=4, **opts(),
+        **pdl(slots.device))
 
 
 def combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:
@@ -181,4 +187,4 @@ def combine(spec, cfg, slots, ids, out, has_shared, rsf, hw) -> None:
     _combine_kernel[(out.shape[0], triton.cdiv(H, bh))](
         slots, ids, out, H, spec.ep_rank * E_l, E_l, rsf,
         TOPK=K, HAS_SHARED=has_shared, NV=row.rsf_in_combine, APPLY_RSF=(row.rsf_in_combine and rsf != 1.0),
-        BH=bh, GPU=hw, num_warps=4, **opts())
+        BH=bh, GPU=hw, num_warps=4, **opts(), **pdl(out.device))

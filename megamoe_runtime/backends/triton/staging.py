@@ -19,6 +19,7 @@ whole staging + MoE forward can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from megamoe_runtime import knobs
 
 from . import _jit
 
@@ -45,6 +48,24 @@ def hw_cvt_default() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
+def pdl(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with ``_jit.pdl_start`` (its ``PDL`` flag and Triton's
+    ``launch_pdl``): programmatic dependent launch with ``MEGAMOE_TRITON_PDL=1`` on Hopper and later GPUs (and
+    when compiling for sm_90 without one: ``tools/sm90_compile.py``); none under the interpreter, on older GPUs
+    or by default. Same bits either way: every such kernel waits for the previous grid before it touches
+    memory."""
+    if not hw_cvt_default() or knobs.value("MEGAMOE_TRITON_PDL") != "1":
+        return {"PDL": False}
+    if device.type == "cuda" and _capability_major(device.index) < 9:
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: Optional[int]) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _launch_opts() -> dict:
     # No fp contraction: the reference rounds every multiply and add on its own.
     if hw_cvt_default():
@@ -59,7 +80,8 @@ _DEQUANT_MODES = (None, "natural", "split", "frag", "frag8")
 
 @triton.jit
 def _mxfp8_kernel(x_ptr, q_ptr, sf_ptr, xd_ptr, H, stride_x, stride_q, stride_sf,
-                  BLOCK_G: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr):
+                  BLOCK_G: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_g = tl.program_id(1)
     g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -130,7 +152,7 @@ def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str 
         block_g, warps = config or (_MXFP8_DQ_CONFIG if dq else _MXFP8_CONFIG)
         grid = (T, triton.cdiv(H // 32, block_g))
         _mxfp8_kernel[grid](x, q, sf, xd, H, x.stride(0), q.stride(0), sf.stride(0),
-                            BLOCK_G=block_g, HW_CVT=hw, DQ=dq, num_warps=warps, **_launch_opts())
+                            BLOCK_G=block_g, HW_CVT=hw, DQ=dq, num_warps=warps, **_launch_opts(), **pdl(x.device))
     out = (q.view(torch.float8_e4m3fn), sf, sf.view(torch.int32))
     return out + (xd,) if dq else out
 
@@ -140,7 +162,8 @@ def quantize_mxfp8(x: torch.Tensor, *, hw_cvt: bool | None = None, dequant: str 
 
 @triton.jit
 def _nvfp4_token_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_p, stride_sf,
-                        NB: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr):
+                        NB: tl.constexpr, HW_CVT: tl.constexpr, DQ: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     # one token per program, in chunks of NB blocks of 16 = [NB, 8] (even, odd) pairs:
     # pass 1 finds the token amax, pass 2 quantizes (the re-read hits L1/L2)
     t = tl.program_id(0).to(tl.int64)
@@ -305,7 +328,8 @@ def _store_frag_order(xd_row, OFF: tl.constexpr, NBP: tl.constexpr, v_e, v_o):
 @triton.jit
 def _nvfp4_row_kernel(x_ptr, p_ptr, sf_ptr, ts_ptr, xd_ptr, H, stride_x, stride_p, stride_sf,
                       P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-                      HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr):
+                      HW_CVT: tl.constexpr, DQ: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + t * stride_x
     p_row = p_ptr + t * stride_p
@@ -437,11 +461,11 @@ def quantize_nvfp4_per_token(x: torch.Tensor, *, hw_cvt: bool | None = None, deq
         nw = num_warps or (8 if dq and H >= 4096 else 4)
         _nvfp4_row_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
                                 P0=pp[0], P1=pp[1], P2=pp[2], P3=pp[3], HW_CVT=hw, DQ=dq,
-                                FAST_DIV=(3 - steps) if fd else 0, num_warps=nw, **opts)
+                                FAST_DIV=(3 - steps) if fd else 0, num_warps=nw, **opts, **pdl(x.device))
     elif T:
         nb = min(64, triton.next_power_of_2(H // 16))
         _nvfp4_token_kernel[(T,)](x, packed, sf, ts, xd, H, x.stride(0), packed.stride(0), sf.stride(0),
-                                  NB=nb, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts())
+                                  NB=nb, HW_CVT=hw, DQ=dq, num_warps=4, **_launch_opts(), **pdl(x.device))
     out = (packed, sf.view(torch.float8_e4m3fn), sf.view(torch.int32), ts)
     return out + (xd,) if dq else out
 
@@ -517,7 +541,9 @@ def _route_local_ids(ids_ptr, o, n_pairs, e_lo, E_l):
 
 
 @triton.jit
-def _route_hist_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, SLICE: tl.constexpr, E_LP: tl.constexpr):
+def _route_hist_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, SLICE: tl.constexpr, E_LP: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     # one histogram row per slice of pairs, no atomics
     p = tl.program_id(0)
     le, valid = _route_local_ids(ids_ptr, p * SLICE + tl.arange(0, SLICE), n_pairs, e_lo, E_l)
@@ -528,7 +554,8 @@ def _route_hist_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, SLICE: tl.constexp
 def _route_place_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, cur_ptr, n_slices, sorted_ptr, blk_ptr, nblk_ptr,
                         max_blocks, max_pad, BM: tl.constexpr, E_LP: tl.constexpr, SLICE: tl.constexpr,
                         H_CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr, PAD_J: tl.constexpr,
-                        TAIL: tl.constexpr):
+                        TAIL: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     # Every program reads all the histogram rows: the expert totals give the padded runs (the
     # same layout as _route_kernel), the rows before its own give where its slice's pairs of
     # each expert start. Then it places its pairs with atomics on its own counter row only
@@ -569,7 +596,9 @@ def _route_place_kernel(ids_ptr, n_pairs, e_lo, E_l, hist_ptr, cur_ptr, n_slices
 
 @triton.jit
 def _route_kernel(ids_ptr, n_pairs, e_lo, E_l, cnt_ptr, sorted_ptr, blk_ptr, nblk_ptr, max_blocks, max_pad,
-                  BM: tl.constexpr, E_LP: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr):
+                  BM: tl.constexpr, E_LP: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     # Single program. Phases are separated by CTA barriers; scratch written in
     # this kernel is read back with volatile loads (L1 is not coherent with atomics).
     e = tl.arange(0, E_LP)
@@ -648,22 +677,24 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
             n_slices = triton.cdiv(n, slice_pairs)
             scratch = torch.empty(2, n_slices, e_lp, dtype=torch.int32, device=dev)
             _route_hist_kernel[(n_slices,)](ids, n, expert_offset, num_local, scratch[0], SLICE=slice_pairs,
-                                            E_LP=e_lp, num_warps=4)
+                                            E_LP=e_lp, num_warps=4, **pdl(dev))
             _route_place_kernel[(n_slices,)](ids, n, expert_offset, num_local, scratch[0], scratch[1], n_slices,
                                              sorted_pairs, block_expert, num_blocks, mb, mb * block_m, BM=block_m,
                                              E_LP=e_lp, SLICE=slice_pairs, H_CHUNK=max(1, min(16, 4096 // e_lp)),
-                                             NB_CHUNK=nb_chunk, PAD_J=16, TAIL=1024, num_warps=8)
+                                             NB_CHUNK=nb_chunk, PAD_J=16, TAIL=1024, num_warps=8, **pdl(dev))
         else:
             cnt = torch.empty(e_lp, dtype=torch.int32, device=dev)
             _route_kernel[(1,)](ids, n, expert_offset, num_local, cnt, sorted_pairs, block_expert, num_blocks, mb,
-                                mb * block_m, BM=block_m, E_LP=e_lp, CHUNK=1024, NB_CHUNK=nb_chunk, num_warps=8)
+                                mb * block_m, BM=block_m, E_LP=e_lp, CHUNK=1024, NB_CHUNK=nb_chunk, num_warps=8,
+                                **pdl(dev))
     return RoutingPlan(sorted_pairs, block_expert, num_blocks, block_m, mb, K)
 
 
 @triton.jit
 def _split_tails_kernel(sorted_ptr, blk_ptr, nblk_ptr, max_blocks, tsorted_ptr, tblk_ptr, tnblk_ptr, max_tail,
                         BM: tl.constexpr, TBM: tl.constexpr, TMAX: tl.constexpr, CB: tl.constexpr,
-                        TCHUNK: tl.constexpr):
+                        TCHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    _jit.pdl_start(PDL)
     # Single program, CB row blocks at a time. A block is its expert's last when the next block's
     # expert differs; its pairs sit first (the padding follows them), so counting ids >= 0 gives its
     # fill. Blocks are only ever read before this program marks them, so no barrier is needed.
@@ -718,7 +749,8 @@ def split_tails(plan: RoutingPlan, num_local: int, tail_block_m: int, tail_max: 
     tnblk = torch.empty(1, dtype=torch.int32, device=dev)
     _split_tails_kernel[(1,)](plan.sorted_pairs, plan.block_expert, plan.num_blocks, plan.max_blocks,
                               tsorted, tblk, tnblk, max_tail, BM=bm, TBM=tail_block_m, TMAX=tail_max,
-                              CB=max(1, min(64, 4096 // bm)), TCHUNK=1024, num_warps=8)
+                              CB=max(1, min(64, 4096 // bm)), TCHUNK=1024, num_warps=8,
+                              **pdl(plan.sorted_pairs.device))
     return RoutingPlan(tsorted, tblk, tnblk, tail_block_m, max_tail, plan.top_k)
 
 

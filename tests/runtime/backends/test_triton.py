@@ -623,6 +623,47 @@ def test_cuda_graph_capture():
     assert torch.equal(y, be.forward(lay, x, tw, ids, shared_input=x))
 
 
+@pytest.mark.parametrize("row,shared,T", [("mxfp4", None, 8), ("nvfp4", "bf16", 8), ("mxfp8", None, 300),
+                                           ("nvfp4", None, 300), ("mxfp4", "mxfp8", 300)])
+def test_programmatic_dependent_launch_keeps_the_bits(row, shared, T, monkeypatch):
+    """The forward launched with programmatic dependent launch (``staging.pdl``, ``MEGAMOE_TRITON_PDL=1``) gives
+    the plainly launched forward's bits, eagerly and replayed from a CUDA graph on new inputs: each kernel
+    waits for the previous grid before it touches memory, so only the launches overlap. Not vacuous: on this
+    GPU the launches with the knob on do carry the attribute, and ``MEGAMOE_TRITON_PDL=0`` takes it away."""
+    staging, moe, synth = _triton()
+    from megamoe_runtime.backends.triton import TritonBackend
+
+    def bits(t):
+        return t.view(torch.int16)
+
+    monkeypatch.setenv("MEGAMOE_TRITON_PDL", "1")
+    spec, lay, (x, tw, ids), out_pdl, _ = _run_pair(row, "swiglu_clamp_ab", shared, T=T)
+    sh = x if shared else None
+    assert staging.pdl(x.device) == {"PDL": True, "launch_pdl": True}
+    be = TritonBackend()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.forward(lay, x, tw, ids, shared_input=sh)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = be.forward(lay, x, tw, ids, shared_input=sh)
+    monkeypatch.setenv("MEGAMOE_TRITON_PDL", "0")
+    assert staging.pdl(x.device) == {"PDL": False}
+    plain = be.forward(lay, x, tw, ids, shared_input=sh)
+    assert torch.equal(bits(out_pdl), bits(plain)), f"eager: calc_diff {calc_diff(out_pdl, plain):.2e}"
+    x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
+    tw2, ids2 = synth.random_routing(T, spec.num_experts, spec.top_k, "cuda", seed=99)
+    tw.copy_(tw2)
+    ids.copy_(ids2)
+    g.replay()
+    torch.cuda.synchronize()
+    plain = be.forward(lay, x, tw, ids, shared_input=sh)
+    assert not torch.equal(bits(plain), bits(out_pdl)), "the new inputs must change the output"
+    assert torch.equal(bits(y), bits(plain)), f"graph: calc_diff {calc_diff(y, plain):.2e}"
+
+
 def test_auto_selects_triton_without_deepgemm():
     _triton()
     from megamoe_runtime.backends import get_backend

@@ -50,7 +50,7 @@ def _weights(kind: int, E: int = 2, N: int = 256, K: int = 256):
 
 
 def _launch_options(kwargs: dict) -> set:
-    return {"num_warps", "num_stages", "enable_fp_fusion", "maxnreg"} & set(kwargs)
+    return {"num_warps", "num_stages", "enable_fp_fusion", "maxnreg", "launch_pdl"} & set(kwargs)
 
 
 @pytest.mark.parametrize("kind", [configs.W_E2M1_MX, configs.W_E2M1_NV, configs.W_E4M3_MX, configs.W_BF16])
@@ -79,8 +79,34 @@ def test_l1_l2_launches_set_every_kernel_parameter_by_name(kind, shared, monkeyp
             sorted(set(kwargs) ^ set(rec.arg_names))
         assert grid[1] == (1 if shared else 3)
         assert kwargs["SHARED"] is shared and kwargs["W_KIND"] == kind and kwargs["FRAG"] is frag
+        # a programmatic dependent launch only with the kernel's wait for the previous grid (_jit.pdl_start)
+        assert kwargs.get("launch_pdl", False) == kwargs.get("PDL", False)
     assert rec1.calls[0][2]["GU"] is False  # only routed frag launches take the one-dot L1, and only when asked
     assert rec2.calls[0][2]["NSLOT"] == 3
+
+
+def test_programmatic_dependent_launch_rule(monkeypatch):
+    """``staging.pdl``: with MEGAMOE_TRITON_PDL=1, the kernel's wait and Triton's launch attribute together, for
+    an sm_90 compile (a CPU device while recording, tools/sm90_compile.py) and Hopper GPUs; neither by default,
+    under the interpreter (its inline-PTX wait cannot run there), on an older GPU (no griddepcontrol) or with
+    MEGAMOE_TRITON_PDL=0."""
+    from megamoe_runtime.backends.triton import staging
+
+    both, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MEGAMOE_TRITON_PDL", raising=False)
+    assert staging.pdl(torch.device("cpu")) == off  # unless asked for
+    monkeypatch.setenv("MEGAMOE_TRITON_PDL", "1")
+    assert staging.pdl(torch.device("cpu")) == both
+    monkeypatch.setattr(staging, "_capability_major", lambda index: 9)
+    assert staging.pdl(torch.device("cuda", 0)) == both
+    monkeypatch.setattr(staging, "_capability_major", lambda index: 8)  # Ada: no griddepcontrol
+    assert staging.pdl(torch.device("cuda", 0)) == off
+    monkeypatch.setenv("MEGAMOE_TRITON_PDL", "0")
+    assert staging.pdl(torch.device("cpu")) == off
+    monkeypatch.setenv("MEGAMOE_TRITON_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert staging.pdl(torch.device("cpu")) == off
 
 
 @pytest.mark.parametrize("block_m, req, I, expect", [
