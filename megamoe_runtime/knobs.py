@@ -104,7 +104,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("MEGAMOE_TRITON_WTILE", "triton", int, None,
          "rows per tile of the weight arrangement a layer derives for the triton backend after a load; `0` "
          "keeps the converted layout", default_doc="`16`"),
-    Knob("MEGAMOE_TRITON_PDL", "triton", str, "0",
+    Knob("MEGAMOE_TRITON_PDL", "triton", str, "1",
          "`1` launches the triton backend's forward kernels with programmatic dependent launch on Hopper and "
          "later GPUs (each waits for the previous kernel before touching memory: the same bits; docs/KERNELS.md "
          "\"Programmatic dependent launch\"), `0` launches them plainly", choices=("0", "1")),

@@ -626,7 +626,7 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize("row,shared,T", [("mxfp4", None, 8), ("nvfp4", "bf16", 8), ("mxfp8", None, 300),
                                            ("nvfp4", None, 300), ("mxfp4", "mxfp8", 300)])
 def test_programmatic_dependent_launch_keeps_the_bits(row, shared, T, monkeypatch):
-    """The forward launched with programmatic dependent launch (``staging.pdl``, ``MEGAMOE_TRITON_PDL=1``) gives
+    """The forward launched with programmatic dependent launch (``staging.pdl``, the default on Hopper) gives
     the plainly launched forward's bits, eagerly and replayed from a CUDA graph on new inputs: each kernel
     waits for the previous grid before it touches memory, so only the launches overlap. Not vacuous: on this
     GPU the launches with the knob on do carry the attribute, and ``MEGAMOE_TRITON_PDL=0`` takes it away."""

@@ -86,16 +86,16 @@ def test_l1_l2_launches_set_every_kernel_parameter_by_name(kind, shared, monkeyp
 
 
 def test_programmatic_dependent_launch_rule(monkeypatch):
-    """``staging.pdl``: with MEGAMOE_TRITON_PDL=1, the kernel's wait and Triton's launch attribute together, for
-    an sm_90 compile (a CPU device while recording, tools/sm90_compile.py) and Hopper GPUs; neither by default,
-    under the interpreter (its inline-PTX wait cannot run there), on an older GPU (no griddepcontrol) or with
+    """``staging.pdl``: the kernel's wait and Triton's launch attribute together, by default, for an sm_90
+    compile (a CPU device while recording, tools/sm90_compile.py) and Hopper GPUs; neither under the
+    interpreter (its inline-PTX wait cannot run there), on an older GPU (no griddepcontrol) or with
     MEGAMOE_TRITON_PDL=0."""
     from megamoe_runtime.backends.triton import staging
 
     both, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MEGAMOE_TRITON_PDL", raising=False)
-    assert staging.pdl(torch.device("cpu")) == off  # unless asked for
+    assert staging.pdl(torch.device("cpu")) == both  # the default
     monkeypatch.setenv("MEGAMOE_TRITON_PDL", "1")
     assert staging.pdl(torch.device("cpu")) == both
     monkeypatch.setattr(staging, "_capability_major", lambda index: 9)
