@@ -599,6 +599,19 @@ def test_zero_tokens_and_fully_masked():
         assert y.shape == (0, spec.hidden)
 
 
+def _captured(be, lay, x, tw, ids, shared_input):
+    """(graph, output) of ``be.forward`` captured in a CUDA graph after one warm-up call on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.forward(lay, x, tw, ids, shared_input=shared_input)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = be.forward(lay, x, tw, ids, shared_input=shared_input)
+    return g, y
+
+
 def test_cuda_graph_capture():
     """No host sync in staging + forward: it captures, and replays equal eager on new inputs."""
     _, moe, synth = _triton()
@@ -606,14 +619,7 @@ def test_cuda_graph_capture():
 
     spec, lay, (x, tw, ids), out, ref = _run_pair("nvfp4", "swiglu_clamp_ab", "bf16", T=8)
     be = TritonBackend()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.forward(lay, x, tw, ids, shared_input=x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = be.forward(lay, x, tw, ids, shared_input=x)
+    g, y = _captured(be, lay, x, tw, ids, x)
     x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
     tw2, ids2 = synth.random_routing(8, spec.num_experts, spec.top_k, "cuda", seed=99)
     tw.copy_(tw2)
@@ -641,14 +647,7 @@ def test_programmatic_dependent_launch_keeps_the_bits(row, shared, T, monkeypatc
     sh = x if shared else None
     assert staging.pdl(x.device) == {"PDL": True, "launch_pdl": True}
     be = TritonBackend()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.forward(lay, x, tw, ids, shared_input=sh)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = be.forward(lay, x, tw, ids, shared_input=sh)
+    g, y = _captured(be, lay, x, tw, ids, sh)
     monkeypatch.setenv("MEGAMOE_TRITON_PDL", "0")
     assert staging.pdl(x.device) == {"PDL": False}
     plain = be.forward(lay, x, tw, ids, shared_input=sh)
