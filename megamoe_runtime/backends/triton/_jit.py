@@ -25,6 +25,7 @@ from megamoe_runtime.format import weight_tiles
 from . import decode_asm
 
 _E4M3_MAX = tl.constexpr(448.0)
+E4M3_MIN_SUB = tl.constexpr(0.001953125)  # 2^-9
 
 
 @triton.jit
@@ -55,7 +56,6 @@ def pdl_start(PDL: tl.constexpr):
     successors launch while they run."""
     pdl_wait(PDL)
     pdl_release(PDL)
-E4M3_MIN_SUB = tl.constexpr(0.001953125)  # 2^-9
 
 
 @triton.jit

@@ -14,11 +14,11 @@ import triton.language as tl
 from . import _jit
 from .configs import REQ_NV4, KernelConfig, k_unroll, resolve_l1_gu
 from .launch import L1Epilogue, Rows, WeightOperand, opts
-from .staging import pdl
 from .operands import (
     FOLD_SCAN_CONSTEXPR, NV_REDO_SCALE, act_rows, block_expert, block_rows, fold_flag, fold_redo, k_loop, mm_block,
     utccp, x_tiles,
 )
+from .staging import pdl
 
 
 @triton.jit

@@ -17,8 +17,8 @@ import triton.language as tl
 from . import _jit
 from .configs import KernelConfig, k_unroll
 from .launch import L2Epilogue, Rows, WeightOperand, opts
-from .staging import pdl
 from .operands import block_expert, block_rows, fold_flag, k_loop, slot_rows, utccp
+from .staging import pdl
 
 
 # --------------------------------------------------------------------------- L2

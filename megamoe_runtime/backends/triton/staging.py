@@ -49,11 +49,11 @@ def hw_cvt_default() -> bool:
 
 
 def pdl(device: torch.device) -> dict:
-    """Launch arguments of a kernel that starts with ``_jit.pdl_start`` (its ``PDL`` flag and Triton's
-    ``launch_pdl``): programmatic dependent launch on Hopper and later GPUs (and when compiling for sm_90
-    without one: ``tools/sm90_compile.py``); none under the interpreter, on older GPUs or with
-    ``MEGAMOE_TRITON_PDL=0``. Same bits either way: every such kernel waits for the previous grid before it
-    touches memory."""
+    """Launch arguments of a kernel that starts with ``_jit.pdl_wait``: its ``PDL`` flag and, where set, Triton's
+    ``launch_pdl``, so that no kernel carries the attribute without the wait. Programmatic dependent launch on
+    Hopper and later GPUs (and when compiling for sm_90 without one: ``tools/sm90_compile.py``); ``PDL``
+    False under the interpreter, on older GPUs and with ``MEGAMOE_TRITON_PDL=0``. Same bits either way:
+    every such kernel waits for the previous grid before it touches memory."""
     if not hw_cvt_default() or knobs.value("MEGAMOE_TRITON_PDL") != "1":
         return {"PDL": False}
     if device.type == "cuda" and _capability_major(device.index) < 9:
